@@ -1,0 +1,230 @@
+"""Hugging Face -> starshard tensor names, and how each tensor splits over tensor-parallel ranks.
+
+Llama, Mistral and Qwen2 share one HF naming scheme; Qwen2 adds q/k/v biases. Our fused tensors:
+`wqkv` = [q heads; k heads; v heads] of this TP rank, `w13` = [gate rows; up rows] of this rank.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from starshard.config import ModelConfig
+
+
+class TensorSource(Protocol):
+    def get(self, name: str) -> torch.Tensor: ...
+    def has(self, name: str) -> bool: ...
+
+
+class SafetensorsSource:
+    """Lazily reads tensors from a HF model dir (one or many *.safetensors files, memory-mapped)."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            bins = sorted(model_dir.glob("*.bin"))
+            hint = " (found PyTorch .bin files: re-save the model with safetensors)" if bins else ""
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}{hint}")
+        self._where: dict[str, object] = {}
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            for key in handle.keys():
+                self._where[key] = handle
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} missing from the checkpoint")
+        return self._where[name].get_tensor(name)
+
+
+class StateDictSource:
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self.sd = state_dict
+
+    def has(self, name: str) -> bool:
+        return name in self.sd
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            raise KeyError(f"tensor {name!r} missing from the checkpoint")
+        return self.sd[name]
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Which heads / rows one tensor-parallel rank holds."""
+
+    cfg: ModelConfig
+    tp: int
+    rank: int
+
+    def __post_init__(self):
+        check_tp(self.cfg, self.tp)
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.cfg.num_kv_heads // self.tp)
+
+    @property
+    def kv_head_start(self) -> int:
+        # With fewer KV heads than ranks, each KV head is replicated on tp / Hkv neighbouring ranks.
+        if self.cfg.num_kv_heads >= self.tp:
+            return self.rank * self.kv_heads
+        return self.rank // (self.tp // self.cfg.num_kv_heads)
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.cfg.vocab_size // self.tp) * self.tp
+
+    @property
+    def vocab_slice(self) -> slice:
+        n = self.padded_vocab // self.tp
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def ffn_slice(self) -> slice:
+        n = self.cfg.intermediate_size // self.tp
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+
+def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    out = []
+    for t in range(1, limit + 1):
+        kv_ok = cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0
+        if cfg.num_heads % t == 0 and kv_ok and cfg.intermediate_size % t == 0:
+            out.append(t)
+    return out
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    if tp < 1 or tp not in valid_tp_sizes(cfg, max(tp, 1)):
+        raise ValueError(
+            f"tp={tp} does not divide this model ({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
+            f"intermediate {cfg.intermediate_size}); valid tp sizes: {valid_tp_sizes(cfg)}"
+        )
+
+
+def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
+    return t[s]
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+@dataclass
+class TensorSpec:
+    name: str  # starshard name
+    shape: tuple[int, ...]
+    build: Callable[[], torch.Tensor]  # reads the source and returns this rank's slice
+
+
+def plan_shard(
+    cfg: ModelConfig, src: TensorSource, layout: TPLayout, layers: list[int], first: bool, last: bool
+) -> list[TensorSpec]:
+    """Every tensor one (tp rank, pipeline stage) holds, in write order, built lazily from `src`."""
+    d, H = cfg.head_dim, cfg.hidden_size
+    lo = layout
+    q_rows = slice(lo.rank * lo.heads * d, (lo.rank + 1) * lo.heads * d)
+    kv_rows = slice(lo.kv_head_start * d, (lo.kv_head_start + lo.kv_heads) * d)
+    specs: list[TensorSpec] = []
+
+    def add(name, shape, build):
+        specs.append(TensorSpec(name, tuple(shape), build))
+
+    def vocab_part(hf_name):
+        return lambda: _pad_rows(src.get(hf_name), lo.padded_vocab)[lo.vocab_slice]
+
+    vocab_rows = lo.padded_vocab // lo.tp
+    if first:
+        add("tok_embeddings.weight", (vocab_rows, H), vocab_part("model.embed_tokens.weight"))
+    qkv_rows = (lo.heads + 2 * lo.kv_heads) * d
+    ffn = cfg.intermediate_size // lo.tp
+    for i in layers:
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+
+        def qkv(kind, p=p):
+            return lambda: torch.cat(
+                [
+                    _rows(src.get(f"{p}self_attn.q_proj.{kind}"), q_rows),
+                    _rows(src.get(f"{p}self_attn.k_proj.{kind}"), kv_rows),
+                    _rows(src.get(f"{p}self_attn.v_proj.{kind}"), kv_rows),
+                ]
+            )
+
+        add(o + "attention_norm.weight", (H,), lambda p=p: src.get(p + "input_layernorm.weight"))
+        add(o + "attention.wqkv.weight", (qkv_rows, H), qkv("weight"))
+        if cfg.qkv_bias:
+            add(o + "attention.wqkv.bias", (qkv_rows,), qkv("bias"))
+        add(o + "attention.wo.weight", (H, lo.heads * d), lambda p=p: src.get(p + "self_attn.o_proj.weight")[:, q_rows])
+        add(o + "ffn_norm.weight", (H,), lambda p=p: src.get(p + "post_attention_layernorm.weight"))
+        add(
+            o + "feed_forward.w13.weight",
+            (2 * ffn, H),
+            lambda p=p: torch.cat(
+                [src.get(p + "mlp.gate_proj.weight")[lo.ffn_slice], src.get(p + "mlp.up_proj.weight")[lo.ffn_slice]]
+            ),
+        )
+        add(o + "feed_forward.w2.weight", (H, ffn), lambda p=p: src.get(p + "mlp.down_proj.weight")[:, lo.ffn_slice])
+    if last:
+        add("norm.weight", (H,), lambda: src.get("model.norm.weight"))
+        # Tied models share the embedding; a last stage without the embedding stores its own copy.
+        tied_here = cfg.tie_word_embeddings and first
+        if not tied_here:
+            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings or not src.has("lm_head.weight") else "lm_head.weight"
+            add("output.weight", (vocab_rows, H), vocab_part(head))
+    return specs
+
+
+def merge_tp_shards(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Inverse of the TP split: full (tp=1) tensors from the shards of every TP rank, in rank order."""
+    tp = len(shards)
+    lays = [TPLayout(cfg, tp, r) for r in range(tp)]
+    d = cfg.head_dim
+    merged: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        parts = [s[name] for s in shards]
+        if name.endswith(("norm.weight",)):
+            merged[name] = parts[0]
+        elif name in ("tok_embeddings.weight", "output.weight"):
+            merged[name] = torch.cat(parts)[: cfg.vocab_size]
+        elif "wqkv" in name:
+            qs, ks, vs, seen = [], [], [], set()
+            for lo, t in zip(lays, parts):
+                q, k, v = t.split([lo.heads * d, lo.kv_heads * d, lo.kv_heads * d])
+                qs.append(q)
+                if lo.kv_head_start not in seen:  # replicated KV heads appear once
+                    seen.add(lo.kv_head_start)
+                    ks.append(k)
+                    vs.append(v)
+            merged[name] = torch.cat(qs + ks + vs)
+        elif name.endswith("wo.weight") or name.endswith("w2.weight"):
+            merged[name] = torch.cat(parts, dim=1)
+        elif name.endswith("w13.weight"):
+            gates, ups = zip(*(t.chunk(2) for t in parts))
+            merged[name] = torch.cat(list(gates) + list(ups))
+        else:
+            raise KeyError(f"don't know how tensor {name!r} is split over tensor-parallel ranks")
+    return merged
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+    return json.loads(path.read_text())

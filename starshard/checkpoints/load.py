@@ -1,0 +1,131 @@
+"""Load weights: a starshard checkpoint (this rank's shard, or all shards merged for one process),
+a Hugging Face model dir, or a GGUF file. Errors name the missing or broken piece and the fix."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from starshard.checkpoints.convert import DTYPES, MANIFEST, _gguf_to_hf, tensor_bytes
+from starshard.checkpoints.hf import (
+    SafetensorsSource,
+    StateDictSource,
+    TPLayout,
+    merge_tp_shards,
+    plan_shard,
+    read_hf_config,
+)
+from starshard.config import ModelConfig
+from starshard.engine.model import Transformer, rope_inv_freq
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def read_manifest(ckpt: Path) -> dict:
+    path = Path(ckpt) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"{ckpt} is not a starshard checkpoint (no {MANIFEST}); create one with "
+            "`python -m starshard.checkpoints.convert --hf DIR --out {ckpt}` or pass a HF dir / .gguf file"
+        )
+    m = json.loads(path.read_text())
+    if m.get("format") != "starshard":
+        raise CheckpointError(f"{path} is not a starshard manifest")
+    return m
+
+
+def load_shard(ckpt: Path, manifest: dict, tp_rank: int, pp_rank: int, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Tensors of one (tp rank, pipeline stage), checked against the manifest's checksums."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    key = f"tp{tp_rank}-pp{pp_rank}"
+    entry = manifest["shards"].get(key)
+    if entry is None:
+        raise CheckpointError(f"manifest of {ckpt} lists no shard {key} (layout tp={manifest['tp']} pp={manifest['pp']})")
+    path = Path(ckpt) / entry["file"]
+    if not path.is_file():
+        raise CheckpointError(f"missing shard file {path} (tp rank {tp_rank}, pp stage {pp_rank}); re-run the converter")
+    try:
+        sd = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"corrupted shard {path}: {e}; re-run the converter") from e
+    expected = entry["tensors"]
+    if set(sd) != set(expected):
+        missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+        raise CheckpointError(f"corrupted shard {path}: missing tensors {missing[:5]}, unexpected {extra[:5]}")
+    if verify:
+        for name, digest in expected.items():
+            if hashlib.sha256(tensor_bytes(sd[name])).hexdigest() != digest:
+                raise CheckpointError(f"corrupted shard {path}: checksum mismatch in tensor {name!r}; re-run the converter")
+    return sd
+
+
+def check_layout(manifest: dict, ckpt: Path, tp: int, pp: int) -> None:
+    if (manifest["tp"], manifest["pp"]) != (tp, pp):
+        raise CheckpointError(
+            f"checkpoint {ckpt} was converted for tp={manifest['tp']} pp={manifest['pp']}, but this run uses "
+            f"tp={tp} pp={pp}; convert again with `--tp {tp} --pp {pp}` (or run with the checkpoint's layout)"
+        )
+
+
+def _full_state_from_checkpoint(ckpt: Path, manifest: dict, verify: bool) -> dict[str, torch.Tensor]:
+    """All shards of any layout merged into tp=1, pp=1 tensors (for one process)."""
+    cfg = ModelConfig.from_dict(manifest["model_config"])
+    full: dict[str, torch.Tensor] = {}
+    for p in range(manifest["pp"]):
+        parts = [load_shard(ckpt, manifest, t, p, verify) for t in range(manifest["tp"])]
+        full.update(merge_tp_shards(cfg, parts) if len(parts) > 1 else parts[0])
+    if cfg.tie_word_embeddings:
+        full.pop("output.weight", None)
+    return full
+
+
+def _full_state_from_source(cfg: ModelConfig, src) -> dict[str, torch.Tensor]:
+    specs = plan_shard(cfg, src, TPLayout(cfg, 1, 0), list(range(cfg.num_layers)), True, True)
+    return {s.name: s.build() for s in specs}
+
+
+def read_weights(path: str | Path, verify: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, full single-process state dict) from any supported source."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not .gguf; pass a .gguf file, a HF model dir or a starshard checkpoint dir")
+        hf_cfg, sd, _ = _gguf_to_hf(path)
+        cfg = ModelConfig.from_hf(hf_cfg)
+        return cfg, _full_state_from_source(cfg, StateDictSource(sd))
+    if (path / MANIFEST).is_file():
+        manifest = read_manifest(path)
+        return ModelConfig.from_dict(manifest["model_config"]), _full_state_from_checkpoint(path, manifest, verify)
+    cfg = ModelConfig.from_hf(read_hf_config(path))
+    return cfg, _full_state_from_source(cfg, SafetensorsSource(path))
+
+
+def materialize(model: Transformer, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
+    """Fill a meta-device model with `state` (cast to dtype, moved to device) without a second copy."""
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = {"output.weight"} if model.config.tie_word_embeddings and model.tok_embeddings is not None else set()
+    if set(missing) - tied or unexpected:
+        raise CheckpointError(f"weights do not fit the model: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+    if tied and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+    model.inv_freq = rope_inv_freq(model.config).to(device)  # buffers made on meta hold no data
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True) -> Transformer:
+    """A single-process model from a starshard checkpoint dir, a HF model dir, or a .gguf file."""
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    cfg, state = read_weights(path, verify=verify)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return materialize(model, state, dtype, device)

@@ -1,0 +1,200 @@
+"""LLM: tokenizer + model + KV cache; prefill(context, query) then a decode loop with sampling."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from starshard.config import SamplingConfig
+from starshard.engine.kv_cache import KVCache
+from starshard.engine.sampling import sample
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass
+class Prompt:
+    """Token ids of one request; ids[:context_len] is the context, the rest is the query."""
+
+    ids: list[int]
+    context_len: int
+
+
+@dataclass
+class Output:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "eos" | "length"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer, or None if the checkpoint has none (then prompts must be token ids)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    try:
+        if path.is_file():  # .gguf
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def build_prompt(tokenizer, *, prompt=None, context=None, question=None, raw=False) -> Prompt:
+    """Token ids for a plain prompt or a context + question pair, chat template applied unless raw.
+
+    The context/query split is found in the rendered text and the two sides are tokenized
+    separately, so the split is exact and every strategy sees the same ids.
+    """
+    if prompt is not None and (context is not None or question is not None):
+        raise ValueError("give either prompt or context + question, not both")
+    if prompt is None and context is None:
+        raise ValueError("give a prompt, or a context and a question")
+    if isinstance(prompt, (list, tuple)):  # token ids pass through untouched
+        return Prompt(list(prompt), len(prompt))
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer files: pass token ids instead of text")
+    context_text = prompt if prompt is not None else context
+    query_text = "" if prompt is not None else ("\n\n" + question if question else "")
+    content = context_text + query_text
+    use_template = not raw and getattr(tokenizer, "chat_template", None)
+    text = (
+        tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        if use_template
+        else content
+    )
+    split = text.find(content) + len(context_text)
+    head = tokenizer.encode(text[:split], add_special_tokens=not use_template)
+    tail = tokenizer.encode(text[split:], add_special_tokens=False) if split < len(text) else []
+    return Prompt(head + tail, len(head))
+
+
+class LocalRunner:
+    """Runs a whole model in this process. Parallel runners (starshard.parallel) offer the same two
+    methods, so the generation loop below is written once for every layout."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_cache(self, capacity: int) -> KVCache:
+        m = self.model
+        return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, capacity,
+                       m.layers[0].attention.wo.weight.dtype, m.layers[0].attention.wo.weight.device)
+
+    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
+        """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""
+        chunk = chunk or ids.shape[1]
+        for s in range(0, ids.shape[1], chunk):
+            logits = self.model(ids[:, s : s + chunk], cache=cache, last_only=True)
+        return sample(logits[:, -1], sampling, gen)
+
+
+class LLM:
+    """One model on one device (parallel layouts arrive through `starshard.parallel`).
+
+    path: starshard checkpoint dir, Hugging Face model dir, .gguf file, or None for the embedded
+    default (SmolLM2-135M-Instruct, converted once to the cache dir).
+    """
+
+    def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu", progress=True):
+        from starshard.checkpoints.default import default_checkpoint
+        from starshard.checkpoints.load import load_model
+
+        self.path = Path(path) if path is not None else default_checkpoint(progress=progress)
+        self.device = torch.device(device)
+        self.runner = LocalRunner(load_model(self.path, dtype=dtype, device=self.device))
+        self.config = self.runner.model.config
+        self.tokenizer = load_tokenizer(self.path)
+        eos = set(self.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    def encode(self, prompt=None, *, context=None, question=None, raw=False) -> Prompt:
+        return build_prompt(self.tokenizer, prompt=prompt, context=context, question=question, raw=raw)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        window = self.config.max_position_embeddings
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + max_new_tokens > window:
+            raise PromptTooLongError(
+                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the model window of "
+                f"{window} tokens; shorten the prompt to at most {window - max_new_tokens} tokens or lower max_new_tokens"
+            )
+        sw = self.config.sliding_window
+        if sw is not None and prompt_len + max_new_tokens > sw:
+            raise PromptTooLongError(
+                f"sequence of {prompt_len + max_new_tokens} tokens exceeds the model's sliding window of {sw}; "
+                "sliding-window attention is not supported, keep prompt + new tokens within the window"
+            )
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        context: str | None = None,
+        question: str | None = None,
+        raw: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        prefill_chunk: int | None = None,
+    ) -> Output:
+        sampling = SamplingConfig(temperature, top_p, top_k, seed)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        p = self.encode(prompt, context=context, question=question, raw=raw)
+        self.check_length(len(p.ids), max_new_tokens)
+        ids = torch.tensor([p.ids], device=self.device)
+        cache = self.runner.new_cache(len(p.ids) + max_new_tokens)
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        t0 = time.perf_counter()
+        tok = self.runner.next_token(ids, cache, sampling, gen, prefill_chunk)
+        self._sync()
+        t1 = time.perf_counter()
+        out: list[int] = []
+        finish = "length"
+        while len(out) < max_new_tokens:
+            t = int(tok)
+            out.append(t)
+            if t in self.eos_ids:
+                finish = "eos"
+                break
+            if len(out) == max_new_tokens:
+                break
+            tok = self.runner.next_token(tok.view(1, 1), cache, sampling, gen)
+        self._sync()
+        t2 = time.perf_counter()
+        decode_steps = max(len(out) - 1, 0)  # the first token comes from the prefill
+        kept = [t for t in out if t not in self.eos_ids]
+        text = self.tokenizer.decode(kept, skip_special_tokens=True) if self.tokenizer is not None else ""
+        metrics = {
+            "prompt_tokens": len(p.ids),
+            "context_tokens": p.context_len,
+            "generated_tokens": len(out),
+            "prefill_seconds": t1 - t0,
+            "decode_seconds": t2 - t1,
+            "decode_tokens_per_second": decode_steps / (t2 - t1) if t2 > t1 and decode_steps else 0.0,
+        }
+        return Output(text, out, len(p.ids), finish, metrics)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,3 @@
+from starshard.kernels.attention import attention
+
+__all__ = ["attention"]
