@@ -87,6 +87,11 @@ class LocalRunner:
         return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, capacity,
                        m.layers[0].attention.wo.weight.dtype, m.layers[0].attention.wo.weight.device)
 
+    def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
+        """Run the whole prompt -> first new token."""
+        ids = torch.tensor([prompt.ids], device=cache.device)
+        return self.next_token(ids, cache, sampling, gen, chunk)
+
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""
         chunk = chunk or ids.shape[1]
@@ -159,14 +164,13 @@ class LLM:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         p = self.encode(prompt, context=context, question=question, raw=raw)
         self.check_length(len(p.ids), max_new_tokens)
-        ids = torch.tensor([p.ids], device=self.device)
         cache = self.runner.new_cache(len(p.ids) + max_new_tokens)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
 
         t0 = time.perf_counter()
-        tok = self.runner.next_token(ids, cache, sampling, gen, prefill_chunk)
+        tok = self.runner.prefill(p, cache, sampling, gen, prefill_chunk)
         self._sync()
         t1 = time.perf_counter()
         out: list[int] = []

@@ -53,6 +53,7 @@ class KVCache:
 
     def __init__(self, layer_ids, batch, n_kv_heads, head_dim, capacity, dtype, device):
         self.layers = {i: LayerKV(batch, n_kv_heads, head_dim, capacity, dtype, device) for i in layer_ids}
+        self.device = torch.device(device)
         self.next_position = 0  # position the next token of the sequence takes
 
     def layer(self, i: int) -> LayerKV:

@@ -1,0 +1,92 @@
+"""The interface every context strategy implements, and the sharded-KV decode they all share.
+
+A strategy tells each CP rank which prompt tokens it runs in prefill (`segments`), how its attention
+layers behave during prefill (`prefill_attend`), and whether the query part of the prompt runs
+afterwards as a distributed "decode" phase (Star, APB) or inside the prefill (exact strategies).
+Decode is the same for all: every CP rank runs the new token against its own KV shard, partial
+results merge by log-sum-exp over the CP group, and only the query rank stores the new KV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from starshard.engine.kv_cache import LayerKV
+from starshard.kernels.attention import attention
+
+
+@dataclass
+class Segment:
+    """One prefill forward pass on this rank.
+
+    index: positions in the prompt of the tokens run, in run order (padding rows repeat a real
+           token and are never cached or seen: their positions lie past the prompt).
+    positions: global RoPE / mask position of each row.
+    cache_rows: which rows' KV this rank keeps (None = all).
+    """
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    cache_rows: torch.Tensor | None = None
+
+    def to(self, device) -> "Segment":
+        rows = None if self.cache_rows is None else self.cache_rows.to(device)
+        return Segment(self.index.to(device), self.positions.to(device), rows)
+
+
+def cache_append(cache: LayerKV | None, k, v, pos, rows: torch.Tensor | None) -> None:
+    if cache is None:
+        return
+    if rows is not None:
+        k, v, pos = k[:, :, rows], v[:, :, rows], pos[rows]
+    cache.append(k, v, pos)
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class ContextStrategy:
+    """Base: holds the CP group; subclasses define segments and prefill attention."""
+
+    name = "base"
+    query_phase = False  # True: the query tokens run after the prefill, like decode steps
+
+    def __init__(self, group=None, query_rank: int | None = None):
+        self.group = group
+        self.cp = group_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.query_rank = self.cp - 1 if query_rank is None else query_rank
+        if not 0 <= self.query_rank < self.cp:
+            raise ValueError(f"query rank {self.query_rank} is outside the CP group of size {self.cp}")
+
+    @property
+    def is_query_rank(self) -> bool:
+        return self.rank == self.query_rank
+
+    def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
+        raise NotImplementedError
+
+    def prefill_attend(self, segment: Segment):
+        raise NotImplementedError
+
+    def last_token_rank(self, prompt_len: int, context_len: int) -> int:
+        """CP rank whose prefill output holds the prompt's final token (its row is last there)."""
+        return self.query_rank
+
+    def decode_attend(self, q, k, v, pos, cache: LayerKV | None):
+        """Sharded-KV attention for new tokens: local partial + lse merge over the CP group."""
+        if cache is None:
+            raise ValueError("decode needs a KV cache")
+        if self.is_query_rank:
+            k_all, v_all, k_pos = cache.append(k, v, pos)
+        else:
+            k_all, v_all, k_pos = cache.view()
+        out, lse = attention(q, k_all, v_all, q_pos=pos, k_pos=k_pos, causal=True)
+        if self.cp > 1:
+            from starshard.parallel.context.group_merge import merge_over_group
+
+            out, lse = merge_over_group(out, lse, self.group)
+        return out

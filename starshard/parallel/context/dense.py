@@ -1,0 +1,23 @@
+"""Dense: the whole prompt on one rank; the reference every other strategy is tested against."""
+from __future__ import annotations
+
+import torch
+
+from starshard.engine.model import dense_attend
+from starshard.parallel.context.base import ContextStrategy, Segment
+
+
+class DenseContext(ContextStrategy):
+    name = "dense"
+
+    def __init__(self, group=None, query_rank=None):
+        super().__init__(group, query_rank)
+        if self.cp != 1:
+            raise ValueError(f"--cp-strategy dense runs on one CP rank, got cp={self.cp}; pick ring, ulysses, usp, star or apb")
+
+    def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
+        index = torch.arange(prompt_len)
+        return [Segment(index, index.clone())]
+
+    def prefill_attend(self, segment: Segment):
+        return dense_attend

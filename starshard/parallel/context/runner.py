@@ -1,0 +1,65 @@
+"""Runs a model's prefill and decode under a context strategy, on every rank of a CP group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from starshard.config import SamplingConfig
+from starshard.engine.generate import LocalRunner, Prompt
+from starshard.engine.kv_cache import KVCache
+from starshard.engine.sampling import sample
+from starshard.parallel.context.base import ContextStrategy
+
+
+class ContextParallelRunner(LocalRunner):
+    def __init__(self, model, strategy: ContextStrategy):
+        super().__init__(model)
+        self.strategy = strategy
+
+    def _set_attend(self, fn) -> None:
+        for layer in self.model.layers:
+            layer.attention.attend = fn
+
+    def _broadcast_token(self, tok: torch.Tensor, src_cp_rank: int) -> torch.Tensor:
+        s = self.strategy
+        if s.cp == 1:
+            return tok
+        tok = tok.contiguous()
+        dist.broadcast(tok, src=dist.get_global_rank(s.group, src_cp_rank), group=s.group)
+        return tok
+
+    def prefill_logits(self, ids: torch.Tensor, context_len: int, cache: KVCache):
+        """Run prompt ids [L] sharded over the CP group -> (last-token logits or None, owner CP rank).
+
+        Only the owner's logits are meaningful; for query-phase strategies every rank holds them.
+        """
+        s, m = self.strategy, self.model
+        L = ids.shape[0]
+        logits = None
+        for seg in s.segments(L, context_len if s.query_phase else L):
+            seg = seg.to(ids.device)
+            self._set_attend(s.prefill_attend(seg))
+            logits = m(ids[seg.index][None], positions=seg.positions, cache=cache, last_only=True)
+        self._set_attend(s.decode_attend)
+        owner = s.last_token_rank(L, context_len)
+        if s.query_phase:
+            logits = m(ids[None, context_len:], positions=torch.arange(context_len, L, device=ids.device),
+                       cache=cache, last_only=True)
+            owner = s.query_rank
+        cache.next_position = L  # padding rows may carry positions past the prompt
+        return logits, owner
+
+    def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
+        """Run the prompt sharded over the CP group; returns the first new token on every rank."""
+        ids = torch.tensor(prompt.ids, device=cache.device)
+        # Approximate strategies need >= 1 query token after the context: borrow the last token.
+        context_len = min(prompt.context_len, len(prompt.ids) - 1)
+        logits, owner = self.prefill_logits(ids, context_len, cache)
+        tok = sample(logits[:, -1], sampling, gen) if self.strategy.rank == owner else torch.zeros(1, dtype=torch.long, device=ids.device)
+        return self._broadcast_token(tok, owner)
+
+    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
+        logits = self.model(ids, cache=cache, last_only=True)
+        s = self.strategy
+        tok = sample(logits[:, -1], sampling, gen) if s.is_query_rank else torch.zeros(1, dtype=torch.long, device=ids.device)
+        return self._broadcast_token(tok, s.query_rank)

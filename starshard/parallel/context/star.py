@@ -1,0 +1,68 @@
+"""Star Attention (Acharya et al., 2024): anchor-block context encoding, then a distributed-softmax
+query phase.
+
+Phase 1 (no communication): the context is cut into blocks; each block but the first runs behind the
+anchor (the first `anchor_size` context tokens, original positions) with plain causal attention over
+[anchor; block], and only the block's KV is kept. Phase 2: the query tokens, then every generated
+token, attend each rank's local KV; partials merge by lse over the CP group (ContextStrategy.decode_attend).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from starshard.kernels.attention import attention
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+
+
+def star_blocks(context_len: int, block_size: int, cp: int) -> list[list[tuple[int, int]]]:
+    """Context blocks [start, end) per CP rank: contiguous runs of blocks, as even as possible."""
+    n = math.ceil(context_len / block_size)
+    bounds = [(i * block_size, min(context_len, (i + 1) * block_size)) for i in range(n)]
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    for i, b in enumerate(bounds):
+        per_rank[i * cp // n].append(b)
+    return per_rank
+
+
+class StarAttention(ContextStrategy):
+    name = "star"
+    query_phase = True
+
+    def __init__(self, group=None, *, block_size: int | None = None, anchor_size: int | None = None, query_rank=None):
+        super().__init__(group, query_rank)
+        for flag, v in (("--block-size", block_size), ("--anchor-size", anchor_size)):
+            if v is not None and v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        self.block_size = block_size
+        self.anchor_size = anchor_size
+
+    def resolved_sizes(self, context_len: int) -> tuple[int, int]:
+        """(block, anchor): block defaults to ceil(context / cp), anchor to the block size."""
+        block = self.block_size or max(1, math.ceil(context_len / self.cp))
+        return block, self.anchor_size or block
+
+    def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
+        if context_len < 1:
+            raise ValueError("Star Attention needs a non-empty context before the query")
+        block, anchor = self.resolved_sizes(context_len)
+        segs = []
+        for start, end in star_blocks(context_len, block, self.cp)[self.rank]:
+            a = min(anchor, start)  # the first block needs no anchor; never duplicate block tokens
+            index = torch.cat([torch.arange(a), torch.arange(start, end)])
+            segs.append(Segment(index, index.clone(), torch.arange(a, a + end - start)))
+        return segs
+
+    def prefill_attend(self, segment: Segment):
+        rows = segment.cache_rows
+
+        def attend(q, k, v, pos, cache):
+            # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
+            # rows see the anchor in full and their block causally. Earlier blocks held by this
+            # rank stay invisible (each block is encoded independently).
+            out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
+            cache_append(cache, k, v, pos, rows)
+            return out
+
+        return attend

@@ -1,0 +1,68 @@
+"""Star Attention against dense (block covers the context) and against an independent masked-dense
+reference of the same approximation."""
+import pytest
+import torch
+
+from hf_models import make_hf_model
+from masked_reference import run_masked, star_unrolled
+from starshard.checkpoints.load import load_model
+from starshard.parallel.context.runner import ContextParallelRunner
+from starshard.parallel.context.star import StarAttention, star_blocks
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    _, path = make_hf_model("llama", tmp_path_factory.mktemp("star"))
+    return load_model(path)
+
+
+def star_logits(model, ids, context_len, **kw):
+    saved = [layer.attention.attend for layer in model.layers]  # the runner rewires the shared model
+    runner = ContextParallelRunner(model, StarAttention(**kw))
+    cache = runner.new_cache(len(ids) + 4)
+    with torch.no_grad():
+        logits, _ = runner.prefill_logits(ids, context_len, cache)
+    for layer, fn in zip(model.layers, saved):
+        layer.attention.attend = fn
+    return logits[0, -1], cache
+
+
+def test_blocks_cover_context_once():
+    for C, b, cp in [(100, 30, 2), (7, 3, 4), (64, 8, 3), (5, 10, 2)]:
+        got = [blk for rank in star_blocks(C, b, cp) for blk in rank]
+        assert got == [(s, min(C, s + b)) for s in range(0, C, b)]
+
+
+@pytest.mark.parametrize("block", [None, 61, 1000])
+def test_block_covering_context_equals_dense(model, block):
+    ids = torch.randint(0, 211, (61 + 7,), generator=torch.Generator().manual_seed(0))
+    got, _ = star_logits(model, ids, 61, block_size=block)
+    with torch.no_grad():
+        ref = model(ids[None])[0, -1]
+    assert ((got - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("block,anchor", [(16, 16), (13, 5), (20, 40), (9, 1)])
+def test_equals_masked_reference(model, block, anchor):
+    L, C = 83, 71  # odd lengths, last block partial
+    ids = torch.randint(0, 211, (L,), generator=torch.Generator().manual_seed(1))
+    got, cache = star_logits(model, ids, C, block_size=block, anchor_size=anchor)
+    index, pos, visible = star_unrolled(L, C, block, anchor)
+    ref = run_masked(model, ids[index], pos, visible)[-1]
+    assert ((got - ref).norm() / ref.norm()).item() <= 1e-5
+    # The cache holds each context token once (anchors discarded) plus the query.
+    assert sorted(cache.layer(0).view()[2].tolist()) == list(range(L))
+
+
+def test_star_differs_from_dense_when_blocks_are_small(model):
+    """Guards the reference itself: with small blocks Star is an approximation, not dense."""
+    ids = torch.randint(0, 211, (80,), generator=torch.Generator().manual_seed(2))
+    got, _ = star_logits(model, ids, 70, block_size=10, anchor_size=2)
+    with torch.no_grad():
+        ref = model(ids[None])[0, -1]
+    assert ((got - ref).norm() / ref.norm()).item() > 1e-3
+
+
+def test_bad_sizes_refused():
+    with pytest.raises(ValueError, match="--block-size must be >= 1"):
+        StarAttention(block_size=0)
