@@ -1,5 +1,7 @@
 """Star Attention against dense (block covers the context) and against an independent masked-dense
 reference of the same approximation."""
+import functools
+
 import pytest
 import torch
 
@@ -68,32 +70,12 @@ def test_bad_sizes_refused():
         StarAttention(block_size=0)
 
 
-def _star_rank(rank, world, path, ids, context_len, block, anchor, steps):
-    """One CP rank: Star prefill + greedy decode; returns logits, tokens and cache sizes."""
-    import torch.distributed as dist
-
-    from starshard.config import SamplingConfig
-
-    model = load_model(path)
-    runner = ContextParallelRunner(model, StarAttention(dist.group.WORLD, block_size=block, anchor_size=anchor))
-    cache = runner.new_cache(len(ids) + steps)
-    with torch.no_grad():
-        logits, owner = runner.prefill_logits(ids, context_len, cache)
-        after_prefill = cache.length
-        greedy = SamplingConfig()
-        tok = runner._broadcast_token(logits[:, -1].argmax(-1), owner)
-        toks = [int(tok)]
-        for _ in range(steps - 1):
-            tok = runner.next_token(tok.view(1, 1), cache, greedy, None)
-            toks.append(int(tok))
-    return {"logits": logits[0, -1], "tokens": toks, "after_prefill": after_prefill, "final": cache.length}
-
-
 @pytest.mark.parametrize("cp,block,anchor", [(2, 16, 16), (3, 11, 7), (4, 9, 9), (2, 7, 3)])
 def test_multi_rank_equals_single_rank(tmp_path, cp, block, anchor):
     """Star over cp ranks (several blocks per rank) = Star on one rank with the same blocks: same
     last-token logits and greedy tokens; the union of caches holds every token once; only the
     query rank's cache grows in decode."""
+    from cp_ranks import strategy_rank
     from mp_harness import run_ranks
 
     _, path = make_hf_model("llama", tmp_path)
@@ -112,7 +94,8 @@ def test_multi_rank_equals_single_rank(tmp_path, cp, block, anchor):
         grown[:n, :n] = vis
         grown[n] = torch.cat([vis[-1], torch.tensor([True])])  # new token sees what the last query row saw + itself
         seq_ids, seq_pos, vis = torch.cat([seq_ids, torch.tensor([tok])]), torch.cat([seq_pos, torch.tensor([L + step])]), grown
-    results = run_ranks(_star_rank, cp, path, ids, C, block, anchor, steps)
+    make = functools.partial(StarAttention, block_size=block, anchor_size=anchor)
+    results = run_ranks(strategy_rank, cp, path, ids, C, make, steps)
     for r in results:
         assert ((r["logits"] - ref_logits).norm() / ref_logits.norm()).item() <= 1e-5
         assert r["tokens"] == ref_tokens

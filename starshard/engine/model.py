@@ -152,11 +152,13 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        output_row: int | None = None,
     ) -> torch.Tensor:
         """tokens [B, L] (first stage) or hidden [B, L, H] -> logits [B, L, V] (last stage) or hidden.
 
         positions: global positions [L] of these tokens; default continues the cache (or 0..L-1).
-        last_only: the last stage computes logits for the final token only (prefill needs no more).
+        last_only: the last stage computes logits for the final token only (prefill needs no more);
+        output_row: likewise for this one row (a CP shard whose final token is not its last row).
         """
         x = tokens_or_hidden
         L = x.shape[1]
@@ -173,8 +175,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, positions, cache.layer(i) if cache is not None else None)
         if cache is not None:
             cache.advance(positions, end)
-        if last_only and self.output is not None:
-            x = x[:, -1:]
+        if (last_only or output_row is not None) and self.output is not None:
+            x = x.narrow(1, (-1 if output_row is None else output_row) % L, 1)
         if self.norm is not None:
             x = self.norm(x)
         if self.output is not None:

@@ -25,15 +25,17 @@ class Segment:
            token and are never cached or seen: their positions lie past the prompt).
     positions: global RoPE / mask position of each row.
     cache_rows: which rows' KV this rank keeps (None = all).
+    last_row: row holding the prompt's final token when this rank owns it.
     """
 
     index: torch.Tensor
     positions: torch.Tensor
     cache_rows: torch.Tensor | None = None
+    last_row: int = -1  # row of the latest real token (padding may follow it)
 
     def to(self, device) -> "Segment":
         rows = None if self.cache_rows is None else self.cache_rows.to(device)
-        return Segment(self.index.to(device), self.positions.to(device), rows)
+        return Segment(self.index.to(device), self.positions.to(device), rows, self.last_row)
 
 
 def cache_append(cache: LayerKV | None, k, v, pos, rows: torch.Tensor | None) -> None:
@@ -73,7 +75,7 @@ class ContextStrategy:
         raise NotImplementedError
 
     def last_token_rank(self, prompt_len: int, context_len: int) -> int:
-        """CP rank whose prefill output holds the prompt's final token (its row is last there)."""
+        """CP rank whose last prefill segment holds the prompt's final token (at `last_row`)."""
         return self.query_rank
 
     def decode_attend(self, q, k, v, pos, cache: LayerKV | None):

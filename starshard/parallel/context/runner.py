@@ -39,7 +39,7 @@ class ContextParallelRunner(LocalRunner):
         for seg in s.segments(L, context_len if s.query_phase else L):
             seg = seg.to(ids.device)
             self._set_attend(s.prefill_attend(seg))
-            logits = m(ids[seg.index][None], positions=seg.positions, cache=cache, last_only=True)
+            logits = m(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)
         self._set_attend(s.decode_attend)
         owner = s.last_token_rank(L, context_len)
         if s.query_phase:
