@@ -80,8 +80,7 @@ class RingAttention(ContextStrategy):
             return reqs, incoming
 
         pending = start(torch.stack([k, v]).contiguous())  # first block travels during the local step
-        out, lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
-        out = out.float()
+        out, lse = self._local(q, k, v, pos, c)
         for step in range(1, cp):
             reqs, block = pending
             for req in reqs:
@@ -92,6 +91,19 @@ class RingAttention(ContextStrategy):
             src_pos = zigzag_positions(self._prompt_len, cp, src).to(pos.device)
             out, lse = self._accumulate(q, block, src_pos, src, pos, out, lse, c)
         return out.to(q.dtype)
+
+    def _local(self, q, k, v, pos, c: int):
+        """Own block pair as three unmasked-shape calls: two causal diagonals and one full block
+        (second chunk over first), so the fast dense kernels apply; padding keeps a position mask."""
+        if self._has_padding(self.rank):
+            out, lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
+            return out.float(), lse
+        p1, p2 = pos[:c], pos[c:]
+        o1, l1 = attention(q[:, :, :c], k[:, :, :c], v[:, :, :c], q_pos=p1, k_pos=p1, causal=True)
+        o2, l2 = attention(q[:, :, c:], k[:, :, c:], v[:, :, c:], q_pos=p2, k_pos=p2, causal=True)
+        o3, l3 = attention(q[:, :, c:], k[:, :, :c], v[:, :, :c], q_pos=p2, k_pos=p1, causal=False)
+        o2, l2 = merge_partials(o2.float(), l2, o3, l3)
+        return torch.cat([o1.float(), o2], dim=2), torch.cat([l1, l2], dim=2)
 
     def _accumulate(self, q, kv, kv_pos, src: int, pos, out, lse, c: int):
         """Merge the visible half of src's block pair into (out, lse)."""
