@@ -39,6 +39,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="run the prompt through the model this many tokens at a time (bounds activation memory)")
+    par = ap.add_argument_group("parallel layout (launch with torchrun --nproc-per-node tp*pp*cp)")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
+    par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "star"], default=None,
+                     help="how the CP group splits the sequence: ring / ulysses (exact), star (approximate); "
+                     "default dense for --cp 1, ring otherwise")
+    par.add_argument("--block-size", type=int, default=None,
+                     help="star: context tokens per block (default: context / cp)")
+    par.add_argument("--anchor-size", type=int, default=None,
+                     help="star: anchor tokens (the context's first tokens) before each block (default: block size)")
+    par.add_argument("--query-rank", type=int, default=None,
+                     help="CP rank that owns the query and the generated tokens' KV (default: the last)")
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -73,11 +86,20 @@ def main(argv=None) -> int:
         kw = dict(prompt=args.prompt_file.read_text())
     else:
         kw = dict(prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
-    llm = LLM(args.model, dtype=dtype, device=device, progress=not args.json)
+    from starshard.config import ParallelConfig
+
+    parallel = ParallelConfig(
+        tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
+        block_size=args.block_size, anchor_size=args.anchor_size, query_rank=args.query_rank,
+    )
+    llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json)
+    lead = llm.topology.rank == 0  # every rank runs the model; one prints
     out = llm.generate(
         **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
     )
+    if not lead:
+        return 0
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, **out.metrics}))
     else:

@@ -134,8 +134,15 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_strategy: str = "dense"
+    cp_strategy: str = "dense"  # dense | ring | ulysses | star
     pp_layers: list[int] | None = None  # layers per pipeline stage; None = even split
+    block_size: int | None = None  # star: context block per forward (default ceil(context / cp))
+    anchor_size: int | None = None  # star: anchor tokens before each block (default = block size)
+    query_rank: int | None = None  # CP rank that owns the query and generated KV (default: last)
+
+    def __post_init__(self):
+        if self.cp > 1 and self.cp_strategy == "dense":
+            raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses or star")
 
     @property
     def model_parallel_size(self) -> int:

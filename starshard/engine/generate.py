@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from starshard.config import SamplingConfig
+from starshard.config import ParallelConfig, SamplingConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
 
@@ -107,13 +107,29 @@ class LLM:
     default (SmolLM2-135M-Instruct, converted once to the cache dir).
     """
 
-    def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu", progress=True):
+    def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
+                 parallel: ParallelConfig | None = None, progress=True):
         from starshard.checkpoints.default import default_checkpoint
         from starshard.checkpoints.load import load_model
+        from starshard.parallel.context import make_strategy
+        from starshard.parallel.topology import init_topology
 
-        self.path = Path(path) if path is not None else default_checkpoint(progress=progress)
-        self.device = torch.device(device)
-        self.runner = LocalRunner(load_model(self.path, dtype=dtype, device=self.device))
+        self.parallel = parallel or ParallelConfig()
+        if self.parallel.tp > 1 or self.parallel.pp > 1:
+            raise NotImplementedError("tensor and pipeline parallel layouts are not wired into LLM yet; use --tp 1 --pp 1")
+        self.topology = init_topology(self.parallel, str(device))
+        self.path = Path(path) if path is not None else default_checkpoint(progress=progress and self.topology.rank == 0)
+        self.device = self.topology.device
+        model = load_model(self.path, dtype=dtype, device=self.device)
+        p = self.parallel
+        if p.cp == 1 and p.cp_strategy == "dense":
+            self.runner = LocalRunner(model)
+        else:
+            from starshard.parallel.context.runner import ContextParallelRunner
+
+            strategy = make_strategy(p.cp_strategy, self.topology.cp_group if p.cp > 1 else None,
+                                     block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank)
+            self.runner = ContextParallelRunner(model, strategy)
         self.config = self.runner.model.config
         self.tokenizer = load_tokenizer(self.path)
         eos = set(self.config.eos_token_ids)
