@@ -129,3 +129,15 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="
     with torch.device("meta"):
         model = Transformer(cfg)
     return materialize(model, state, dtype, device)
+
+
+def random_model(cfg: ModelConfig, *, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> Transformer:
+    """A model with random weights (std 0.02, norms 1) for benchmarks; no checkpoint needed."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        state[name] = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, 0.02, generator=gen)
+    return materialize(model, state, dtype, device)

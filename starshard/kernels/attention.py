@@ -59,6 +59,11 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None):
     """Exact (or `sparse`-approximate) attention with log-sum-exp. See the module docstring."""
     if sparse is not None:
         raise NotImplementedError("sparse attention kernels are not available in this build")
+    if q.device.type == "cuda" and q_pos.dim() == 1 and q.dtype != torch.float64:
+        from starshard.kernels.cuda import attention_cuda
+
+        _check(q, k, v)
+        return attention_cuda(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q_pos.dim() == 1:
         from starshard.kernels.cpu import attention_cpu
 
