@@ -25,6 +25,7 @@ def _worker(rank, world, port, out_dir, fn, args):
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
     finally:
         dist.destroy_process_group()
 

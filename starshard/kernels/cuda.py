@@ -40,11 +40,18 @@ def _fused(q, k, v, is_causal: bool, scale):
 def attention_cuda(q, k, v, *, q_pos, k_pos, causal=True, scale=None):
     B, Hq, Lq, D = q.shape
     Hkv = k.shape[1]
-    if Hq != Hkv:  # the fused kernels want equal head counts
-        k = k.repeat_interleave(Hq // Hkv, dim=1)
-        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    g = Hq // Hkv
     mode = classify(q_pos, k_pos, causal)
     fused_ok = q.dtype in (torch.float16, torch.bfloat16) and D <= 128
+    if mode == "full" and fused_ok and g > 1:
+        # No mask: a KV head's g query heads are just more rows over the same keys, so fold them
+        # into the row dimension instead of copying K/V g times (decode reads the cache once).
+        qf = q.reshape(B, Hkv, g * Lq, D)
+        out, lse = _fused(qf, k, v, False, scale)
+        return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+    if g > 1:  # the fused kernels want equal head counts
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
     if mode != "masked" and fused_ok:
         return _fused(q, k, v, mode == "causal", scale)
     outs, lses = [], []
