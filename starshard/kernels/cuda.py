@@ -3,7 +3,7 @@
 The position mask is classified first: no mask ("full"), plain causal (q and k hold the same
 increasing positions: index-causal), or a general mask (efficient kernel with an additive bias).
 `STARSHARD_ATTN_BACKEND=cudnn|flash` picks the kernel for the first two (default cudnn: the fastest
-measured on H100/H200).
+measured on H100/H200); short query blocks (decode) always use flash.
 """
 from __future__ import annotations
 
@@ -25,8 +25,15 @@ def classify(q_pos, k_pos, causal: bool) -> str:
     return "masked"
 
 
+# cuDNN builds an execution plan per shape; decode changes the key length every step, so short
+# query blocks go to the flash kernel, which needs no plan.
+_SHORT_QUERY_ROWS = 256
+
+
 def _fused(q, k, v, is_causal: bool, scale):
     backend = os.environ.get("STARSHARD_ATTN_BACKEND", "cudnn")
+    if q.shape[2] <= _SHORT_QUERY_ROWS:
+        backend = "flash"
     B, H, L, _ = q.shape
     if backend == "cudnn":
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
