@@ -1,0 +1,1 @@
+"""Accuracy harness: synthetic long-context tasks (tasks.py), their metrics (scoring.py), reports."""
