@@ -1,16 +1,9 @@
 #!/usr/bin/env bash
 # One device call on 2 x H200: GPU correctness checks, then the benchmarks; results under $OUT.
 # Usage (device tool, carry .whl with the megatron-core wheel): bash bench/run_gpu.sh
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG=$OUT/run.log
-step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; timeout "${T:-300}" "$@" >>"$LOG" 2>&1; echo "rc=$?" | tee -a "$LOG"; }
+LOG=run.log; source bench/gpu_env.sh
 nvidia-smi -L | tee -a "$LOG"
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" | tee -a "$LOG"
-L8B="--random-weights llama-3.1-8b"
 T=120 step torchrun --nproc-per-node 2 launch/gpu_check.py --cp
 T=200 step torchrun --nproc-per-node 2 launch/bench.py attention --cp 2 --lengths 32768,65536,131072 \
   --strategies dense,sdpa-cudnn,ring,ulysses,torch-cp,torch-cp-flash --out "$OUT/attention_cp2.json"

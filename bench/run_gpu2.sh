@@ -1,14 +1,7 @@
 #!/usr/bin/env bash
 # Second 2 x H200 call: dense 1-GPU prefill/decode after the decode/elementwise fixes, the HF peer
 # re-measured in the same run, Star at 128K with 32K blocks, exact CP decode; results under $OUT.
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG=$OUT/run2.log
-step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; timeout "${T:-300}" "$@" >>"$LOG" 2>&1; echo "rc=$?" | tee -a "$LOG"; }
-L8B="--random-weights llama-3.1-8b"
+LOG=run2.log; source bench/gpu_env.sh
 T=60 step python3 - <<'PY'
 import torch
 q = torch.randn(1, 32, 4096, 128, dtype=torch.bfloat16, device="cuda")
