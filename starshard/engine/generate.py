@@ -101,7 +101,8 @@ class LocalRunner:
 
 
 class LLM:
-    """One model on one device (parallel layouts arrive through `starshard.parallel`).
+    """One model on this process's device; under torchrun with `parallel.cp > 1` every rank of the
+    CP group builds an LLM and runs generate() in lockstep (rank 0 reports).
 
     path: starshard checkpoint dir, Hugging Face model dir, .gguf file, or None for the embedded
     default (SmolLM2-135M-Instruct, converted once to the cache dir).

@@ -101,12 +101,13 @@ def init_topology(parallel: ParallelConfig, device: str | None = None, timeout_s
     """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) and the tp/cp/dp/pp groups."""
     env = read_launch_env()
     dp = check_layout(parallel, env.world_size)
-    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    dev = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if env.world_size == 1 and not dist.is_initialized():
+        return Topology(0, 1, 0, 1, 1, 1, 1, torch.device(device), pp_ranks=[0])  # as asked, e.g. cuda:1
+    use_cuda = device.startswith("cuda")
+    dev = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")  # one GPU per local rank
     if use_cuda:
         torch.cuda.set_device(dev)
-    if env.world_size == 1 and not dist.is_initialized():
-        return Topology(0, 1, 0, 1, 1, 1, 1, dev, pp_ranks=[0])
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", env.master_port)

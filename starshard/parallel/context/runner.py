@@ -51,6 +51,9 @@ class ContextParallelRunner(LocalRunner):
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
         """Run the prompt sharded over the CP group; returns the first new token on every rank."""
+        if chunk:
+            raise ValueError("--prefill-chunk is not supported with a context strategy yet: each CP rank "
+                             "already holds only its shard; drop --prefill-chunk")
         ids = torch.tensor(prompt.ids, device=cache.device)
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
         context_len = min(prompt.context_len, len(prompt.ids) - 1)
