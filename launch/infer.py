@@ -3,6 +3,9 @@
 
     python launch/infer.py                                   # embedded SmolLM2-135M-Instruct, CPU
     python launch/infer.py --model CKPT --context-file doc.txt --question "Who ...?" --json
+    torchrun --nproc-per-node 4 launch/infer.py --tp 2 --pp 2 --model CKPT        # tensor x pipeline
+    srun --ntasks 8 --gpus-per-task 1 python launch/infer.py --tp 4 --pp 2 ...     # in a Slurm allocation
+    python launch/infer.py --random-weights llama-3.1-8b --prompt-len 4096 --max-new-tokens 16 --json
 """
 from __future__ import annotations
 
@@ -39,9 +42,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="run the prompt through the model this many tokens at a time (bounds activation memory)")
-    par = ap.add_argument_group("parallel layout (launch with torchrun --nproc-per-node tp*pp*cp)")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    par = ap.add_argument_group(
+        "parallel layout (launch tp*pp*cp processes: torchrun --nproc-per-node N, or srun --ntasks N in a Slurm "
+        "allocation; CUDA runs NCCL on cuda:LOCAL_RANK, CPU runs gloo)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel size: heads and MLP columns split over this many ranks (must divide the "
+                     "attention heads; the error lists the valid sizes)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline-parallel stages: layers split over this many ranks, prefill pipelined in chunks")
+    par.add_argument("--pp-layers", type=lambda s: [int(x) for x in s.split(",")], default=None, metavar="N,N,..",
+                     help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
+                     "remainder); must match a converted checkpoint's split")
     par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
     par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "star"], default=None,
                      help="how the CP group splits the sequence: ring / ulysses (exact), star (approximate); "
@@ -53,6 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     par.add_argument("--query-rank", type=int, default=None,
                      help="CP rank that owns the query and the generated tokens' KV (default: the last)")
     rt = ap.add_argument_group("runtime")
+    rt.add_argument("--random-weights", default=None, metavar="CONFIG",
+                    help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
+                    "starshard/presets.py) or a HF config.json path; the prompt is --prompt-len random token ids")
+    rt.add_argument("--prompt-len", type=int, default=None,
+                    help="use this many random token ids as the prompt (needed with --random-weights: no tokenizer)")
+    rt.add_argument("--dist-timeout", type=float, default=600.0,
+                    help="seconds any collective may wait before the run fails with an error")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     rt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -64,6 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"give only one of --prompt, --prompt-file, --context-file (got {', '.join('--' + g.replace('_', '-') for g in given)})")
     if (args.context_file is None) != (args.question is None):
         ap.error("--context-file and --question go together")
+    if args.random_weights and args.model:
+        ap.error("give --model or --random-weights, not both")
+    if args.prompt_len is not None and (given or args.prompt is not None):
+        ap.error("--prompt-len replaces the prompt: drop --prompt / --prompt-file / --context-file")
+    if args.prompt_len is not None and args.prompt_len < 1:
+        ap.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.random_weights and args.prompt_len is None:
+        ap.error("--random-weights has no tokenizer: give --prompt-len N (random token ids)")
     return args
 
 
@@ -86,13 +112,26 @@ def main(argv=None) -> int:
         kw = dict(prompt=args.prompt_file.read_text())
     else:
         kw = dict(prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+    from starshard.checkpoints.load import CheckpointError
     from starshard.config import ParallelConfig
+    from starshard.parallel.topology import LayoutError
 
-    parallel = ParallelConfig(
-        tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
-        block_size=args.block_size, anchor_size=args.anchor_size, query_rank=args.query_rank,
-    )
-    llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json)
+    try:
+        parallel = ParallelConfig(
+            tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
+            pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size,
+            query_rank=args.query_rank, timeout_s=args.dist_timeout,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
+        llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json,
+                  random_weights=args.random_weights)
+    except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
+        raise SystemExit(f"error: {e}") from None
+    if args.prompt_len is not None:
+        gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
+        kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
     lead = llm.topology.rank == 0  # every rank runs the model; one prints
     out = llm.generate(
         **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -139,10 +139,17 @@ class ParallelConfig:
     block_size: int | None = None  # star: context block per forward (default ceil(context / cp))
     anchor_size: int | None = None  # star: anchor tokens before each block (default = block size)
     query_rank: int | None = None  # CP rank that owns the query and generated KV (default: last)
+    dp: int | None = None  # data-parallel replicas; None = whatever the world leaves (world / (tp*pp*cp))
+    timeout_s: float = 600.0  # every collective gives up (with an error) after this long
 
     def __post_init__(self):
         if self.cp > 1 and self.cp_strategy == "dense":
             raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses or star")
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp:
+            raise ValueError(f"--pp-layers {self.pp_layers} gives {len(self.pp_layers)} stages but --pp is {self.pp}; "
+                             f"give one layer count per stage")
+        if self.timeout_s <= 0:
+            raise ValueError(f"the collective timeout must be > 0 seconds, got {self.timeout_s}")
 
     @property
     def model_parallel_size(self) -> int:

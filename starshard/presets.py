@@ -1,4 +1,8 @@
-"""Model shapes for benchmarks with random weights (`--random-weights NAME` or a config.json path)."""
+"""Model shapes for runs with random weights (`--random-weights NAME` or a config.json path).
+
+Shapes are Hugging Face config dicts, so a preset and a real model's config.json go through the
+same `ModelConfig.from_hf`. Random weights need no download: benchmarks of any size run anywhere.
+"""
 from __future__ import annotations
 
 import json
@@ -6,16 +10,35 @@ from pathlib import Path
 
 from starshard.config import ModelConfig
 
+_LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=1048576,  # benchmarks run past the 128K window
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        bos_token_id=128000, eos_token_id=128001,
+        rope_scaling=_LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001,
     ),
-    "tiny": dict(  # CPU smoke runs of the benchmark code paths
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=1048576,
+        rope_scaling=_LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001,
+    ),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=1048576, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    "smollm2-135m": dict(  # the embedded default's shape (9 heads, 3 KV heads: tp 1 or 3)
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=1048576, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "tiny": dict(  # CPU smoke runs of the benchmark code paths (tp 1, 2 or 4; pp up to 2)
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20,
     ),
@@ -23,9 +46,12 @@ PRESETS: dict[str, dict] = {
 
 
 def preset_config(name_or_path: str) -> ModelConfig:
+    """A preset by name, or the shape in a Hugging Face config.json."""
     if name_or_path in PRESETS:
         return ModelConfig.from_hf(PRESETS[name_or_path])
     path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"--random-weights {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a config.json file")
     return ModelConfig.from_hf(json.loads(path.read_text()))

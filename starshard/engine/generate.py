@@ -101,38 +101,72 @@ class LocalRunner:
 
 
 class LLM:
-    """One model on this process's device; under torchrun with `parallel.cp > 1` every rank of the
-    CP group builds an LLM and runs generate() in lockstep (rank 0 reports).
+    """One model over this process's ranks. Under torchrun / srun every rank builds an LLM with the
+    same arguments and runs generate() in lockstep (rank 0 reports).
 
     path: starshard checkpoint dir, Hugging Face model dir, .gguf file, or None for the embedded
     default (SmolLM2-135M-Instruct, converted once to the cache dir).
+    parallel: the layout. tp / pp > 1 (or a multi-process launch) runs the tensor x pipeline
+    parallel runner, each rank holding only its own weights; cp > 1 a context strategy.
+    random_weights: a preset name (starshard.presets) or a config.json path: random weights of
+    that shape, no checkpoint (benchmarks); prompts must then be token ids. The weights depend only
+    on (shape, weights_seed), not on the layout: a tp=2 run and a one-process run agree.
     """
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
-                 parallel: ParallelConfig | None = None, progress=True):
+                 parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
+                 weights_seed: int = 0):
         from starshard.checkpoints.default import default_checkpoint
         from starshard.checkpoints.load import load_model
         from starshard.parallel.context import make_strategy
-        from starshard.parallel.topology import init_topology
+        from starshard.parallel.topology import init_topology, read_launch_env
 
-        self.parallel = parallel or ParallelConfig()
-        if self.parallel.tp > 1 or self.parallel.pp > 1:
-            raise NotImplementedError("tensor and pipeline parallel layouts are not wired into LLM yet; use --tp 1 --pp 1")
-        self.topology = init_topology(self.parallel, str(device))
-        self.path = Path(path) if path is not None else default_checkpoint(progress=progress and self.topology.rank == 0)
-        self.device = self.topology.device
-        model = load_model(self.path, dtype=dtype, device=self.device)
-        p = self.parallel
-        if p.cp == 1 and p.cp_strategy == "dense":
-            self.runner = LocalRunner(model)
+        self.parallel = p = parallel or ParallelConfig()
+        launch = read_launch_env()
+        if random_weights is not None and path is not None:
+            raise ValueError("give either a model path or random_weights, not both")
+        tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
+        random_cfg = None
+        if random_weights is not None:
+            from starshard.presets import preset_config
+
+            random_cfg = preset_config(random_weights)
+            self.path = None
         else:
-            from starshard.parallel.context.runner import ContextParallelRunner
+            self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
+        if tp_pp or random_weights is not None:
+            from starshard.parallel.runner import ParallelPlan, plan_parallel, read_config, weight_source
 
-            strategy = make_strategy(p.cp_strategy, self.topology.cp_group if p.cp > 1 else None,
-                                     block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank)
-            self.runner = ContextParallelRunner(model, strategy)
+            src = weight_source(self.path, is_default=path is None,
+                                random_seed=weights_seed if random_weights is not None else None)
+            cfg = read_config(src, random_cfg)
+            # Layout checks need only the config: a bad layout fails here, before any collective.
+            plan = plan_parallel(cfg, p, src) if tp_pp else ParallelPlan(cfg, 1, 1, [list(range(cfg.num_layers))])
+        self.topology = init_topology(p, str(device))
+        self.device = self.topology.device
+        topo = self.topology
+        if tp_pp:
+            from starshard.parallel.runner import ParallelRunner, build_rank_model
+
+            model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
+            self.runner = ParallelRunner(model, topo)
+        else:
+            if random_weights is not None:
+                from starshard.parallel.runner import build_rank_model
+
+                model = build_rank_model(cfg, src, plan, 0, 0, None, dtype, self.device)
+            else:
+                model = load_model(self.path, dtype=dtype, device=self.device)
+            if p.cp == 1 and p.cp_strategy == "dense":
+                self.runner = LocalRunner(model)
+            else:
+                from starshard.parallel.context.runner import ContextParallelRunner
+
+                strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None,
+                                         block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank)
+                self.runner = ContextParallelRunner(model, strategy)
         self.config = self.runner.model.config
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
         eos = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
