@@ -6,6 +6,9 @@
 
 Causality is by global position (key visible iff k_pos <= q_pos), so a query block may sit anywhere
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
+
+Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
+torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference below on CPU.
 """
 from __future__ import annotations
 
@@ -15,20 +18,30 @@ import torch
 _MATH_SCORE_BUDGET = 1 << 26  # elements (256 MiB in float32)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"attention expects 4-D [B, H, L, D] tensors, got q{tuple(q.shape)} k{tuple(k.shape)}")
+        raise ValueError(f"attention expects 4-D [B, H, L, D] tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"batch/head_dim mismatch: q{tuple(q.shape)} k{tuple(k.shape)}")
-    if q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq={q.shape[1]} Hkv={k.shape[1]}")
+
+
+def as_positions(pos: torch.Tensor, B: int, L: int, name: str, device: torch.device) -> torch.Tensor:
+    """[L], [1, L] or [B, L] integer positions -> contiguous [P, L] with P in {1, B} on `device`."""
+    if pos.dtype.is_floating_point or pos.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {pos.dtype}")
+    p = pos if pos.dim() == 2 else pos.unsqueeze(0)
+    if p.dim() != 2 or p.shape[1] != L or p.shape[0] not in (1, B):
+        raise ValueError(f"{name} must have shape [{L}] or [{B}, {L}], got {tuple(pos.shape)}")
+    return p.to(device).contiguous()
 
 
 def attention_math(q, k, v, *, q_pos, k_pos, causal=True, scale=None):
     """Reference path in float32 (float64 if given float64): plain torch, any device."""
-    _check(q, k, v)
+    check_shapes(q, k, v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -55,18 +68,113 @@ def attention_math(q, k, v, *, q_pos, k_pos, causal=True, scale=None):
     return out.to(q.dtype), lse
 
 
+def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
+    """Which mask the positions make: "full" (every key visible to every query row), "causal"
+    (q_pos == k_pos, one run of consecutive positions: plain index-causal, which the fused kernels'
+    is_causal expresses whatever their alignment convention) or "masked" (anything else).
+
+    Reading positions that live on a GPU costs one device-to-host sync; only prefill-sized calls
+    pay it (decode-sized ones go to the split-KV kernel, which needs no classification)."""
+    if not causal:
+        return "full"
+    if q_pos.dim() != 1 or k_pos.dim() != 1 or q_pos.numel() == 0 or k_pos.numel() == 0:
+        return "masked"
+    stats = [k_pos.to(q_pos.device).max(), q_pos.min()]
+    square = q_pos.shape == k_pos.shape
+    if square:
+        stats += [(q_pos != k_pos.to(q_pos.device)).any().long(), (q_pos.diff() != 1).any().long()]
+    vals = torch.stack(stats).tolist()  # the one sync
+    if vals[0] <= vals[1]:
+        return "full"
+    if square and vals[2] == 0 and vals[3] == 0:
+        return "causal"
+    return "masked"
+
+
+# Query rows at or below which calls take the split-KV decode kernel (CUDA) or the math path (CPU),
+# without classifying the mask: too few rows to fill a GPU one program per (head, row block).
+DECODE_MAX_ROWS = 16
+# Longer query blocks with a plain mask go to cuDNN; up to this many rows to flash SDPA, because
+# cuDNN builds an execution plan per new shape and short blocks (query phases) change shape often.
+SHORT_QUERY_ROWS = 256
+_FLASH_BLOCK_M = 128  # flash.py's query rows per program at head_dim <= 128
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def cuda_backend(q: torch.Tensor, Lk: int, mode: str | None, sms: int) -> str:
+    """The CUDA kernel for a call (a pure function of shapes, so CPU tests cover it):
+    "decode" (decode.py, split-KV), "flash-sdpa" / "cudnn" (torch's fused kernels, plain masks) or
+    "triton" (flash.py, any position mask). `mode` is `mask_mode`'s answer, None when Lq is at most
+    DECODE_MAX_ROWS (not classified); `sms` is the GPU's multiprocessor count."""
+    B, Hq, Lq, D = q.shape
+    if mode is None:
+        return "decode"
+    fused_ok = q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 128
+    if mode != "masked" and fused_ok:
+        return "flash-sdpa" if Lq <= SHORT_QUERY_ROWS else "cudnn"
+    # A short query block over a long cache gives flash.py fewer programs than multiprocessors;
+    # the split-KV kernel spreads the keys instead.
+    if B * Hq * -(-Lq // _FLASH_BLOCK_M) < sms and Lk >= 4 * Lq:
+        return "decode"
+    return "triton"
+
+
+def _fused(q, k, v, *, causal: bool, scale, op: str):
+    """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row)."""
+    B, Hq, Lq, D = q.shape
+    g = Hq // k.shape[1]
+    if g > 1 and not causal:
+        # No mask: a KV head's g query heads are just more rows over the same keys (no K/V copy).
+        out, lse = _fused(q.reshape(B, k.shape[1], g * Lq, D), k, v, causal=False, scale=scale, op=op)
+        return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+    if g > 1:  # causal rows of different heads differ: equal head counts (the copy is a few % of the time)
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    if op == "cudnn":
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1].reshape(B, Hq, -1)[:, :, :Lq].float()  # lse may come padded or as [B, H, L, 1]
+
+
+def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale):
+    mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
+    backend = cuda_backend(q, k.shape[2], mode, sm_count(q.device))
+    if backend == "decode":
+        from starshard.kernels.decode import decode_attention
+
+        return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+    if backend in ("cudnn", "flash-sdpa"):
+        return _fused(q, k, v, causal=mode == "causal", scale=scale, op="cudnn" if backend == "cudnn" else "flash")
+    from starshard.kernels.flash import flash_attention
+
+    return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale)
+
+
 def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None):
-    """Exact (or `sparse`-approximate) attention with log-sum-exp. See the module docstring."""
+    """Exact (or `sparse`-approximate) attention with log-sum-exp. See the module docstring.
+
+    CUDA (see `cuda_backend`): decode-sized calls and short query blocks over long caches ->
+    split-KV Triton kernel; plain masks (none, or index-causal) -> cuDNN (flash SDPA for short
+    blocks); any other position mask -> Triton flash kernel. CPU: torch's fused flash kernel with a
+    position bias (float32/bfloat16, shared 1-D positions, more than DECODE_MAX_ROWS query rows),
+    else the float32 math path."""
     if sparse is not None:
         raise NotImplementedError("sparse attention kernels are not available in this build")
-    if q.device.type == "cuda" and q_pos.dim() == 1 and q.dtype != torch.float64:
-        from starshard.kernels.cuda import attention_cuda
-
-        _check(q, k, v)
-        return attention_cuda(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and q_pos.dim() == 1:
+    check_shapes(q, k, v)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return _attention_cuda(q, k, v, q_pos, k_pos, causal, scale)
+    # On CPU the fused kernel's mask and K/V copies cost more than they save for a few query rows.
+    fused_cpu = q.dtype in (torch.float32, torch.bfloat16) and q_pos.dim() == 1 and k_pos.dim() == 1
+    if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS:
         from starshard.kernels.cpu import attention_cpu
 
-        _check(q, k, v)
         return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)

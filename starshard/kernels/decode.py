@@ -1,0 +1,220 @@
+"""Split-KV attention for short query blocks over long caches (decode), with log-sum-exp.
+
+    out, lse = decode_attention(q, k, v, q_pos=..., k_pos=..., causal=True, scale=None)
+
+Same contract as `attention` (DESIGN.md). A few query rows cannot fill a GPU one program per head,
+so the keys are cut into `num_splits` chunks that run in parallel; each writes a partial (out, lse)
+and a second kernel merges them by lse. The g query heads of a KV head (and all their rows) share
+one program, so every K/V byte is read once. On CPU the same split-and-merge runs in torch.
+"""
+from __future__ import annotations
+
+import torch
+
+from starshard.kernels.attention import as_positions, attention_math, check_shapes, sm_count
+
+_LOG2E = 1.4426950408889634
+_MIN_CHUNK = 256  # keys per split: below this the merge costs more than the parallelism buys
+
+try:
+    import triton
+    import triton.language as tl
+
+    from starshard.kernels.flash import check_kernel_inputs
+except ImportError:  # installs without triton (non-Linux CPU) keep the torch path
+    triton = None
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine partial results over disjoint key sets: outs [..., S, D] float32, lses [..., S]."""
+    lse = torch.logsumexp(lses, dim=-1)
+    w = torch.exp(lses - lse.nan_to_num(neginf=0.0)[..., None])  # all -inf rows: weights 0, not NaN
+    return (w[..., None] * outs).sum(-2), lse
+
+
+def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
+    Lk = k.shape[2]
+    chunk = -(-Lk // num_splits)
+    parts = [
+        attention_math(q.float(), k[:, :, s : s + chunk].float(), v[:, :, s : s + chunk].float(),
+                       q_pos=q_pos, k_pos=k_pos[..., s : s + chunk], causal=causal, scale=scale)
+        for s in range(0, Lk, chunk)
+    ]
+    out, lse = merge_partials(torch.stack([p[0] for p in parts], -2), torch.stack([p[1] for p in parts], -1))
+    return out.to(q.dtype), lse
+
+
+if triton is not None:
+
+    # Cache lengths change every step: no variant per divisibility of the sizes.
+    @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
+    def _decode_split_kernel(
+        Q, K, V, OP, LP, QPOS, KPOS,
+        qk_scale,
+        s_qb, s_qh, s_qm, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_qpb, s_kpb,
+        Hkv, G, Lq, Lk, chunk, n_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        split = tl.program_id(0)
+        row_block = tl.program_id(1)
+        pid_bk = tl.program_id(2)
+        b = pid_bk // Hkv
+        kvh = pid_bk % Hkv
+        Hq = Hkv * G
+
+        # Rows of this KV head's group: row r is query head kvh*G + r // Lq, query row r % Lq.
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < G * Lq
+        hq = kvh * G + rows // Lq
+        qi = rows % Lq
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+
+        q_ptrs = Q + b.to(tl.int64) * s_qb + hq[:, None].to(tl.int64) * s_qh + qi[:, None] * s_qm + offs_d[None, :] * s_qd
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if CAUSAL:
+            q_pos = tl.load(QPOS + b * s_qpb + qi, mask=row_ok, other=0)
+        kt_ptrs = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
+        v_ptrs = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, Lk)
+        for start in range(lo, hi, BLOCK_N):
+            col_ok = (start + offs_n) < hi
+            kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + start * s_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                qk = tl.dot(q, kt, input_precision="ieee")
+            else:
+                qk = tl.dot(q, kt)
+            visible = col_ok[None, :]
+            if CAUSAL:
+                k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: keep p = 0, not NaN
+            p = tl.math.exp2(qk - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        # Partial lse in log2 units; the merge kernel converts once.
+        lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        part = ((b * Hq + hq).to(tl.int64) * Lq + qi) * n_splits + split
+        tl.store(OP + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LP + part, lse2, mask=row_ok)
+
+    @triton.jit(do_not_specialize=["Lq", "n_splits"])
+    def _decode_merge_kernel(
+        OP, LP, O, LSE,
+        s_ob, s_oh, s_om, s_od,
+        Hq, Lq, n_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        row = tl.program_id(0)  # flat (b, hq, qi)
+        qi = row % Lq
+        bh = row // Lq
+        b = bh // Hq
+        hq = bh % Hq
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        base = row.to(tl.int64) * n_splits
+        m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, n_splits, BLOCK_S):
+            m = tl.maximum(m, tl.load(LP + base + s0 + offs_s, mask=s0 + offs_s < n_splits, other=float("-inf")))
+        m_max = tl.max(m, 0)
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        den = tl.zeros([BLOCK_S], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, n_splits, BLOCK_S):
+            s_ok = s0 + offs_s < n_splits
+            w = tl.math.exp2(tl.load(LP + base + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_use)
+            o = tl.load(OP + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            den += w
+            acc += tl.sum(w[:, None] * o, 0)
+        total = tl.sum(den, 0)
+        empty = total == 0.0
+        out = acc / tl.where(empty, 1.0, total)
+        lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+        o_ptrs = O + b.to(tl.int64) * s_ob + hq.to(tl.int64) * s_oh + qi * s_om + offs_d * s_od
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + row, lse)
+
+
+def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:
+    """Enough splits for about two programs per multiprocessor, no chunk under _MIN_CHUNK keys."""
+    target = 2 * sm_count(device) if device.type == "cuda" else 8
+    want = -(-target // max(1, programs_per_split))
+    return max(1, min(want, -(-Lk // _MIN_CHUNK)))
+
+
+def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None):
+    """q [B, Hq, Lq, D] (Lq small), k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
+    `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU);
+    `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning)."""
+    check_shapes(q, k, v)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    qp = as_positions(q_pos, B, Lq, "q_pos", q.device)
+    kp = as_positions(k_pos, B, Lk, "k_pos", q.device)
+    if Lq == 0 or Lk == 0 or B * Hq == 0:
+        return q.new_zeros(q.shape), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
+    use_triton = q.device.type == "cuda" if use_triton is None else use_triton
+    if not use_triton:
+        return _torch_decode(q, k, v, qp, kp, causal, scale, num_splits or _num_splits(q.device, B * Hkv, Lk))
+    if triton is None:
+        raise RuntimeError("decode_attention: the Triton kernel needs the triton package")
+    check_kernel_inputs(q, k, v, "decode_attention")
+    G = Hq // Hkv
+    rows = G * Lq  # a KV head's query heads x query rows, one program's rows
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    row_blocks = -(-rows // block_m)
+    if num_splits is None:
+        num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk)
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n, warps, stages = config or ((64, 4, 3) if block_d <= 128 else (32, 4, 2))
+    per_split = -(-Lk // num_splits)
+    chunk = -(-per_split // block_n) * block_n  # whole key blocks per split
+    num_splits = -(-Lk // chunk)
+    if qp.shape[0] != kp.shape[0]:
+        qp, kp = qp.expand(B, Lq).contiguous(), kp.expand(B, Lk).contiguous()
+    s_pb = 0 if qp.shape[0] == 1 else 1
+    o_part = torch.empty(B, Hq, Lq, num_splits, D, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, Lq, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_splits, row_blocks, B * Hkv)](
+        q, k, v, o_part, l_part, qp, kp,
+        scale * _LOG2E,
+        *q.stride(), *k.stride(), *v.stride(),
+        s_pb * Lq, s_pb * Lk,
+        Hkv, G, Lq, Lk, chunk, num_splits,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    _decode_merge_kernel[(B * Hq * Lq,)](
+        o_part, l_part, out, lse,
+        *out.stride(),
+        Hq, Lq, num_splits,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out, lse

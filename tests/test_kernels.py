@@ -1,0 +1,260 @@
+"""Attention kernels against an independent float64 reference (explicit K/V repeat + masked softmax).
+
+The Triton kernels run on CPU through TRITON_INTERPRET=1 (set before flash.py/decode.py are
+imported), at small sizes and float32/float16 only: bfloat16 is not faithful in the interpreter.
+Small block configs make the short test sequences span several query and key blocks.
+"""
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+attn_mod = importlib.import_module("starshard.kernels.attention")  # the package re-exports the function
+from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_math, cuda_backend, mask_mode  # noqa: E402
+from starshard.kernels.decode import decode_attention, merge_partials  # noqa: E402
+from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2), torch.float64: (1e-12, 1e-6)}  # lse is float32 by contract
+
+
+def reference(q, k, v, q_pos, k_pos, causal=True, scale=None):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        qp = q_pos if q_pos.dim() == 2 else q_pos[None]
+        kp = k_pos if k_pos.dim() == 2 else k_pos[None]
+        s = s.masked_fill((kp[:, None, :] > qp[:, :, None])[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # empty rows: exp(-inf - -inf) = NaN -> 0
+    return p @ vv, lse
+
+
+def assert_close(out, lse, q, k, v, q_pos, k_pos, causal=True, expect_empty=None, scale=None):
+    ref, ref_lse = reference(q, k, v, q_pos, k_pos, causal, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    tol_out, tol_lse = TOL[q.dtype]
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < tol_out, f"relative error {err:.3e}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.isfinite(out).all()
+    assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < tol_lse
+    empty = ~fin
+    if expect_empty is not None:
+        assert int(empty.sum()) == expect_empty  # the case really has (or lacks) rows with no key
+    assert torch.isneginf(lse[empty]).all()
+    assert (out[empty] == 0).all()
+
+
+def rand(B, H, L, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, L, D, generator=g).to(dtype)
+
+
+def qkv(B, hq, hkv, lq, lk, d, dtype, seed=0):
+    return rand(B, hq, lq, d, dtype, seed), rand(B, hkv, lk, d, dtype, seed + 1), rand(B, hkv, lk, d, dtype, seed + 2)
+
+
+ZIG = torch.cat([torch.arange(0, 24), torch.arange(72, 96)])  # a ring shard: chunks 0 and 3 of 4
+
+# name, B, Hq, Hkv, Lq, Lk, D, q_pos, k_pos, causal, config (BLOCK_M, BLOCK_N, warps, stages),
+# rows without a visible key per head (over the batch; None: not counted)
+FLASH_CASES = [
+    ("odd-lengths-gqa3-query-in-middle", 1, 6, 2, 37, 101, 64, torch.arange(37) + 30, torch.arange(101), True, (16, 32, 4, 1), 0),
+    ("gqa3x3-rows-before-all-keys", 1, 9, 3, 37, 101, 32, torch.arange(37) - 10, torch.arange(101), True, (16, 16, 4, 1), 10),
+    ("zigzag-shard", 1, 4, 2, 48, 48, 64, ZIG, ZIG, True, (16, 16, 4, 1), 0),
+    ("query-in-gap-of-zigzag-keys", 1, 4, 2, 20, 48, 64, torch.arange(30, 50), ZIG, True, (16, 16, 4, 1), 0),
+    ("noncausal-d48", 1, 4, 2, 50, 77, 48, torch.arange(50), torch.arange(77), False, (16, 16, 4, 1), 0),
+    ("per-batch-positions", 2, 4, 4, 40, 70, 16, torch.stack([torch.arange(40), torch.arange(40) - 5]),
+     torch.stack([torch.arange(70), torch.arange(70) + 3]), True, (16, 16, 4, 1), 8),
+    ("unsorted-positions", 1, 4, 2, 40, 70, 32, torch.randperm(40, generator=torch.Generator().manual_seed(1)) + 10,
+     torch.randperm(70, generator=torch.Generator().manual_seed(2)), True, (16, 16, 4, 1), None),
+    ("default-config-d128", 1, 2, 1, 130, 200, 128, torch.arange(130) + 70, torch.arange(200), True, None, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", FLASH_CASES, ids=[c[0] for c in FLASH_CASES])
+def test_flash_matches_reference(case, dtype):
+    _, B, hq, hkv, lq, lk, d, qp, kp, causal, cfg, empty_per_head = case
+    q, k, v = qkv(B, hq, hkv, lq, lk, d, dtype)
+    out, lse = flash_attention(q, k, v, q_pos=qp, k_pos=kp, causal=causal, config=cfg)
+    expect = None if empty_per_head is None else empty_per_head * hq
+    assert_close(out, lse, q, k, v, qp, kp, causal, expect_empty=expect)
+
+
+def test_flash_tensor_descriptor_path_and_scale():
+    # The TMA path (K/V through tensor descriptors; zero fill past Lk) with a custom scale.
+    q, k, v = qkv(1, 6, 2, 37, 101, 64, torch.float32, seed=3)
+    qp, kp = torch.arange(37) + 30, torch.arange(101)
+    out, lse = flash_attention(q, k, v, q_pos=qp, k_pos=kp, config=(16, 32, 4, 1), tma=True, scale=0.3)
+    assert_close(out, lse, q, k, v, qp, kp, scale=0.3, expect_empty=0)
+
+
+def test_flash_strided_inputs_and_empty_key_set():
+    q, k, v = qkv(1, 4, 2, 33, 45, 32, torch.float32, seed=4)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, H, D] memory, as projections give
+    qp, kp = torch.arange(33) + 12, torch.arange(45)
+    out, lse = flash_attention(qt, k, v, q_pos=qp, k_pos=kp, config=(16, 16, 4, 1))
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
+    out, lse = flash_attention(q, k[:, :, :0], v[:, :, :0], q_pos=qp, k_pos=kp[:0])
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_flash_partials_merge_to_full():
+    # The contract: results over disjoint key sets combine exactly by lse.
+    q, k, v = qkv(1, 6, 2, 37, 101, 32, torch.float32, seed=5)
+    qp, kp = torch.arange(37) + 60, torch.arange(101)
+    cfg = (16, 32, 4, 1)
+    o1, l1 = flash_attention(q, k[:, :, :50], v[:, :, :50], q_pos=qp, k_pos=kp[:50], config=cfg)
+    o2, l2 = flash_attention(q, k[:, :, 50:], v[:, :, 50:], q_pos=qp, k_pos=kp[50:], config=cfg)
+    out, lse = merge_partials(torch.stack([o1, o2], -2), torch.stack([l1, l2], -1))
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
+
+
+# name, B, Hq, Hkv, Lq, Lk, D, q_pos, k_pos, causal, num_splits, rows without a visible key per batch
+DECODE_CASES = [
+    ("one-row-gqa3-splits-uneven", 1, 6, 2, 1, 1000, 64, torch.tensor([999]), torch.arange(1000), True, 3, 0),
+    ("five-rows-gqa3x3", 1, 9, 3, 5, 301, 32, torch.arange(296, 301), torch.arange(301), True, 4, 0),
+    ("sixteen-rows-some-empty", 1, 4, 2, 16, 100, 64, torch.arange(16) - 8, torch.arange(100), True, 3, 8 * 4),
+    ("two-row-blocks-gqa8", 2, 8, 1, 16, 200, 32, torch.arange(184, 200), torch.arange(200), True, 2, 0),
+    ("noncausal-d48", 1, 4, 2, 3, 77, 48, torch.zeros(3, dtype=torch.long), torch.zeros(77, dtype=torch.long), False, 2, 0),
+    ("query-between-zigzag-keys", 1, 4, 2, 2, 48, 64, torch.tensor([30, 80]), ZIG, True, 2, 0),
+]
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_matches_reference(case, dtype, use_triton):
+    _, B, hq, hkv, lq, lk, d, qp, kp, causal, splits, empty = case
+    q, k, v = qkv(B, hq, hkv, lq, lk, d, dtype, seed=7)
+    out, lse = decode_attention(q, k, v, q_pos=qp, k_pos=kp, causal=causal, num_splits=splits, use_triton=use_triton)
+    assert_close(out, lse, q, k, v, qp, kp, causal, expect_empty=empty * B)
+
+
+def test_decode_default_splits_and_config():
+    q, k, v = qkv(1, 8, 2, 2, 1500, 64, torch.float32, seed=8)
+    qp, kp = torch.tensor([700, 1499]), torch.arange(1500)
+    out, lse = decode_attention(q, k, v, q_pos=qp, k_pos=kp, use_triton=True)
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
+    out, lse = decode_attention(q, k, v, q_pos=qp, k_pos=kp, use_triton=True, num_splits=5, config=(32, 4, 1))
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
+
+
+def test_block_ranges_against_brute_force():
+    gen = torch.Generator().manual_seed(9)
+    bm, bn = 8, 4
+    for sort in (True, False):
+        qp = torch.randint(0, 60, (2, 29), generator=gen)
+        kp = torch.randint(0, 60, (2, 37), generator=gen)
+        if sort:
+            qp, kp = qp.sort(-1).values, kp.sort(-1).values
+        ranges = block_ranges(qp, kp, bm, bn)
+        for p in range(2):
+            for i in range(ranges.shape[1]):
+                qb = qp[p, i * bm:(i + 1) * bm]
+                n_full, n_blocks = ranges[p, i].tolist()
+                for j in range(-(-37 // bn)):
+                    kb = kp[p, j * bn:(j + 1) * bn]
+                    vis = kb[None, :] <= qb[:, None]
+                    if j < n_full:
+                        assert len(kb) == bn and vis.all()  # unmasked blocks: full and all visible
+                    if j >= n_blocks:
+                        assert not vis.any()  # skipped blocks: nothing visible
+                if sort and n_blocks > n_full:  # sorted positions: the masked range is tight
+                    assert not (kp[p, n_full * bn:(n_full + 1) * bn][None, :] <= qb[:, None]).all() or (n_full + 1) * bn > 37
+                    assert (kp[p, (n_blocks - 1) * bn:n_blocks * bn][None, :] <= qb[:, None]).any()
+
+
+def test_mask_mode():
+    a = torch.arange(100)
+    assert mask_mode(a, a, True) == "causal"
+    assert mask_mode(a, a.clone(), False) == "full"
+    assert mask_mode(torch.arange(100, 110), a, True) == "full"  # query after every key
+    assert mask_mode(torch.arange(90, 100), a, True) == "masked"  # query tail: bottom-right, not index-causal
+    assert mask_mode(a + 5, a + 5, True) == "causal"
+    assert mask_mode(a, a + 1, True) == "masked"
+    assert mask_mode(ZIG, ZIG, True) == "masked"
+
+
+@pytest.mark.parametrize("shape,dtype,Lk,mode,want", [
+    ((1, 32, 1, 128), torch.bfloat16, 10**6, None, "decode"),
+    ((1, 32, 8192, 128), torch.bfloat16, 8192, "causal", "cudnn"),
+    ((1, 32, 100, 128), torch.bfloat16, 4096, "full", "flash-sdpa"),  # short block: no cuDNN plan per shape
+    ((1, 32, 8192, 128), torch.float32, 8192, "causal", "triton"),  # fused kernels are half precision only
+    ((1, 32, 8192, 256), torch.bfloat16, 8192, "causal", "triton"),
+    ((1, 32, 4096, 128), torch.bfloat16, 4096, "masked", "triton"),
+    ((1, 32, 64, 128), torch.bfloat16, 32768, "masked", "decode"),  # 32 programs for 132 SMs: split keys
+    ((8, 32, 64, 128), torch.bfloat16, 32768, "masked", "triton"),
+])
+def test_cuda_backend_choice(shape, dtype, Lk, mode, want):
+    assert cuda_backend(torch.empty(shape, dtype=dtype, device="meta"), Lk, mode, sms=132) == want
+
+
+DISPATCH_CASES = [
+    ("square-causal", 1, 6, 2, 40, 40, torch.arange(40), torch.arange(40), True),
+    ("query-in-middle", 1, 6, 2, 37, 101, torch.arange(37) + 30, torch.arange(101), True),
+    ("rows-without-keys", 1, 9, 3, 37, 101, torch.arange(37) - 10, torch.arange(101), True),
+    ("zigzag", 1, 4, 2, 48, 48, ZIG, ZIG, True),
+    ("noncausal", 1, 4, 2, 50, 77, torch.arange(50), torch.arange(77), False),
+    ("decode-rows", 1, 9, 3, 3, 101, torch.tensor([-1, 50, 100]), torch.arange(101), True),
+    ("per-batch-positions", 2, 4, 2, 20, 30, torch.stack([torch.arange(20), torch.arange(20) + 9]), torch.arange(30)[None], True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("case", DISPATCH_CASES, ids=[c[0] for c in DISPATCH_CASES])
+def test_attention_dispatch_cpu(case, dtype):
+    _, B, hq, hkv, lq, lk, qp, kp, causal = case
+    q, k, v = qkv(B, hq, hkv, lq, lk, 32, dtype, seed=11)
+    out, lse = attention(q, k, v, q_pos=qp, k_pos=kp, causal=causal)
+    assert_close(out, lse, q, k, v, qp, kp, causal)
+
+
+def test_attention_math_chunked(monkeypatch):
+    # A small score budget forces several row chunks; float64 in, float64 exactness out.
+    monkeypatch.setattr(attn_mod, "_MATH_SCORE_BUDGET", 6 * 101 * 5)
+    q, k, v = qkv(1, 6, 2, 37, 101, 16, torch.float64, seed=12)
+    qp, kp = torch.arange(37) - 5, torch.arange(101)
+    out, lse = attention_math(q, k, v, q_pos=qp, k_pos=kp)
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=5 * 6)
+
+
+def test_dispatch_routes_short_queries_to_math_on_cpu(monkeypatch):
+    calls = []
+    real = attn_mod.attention_math
+    monkeypatch.setattr(attn_mod, "attention_math", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = qkv(1, 4, 2, DECODE_MAX_ROWS, 64, 16, torch.float32)
+    attention(q, k, v, q_pos=torch.arange(48, 64), k_pos=torch.arange(64))
+    assert calls == [1]
+    q, k, v = qkv(1, 4, 2, DECODE_MAX_ROWS + 1, 64, 16, torch.float32)
+    attention(q, k, v, q_pos=torch.arange(47, 64), k_pos=torch.arange(64))
+    assert calls == [1]  # the fused CPU kernel took the longer block
+
+
+@pytest.mark.parametrize("fn", [attention, flash_attention, decode_attention])
+def test_bad_inputs_raise(fn):
+    q, k, v = qkv(1, 4, 2, 8, 16, 16, torch.float32)
+    pos_q, pos_k = torch.arange(8), torch.arange(16)
+    with pytest.raises(ValueError, match="4-D"):
+        fn(q[0], k, v, q_pos=pos_q, k_pos=pos_k)
+    with pytest.raises(ValueError, match="k and v shapes differ"):
+        fn(q, k, v[:, :, :8], q_pos=pos_q, k_pos=pos_k)
+    k3 = torch.randn(1, 3, 16, 16)
+    with pytest.raises(ValueError, match="GQA"):
+        fn(q, k3, k3, q_pos=pos_q, k_pos=pos_k)
+    with pytest.raises(ValueError, match="head_dim"):
+        fn(q, k[..., :8], v[..., :8], q_pos=pos_q, k_pos=pos_k)
+    if fn is not attention:  # the kernels also check positions and dtypes
+        kw = {"use_triton": True} if fn is decode_attention else {}
+        with pytest.raises(ValueError, match="q_pos"):
+            fn(q, k, v, q_pos=torch.arange(7), k_pos=pos_k, **kw)
+        with pytest.raises(ValueError, match="dtypes differ"):
+            fn(q, k.half(), v.half(), q_pos=pos_q, k_pos=pos_k, **kw)
