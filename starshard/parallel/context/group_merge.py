@@ -9,8 +9,10 @@ def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch
     """out [B, H, L, D], lse [B, H, L] float32 on each rank -> the merged (out, lse) on every rank.
 
     One all-reduce of the max lse, then one of the weighted sums (numerator and denominator packed
-    into one tensor). Rows empty on every rank stay out = 0, lse = -inf.
+    into one tensor). Rows empty on every rank stay out = 0, lse = -inf. group=None: a single rank.
     """
+    if group is None or dist.get_world_size(group) == 1:
+        return out, lse
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     m_safe = m.nan_to_num(neginf=0.0)

@@ -1,126 +1,272 @@
-"""Ring attention with zigzag load balancing (exact).
+"""Ring attention (exact), with the zigzag load-balanced strategy built on it.
 
-The padded sequence is cut into 2*cp chunks; rank r holds chunks r and 2cp-1-r, so every rank does
-the same causal work. KV blocks travel the ring (batch_isend_irecv, double-buffered: the next block is
-in flight while the current one is computed) and partials merge by log-sum-exp in float32. Causality
-is by position, so the zigzag structure also tells which half of each block pair is visible: from a
-rank j < r only j's first chunk is visible (to all local rows); from j > r both of j's chunks are
-visible, to the local second chunk only. Each step is therefore half a block pair, with no mask.
+Each rank holds a shard of the queries and of the keys/values, with their global positions. The K/V
+blocks travel the ring (batch_isend_irecv, double-buffered: the next block is in flight while the
+current one is computed) and the partial results merge by log-sum-exp in float32.
+
+Positions do not travel: a `RingPlan`, built once (one tiny all-gather, or no communication at all
+when the layout is known, as for zigzag) and reusable by every layer, says for each step which
+(query rows, key rows) pairs to compute and whether they need a mask. Shards are cut into runs of
+consecutive positions; a run pair is skipped when no key is visible, computed without a mask when
+every key is visible, and as plain causal attention when both runs hold the same positions. With
+the zigzag layout (rank r holds chunks r and 2cp-1-r) this gives every rank the same work, one
+unmasked call per remote block and three mask-free calls for the local one, and the hot loop needs
+no host synchronisation.
 """
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from starshard.kernels.attention import attention
-from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.merge import merge_partials
+from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
+
+__all__ = ["RingPlan", "ring_attention", "gather_ring_plan", "build_ring_plan", "zigzag_ring_plan",
+           "plan_steps", "RingAttention", "zigzag_chunks", "zigzag_positions"]
+
+_MAX_RUNS = 4  # more runs than this: the shard is treated as one (masked) run
+_MAX_CALLS = 4  # more run pairs than this in one block: one masked call instead
+
+_SKIP, _FULL, _DIAG, _PARTIAL = range(4)
 
 
-def zigzag_chunks(prompt_len: int, cp: int) -> tuple[int, int]:
-    """(chunk size, padded length): the prompt padded up to a multiple of 2*cp."""
-    chunk = math.ceil(prompt_len / (2 * cp))
-    return chunk, chunk * 2 * cp
+@dataclass(frozen=True)
+class Run:
+    """Rows [start, stop) of a shard holding positions lo..hi (consecutive, in order, if `contiguous`)."""
+
+    start: int
+    stop: int
+    lo: int
+    hi: int
+    contiguous: bool
 
 
-def zigzag_positions(prompt_len: int, cp: int, rank: int) -> torch.Tensor:
-    """Global positions rank holds: chunks rank and 2cp-1-rank (positions >= prompt_len are padding)."""
-    c, _ = zigzag_chunks(prompt_len, cp)
-    first, second = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+@dataclass(frozen=True)
+class Call:
+    """One attention call of a ring step: query rows q, key rows k of the block, mask or not."""
+
+    q: tuple[int, int]
+    k: tuple[int, int]
+    causal: bool  # False: every key is visible to every query row of the call
+    runs: tuple[int, ...]  # query runs the call covers
+    diagonal: bool = False  # query and key rows hold the same consecutive positions
+
+
+def _runs(pos: torch.Tensor) -> list[Run]:
+    """Split host positions [n] into runs of consecutive positions."""
+    n = pos.numel()
+    if n == 0:
+        return []
+    cuts = [0, *((pos[1:] - pos[:-1] != 1).nonzero().squeeze(1) + 1).tolist(), n]
+    if len(cuts) - 1 > _MAX_RUNS:
+        return [Run(0, n, int(pos.min()), int(pos.max()), False)]
+    return [Run(a, b, int(pos[a]), int(pos[b - 1]), True) for a, b in zip(cuts, cuts[1:])]
+
+
+def _status(q: Run, k: Run) -> int:
+    if k.lo > q.hi:
+        return _SKIP
+    if k.hi <= q.lo:
+        return _FULL
+    if q.contiguous and k.contiguous and q.lo == k.lo and q.hi == k.hi:
+        return _DIAG  # same consecutive positions: index-causal, the kernels' mask-free path
+    return _PARTIAL
+
+
+def _is_range(idx: list[int]) -> bool:
+    return idx == list(range(idx[0], idx[-1] + 1))
+
+
+def _plan_block(qr: list[Run], kr: list[Run]) -> tuple[Call, ...]:
+    st = [[_status(a, b) for b in kr] for a in qr]
+    rows = [i for i in range(len(qr)) if any(s != _SKIP for s in st[i])]
+    if not rows:
+        return ()  # the whole block is invisible to this shard
+    cols = [j for j in range(len(kr)) if any(st[i][j] != _SKIP for i in rows)]
+    q_span = (qr[rows[0]].start, qr[rows[-1]].stop)
+    k_span = (kr[cols[0]].start, kr[cols[-1]].stop)
+    if _is_range(rows) and _is_range(cols) and all(st[i][j] == _FULL for i in rows for j in cols):
+        return (Call(q_span, k_span, False, tuple(rows)),)
+    pairs = [(i, j) for i in rows for j in cols if st[i][j] != _SKIP]
+    if len(pairs) > _MAX_CALLS:
+        return (Call(q_span, k_span, True, tuple(range(rows[0], rows[-1] + 1))),)
+    return tuple(Call((qr[i].start, qr[i].stop), (kr[j].start, kr[j].stop), st[i][j] != _FULL, (i,), st[i][j] == _DIAG)
+                 for i, j in pairs)
+
+
+def plan_steps(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor], rank: int) -> tuple[tuple[Call, ...], ...]:
+    """Calls per ring step (pure, host tensors): step s computes the K/V block of rank (rank - s) % cp."""
+    cp = len(k_pos_per_rank)
+    qr = _runs(q_pos.cpu())
+    return tuple(_plan_block(qr, _runs(k_pos_per_rank[(rank - s) % cp].cpu())) for s in range(cp))
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What one rank computes at each ring step, and with whom it exchanges blocks."""
+
+    rank: int  # in the group
+    cp: int
+    send_to: int  # global ranks
+    recv_from: int
+    q_len: int
+    k_len: int
+    q_runs: int  # runs of consecutive positions in the query shard
+    k_pos: torch.Tensor  # [cp, k_len] every rank's key positions (the travelling blocks' masks)
+    steps: tuple[tuple[Call, ...], ...]
+
+    @property
+    def num_calls(self) -> int:
+        return sum(len(s) for s in self.steps)
+
+
+def _check_pos(name: str, pos: torch.Tensor, n: int) -> None:
+    if pos.dim() != 1 or pos.numel() != n:
+        raise ValueError(f"{name} must be 1-D with one position per row ({n}), got shape {tuple(pos.shape)}")
+
+
+def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor], group,
+                    device: torch.device | str | None = None) -> RingPlan:
+    """A plan from key positions already known for every rank (no communication)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(k_pos_per_rank) != cp:
+        raise ValueError(f"need the key positions of all {cp} ranks, got {len(k_pos_per_rank)}")
+    k_len = k_pos_per_rank[0].numel()
+    if any(p.dim() != 1 or p.numel() != k_len for p in k_pos_per_rank):
+        raise ValueError("ring attention needs equal 1-D key shards on every rank (pad with sharding.py helpers)")
+    _check_pos("q_pos", q_pos, q_pos.numel())
+    k_pos = torch.stack([p.to(device or q_pos.device) for p in k_pos_per_rank])
+    return RingPlan(rank, cp, dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp),
+                    q_pos.numel(), k_len, len(_runs(q_pos.cpu())), k_pos, plan_steps(q_pos, k_pos_per_rank, rank))
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
+    gather(out, inp, group=group)
+
+
+def gather_ring_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> RingPlan:
+    """A plan for arbitrary shards: all-gathers the key positions (two tiny collectives, one host sync)."""
+    cp = dist.get_world_size(group)
+    _check_pos("q_pos", q_pos, q_pos.numel())
+    _check_pos("k_pos", k_pos, k_pos.numel())
+    lens = torch.empty(cp, dtype=torch.long, device=k_pos.device)
+    _all_gather(lens, torch.tensor([k_pos.numel()], device=k_pos.device), group)
+    if len(set(lens.tolist())) != 1:  # every rank sees the same lengths, so every rank raises
+        raise ValueError(f"ring attention needs equal key shard lengths on every rank, got {lens.tolist()} "
+                         "(pad with the sharding.py helpers)")
+    gathered = torch.empty(cp * k_pos.numel(), dtype=k_pos.dtype, device=k_pos.device)
+    _all_gather(gathered, k_pos.contiguous(), group)
+    per_rank = list(gathered.cpu().view(cp, -1))
+    plan = build_ring_plan(q_pos.cpu(), per_rank, group)
+    return replace(plan, k_pos=gathered.view(cp, -1))  # keep the device copy: no re-upload
+
+
+def zigzag_ring_plan(seq_len: int, group, device: torch.device | str | None = None) -> RingPlan:
+    """The plan for self-attention over the zigzag shards of a `seq_len` sequence (no communication)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    pos = [zigzag_positions(seq_len, cp, r) for r in range(cp)]
+    return build_ring_plan(pos[rank], pos, group, device)
+
+
+class _Partial:
+    """Running float32 (out, lse) of this rank's query rows; a run's first partial is stored as is."""
+
+    def __init__(self, q: torch.Tensor, num_runs: int):
+        B, H, L, D = q.shape
+        self.out = torch.zeros(B, H, L, D, dtype=torch.float32, device=q.device)
+        self.lse = torch.full((B, H, L), float("-inf"), dtype=torch.float32, device=q.device)
+        self.written = [False] * num_runs
+
+    def add(self, call: Call, o: torch.Tensor, l: torch.Tensor) -> None:
+        a, b = call.q
+        if any(self.written[i] for i in call.runs):
+            o, l = merge_partials(self.out[:, :, a:b], self.lse[:, :, a:b], o, l)
+        self.out[:, :, a:b] = o
+        self.lse[:, :, a:b] = l
+        for i in call.runs:
+            self.written[i] = True
+
+
+def _compute_block(q, k, v, q_pos, k_pos, calls: tuple[Call, ...], acc: _Partial, scale) -> None:
+    for c in calls:
+        qp = q_pos[c.q[0] : c.q[1]]
+        kp = qp if c.diagonal else k_pos[c.k[0] : c.k[1]]  # one tensor: kernels see plain causal cheaply
+        o, l = attention(q[:, :, c.q[0] : c.q[1]], k[:, :, c.k[0] : c.k[1]], v[:, :, c.k[0] : c.k[1]],
+                         q_pos=qp, k_pos=kp, causal=c.causal, scale=scale)
+        acc.add(c, o, l)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   group, *, scale: float | None = None, plan: RingPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this rank's queries over the keys of every rank in `group`.
+
+    q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] and positions q_pos [Lq], k_pos [Lk] are this rank's shard;
+    Lk (and B, Hkv, D) must be equal on every rank. Returns (out [B, Hq, Lq, D] in q.dtype,
+    lse [B, Hq, Lq] float32) for this rank's rows, as dense attention over the whole sequence would.
+    `plan` (from gather_ring_plan / zigzag_ring_plan for the same positions) skips re-planning when
+    every layer has the same shards. group=None means a single rank.
+    """
+    _check_pos("q_pos", q_pos, q.shape[2])
+    _check_pos("k_pos", k_pos, k.shape[2])
+    if group_size(group) == 1:
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    plan = plan if plan is not None else gather_ring_plan(q_pos, k_pos, group)
+    if (plan.q_len, plan.k_len) != (q.shape[2], k.shape[2]):
+        raise ValueError(f"ring plan is for {plan.q_len} query / {plan.k_len} key rows, got {q.shape[2]} / {k.shape[2]}")
+    all_k_pos = plan.k_pos.to(k_pos.device)
+    acc = _Partial(q, plan.q_runs)
+    cur = (k.contiguous(), v.contiguous())
+    spare: tuple[torch.Tensor, torch.Tensor] | None = None
+    for step, calls in enumerate(plan.steps):
+        reqs = []
+        if step < plan.cp - 1:  # pass the current block on, receive the previous rank's
+            if spare is None:
+                spare = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
+            reqs = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, cur[0], plan.send_to, group),
+                dist.P2POp(dist.isend, cur[1], plan.send_to, group),
+                dist.P2POp(dist.irecv, spare[0], plan.recv_from, group),
+                dist.P2POp(dist.irecv, spare[1], plan.recv_from, group),
+            ])
+        src = (plan.rank - step) % plan.cp
+        _compute_block(q, cur[0], cur[1], q_pos, all_k_pos[src], calls, acc, scale)
+        for req in reqs:
+            req.wait()
+        if reqs:
+            # the received block becomes current; the sent one is free again (never the caller's k/v)
+            cur, spare = spare, (None if step == 0 else cur)
+    return acc.out.to(q.dtype), acc.lse
 
 
 class RingAttention(ContextStrategy):
+    """Zigzag ring strategy for the model: prefill self-attention over zigzag shards."""
+
     name = "ring"
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
-        pos = zigzag_positions(prompt_len, self.cp, self.rank)
-        real = pos < prompt_len
-        index = torch.where(real, pos, torch.zeros_like(pos))  # padding rows repeat token 0
-        last = int((pos == prompt_len - 1).nonzero()[0]) if bool((pos == prompt_len - 1).any()) else -1
-        self._prompt_len = prompt_len  # prefill_attend's blocks follow from it on every rank
-        self._src_pos: dict[int, torch.Tensor] = {}  # peers' positions on this device, per prompt
-        return [Segment(index, pos, real.nonzero().squeeze(1), last)]
+        shard = zigzag_shard(prompt_len, self.cp, self.rank)
+        last = prompt_len - 1
+        hit = (shard.positions == last).nonzero()
+        self._prompt_len = prompt_len  # prefill_attend's plan follows from it on every rank
+        return [Segment(shard.token_index, shard.positions, shard.rows, int(hit[0]) if len(hit) else -1)]
 
     def last_token_rank(self, prompt_len: int, context_len: int) -> int:
         c, _ = zigzag_chunks(prompt_len, self.cp)
         chunk = (prompt_len - 1) // c
         return chunk if chunk < self.cp else 2 * self.cp - 1 - chunk
 
-    def _has_padding(self, rank: int) -> bool:
-        """Whether `rank`'s shard holds padding rows (known on every rank without communication)."""
-        c, _ = zigzag_chunks(self._prompt_len, self.cp)
-        return (2 * self.cp - rank) * c > self._prompt_len  # its second chunk runs past the prompt
-
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
+        plan = zigzag_ring_plan(self._prompt_len, self.group, segment.positions.device) if self.cp > 1 else None
 
         def attend(q, k, v, pos, cache):
             cache_append(cache, k, v, pos, rows)
-            return self.ring_attention(q, k, v, pos)
+            return ring_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, plan=plan)[0]
 
         return attend
-
-    def ring_attention(self, q, k, v, pos):
-        """This rank's zigzag shard of q/k/v [B, H, 2c, D] -> attention output of its rows."""
-        cp, r = self.cp, self.rank
-        if cp == 1:
-            return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)[0]
-        c = q.shape[2] // 2
-        send_to = dist.get_global_rank(self.group, (r + 1) % cp)
-        recv_from = dist.get_global_rank(self.group, (r - 1) % cp)
-
-        def start(block):  # pass `block` on, receive the previous rank's
-            incoming = torch.empty_like(block)
-            reqs = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, block, send_to, self.group),
-                dist.P2POp(dist.irecv, incoming, recv_from, self.group),
-            ])
-            return reqs, incoming
-
-        pending = start(torch.stack([k, v]).contiguous())  # first block travels during the local step
-        out, lse = self._local(q, k, v, pos, c)
-        for step in range(1, cp):
-            reqs, block = pending
-            for req in reqs:
-                req.wait()
-            if step < cp - 1:
-                pending = start(block)
-            src = (r - step) % cp
-            if src not in self._src_pos:
-                self._src_pos[src] = zigzag_positions(self._prompt_len, cp, src).to(pos.device)
-            src_pos = self._src_pos[src]
-            out, lse = self._accumulate(q, block, src_pos, src, pos, out, lse, c)
-        return out.to(q.dtype)
-
-    def _local(self, q, k, v, pos, c: int):
-        """Own block pair as three unmasked-shape calls: two causal diagonals and one full block
-        (second chunk over first), so the fast dense kernels apply; padding keeps a position mask."""
-        if self._has_padding(self.rank):
-            out, lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
-            return out.float(), lse
-        p1, p2 = pos[:c], pos[c:]
-        o1, l1 = attention(q[:, :, :c], k[:, :, :c], v[:, :, :c], q_pos=p1, k_pos=p1, causal=True)
-        o2, l2 = attention(q[:, :, c:], k[:, :, c:], v[:, :, c:], q_pos=p2, k_pos=p2, causal=True)
-        o3, l3 = attention(q[:, :, c:], k[:, :, :c], v[:, :, :c], q_pos=p2, k_pos=p1, causal=False)
-        o2, l2 = merge_partials(o2.float(), l2, o3, l3)
-        return torch.cat([o1.float(), o2], dim=2), torch.cat([l1, l2], dim=2)
-
-    def _accumulate(self, q, kv, kv_pos, src: int, pos, out, lse, c: int):
-        """Merge the visible half of src's block pair into (out, lse)."""
-        k, v = kv[0], kv[1]
-        r = self.rank
-        # Padding keys sit past every real query, so a position mask keeps them out exactly; blocks
-        # without padding need no mask.
-        masked = self._has_padding(src) or self._has_padding(r)
-        if src < r:  # src's first chunk precedes both local chunks
-            o, l = attention(q, k[:, :, :c], v[:, :, :c], q_pos=pos, k_pos=kv_pos[:c], causal=masked)
-            return merge_partials(out, lse, o, l)
-        # src > r: both of src's chunks precede the local second chunk, none precedes the first
-        o, l = attention(q[:, :, c:], k, v, q_pos=pos[c:], k_pos=kv_pos, causal=masked)
-        o2, l2 = merge_partials(out[:, :, c:], lse[:, :, c:], o, l)
-        out = torch.cat([out[:, :, :c], o2], dim=2)
-        lse = torch.cat([lse[:, :, :c], l2], dim=2)
-        return out, lse

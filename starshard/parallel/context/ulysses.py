@@ -1,88 +1,171 @@
-"""Ulysses (DeepSpeed-Ulysses) sequence parallelism (exact).
+"""Ulysses (DeepSpeed-Ulysses) sequence parallelism (exact), and the strategy built on it.
 
-Rank r holds a contiguous slice of the padded sequence. In each attention layer one all-to-all turns
-[all heads, L/cp tokens] into [H/cp heads, all L tokens], attention runs on the full sequence for
-those heads (plain causal: the fast dense kernel), and one all-to-all turns it back.
-GQA: KV heads are split over the ranks when cp divides them; otherwise each rank receives, per query
-head it owns, that head's KV head (replication), which costs more traffic but stays exact.
+Each rank holds a sequence shard of every head. One all-to-all turns [B, H, L/cp, D] sequence shards
+into [B, H/cp, L, D] head shards (positions are all-gathered), attention runs on the whole sequence
+for those heads, and one all-to-all turns the result back. No host synchronisation.
+GQA: KV heads are split over the ranks when cp divides them; otherwise each KV head is repeated
+(the fewest copies, lcm(Hkv, cp) heads in all) so that every rank receives the KV heads its query
+heads read. Query heads must be divisible by cp.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from starshard.kernels.attention import attention
-from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
+from starshard.parallel.context.sharding import contiguous_shard
+
+__all__ = ["ulysses_attention", "ulysses_core", "check_ulysses_heads", "kv_head_copies", "valid_cp_sizes",
+           "seq_to_heads", "heads_to_seq", "gather_positions", "UlyssesAttention"]
+
+# (q, k, v, q_pos, k_pos) of the head shards -> (out, lse): what runs between the two all-to-alls
+Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def valid_cp_sizes(num_heads: int, limit: int = 64) -> list[int]:
-    return [c for c in range(1, limit + 1) if num_heads % c == 0]
+def valid_cp_sizes(num_heads: int, limit: int | None = None) -> list[int]:
+    return [c for c in range(1, (limit or num_heads) + 1) if num_heads % c == 0]
 
 
-def seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[B, H, n, D] sequence shard -> [B, H/cp, cp*n, D] head shard (all-to-all over the group)."""
-    B, H, n, D = x.shape
-    send = x.reshape(B, cp, H // cp, n, D).transpose(0, 1).contiguous()  # [cp, B, H/cp, n, D]
+def check_ulysses_heads(hq: int, hkv: int, cp: int) -> None:
+    if hq % cp:
+        raise ValueError(
+            f"Ulysses needs the query heads (per tensor-parallel rank), {hq}, divisible by cp={cp}; "
+            f"valid cp sizes: {valid_cp_sizes(hq)} (or use ring attention)"
+        )
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"GQA needs query heads divisible by KV heads, got Hq={hq} Hkv={hkv}")
+
+
+def kv_head_copies(hq: int, hkv: int, cp: int) -> int:
+    """Copies of each KV head so that cp ranks split them evenly and each rank's query heads find
+    theirs. cp // gcd(Hkv, cp) always divides Hq/Hkv when cp divides Hq, so GQA groups stay intact."""
+    return 1 if hkv % cp == 0 else cp // math.gcd(hkv, cp)
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // cp, cp * n, D)  # ranks' slices in order
+    return recv
 
 
-def heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """Inverse of seq_to_heads: [B, H/cp, cp*n, D] -> [B, H, n, D]."""
-    B, h, L, D = x.shape
-    n = L // cp
-    send = x.reshape(B, h, cp, n, D).permute(2, 0, 1, 3, 4).contiguous()  # [cp, B, h, n, D]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(B, cp * h, n, D)
+def seq_to_heads(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
+    """Each [B, H, n, D] sequence shard -> [B, H/cp, cp*n, D] head shard (ranks' rows in rank order).
+
+    Tensors of the same row shape and dtype travel in one all-to-all."""
+    cp = group_size(group)
+    for t in tensors:
+        if t.shape[1] % cp:
+            raise ValueError(f"cannot split {t.shape[1]} heads over {cp} ranks")
+    # [cp, B, H/cp, n, D]: the slice for rank c is its heads
+    views = [t.reshape(t.shape[0], cp, t.shape[1] // cp, *t.shape[2:]).transpose(0, 1) for t in tensors]
+    packable = len({(t.shape[0], *t.shape[2:], t.dtype) for t in tensors}) == 1
+    batches = [views] if packable else [[x] for x in views]
+    out: list[torch.Tensor] = []
+    for batch in batches:
+        recv = _all_to_all(torch.cat(batch, dim=2) if len(batch) > 1 else batch[0].contiguous(), group)
+        for part in recv.split([x.shape[2] for x in batch], dim=2):
+            _, B, h, n, D = part.shape
+            out.append(part.permute(1, 2, 0, 3, 4).reshape(B, h, cp * n, D))
+    return out
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of seq_to_heads: [B, H/cp, cp*n, ...] -> [B, H, n, ...] (trailing dims optional)."""
+    cp = group_size(group)
+    B, h, L, *rest = x.shape
+    send = x.reshape(B, h, cp, L // cp, *rest).transpose(0, 2).transpose(1, 2)  # [cp, B, h, n, ...]
+    recv = _all_to_all(send.contiguous(), group)
+    return recv.transpose(0, 1).reshape(B, cp * h, L // cp, *rest)
+
+
+def _gather_1d(x: torch.Tensor, group) -> torch.Tensor:
+    cp = group_size(group)
+    out = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
+    gather(out, x.contiguous(), group=group)
+    return out.view(cp, -1)
+
+
+def gather_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's positions in rank order (one all-gather; the same tensor twice for self-attention)."""
+    if q_pos is k_pos:
+        p = _gather_1d(q_pos, group).reshape(-1)
+        return p, p
+    g = _gather_1d(torch.cat([q_pos, k_pos.to(q_pos.dtype)]), group)
+    n = q_pos.numel()
+    return g[:, :n].reshape(-1), g[:, n:].reshape(-1)
+
+
+def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool = True):
+    """seq -> head shards over `group`, `inner` on them, back to sequence shards: (out, lse | None).
+
+    Shards must have equal lengths on every rank (pad with sharding.py; padding positions lie past
+    the real tokens, so masking by position keeps real rows exact)."""
+    for name, pos, t in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
+        if pos.dim() != 1 or pos.numel() != t.shape[2]:
+            raise ValueError(f"{name} must be 1-D with one position per row ({t.shape[2]}), got {tuple(pos.shape)}")
+    cp = group_size(group)
+    hq, hkv = q.shape[1], k.shape[1]
+    check_ulysses_heads(hq, hkv, cp)  # before any communication: every rank raises alike
+    if cp == 1:
+        out, lse = inner(q, k, v, q_pos, k_pos)
+        return out, lse if need_lse else None
+    copies = kv_head_copies(hq, hkv, cp)
+    if copies > 1:
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+    qh, kh, vh = seq_to_heads([q, k, v], group)
+    qp, kp = gather_positions(q_pos, k_pos, group)
+    out, lse = inner(qh, kh, vh, qp, kp)
+    return heads_to_seq(out, group), heads_to_seq(lse, group) if need_lse else None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                      group, *, scale: float | None = None, need_lse: bool = True):
+    """Causal attention of this rank's sequence shard over the whole sequence held by `group`.
+
+    q [B, Hq, n, D], k/v [B, Hkv, m, D], q_pos [n], k_pos [m]: this rank's shard; n, m equal on every
+    rank. Returns (out [B, Hq, n, D] in q.dtype, lse [B, Hq, n] float32, or None if not need_lse:
+    saves one small all-to-all). Raises ValueError when Hq is not divisible by the group size.
+    """
+
+    def dense(qh, kh, vh, qp, kp):
+        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale)
+
+    return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse)
 
 
 class UlyssesAttention(ContextStrategy):
+    """Ulysses strategy for the model: prefill self-attention over contiguous shards."""
+
     name = "ulysses"
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
-        n = math.ceil(prompt_len / self.cp)
-        pos = torch.arange(self.rank * n, (self.rank + 1) * n)
-        real = pos < prompt_len
-        index = torch.where(real, pos, torch.zeros_like(pos))
+        shard = contiguous_shard(prompt_len, self.cp, self.rank)
+        n = shard.positions.numel()
         last = (prompt_len - 1) - self.rank * n if self.rank == self.last_token_rank(prompt_len, context_len) else -1
-        return [Segment(index, pos, real.nonzero().squeeze(1), last)]
+        return [Segment(shard.token_index, shard.positions, shard.rows, last)]
 
     def last_token_rank(self, prompt_len: int, context_len: int) -> int:
         return (prompt_len - 1) // math.ceil(prompt_len / self.cp)
 
     def check_heads(self, hq: int, hkv: int) -> None:
-        if hq % self.cp:
-            raise ValueError(
-                f"Ulysses needs the (per tensor-parallel rank) query heads, {hq}, divisible by cp={self.cp}; "
-                f"valid cp sizes: {valid_cp_sizes(hq)} (or use --cp-strategy ring)"
-            )
+        check_ulysses_heads(hq, hkv, self.cp)
 
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
 
         def attend(q, k, v, pos, cache):
             cache_append(cache, k, v, pos, rows)
-            return self.ulysses_attention(q, k, v)
+            return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False)[0]
 
         return attend
 
     def ulysses_attention(self, q, k, v):
-        cp, g = self.cp, self.group
-        if cp == 1:
-            L = q.shape[2]
-            p = torch.arange(L, device=q.device)
-            return attention(q, k, v, q_pos=p, k_pos=p, causal=True)[0]
-        hq, hkv = q.shape[1], k.shape[1]
-        self.check_heads(hq, hkv)
-        if hkv % cp:  # replicate: give each query head its own copy of its KV head
-            kv_of_q = torch.arange(hq, device=k.device) // (hq // hkv)
-            k, v = k[:, kv_of_q], v[:, kv_of_q]
-        qh, kh, vh = (seq_to_heads(t, g, cp) for t in (q, k, v))
-        L = qh.shape[2]
-        p = torch.arange(L, device=q.device)  # shards are contiguous and in rank order
-        out, _ = attention(qh, kh, vh, q_pos=p, k_pos=p, causal=True)
-        return heads_to_seq(out, g, cp)
+        """This rank's contiguous shard (positions rank*n ...) -> its attention output rows."""
+        n = q.shape[2]
+        pos = torch.arange(self.rank * n, (self.rank + 1) * n, device=q.device)
+        return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False)[0]

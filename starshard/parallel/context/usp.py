@@ -1,0 +1,91 @@
+"""USP (unified sequence parallelism, exact): a 2-D CP group, Ulysses inside, ring across.
+
+A CP group of cp = ring_degree x ulysses_degree ranks. CP rank c sits at ring rank c // u and Ulysses
+rank c % u (Ulysses fastest-varying: its all-to-alls are the bandwidth-hungry part, so its ranks
+should be neighbours, e.g. one node). The Ulysses all-to-all gives every rank H/u heads of its ring
+rank's whole shard; ring attention then runs across the ring group; one all-to-all brings the
+result back. Sequence layout: sharding.usp_positions (zigzag over the ring).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from starshard.parallel.context.ring import RingPlan, build_ring_plan, ring_attention
+from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions
+from starshard.parallel.context.ulysses import ulysses_core
+
+__all__ = ["usp_attention", "usp_group_ranks", "new_usp_groups", "usp_coords", "usp_ring_plan"]
+
+
+def usp_group_ranks(cp_ranks: Sequence[int], ulysses_degree: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(Ulysses groups, ring groups) of one CP group, as lists of global ranks.
+
+    CP rank c is the c-th smallest global rank of the group (torch's group-rank order), so group-local
+    ranks agree with usp_coords: Ulysses groups are runs of u consecutive CP ranks, ring groups every
+    u-th one."""
+    ranks = sorted(cp_ranks)
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"CP group ranks repeat: {list(cp_ranks)}")
+    if ulysses_degree < 1 or len(ranks) % ulysses_degree:
+        raise ValueError(f"ulysses_degree must divide the CP group size {len(ranks)}, got {ulysses_degree}; "
+                         f"valid: {[d for d in range(1, len(ranks) + 1) if len(ranks) % d == 0]}")
+    u = ulysses_degree
+    return [ranks[i : i + u] for i in range(0, len(ranks), u)], [ranks[j::u] for j in range(u)]
+
+
+def usp_coords(cp_rank: int, ulysses_degree: int) -> tuple[int, int]:
+    """(ring rank, Ulysses rank) of CP rank `cp_rank`."""
+    return divmod(cp_rank, ulysses_degree)
+
+
+def new_usp_groups(cp_groups: Sequence[Sequence[int]], ulysses_degree: int, *, backend: str | None = None):
+    """Create the Ulysses and ring subgroups of every CP group; returns this rank's
+    (ulysses_group, ring_group), None for a subgroup of one rank (or when this rank is in no CP group).
+
+    Collective over the default group: every rank must call it with the same arguments, in the same
+    order relative to its other new_group calls (groups are created in one fixed order here)."""
+    seen: set[int] = set()
+    for g in cp_groups:
+        if seen & set(g):
+            raise ValueError(f"CP groups overlap: {[list(x) for x in cp_groups]}")
+        seen |= set(g)
+    me = dist.get_rank()
+    mine: list = [None, None]
+    for g in cp_groups:
+        for slot, subgroups in enumerate(usp_group_ranks(g, ulysses_degree)):
+            for ranks in subgroups:
+                if len(ranks) == 1:
+                    continue  # a group of one needs no communicator; None means a single rank
+                pg = dist.new_group(ranks, backend=backend)
+                if me in ranks:
+                    mine[slot] = pg
+    return mine[0], mine[1]
+
+
+def usp_ring_plan(seq_len: int, ulysses_degree: int, ring_group, device: torch.device | str | None = None) -> RingPlan | None:
+    """The ring plan for self-attention over sharding.usp_positions shards (no communication);
+    None when the ring has one rank."""
+    if ring_group is None or dist.get_world_size(ring_group) == 1:
+        return None
+    rd = dist.get_world_size(ring_group)
+    _, padded = zigzag_chunks(seq_len, rd * ulysses_degree)  # the usp padding: a multiple of 2*rd*u
+    pos = [zigzag_positions(padded, rd, i) for i in range(rd)]  # a ring rank's whole shard, in order
+    return build_ring_plan(pos[dist.get_rank(ring_group)], pos, ring_group, device)
+
+
+def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  ulysses_group, ring_group, *, scale: float | None = None, ring_plan: RingPlan | None = None,
+                  need_lse: bool = True):
+    """Causal attention of this rank's shard over the sequence held by the whole 2-D CP group.
+
+    Shapes as ulysses_attention; Hq must be divisible by the Ulysses degree. `ring_plan` (from
+    usp_ring_plan) is for the ring over the Ulysses-gathered shards; without it one is gathered.
+    Returns (out in q.dtype, lse float32 or None if not need_lse)."""
+
+    def ring(qh, kh, vh, qp, kp):
+        return ring_attention(qh, kh, vh, qp, kp, ring_group, scale=scale, plan=ring_plan)
+
+    return ulysses_core(q, k, v, q_pos, k_pos, ulysses_group, ring, need_lse=need_lse)
