@@ -1,75 +1,200 @@
-"""Summaries of scored samples: per task x length, a length x depth heat map, strategy vs dense."""
+"""Reports of scored samples: summaries per task and length, markdown tables, length x depth heat
+maps, and the strategy-vs-dense table built from earlier run directories.
+
+A run directory holds samples.jsonl (one scored row per sample), summary.json ({strategy, ...,
+"summary": summarize(rows)}), table.md and heatmap*.png.
+"""
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+
+PLOT_HINT = "matplotlib is not installed, so no heat map was drawn (pip install matplotlib)"
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _by(rows: list[dict], *keys: str) -> dict:
+    """Nested {k1: {k2: mean score}} over rows, keys stringified (JSON-friendly) and sorted numerically."""
+    if not keys:
+        return _mean([r["score"] for r in rows])
+    groups: dict = defaultdict(list)
+    for r in rows:
+        groups[r[keys[0]]].append(r)
+    order = sorted(groups, key=lambda k: (isinstance(k, str), k))
+    return {str(k): _by(groups[k], *keys[1:]) for k in order}
 
 
 def summarize(rows: list[dict]) -> dict:
-    """rows: {task, length, depth, score} -> {"by_task": {task: {length: acc}}, "by_length_depth": ..., "overall"}."""
-    by_task, grid = defaultdict(lambda: defaultdict(list)), defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        by_task[r["task"]][r["length"]].append(r["score"])
-        grid[r["length"]][r["depth"]].append(r["score"])
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    """rows: {task, length, depth (None for depth-less tasks), score} -> accuracies (0..1)."""
+    placed = [r for r in rows if r.get("depth") is not None]
     return {
-        "by_task": {t: {str(L): mean(v) for L, v in sorted(d.items())} for t, d in sorted(by_task.items())},
-        "by_length_depth": {str(L): {str(dp): mean(v) for dp, v in sorted(d.items())} for L, d in sorted(grid.items())},
-        "overall": mean([r["score"] for r in rows]) if rows else 0.0,
+        "overall": _mean([r["score"] for r in rows]) if rows else 0.0,
         "samples": len(rows),
+        "by_task": _by(rows, "task", "length"),
+        "by_task_overall": _by(rows, "task"),
+        "by_length": _by(rows, "length"),
+        "by_length_depth": _by(placed, "length", "depth"),  # needle tasks only: depth means nothing elsewhere
+        "by_task_length_depth": _by(placed, "task", "length", "depth"),
     }
 
 
+def _pct(x: float) -> str:
+    return "–" if x is None or math.isnan(x) else f"{100 * x:.0f}"
+
+
 def task_table(summary: dict, name: str) -> str:
+    """Markdown: accuracy % per task (rows) and length (columns), with per-task and per-length totals."""
     lengths = sorted({L for d in summary["by_task"].values() for L in d}, key=int)
-    lines = [f"| task ({name}) | " + " | ".join(lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    lines = [f"| task ({name}) | " + " | ".join(lengths) + " | all |", "|---|" + "---:|" * (len(lengths) + 1)]
     for task, d in summary["by_task"].items():
-        lines.append(f"| {task} | " + " | ".join(f"{100 * d[L]:.0f}" if L in d else "" for L in lengths) + " |")
-    lines.append(f"| **overall** | {100 * summary['overall']:.1f} ({summary['samples']} samples) |" + " |" * (len(lengths) - 1))
+        total = summary.get("by_task_overall", {}).get(task, _mean(list(d.values())))
+        lines.append(f"| {task} | " + " | ".join(_pct(d.get(L, float("nan"))) for L in lengths) + f" | {_pct(total)} |")
+    per_len = summary.get("by_length", {})
+    lines.append("| **all tasks** | " + " | ".join(_pct(per_len.get(L, float("nan"))) for L in lengths)
+                 + f" | **{100 * summary['overall']:.1f}** |")
+    lines.append(f"\n{summary['samples']} samples; accuracy in %.")
     return "\n".join(lines)
 
 
-def compare_table(run_dirs: list[Path]) -> str:
-    """Strategy vs dense (the run named 'dense', else the first): accuracy and ratio per task."""
-    runs = [(json.loads((d / "summary.json").read_text())) for d in run_dirs]
-    base = next((r for r in runs if r["strategy"] == "dense"), runs[0])
-    tasks = sorted(base["summary"]["by_task"])
-    head = "| strategy | overall | ratio to " + base["strategy"] + " | " + " | ".join(tasks) + " |"
-    lines = [head, "|---|---:|---:|" + "---:|" * len(tasks)]
-    for r in runs:
-        s = r["summary"]
-        ratio = s["overall"] / base["summary"]["overall"] if base["summary"]["overall"] else float("nan")
-        per = " | ".join(f"{100 * sum(s['by_task'].get(t, {}).values()) / max(1, len(s['by_task'].get(t, {}))):.0f}" for t in tasks)
-        lines.append(f"| {r['strategy']} | {100 * s['overall']:.1f} | {ratio:.3f} | {per} |")
-    return "\n".join(lines)
+# ---------------------------------------------------------------------------------------------
+# Strategy vs dense
 
 
-def heatmap(summary: dict, title: str, out: Path) -> bool:
-    """Length x depth accuracy as a PNG; False (with no file) if matplotlib is missing."""
+# Run settings that change the prompts themselves: paired runs must agree on them.
+PROMPT_FIELDS = ("tasks_version", "format", "reserve_tokens")
+
+
+@dataclass
+class Run:
+    name: str
+    rows: list[dict]
+    path: Path
+    meta: dict
+
+
+def _key(r: dict) -> tuple:
+    return r["task"], int(r["length"]), r.get("depth"), int(r["seed"])
+
+
+def load_run(path: Path) -> Run:
+    path = Path(path)
+    samples, summary = path / "samples.jsonl", path / "summary.json"
+    if not samples.is_file():
+        raise FileNotFoundError(f"{path} is not an eval run directory: {samples.name} is missing")
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    meta = json.loads(summary.read_text()) if summary.is_file() else {}
+    meta.pop("summary", None)
+    return Run(meta.get("strategy", path.name), rows, path, meta)
+
+
+def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
+    """Markdown: each strategy's accuracy and its ratio to the base run (the one named `base`, else
+    the first), per task and per length. Paired: only samples present in every run count, so every
+    strategy is scored on the same prompts."""
+    runs = [load_run(d) for d in run_dirs]
+    for f in PROMPT_FIELDS:
+        seen = {str(r.meta.get(f)) for r in runs}
+        if len(seen) > 1:
+            raise ValueError(f"the runs differ in {f} ({', '.join(f'{r.path}: {r.meta.get(f)}' for r in runs)}), "
+                             "so their prompts differ and cannot be compared sample by sample; rerun with matching "
+                             "settings")
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):  # two runs of one strategy: tell them apart by directory
+        for r in runs:
+            r.name = f"{r.name} ({r.path.name})"
+    ref = next((r for r in runs if r.name == base or r.name.startswith(base + " (")), runs[0])
+    common = set.intersection(*({_key(row) for row in r.rows} for r in runs))
+    if not common:
+        raise ValueError("the runs share no samples (task, length, depth, seed): were they made with the same "
+                         "--tasks/--lengths/--depths/--seed?")
+    kept = {r.name: [row for row in r.rows if _key(row) in common] for r in runs}
+    others = [r for r in runs if r is not ref]
+
+    def table(group: str, label: str) -> list[str]:
+        acc = {name: _by(rows, group) for name, rows in kept.items()}
+        overall = {name: _mean([row["score"] for row in rows]) for name, rows in kept.items()}
+        head = f"| {label} | {ref.name} | " + " | ".join(f"{o.name} | ratio" for o in others) + " |"
+        lines = [head, "|---|---:|" + "---:|---:|" * len(others)]
+        groups = sorted(acc[ref.name], key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
+        for g, a in [(g, {n: acc[n][g] for n in acc}) for g in groups] + [("**overall**", overall)]:
+            cells = [_pct(a[ref.name])]
+            for o in others:
+                ratio = a[o.name] / a[ref.name] if a[ref.name] else float("nan")
+                cells += [_pct(a[o.name]), "–" if math.isnan(ratio) else f"{ratio:.2f}"]
+            lines.append(f"| {g} | " + " | ".join(cells) + " |")
+        return lines
+
+    dropped = {r.name: len(r.rows) - len(kept[r.name]) for r in runs if len(r.rows) != len(kept[r.name])}
+    note = f"Accuracy % on the {len(common)} samples common to all runs; ratio = strategy / {ref.name}."
+    if dropped:
+        note += " Left out (not in every run): " + ", ".join(f"{n}: {k}" for n, k in dropped.items()) + "."
+    return "\n".join([note, ""] + table("task", "task") + [""] + table("length", "length"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Heat maps
+
+
+def heatmap(summary: dict, title: str, out: Path, task: str | None = None) -> bool:
+    """Length x depth accuracy as a PNG (all needle tasks, or one `task`); False, writing nothing, if
+    matplotlib is missing or there is nothing with a depth to plot."""
+    grid = summary["by_length_depth"] if task is None else summary["by_task_length_depth"].get(task, {})
+    if not grid:
+        return False
     try:
         import matplotlib
 
-        matplotlib.use("Agg")
+        matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    grid = summary["by_length_depth"]
     lengths = sorted(grid, key=int)
     depths = sorted({dp for d in grid.values() for dp in d}, key=float)
-    data = [[grid[L].get(dp, float("nan")) * 100 for L in lengths] for dp in depths]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depths)))
+    data = [[100 * grid[L].get(dp, float("nan")) for L in lengths] for dp in depths]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 + 0.9 * len(lengths)), 1.6 + 0.45 * len(depths)))
     im = ax.imshow(data, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), lengths)
     ax.set_yticks(range(len(depths)), [f"{float(d):.2f}" for d in depths])
-    ax.set_xlabel("prompt tokens")
+    ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("needle depth")
     for i, row in enumerate(data):
         for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
-    ax.set_title(title)
+            ax.text(j, i, "–" if math.isnan(v) else f"{v:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, label="accuracy %")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# A run directory
+
+
+def write_run(out: Path, rows: list[dict], meta: dict, per_task_heatmaps: bool = True) -> dict:
+    """samples.jsonl, summary.json ({**meta, "summary"}), table.md, heatmap.png (+ heatmap_<task>.png).
+    Returns the summary; prints nothing (a missing matplotlib shows as summary["heatmaps"] == [])."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "samples.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    summary = summarize(rows)
+    name = meta.get("strategy", "run")
+    (out / "table.md").write_text(task_table(summary, name) + "\n")
+    maps = []
+    if heatmap(summary, f"{name}: needle tasks\naccuracy by length and depth", out / "heatmap.png"):
+        maps.append("heatmap.png")
+    if maps and per_task_heatmaps:
+        for task in summary["by_task_length_depth"]:
+            if heatmap(summary, f"{name}: {task}", out / f"heatmap_{task}.png", task=task):
+                maps.append(f"heatmap_{task}.png")
+    (out / "summary.json").write_text(json.dumps({**meta, "heatmaps": maps, "summary": summary}, indent=1) + "\n")
+    return summary

@@ -1,148 +1,346 @@
 """RULER-style synthetic long-context tasks, generated locally from a seed (no downloads).
 
-Every sample is a long `context` (filler with needles at a stated depth) and a short `question`
-(the query part, which Star/APB treat as such), with the expected `answers`. Lengths are counted in
-the model's tokens: the filler is sized so that context + question hit the target.
+Every sample is a long `context` (filler text with needles at a stated depth) and a short `question`
+(the query part, which Star/APB treat as such) with the expected `answers`. Lengths are counted in
+the model's tokens: the filler is sized so that context + question + answer cue fill `length` minus
+a `reserve` the caller keeps for the prompt template and the generated answer.
+
+All randomness comes from one `random.Random` per sample, seeded from (task, length, depth, seed), so
+a sample is the same in every run and every strategy sees the same prompts.
 """
 from __future__ import annotations
 
 import random
-import string
+import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-_SUBJECTS = ["the river", "a small town", "the old library", "every winter", "the committee", "a quiet garden",
-             "the market", "our neighbour", "the long road", "a careful reader", "the harbour", "the museum"]
-_VERBS = ["changed", "remembered", "described", "carried", "opened", "followed", "measured", "welcomed",
-          "questioned", "painted", "repaired", "forgot"]
-_OBJECTS = ["the evening light", "a forgotten letter", "the first snow", "an honest answer", "the morning train",
-            "a wooden bridge", "the village map", "a patient teacher", "the northern hills", "a simple plan"]
-_TAILS = ["before anyone noticed.", "and nobody complained.", "as the seasons turned.", "with great care.",
-          "for the third time that year.", "while the bells rang.", "in a way few expected."]
-_WORDS = ["apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island", "jacket",
-          "kettle", "ladder", "marble", "needle", "orange", "pillow", "quartz", "ribbon", "saddle", "tunnel",
-          "umbrella", "velvet", "window", "yogurt", "zephyr", "anchor", "basket", "cactus", "dragon", "falcon"]
-TASKS = ("passkey", "niah_number", "niah_uuid", "niah_word", "niah_essay", "multikey", "multivalue",
-         "multiquery", "variable_tracking", "common_words")
+# Bumped whenever a change alters the generated prompts: runs compare sample by sample only within one version.
+TASKS_VERSION = 2
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary. Written for this module; the filler, key and value vocabularies are disjoint so an
+# answer can only appear in the context where a needle put it.
+
+NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is warm.", "Here we go again.",
+                   "Back and forth, on and on.")
+
+_ESSAY_SUBJECTS = ("the river", "a small town", "the old library", "the committee", "a quiet garden", "the market",
+                   "our neighbour", "the long road", "a careful reader", "the harbour", "the museum", "the council",
+                   "a young painter", "the night shift", "every student", "the orchestra", "a stubborn farmer",
+                   "the newspaper", "the mountain village", "a retired sailor", "the bakery", "the city")
+_ESSAY_VERBS = ("changed", "remembered", "described", "carried", "opened", "followed", "measured", "welcomed",
+                "questioned", "painted", "repaired", "forgot", "studied", "protected", "ignored", "rebuilt",
+                "celebrated", "explained", "shared", "discovered")
+_ESSAY_BASE_VERBS = ("change", "remember", "describe", "carry", "open", "follow", "measure", "welcome",
+                     "question", "paint", "repair", "study", "protect", "rebuild", "explain", "share")
+_ESSAY_OBJECTS = ("the evening light", "a forgotten letter", "the first snow", "an honest answer", "the morning train",
+                  "a wooden bridge", "the village map", "a patient teacher", "the northern hills", "a simple plan",
+                  "the harvest", "an old promise", "the empty square", "a second chance", "the autumn fair",
+                  "the stone wall", "a long winter", "the public garden", "a borrowed book", "the town clock")
+_ESSAY_TAILS = ("before anyone noticed", "and nobody complained", "as the seasons turned", "with great care",
+                "for the third time that year", "while the bells rang", "in a way few expected",
+                "without a word", "long after the rain stopped", "as if nothing had happened")
+_ESSAY_TIMES = ("the spring of that year", "the early morning", "a dry summer", "the weeks that followed",
+                "those quiet years", "the middle of the night", "the last days of autumn")
+_ESSAY_ADVERBS = ("slowly", "quietly", "carefully", "suddenly", "gladly", "patiently", "eventually", "openly")
+_ESSAY_ABSTRACT = ("patience", "memory", "trust", "habit", "curiosity", "silence", "work", "kindness", "distance")
+
+_KEY_ADJECTIVES = ("amber", "brisk", "crimson", "dusty", "eager", "fuzzy", "gentle", "hollow", "icy", "jolly",
+                   "knotty", "lucky", "misty", "noisy", "oaken", "plump", "rusty", "sunny", "tidy", "vivid")
+_KEY_NOUNS = ("anchor", "badger", "cactus", "dragon", "engine", "falcon", "goblet", "hammock", "igloo", "jigsaw",
+              "kettle", "lantern", "magnet", "nutmeg", "otter", "pebble", "quiver", "rocket", "saddle", "trumpet")
+_VALUE_WORDS = ("apricot", "bluebell", "cinnamon", "dolphin", "emerald", "flamingo", "glacier", "hazelnut",
+                "iguana", "jasmine", "kiwi", "lobster", "mango", "narwhal", "octopus", "papaya", "quokka",
+                "raspberry", "sapphire", "tangerine", "urchin", "vanilla", "walrus", "yak", "zucchini")
+# Common-words task: each list is drawn from this pool (rare ones) plus five frequent ones.
+_CWE_WORDS = _KEY_ADJECTIVES + _KEY_NOUNS + _VALUE_WORDS + ("basket", "candle", "desert", "forest", "garden",
+                                                            "island", "jacket", "ladder", "marble", "needle",
+                                                            "pillow", "quartz", "ribbon", "tunnel", "velvet")
+
+# ---------------------------------------------------------------------------------------------
+# Public types
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass
 class Sample:
     task: str
-    length: int  # target prompt tokens (context + question)
-    depth: float  # where the needle sits in the context, 0..1
+    length: int  # the cell's sequence length in tokens (prompt + answer)
+    depth: float | None  # where the target needle starts in the context, 0..1; None for tasks without one
     seed: int
     context: str
     question: str
     answers: list[str]
-    metric: str  # "all": share of answers found; "any": 1 if one is found
-    answer_prefix: str = ""  # completion cue (raw prompts end with it)
-    needle_spans: list[tuple[int, int]] = field(default_factory=list)  # char spans in context
+    metric: str  # scoring.METRICS: "all" = share of answers found, "any" = 1 if one is found
+    answer_prefix: str = ""  # completion cue ("The pass key is"); completion-format prompts end with it
+    needle_spans: list[tuple[int, int]] = field(default_factory=list)  # char spans in context; [0] is the target
+    target_tokens: int = 0  # what context + question + cue were sized to: length - reserve
+
+    @property
+    def needle_span(self) -> tuple[int, int] | None:
+        return self.needle_spans[0] if self.needle_spans else None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _essay_sentence(rng: random.Random) -> str:
-    return f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)} "
+@dataclass
+class _Parts:
+    """What one task contributes: needles (target first), their depths, the query and the answers."""
+
+    needles: list[str]
+    depths: list[float]
+    question: str
+    answers: list[str]
+    metric: str
+    answer_prefix: str
+    filler: Callable[[random.Random, int], str]  # (rng, unit index) -> one filler unit with its trailing space
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    description: str
+    build: Callable[[random.Random, float], _Parts]
+    uses_depth: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Filler
+
+
+def noise_unit(rng: random.Random, i: int) -> str:
+    """The classic passkey haystack: a few plain sentences repeated in order."""
+    return NOISE_SENTENCES[i % len(NOISE_SENTENCES)] + " "
+
+
+def essay_unit(rng: random.Random, i: int) -> str:
+    """One sentence of varied, meaningless prose; a paragraph break every few sentences."""
+    c = rng.choice
+    form = rng.randrange(5)
+    if form == 0:
+        s = f"{c(_ESSAY_SUBJECTS).capitalize()} {c(_ESSAY_VERBS)} {c(_ESSAY_OBJECTS)} {c(_ESSAY_TAILS)}."
+    elif form == 1:
+        s = (f"In {c(_ESSAY_TIMES)}, {c(_ESSAY_SUBJECTS)} {c(_ESSAY_VERBS)} {c(_ESSAY_OBJECTS)}, "
+             f"and {c(_ESSAY_SUBJECTS)} {c(_ESSAY_VERBS)} {c(_ESSAY_OBJECTS)}.")
+    elif form == 2:
+        s = f"It is often said that {c(_ESSAY_ABSTRACT)} matters more than {c(_ESSAY_ABSTRACT)}."
+    elif form == 3:
+        s = f"{c(_ESSAY_ADVERBS).capitalize()}, {c(_ESSAY_SUBJECTS)} began to {c(_ESSAY_BASE_VERBS)} {c(_ESSAY_OBJECTS)}."
+    else:
+        s = f"Nobody expected {c(_ESSAY_SUBJECTS)} to {c(_ESSAY_BASE_VERBS)} {c(_ESSAY_OBJECTS)} so {c(_ESSAY_ADVERBS)}."
+    return s + ("\n\n" if rng.random() < 0.18 else " ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
 
 
 def _uuid(rng: random.Random) -> str:
-    h = "".join(rng.choice("0123456789abcdef") for _ in range(32))
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _word(rng: random.Random) -> str:
+    return rng.choice(_VALUE_WORDS)
 
 
 def _key(rng: random.Random) -> str:
-    return "-".join(rng.choice(_WORDS) for _ in range(2))
+    return f"{rng.choice(_KEY_ADJECTIVES)}-{rng.choice(_KEY_NOUNS)}"
 
 
-def _count(tok, text: str) -> int:
+def _distinct(rng: random.Random, make: Callable[[random.Random], str], n: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        v = make(rng)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _spread(depth: float, n: int, step: float = 0.1) -> list[float]:
+    """Depths of n needles: the target at `depth`, the others `step` apart towards the side with more room."""
+    sign = 1.0 if depth < 0.5 else -1.0
+    return [min(1.0, max(0.0, depth + sign * step * i)) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+
+
+def _passkey(rng, depth):
+    key = str(rng.randint(10_000, 99_999))
+    return _Parts([f"Remember this pass key: {key}. The pass key is {key}."], [depth], "What is the pass key?",
+                  [key], "all", "The pass key is", noise_unit)
+
+
+def _single(value: Callable[[random.Random], str], noun: str, filler):
+    def build(rng, depth):
+        key, val = _key(rng), value(rng)
+        return _Parts([f"The secret {noun} assigned to {key} is {val}."], [depth],
+                      f"What is the secret {noun} assigned to {key}?", [val], "all",
+                      f"The secret {noun} assigned to {key} is", filler)
+
+    return build
+
+
+def _multikey(rng, depth):
+    keys, vals = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
+    needles = [f"The secret number assigned to {k} is {v}." for k, v in zip(keys, vals)]
+    return _Parts(needles, _spread(depth, 4), f"What is the secret number assigned to {keys[0]}?", [vals[0]], "all",
+                  f"The secret number assigned to {keys[0]} is", essay_unit)
+
+
+def _multivalue(rng, depth):
+    key, vals = _key(rng), _distinct(rng, _number, 4)
+    needles = [f"One secret number assigned to {key} is {v}." for v in vals]
+    return _Parts(needles, _spread(depth, 4), f"What are all the secret numbers assigned to {key}?", vals, "all",
+                  f"The secret numbers assigned to {key} are", essay_unit)
+
+
+def _multiquery(rng, depth):
+    keys, vals = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
+    needles = [f"The secret number assigned to {k} is {v}." for k, v in zip(keys, vals)]
+    return _Parts(needles, _spread(depth, 4),
+                  f"What are the secret numbers assigned to {keys[0]} and to {keys[1]}?", vals[:2], "all",
+                  f"The secret numbers assigned to {keys[0]} and to {keys[1]} are", essay_unit)
+
+
+def _variable_tracking(rng, depth):
+    value = str(rng.randint(10_000, 99_999))
+    names = _distinct(rng, lambda r: "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)), 4)
+    needles = [f"Set {names[0]} = {value}."] + [f"Set {names[i]} = {names[i - 1]}." for i in range(1, 4)]
+    # The chain reads in order, each assignment after the one it copies: it starts at `depth`.
+    step = min(0.1, (1.0 - depth) / 3)
+    return _Parts(needles, [depth + step * i for i in range(4)], f"Which variables end up equal to {value}? List every name.",
+                  names, "all", f"The variables equal to {value} are:", noise_unit)
+
+
+def _common_words(rng, depth):
+    common = rng.sample(_CWE_WORDS, 5)
+    rare = [w for w in _CWE_WORDS if w not in common]
+
+    def line(r: random.Random, i: int) -> str:
+        # Two frequent words per line in a fixed rotation (each gets 2/5 of the lines) against two of
+        # ~70 rare ones: the five stay the most frequent at any length.
+        words = [common[i % 5], common[(i + 2) % 5], r.choice(rare), r.choice(rare)]
+        r.shuffle(words)
+        return " ".join(words) + "\n"
+
+    return _Parts([], [], "Which 5 words appear most often in the list above?", common, "all",
+                  "The 5 most frequent words are:", line)
+
+
+TASKS: dict[str, TaskSpec] = {t.name: t for t in (
+    TaskSpec("passkey", "one 5-digit pass key in repeated noise sentences", _passkey),
+    TaskSpec("niah_number", "one key -> 7-digit number, noise filler", _single(_number, "number", noise_unit)),
+    TaskSpec("niah_uuid", "one key -> UUID, noise filler", _single(_uuid, "code", noise_unit)),
+    TaskSpec("niah_word", "one key -> word, noise filler", _single(_word, "word", noise_unit)),
+    TaskSpec("niah_essay", "one key -> 7-digit number, essay-like filler", _single(_number, "number", essay_unit)),
+    TaskSpec("multikey", "4 keys, one asked; essay filler", _multikey),
+    TaskSpec("multivalue", "one key with 4 values, all asked; essay filler", _multivalue),
+    TaskSpec("multiquery", "4 keys, two asked; essay filler", _multiquery),
+    TaskSpec("variable_tracking", "a 4-step assignment chain from one value; noise filler", _variable_tracking),
+    TaskSpec("common_words", "the 5 most frequent words of a word list", _common_words, uses_depth=False),
+)}
+
+# ---------------------------------------------------------------------------------------------
+# Assembly
+
+
+def count_tokens(tok: Tokenizer, text: str) -> int:
     return len(tok.encode(text, add_special_tokens=False))
 
 
-def _assemble(tok, target: int, question: str, needles: list[str], depths: list[float], filler, rng) -> tuple[str, list]:
-    """Context of filler units with needles inserted at their depths, sized to `target` tokens."""
-    fixed = _count(tok, question) + sum(_count(tok, n) for n in needles) + 8
-    units = [filler(rng) for _ in range(32)]
-    for _ in range(6):  # resize from the measured tokens per unit until within one unit of target
-        total = _count(tok, "".join(units))
-        per_unit = max(1.0, total / len(units))
-        gap = target - fixed - total
-        if -per_unit < gap <= per_unit:
-            break
-        if gap > 0:
-            units += [filler(rng) for _ in range(int(gap / per_unit))]
-        else:
-            del units[-min(len(units) - 1, int(-gap / per_unit) + 1):]
-    n_units = len(units)
-    # Insert deepest-first so earlier indices stay valid.
-    order = sorted(range(len(needles)), key=lambda i: -depths[i])
-    for i in order:
-        units.insert(round(depths[i] * n_units), needles[i])
-    context = "".join(units)
-    spans = [(context.index(n), context.index(n) + len(n)) for n in needles]
-    return context, spans
+def template_overhead(tok, chat: bool = True) -> int:
+    """Tokens the prompt format adds around context + question (chat template, separators), for `reserve`."""
+    probe = "x\n\ny"
+    if chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": probe}], tokenize=False, add_generation_prompt=True)
+        return max(0, count_tokens(tok, text) - count_tokens(tok, probe)) + 4
+    return 4  # separators and a BOS token
 
 
-def make_sample(task: str, tok, length: int, depth: float, seed: int) -> Sample:
-    if task not in TASKS:
+def _build(units: list[str], needles: list[str], depths: list[float]) -> tuple[str, list[tuple[int, int]]]:
+    """Filler units with each needle inserted at unit index round(depth * n); needle char spans."""
+    n = len(units)
+    at = [round(d * n) for d in depths]
+    order = sorted(range(len(needles)), key=lambda j: (at[j], j))
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = [(0, 0)] * len(needles)
+    pos, k = 0, 0
+    for i in range(n + 1):
+        while k < len(order) and at[order[k]] == i:
+            j = order[k]
+            spans[j] = (pos, pos + len(needles[j]))
+            pieces.append(needles[j] + " ")
+            pos += len(needles[j]) + 1
+            k += 1
+        if i < n:
+            pieces.append(units[i])
+            pos += len(units[i])
+    return "".join(pieces).rstrip(), spans
+
+
+def _fit(tok: Tokenizer, budget: int, fixed: int, parts: _Parts, rng: random.Random):
+    """The most filler units whose context, with the needles, keeps context + `fixed` tokens <= budget."""
+    units: list[str] = []
+
+    def size(n: int) -> int:
+        return count_tokens(tok, _build(units[:n], parts.needles, parts.depths)[0]) + fixed
+
+    base = cur = size(0)
+    if base > budget:
+        raise ValueError(f"a {budget}-token budget cannot hold this task's needles and question "
+                         f"({base} tokens); use a longer length or a smaller reserve")
+    # Grow from the measured tokens per unit until over budget, then bisect the unit count.
+    while cur <= budget:
+        per_unit = max(1.0, (cur - base) / len(units)) if units else 8.0
+        units += [parts.filler(rng, len(units) + i) for i in range(int((budget - cur) / per_unit) + 8)]
+        cur = size(len(units))
+    lo, hi = 0, len(units)  # size(lo) <= budget < size(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
+    return _build(units[:lo], parts.needles, parts.depths)
+
+
+def make_sample(task: str, tok: Tokenizer, length: int, depth: float | None, seed: int, reserve: int = 0) -> Sample:
+    """One sample: context + question + answer cue sized to `length - reserve` tokens of `tok`."""
+    spec = TASKS.get(task)
+    if spec is None:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    rng = random.Random(f"{task}-{length}-{depth}-{seed}")
-    noise = lambda r: NOISE  # noqa: E731
-    essay = _essay_sentence
-    metric, prefix = "all", ""
-    if task == "passkey":
-        key = str(rng.randint(10000, 99999))
-        needles = [f"The pass key is {key}. Remember it. {key} is the pass key. "]
-        question = "What is the pass key?"
-        answers, prefix, filler = [key], "The pass key is", noise
-    elif task.startswith("niah_"):
-        kind = task.split("_")[1]
-        key = _key(rng)
-        value = {"number": str(rng.randint(1000000, 9999999)), "uuid": _uuid(rng), "word": rng.choice(_WORDS) + rng.choice(_WORDS),
-                 "essay": str(rng.randint(1000000, 9999999))}[kind]
-        noun = {"number": "number", "uuid": "uuid", "word": "word", "essay": "number"}[kind]
-        needles = [f"One of the special magic {noun}s for {key} is: {value}. "]
-        question = f"What is the special magic {noun} for {key} mentioned in the provided text?"
-        answers, prefix = [value], f"The special magic {noun} for {key} mentioned in the provided text is"
-        filler = essay if kind == "essay" else noise
-    elif task == "multikey":
-        keys = [_key(rng) for _ in range(4)]
-        values = [str(rng.randint(1000000, 9999999)) for _ in keys]
-        needles = [f"One of the special magic numbers for {k} is: {v}. " for k, v in zip(keys, values)]
-        question = f"What is the special magic number for {keys[0]} mentioned in the provided text?"
-        answers, prefix, filler = [values[0]], f"The special magic number for {keys[0]} mentioned in the provided text is", essay
-    elif task == "multivalue":
-        key = _key(rng)
-        values = [str(rng.randint(1000000, 9999999)) for _ in range(4)]
-        needles = [f"One of the special magic numbers for {key} is: {v}. " for v in values]
-        question = f"What are all the special magic numbers for {key} mentioned in the provided text?"
-        answers, prefix, filler = values, f"The special magic numbers for {key} mentioned in the provided text are", essay
-    elif task == "multiquery":
-        keys = [_key(rng) for _ in range(4)]
-        values = [str(rng.randint(1000000, 9999999)) for _ in keys]
-        needles = [f"One of the special magic numbers for {k} is: {v}. " for k, v in zip(keys, values)]
-        question = f"What are the special magic numbers for {keys[0]} and {keys[1]} mentioned in the provided text?"
-        answers, prefix, filler = values[:2], f"The special magic numbers for {keys[0]} and {keys[1]} are", essay
-    elif task == "variable_tracking":
-        value = str(rng.randint(10000, 99999))
-        names = ["".join(rng.choice(string.ascii_uppercase) for _ in range(5)) for _ in range(4)]
-        needles = [f"VAR {names[0]} = {value}. "] + [f"VAR {names[i]} = VAR {names[i - 1]}. " for i in range(1, 4)]
-        question = f"Find all variables that are assigned the value {value} in the text above."
-        answers, prefix, filler = names, f"The variables assigned the value {value} are:", noise
-    else:  # common_words: a few words repeated often among many rare ones
-        common = rng.sample(_WORDS, 5)
-        rare = [w for w in _WORDS if w not in common]
-        filler = lambda r: " ".join([r.choice(common)] * 3 + [r.choice(rare)]) + ". "  # noqa: E731
-        needles = []
-        question = "What are the 5 most common words in the text above?"
-        answers, prefix = common, "The 5 most common words are:"
-    depths = [depth] if len(needles) <= 1 else [min(1.0, depth + 0.1 * i) if depth < 0.6 else max(0.0, depth - 0.1 * i) for i in range(len(needles))]
-    if task == "variable_tracking":  # the chain must be read in order
-        depths = sorted(depths)
-    context, spans = _assemble(tok, length, question, needles, depths, filler, rng)
-    return Sample(task, length, depth, seed, context, question, answers, metric, prefix, spans)
+    if spec.uses_depth:
+        if depth is None or not 0.0 <= depth <= 1.0:
+            raise ValueError(f"task {task} needs a needle depth in [0, 1], got {depth!r}")
+    else:
+        depth = None
+    rng = random.Random(f"{task}|{length}|{depth}|{seed}")
+    parts = spec.build(rng, 0.0 if depth is None else depth)
+    budget = length - reserve
+    fixed = count_tokens(tok, parts.question) + count_tokens(tok, parts.answer_prefix) + 2  # + separators
+    context, spans = _fit(tok, budget, fixed, parts, rng)
+    return Sample(task, length, depth, seed, context, parts.question, parts.answers, parts.metric,
+                  parts.answer_prefix, spans, budget)
 
 
-def make_samples(tasks, tok, lengths, depths, per_cell: int, seed: int) -> list[Sample]:
-    return [make_sample(t, tok, L, d, seed * 1000 + i) for t in tasks for L in lengths for d in depths for i in range(per_cell)]
+def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0) -> list[Sample]:
+    """Every (task, length, depth) cell `per_cell` times. Tasks without a needle get the same number of
+    samples per length (depth None), so each task weighs the same in the summaries."""
+    out = []
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
+        for L in lengths:
+            if TASKS[t].uses_depth:
+                out += [make_sample(t, tok, L, d, seed * 1000 + i, reserve) for d in depths for i in range(per_cell)]
+            else:
+                out += [make_sample(t, tok, L, None, seed * 1000 + i, reserve) for i in range(per_cell * len(depths))]
+    return out
