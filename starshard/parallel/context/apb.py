@@ -1,0 +1,508 @@
+"""APB (Huang et al., 2025): sequence-parallel prefill with small anchors and compressed context
+blocks passed between ranks, then Star Attention's distributed-softmax query phase.
+
+Phase 1, one forward per rank. The context is split evenly over the CP group (rank r holds
+[C*r//cp, C*(r+1)//cp)). Every rank but the first runs its block behind an anchor; per layer each rank
+scores its block's KV with a compressor, keeps the `passing_size` best entries per KV head (in
+position order), and ONE all-gather on the CP group shares them (k, v and positions packed in one
+tensor). Rank h then attends
+
+    anchor rows: the anchor, causally
+    block rows:  [anchor (full), passing blocks of ranks < h (full), own block (causal)]
+
+The passing KV is dropped after the layer: it never enters the FFN or the cache. Only the block's
+KV is cached. Phase 2 (the query tokens, then decode) is ContextStrategy.decode_attend, as in Star.
+
+Row layout and positions (the RoPE positions the model runs with):
+
+    rank h >= 1:  [head | query | anchor context] [block]
+                   0 .. p-1 | p .. p+Lq-1 | p+Lq .. a+Lq-1     s_h .. e_h-1
+    rank 0:       [query, score-only] [block]                   (only when the compressor reads the query)
+                   p .. p+Lq-1                                   0 .. e_0-1
+
+`head` = the first `prefix_len` context tokens (the chat template's system/user header, default none),
+`query` = the prompt's query tokens, `anchor context` = the rest of the first `a` context tokens. The
+anchor takes the *starting* positions 0, 1, ... consecutively, in row order, so the embedded query sits
+right after the head (as the paper and its code do) and the anchor context behind it is shifted by
+Lq. `a` is capped so that a + Lq <= s_h: every anchor position precedes every block position, and no
+anchor token duplicates a block token. (If the query alone is longer than everything before the block,
+its positions overlap the block's; visibility is unaffected, see below.) Visibility never relies on
+positions across the pieces: each piece is its own attention call (anchor causal, [anchor; passing]
+full, block causal) merged by lse, so colliding positions cannot leak keys.
+
+On rank 0 (no anchor) the compressor still needs the embedded query: its query rows are computed
+exactly as on the other ranks (they see the head and themselves, causally) but no other row sees them
+and their KV is never cached. The last rank's passing block is never used by anyone: it sends zeros
+and skips scoring. With cp = 1 there is nothing to pass: APB is dense attention over the context.
+
+Compressors (one small interface, `Compressor.score(ScoreInput) -> [B, Hkv, n]`, higher = keep):
+    query            training-free (default): attention probabilities of the embedded query's rows to
+                     the block's keys (softmax over the block), averaged over query rows and the GQA
+                     group, max-pooled over neighbouring positions. With the model bound (`bind`), the
+                     query's q vectors are rotated to the query's true positions first, so the score is
+                     the attention the query would pay from where it really stands. Without an embedded
+                     query it falls back to the block's last `window` rows (SnapKV-style).
+    retaining-heads  Locret / APB per-layer MLPs scoring [q, k, v] (file format: RetainingHeads).
+    random           uniform random scores (ablation).
+
+Defaults follow the paper's Table 5 (per-rank block b = context / cp: anchor b/4 and passing b/8, both
+capped at 8K: 32K over 8 ranks -> 1K / 0.5K, 512K -> 8K / 8K), with floors of min(b, 64) and
+min(b, 32) so short contexts keep a usable anchor and passing block.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from starshard.kernels.attention import attention
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.merge import merge_partials
+
+COMPRESSORS = ("query", "retaining-heads", "random")
+_CAP = 8192
+
+
+def apb_default_sizes(block: int) -> tuple[int, int]:
+    """(anchor, passing) for a per-rank block of `block` context tokens (paper Table 5, scaled down)."""
+    anchor = min(_CAP, max(block // 4, min(block, 64)))
+    passing = min(_CAP, max(block // 8, min(block, 32)))
+    return anchor, passing
+
+
+def apb_bounds(context_len: int, cp: int) -> list[int]:
+    """Block boundaries: rank r holds context [bounds[r], bounds[r+1]) (sizes differ by at most one)."""
+    return [context_len * r // cp for r in range(cp + 1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Compressors
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoreInput:
+    """What a compressor sees for one layer on one rank.
+
+    q: [B, Hq, n, D] the block's queries (after RoPE); k, v: [B, Hkv, n, D] its keys (after RoPE) and values;
+    pos: [n] their global positions; query: [B, Hq, Lq, D] the embedded query's queries (rotated to the
+    query's true positions when the RoPE is bound), None when the query is not embedded.
+    inv_freq: the model's RoPE inverse frequencies when bound (see `rotate`).
+    """
+
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    query: torch.Tensor | None
+    rank: int
+    inv_freq: torch.Tensor | None = None
+
+    def rotate(self, x: torch.Tensor, delta) -> torch.Tensor:
+        """x [B, H, R, D] rotated by RoPE over `delta` positions (int or [R]); float32."""
+        if self.inv_freq is None:
+            raise ValueError("this compressor needs the model's RoPE: call strategy.bind(model) first")
+        return _rotate(x, delta, self.inv_freq)
+
+
+def _rotate(x: torch.Tensor, delta, inv_freq: torch.Tensor) -> torch.Tensor:
+    from starshard.engine.model import apply_rope
+
+    inv = inv_freq.to(x.device, torch.float32)
+    d = torch.as_tensor(delta, device=x.device, dtype=torch.float32)
+    freqs = d.reshape(-1, 1) * inv  # [1 | R, D/2]
+    return apply_rope(x.float(), freqs.cos(), freqs.sin())
+
+
+def _smooth(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool [B, H, n] over neighbouring positions (odd kernel, same length)."""
+    if kernel <= 1 or scores.shape[-1] < 2:
+        return scores
+    B, H, n = scores.shape
+    return F.max_pool1d(scores.reshape(B * H, 1, n), kernel, stride=1, padding=kernel // 2).reshape(B, H, n)
+
+
+def pooled_attention(qr: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean attention probability each key gets from the rows qr, over rows and the GQA group.
+
+    qr: [B, Hq, R, D]; k: [B, Hkv, n, D]; visible: optional bool [R, n] -> [B, Hkv, n] float32.
+    One KV head at a time bounds the score buffer to [B, g*R, n].
+    """
+    B, Hq, R, D = qr.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    out = []
+    for h in range(Hkv):
+        qh = qr[:, h * g : (h + 1) * g].float().reshape(B, g * R, D)
+        s = (qh @ k[:, h].float().transpose(-1, -2)) * D**-0.5  # [B, g*R, n]
+        if visible is not None:
+            s = s.masked_fill(~visible.repeat(g, 1), float("-inf"))
+        out.append(torch.softmax(s, dim=-1).nan_to_num(0.0).mean(dim=1))
+    return torch.stack(out, dim=1)
+
+
+class Compressor:
+    """Scores a block's KV entries per KV head; the strategy keeps the top `passing_size`."""
+
+    name = "base"
+    uses_query = False  # True: rank 0 runs the embedded query's rows for this compressor
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:  # [B, Hkv, n], higher = keep
+        raise NotImplementedError
+
+
+class QueryCompressor(Compressor):
+    """Training-free: attention of the embedded query to the block's keys (see the module docstring)."""
+
+    name = "query"
+    uses_query = True
+
+    def __init__(self, pool: int = 5, window: int = 32):
+        self.pool, self.window = pool, window
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        if inp.query is not None:
+            probs = pooled_attention(inp.query, inp.k)
+        else:  # no embedded query: the block's own last rows observe it (causally)
+            w = min(self.window, inp.q.shape[2])
+            visible = inp.pos[None, :] <= inp.pos[-w:, None]
+            probs = pooled_attention(inp.q[:, :, -w:], inp.k, visible)
+        return _smooth(probs, self.pool)
+
+
+class RandomCompressor(Compressor):
+    """Uniform random scores, reproducible per (seed, layer, rank): the ablation baseline."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        B, Hkv, n, _ = inp.k.shape
+        gen = torch.Generator(device=inp.k.device)
+        gen.manual_seed((self.seed * 1_000_003 + inp.layer * 7919 + inp.rank) % (2**63))
+        return torch.rand(B, Hkv, n, generator=gen, device=inp.k.device)
+
+
+class RetainingHeads(Compressor):
+    """Locret / APB retaining heads: per layer, scores = fc2(act(fc1([q, k, v]))) per token, one score
+    per KV head, then max-pooled over neighbouring positions.
+
+    File format (safetensors, or a torch file holding a dict of tensors), per global layer i:
+        layers.{i}.fc1.weight  [I, (Hq + 2*Hkv) * D]   input: one token's q, k, v projections concatenated
+                                                       (all q heads, then k heads, then v heads, model order)
+        layers.{i}.fc2.weight  [Hkv, I]
+        layers.{i}.fc1.bias [I], layers.{i}.fc2.bias [Hkv]   optional
+    Any key prefix is accepted, so the retaining heads inside an APB/Locret checkpoint
+    (`model.layers.{i}.self_attn.fc1.weight`) load as they are. Optional safetensors metadata (or a
+    "__config__" dict entry in a torch file): act = "silu" (default) | "gelu" | "relu";
+    pool = 5 (max-pool kernel); rope = "pre" (default: q and k before RoPE, as APB/Locret train them; the
+    strategy must be bound to the model to undo the rotation) | "post".
+    Layers without weights are an error. Under tensor parallelism pass `tp_group`: each rank holds a
+    contiguous slice of heads, fc1's partial products are summed over the TP group and each rank keeps
+    its own KV heads' scores.
+    """
+
+    name = "retaining-heads"
+
+    def __init__(self, layers: dict[int, dict[str, torch.Tensor]], *, act: str = "silu", pool: int = 5,
+                 rope: str = "pre", tp_group=None):
+        if rope not in ("pre", "post"):
+            raise ValueError(f"retaining heads: rope must be 'pre' or 'post', got {rope!r}")
+        acts = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+        if act not in acts:
+            raise ValueError(f"retaining heads: act must be one of {', '.join(acts)}, got {act!r}")
+        for i, w in layers.items():
+            if "fc1.weight" not in w or "fc2.weight" not in w:
+                raise ValueError(f"retaining heads: layer {i} needs fc1.weight and fc2.weight")
+        self.layers, self.act, self.pool, self.rope, self.tp_group = layers, acts[act], pool, rope, tp_group
+        self._cache: dict = {}
+
+    @classmethod
+    def load(cls, path, tp_group=None) -> "RetainingHeads":
+        import re
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"retaining heads file {path} not found")
+        meta: dict = {}
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+            with safe_open(str(path), "pt") as f:
+                meta = dict(f.metadata() or {})
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+            meta = dict(tensors.pop("__config__", {}) or {})
+        pat = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?(fc[12]\.(?:weight|bias))$")
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            m = pat.search(key)
+            if m:
+                layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        if not layers:
+            raise ValueError(f"{path}: no retaining-head weights (keys like layers.<i>.fc1.weight) found")
+        return cls(layers, act=str(meta.get("act", "silu")), pool=int(meta.get("pool", 5)),
+                   rope=str(meta.get("rope", "pre")), tp_group=tp_group)
+
+    def _weights(self, layer: int, Hq: int, Hkv: int, D: int, device, dtype):
+        key = (layer, Hq, Hkv, D, device, dtype)
+        if key in self._cache:
+            return self._cache[key]
+        if layer not in self.layers:
+            raise KeyError(f"retaining heads have no weights for layer {layer}")
+        w = self.layers[layer]
+        w1, w2 = w["fc1.weight"], w["fc2.weight"]
+        b1, b2 = w.get("fc1.bias"), w.get("fc2.bias")
+        hkv_full = w2.shape[0]
+        hq_full = w1.shape[1] // D - 2 * hkv_full
+        if w1.shape[1] != (hq_full + 2 * hkv_full) * D or hq_full < 1:
+            raise ValueError(f"retaining heads layer {layer}: fc1 input {w1.shape[1]} does not fit head_dim {D}")
+        tp = hkv_full // Hkv if Hkv and hkv_full % Hkv == 0 else 0
+        if tp < 1 or hq_full != Hq * tp:
+            raise ValueError(f"retaining heads layer {layer}: trained for {hq_full} q / {hkv_full} kv heads, "
+                             f"this rank runs {Hq} / {Hkv}")
+        if tp > 1:
+            if self.tp_group is None or dist.get_world_size(self.tp_group) != tp:
+                raise ValueError(f"retaining heads: this rank holds 1/{tp} of the heads; pass the TP group")
+            r = dist.get_rank(self.tp_group)
+            cols = torch.cat([torch.arange(r * Hq * D, (r + 1) * Hq * D),
+                              hq_full * D + torch.arange(r * Hkv * D, (r + 1) * Hkv * D),
+                              (hq_full + hkv_full) * D + torch.arange(r * Hkv * D, (r + 1) * Hkv * D)])
+            w1 = w1[:, cols]
+            w2 = w2[r * Hkv : (r + 1) * Hkv]
+            b2 = None if b2 is None else b2[r * Hkv : (r + 1) * Hkv]
+        out = tuple(None if t is None else t.to(device, dtype) for t in (w1, b1, w2, b2)) + (tp,)
+        self._cache[key] = out
+        return out
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        q, k, v = inp.q, inp.k, inp.v
+        B, Hq, n, D = q.shape
+        Hkv = k.shape[1]
+        if self.rope == "pre":
+            q, k = inp.rotate(q, -inp.pos), inp.rotate(k, -inp.pos)
+        w1, b1, w2, b2, tp = self._weights(inp.layer, Hq, Hkv, D, q.device, torch.float32)
+        x = torch.cat([t.float().transpose(1, 2).reshape(B, n, -1) for t in (q, k, v)], dim=-1)
+        h = x @ w1.T
+        if tp > 1:
+            dist.all_reduce(h, group=self.tp_group)
+        if b1 is not None:
+            h = h + b1
+        s = self.act(h) @ w2.T
+        if b2 is not None:
+            s = s + b2
+        return _smooth(s.transpose(1, 2).contiguous(), self.pool)  # [B, Hkv, n]
+
+
+def make_compressor(spec, *, path=None, seed: int = 0, tp_group=None) -> Compressor:
+    if isinstance(spec, Compressor):
+        return spec
+    if spec == "query":
+        return QueryCompressor()
+    if spec == "random":
+        return RandomCompressor(seed)
+    if spec == "retaining-heads":
+        if path is None:
+            raise ValueError("--compressor retaining-heads needs a trained weights file (--compressor-path)")
+        return RetainingHeads.load(path, tp_group=tp_group)
+    raise ValueError(f"unknown APB compressor {spec!r}; choose one of {', '.join(COMPRESSORS)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The strategy
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class APBSegment(Segment):
+    """Segment = [front rows; block rows]. Front rows are the anchor (ranks > 0) or the embedded
+    query's score-only rows (rank 0); `query_rows` locates the embedded query among them."""
+
+    n_front: int = 0
+    query_rows: tuple[int, int] | None = None
+    query_shift: int = 0  # true position - embedded position of the query rows
+    score_only: bool = False  # rank 0: the front rows are the query, seen by no other row
+    head_len: int = 0  # score-only rows also see the block's first head_len rows (the template head)
+
+    def to(self, device) -> "APBSegment":
+        base = super().to(device)
+        return APBSegment(base.index, base.positions, base.cache_rows, base.last_row, self.n_front,
+                          self.query_rows, self.query_shift, self.score_only, self.head_len)
+
+
+class APBAttention(ContextStrategy):
+    """APB over a CP group. anchor_size / passing_size None = paper defaults for the block size;
+    0 = ablate (no anchor / no passing). embed_query=False ablates the embedded query. compressor:
+    "query" | "retaining-heads" (needs compressor_path) | "random" | a Compressor. prefix_len: the
+    chat template's head at the context's front (the embedded query goes right after it)."""
+
+    name = "apb"
+    query_phase = True
+
+    def __init__(self, group=None, *, anchor_size: int | None = None, passing_size: int | None = None,
+                 compressor="query", embed_query: bool = True, query_rank: int | None = None,
+                 prefix_len: int = 0, compressor_path=None, seed: int = 0, tp_group=None):
+        super().__init__(group, query_rank)
+        for flag, v in (("--anchor-size", anchor_size), ("--passing-size", passing_size), ("--prefix-len", prefix_len)):
+            if v is not None and v < 0:
+                raise ValueError(f"{flag} must be >= 0, got {v}")
+        self.anchor_size, self.passing_size, self.prefix_len = anchor_size, passing_size, prefix_len
+        self.embed_query = embed_query
+        self.compressor = make_compressor(compressor, path=compressor_path, seed=seed, tp_group=tp_group)
+        self.inv_freq: torch.Tensor | None = None
+        self.layer_ids: list[int] | None = None
+        self.trace: list | None = None  # set to [] to record what each layer selected and sent
+        self._bounds: list[int] | None = None  # set by segments(): block boundaries of this prompt
+        self._sizes: tuple[int, int] | None = None  # (anchor, passing) resolved for this prompt
+
+    def bind(self, model) -> "APBAttention":
+        """Learn the model's RoPE (query re-rotation, retaining heads' pre-RoPE inputs) and the global
+        index of each held layer (pipeline stages, per-layer retaining heads)."""
+        self.inv_freq = getattr(model, "inv_freq", None)
+        self.layer_ids = list(getattr(model, "layer_ids", [])) or None
+        return self
+
+    def resolved_sizes(self, context_len: int) -> tuple[int, int]:
+        """(anchor, passing) for this context (defaults from the per-rank block size)."""
+        anchor, passing = apb_default_sizes(max(1, math.ceil(context_len / self.cp)))
+        return (anchor if self.anchor_size is None else self.anchor_size,
+                passing if self.passing_size is None else self.passing_size)
+
+    def _passing_counts(self) -> list[int]:
+        _, passing = self._sizes
+        b = self._bounds
+        return [min(passing, b[r + 1] - b[r]) for r in range(self.cp)]
+
+    def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
+        C, Lq = context_len, prompt_len - context_len
+        if C < self.cp:
+            raise ValueError(f"APB needs at least one context token per CP rank: {C} context tokens, cp = {self.cp}")
+        self._bounds = b = apb_bounds(C, self.cp)
+        self._sizes = anchor, passing = self.resolved_sizes(C)
+        s, e = b[self.rank], b[self.rank + 1]
+        block = torch.arange(s, e)
+        query = torch.arange(C, prompt_len)
+        embed = self.embed_query and Lq > 0 and self.cp > 1
+        if self.rank == 0:
+            # Score-only query rows when rank 0's block is actually compressed with the query.
+            needs = (embed and self.compressor.uses_query and self.cp > 1 and 0 < passing < e - s)
+            if not needs:
+                return [APBSegment(block, block.clone(), None)]
+            p = min(self.prefix_len, e - s)
+            index = torch.cat([query, block])
+            positions = torch.cat([torch.arange(p, p + Lq), block])
+            return [APBSegment(index, positions, torch.arange(Lq, Lq + e - s), n_front=Lq, query_rows=(0, Lq),
+                               query_shift=C - p, score_only=True, head_len=p)]
+        p = min(self.prefix_len, s)
+        q_len = Lq if embed else 0
+        a = max(p, min(anchor, s - q_len)) if embed else min(anchor, s)
+        index = torch.cat([torch.arange(p), query if embed else query[:0], torch.arange(p, a)])
+        n_front = len(index)
+        positions = torch.cat([torch.arange(n_front), block])
+        index = torch.cat([index, block])
+        return [APBSegment(index, positions, torch.arange(n_front, n_front + e - s), n_front=n_front,
+                           query_rows=(p, p + q_len) if embed else None, query_shift=C - p)]
+
+    # -- per-layer pieces ---------------------------------------------------------------------
+
+    def _select(self, layer: int, seg: APBSegment, q, k, v, pos):
+        """This rank's passing entries (k, v [B, Hkv, m, D], positions [B, Hkv, m]), in position order."""
+        F_ = seg.n_front
+        kL, vL, pL = k[:, :, F_:], v[:, :, F_:], pos[F_:]
+        B, Hkv, n, D = kL.shape
+        m = self._passing_counts()[self.rank]
+        if m == n:  # the budget covers the block: pass it whole
+            return kL, vL, pL.expand(B, Hkv, n)
+        query = None
+        if seg.query_rows is not None and self.compressor.uses_query:
+            r0, r1 = seg.query_rows
+            query = q[:, :, r0:r1]
+            if self.inv_freq is not None and seg.query_shift:
+                query = _rotate(query, seg.query_shift, self.inv_freq)
+        scores = self.compressor.score(ScoreInput(layer, q[:, :, F_:], kL, vL, pL, query, self.rank, self.inv_freq))
+        idx = scores.topk(m, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, m]
+        gather = idx[..., None].expand(B, Hkv, m, D)
+        return kL.gather(2, gather), vL.gather(2, gather), pL[idx]
+
+    def _exchange(self, sel, like: torch.Tensor):
+        """One all-gather of every rank's passing entries (k, v and positions packed into one tensor of
+        the KV dtype, padded to the largest count) -> ((k, v, positions) of ranks < this one, or None;
+        the shape this rank sent)."""
+        B, Hkv, _, D = like.shape
+        counts = self._passing_counts()
+        M, dt = max(counts), like.dtype
+        w = 8 // like.element_size()  # an int64 position, bit-cast to w elements of the KV dtype
+        buf = torch.zeros(B, Hkv, M, 2 * D + w, dtype=dt, device=like.device)
+        if sel is not None:
+            ks, vs, ps = sel
+            m = ks.shape[2]
+            buf[:, :, :m, :D] = ks
+            buf[:, :, :m, D : 2 * D] = vs
+            buf[:, :, :m, 2 * D :] = ps.to(torch.int64).contiguous()[..., None].view(dt)
+        out = torch.empty(self.cp * B, Hkv, M, 2 * D + w, dtype=dt, device=like.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, buf, group=self.group)
+        out = out.view(self.cp, B, Hkv, M, 2 * D + w)
+        if self.rank == 0:
+            return None, tuple(buf.shape)
+        got = torch.cat([out[j, :, :, : counts[j]] for j in range(self.rank)], dim=2)
+        pos = got[..., 2 * D :].contiguous().view(torch.int64)[..., 0]
+        return (got[..., :D], got[..., D : 2 * D], pos), tuple(buf.shape)
+
+    def prefill_attend(self, segment: Segment):
+        if self._sizes is None:
+            raise RuntimeError("APB: call segments(prompt_len, context_len) before prefill_attend")
+        seg = segment if isinstance(segment, APBSegment) else APBSegment(segment.index, segment.positions, segment.cache_rows)
+        _, passing = self._sizes
+        exchange = self.cp > 1 and passing > 0
+        last = self.rank == self.cp - 1
+        calls = [0]
+
+        def attend(q, k, v, pos, cache):
+            i = calls[0]
+            calls[0] += 1
+            layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i
+            F_ = seg.n_front
+            qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], pos[F_:]
+            extra_k, extra_v = [], []
+            if F_ and not seg.score_only:  # the anchor, seen in full by every block row
+                extra_k.append(k[:, :, :F_])
+                extra_v.append(v[:, :, :F_])
+            if exchange:
+                sel = None if last else self._select(layer, seg, q, k, v, pos)
+                got, sent = self._exchange(sel, kL)
+                if got is not None:
+                    extra_k.append(got[0])
+                    extra_v.append(got[1])
+                if self.trace is not None:
+                    self.trace.append({"layer": layer, "sent": sent,
+                                       "selected": None if sel is None else sel[2].cpu(),
+                                       "received": None if got is None else got[2].cpu()})
+            out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True)
+            if extra_k:
+                ek, ev = torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)
+                o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False)
+                out, lse = merge_partials(out, lse, o2, l2)
+            if F_:
+                qF, kF, vF, pF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_], pos[:F_]
+                if seg.score_only:  # the query rows see the template head and themselves
+                    h = seg.head_len
+                    kF, vF = torch.cat([kL[:, :, :h], kF], dim=2), torch.cat([vL[:, :, :h], vF], dim=2)
+                    kp = torch.cat([pL[:h], pF])
+                else:
+                    kp = pF
+                front, _ = attention(qF, kF, vF, q_pos=pF, k_pos=kp, causal=True)
+                out = torch.cat([front, out], dim=2)
+            cache_append(cache, kL, vL, pL, None)
+            return out
+
+        return attend
