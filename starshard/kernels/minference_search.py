@@ -1,0 +1,271 @@
+"""Offline kernel-aware pattern search (MInference, Algorithm 1) -> per-head JSON config.
+
+    python -m starshard.kernels.minference_search --model M --out cfg.json [--length 2048]
+
+One sample prompt (a RULER-style multi-key retrieval task, sized in the model's tokens) runs through
+the model once; each layer's attention is intercepted (its `attend` function is wrapped, then put
+back) and, per query head, every candidate is scored by attention recall: the share of the dense
+causal attention mass that the candidate's mask keeps, averaged over the rows of `--recall-blocks`
+query row blocks spread over the last three quarters of the sample. Candidates have equal kernel
+cost: the cost (score entries the Triton kernel
+computes, `minference.kernel_cost`) of the target A-shape (`--target-sink`, `--target-local`; by
+default the paper's 1024 + 4096 at 32K, scaled to the sample length); Vertical-Slash candidates fix
+a share of that budget for vertical lines and grow the slash count to the target cost, Block-Sparse
+grows its block count to it (bisection on the real index of the sample). The best recall wins.
+
+Budgets are absolute token/block counts found at the sample length; like MInference's published
+configs, they are applied unchanged at other lengths. `--published` also writes MInference's format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from starshard.kernels import minference as mi
+
+# Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
+# ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
+VERTICAL_SHARES = (0.006, 0.02, 0.1, 0.6)
+PAPER_TARGET = (1024, 4096, 32768)  # sink, local at this length
+
+
+def default_target(length: int) -> tuple[int, int]:
+    sink, local, ref = PAPER_TARGET
+    return max(1, round(sink * length / ref)), max(1, round(local * length / ref))
+
+
+def _dense_probs(q, k, blocks, *, block_size, offset, scale):
+    """Causal softmax rows [Hq, rows, Lk] (float32) of the listed row blocks of one batch row."""
+    Hq, Lq, D = q.shape[1:]
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    rows = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
+    rows = rows[rows < Lq]
+    qs = q[0, :, rows].float().view(Hkv, g, rows.numel(), D)
+    s = torch.einsum("hgrd,hkd->hgrk", qs, k[0].float()).reshape(Hq, rows.numel(), -1) * scale
+    vis = torch.arange(k.shape[2], device=q.device)[None, :] <= (rows + offset)[:, None]
+    return torch.softmax(s.masked_fill(~vis, float("-inf")), -1), rows.numel()
+
+
+class LayerSearch:
+    """Equal-cost candidates of one layer's heads (batch row 0 of q/k), scored by attention recall."""
+
+    def __init__(self, q, k, *, block_size=64, last_q=64, force_sink=30, force_local=100, target=None,
+                 recall_blocks=16, scale=None, vertical_aware=True):
+        self.q, self.k = q[:1], k[:1]
+        self.Hq, self.Lq, self.D = q.shape[1], q.shape[2], q.shape[3]
+        self.Lk = k.shape[2]
+        self.BM = block_size
+        self.last_q, self.force_sink, self.force_local = last_q, force_sink, force_local
+        self.vertical_aware = vertical_aware
+        self._estimates = {}
+        self.offset = self.Lk - self.Lq
+        self.scale = self.D**-0.5 if scale is None else scale
+        self.target = target or default_target(self.Lk)
+        nM = mi._cdiv(self.Lq, self.BM)
+        first = nM // 4
+        n = min(recall_blocks, nM - first)
+        self.blocks = torch.linspace(first, nM - 1, n).round().long().unique().to(q.device)
+        self.probs, self.rows = _dense_probs(self.q, self.k, self.blocks, block_size=self.BM, offset=self.offset,
+                                             scale=self.scale)
+        self.heads = list(range(self.Hq))
+        t_sink, t_local = self.target
+        self.target_group = mi.HeadGroup("a_shape", self.heads, sink=[t_sink] * self.Hq, local=[t_local] * self.Hq)
+        self.target_cost = self._cost(self.target_group)
+
+    def _cost(self, grp) -> torch.Tensor:  # per head, on the CPU
+        return mi.kernel_cost(grp, B=1, Lq=self.Lq, Lk=self.Lk, offset=self.offset, block_size=self.BM)[0].cpu()
+
+    def _recall(self, grp) -> torch.Tensor:  # per head, on the CPU
+        vis = mi.group_mask(grp, B=1, Lq=self.Lq, Lk=self.Lk, offset=self.offset, block_size=self.BM,
+                            blocks=self.blocks)[0, :, : self.rows]
+        return (self.probs * vis.to(self.probs.device)).sum(-1).mean(-1).cpu()
+
+    def vs_group(self, vertical: int, slash):
+        if vertical not in self._estimates:  # columns and slash scores depend on the vertical budget only
+            if self.vertical_aware:
+                v_idx, _, ss = mi.vs_estimate(self.q, self.k, offset=self.offset, vertical=vertical, last_q=self.last_q,
+                                              force_sink=self.force_sink, scale=self.scale)
+            else:
+                vs, ss = mi.vs_scores(self.q, self.k, offset=self.offset, last_q=self.last_q, scale=self.scale)
+                v_idx = mi.pick_vertical(vs, vertical, min(self.last_q, self.Lq), self.force_sink)
+            self._estimates[vertical] = (v_idx, ss)
+        v_idx, ss = self._estimates[vertical]
+        s_idx = mi.pick_slash(ss, slash, min(self.last_q, self.Lq), self.force_local, self.Hq)
+        idx = mi.vs_index(v_idx, s_idx, Lq=self.Lq, Lk=self.Lk, offset=self.offset, block_size=self.BM)
+        return mi.HeadGroup("vertical_slash", self.heads, index=idx)
+
+    def bs_group(self, topk):
+        idx = mi.bs_select(self.q, self.k, offset=self.offset, topk=torch.as_tensor(topk).tolist(),
+                           block_size=self.BM, scale=self.scale)
+        return mi.HeadGroup("block_sparse", self.heads, index=idx)
+
+    def _grow(self, make, lo: int, hi: int):
+        """Per head, the largest budget in [lo, hi] whose cost stays within the target (bisection;
+        cost is non-decreasing in the budget up to chunk rounding). None where even `lo` costs more."""
+        target = self.target_cost
+        lo_t = torch.full((self.Hq,), lo, dtype=torch.long)
+        hi_t = torch.full((self.Hq,), hi, dtype=torch.long)
+        feasible = self._cost(make(lo_t)) <= target
+        ok_hi = self._cost(make(hi_t)) <= target
+        lo_t = torch.where(ok_hi, hi_t, lo_t)
+        while True:
+            open_ = (hi_t - lo_t > 1) & ~ok_hi & feasible
+            if not open_.any():
+                break
+            mid = torch.where(open_, (lo_t + hi_t) // 2, lo_t)
+            fits = self._cost(make(mid)) <= target
+            lo_t = torch.where(open_ & fits, mid, lo_t)
+            hi_t = torch.where(open_ & ~fits, mid, hi_t)
+        return lo_t, feasible
+
+    def candidates(self):
+        """(pattern per head, recall per head, cost per head) for every candidate family."""
+        out = []
+        t_sink, t_local = self.target
+        out.append(([mi.AShape(t_sink, t_local)] * self.Hq, self._recall(self.target_group), self.target_cost))
+        per_row = t_sink + t_local
+        ndiag = self.Lq + self.offset
+        for share in VERTICAL_SHARES:
+            vert = max(1, min(self.Lk, round(share * per_row)))
+            slash, feasible = self._grow(lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag)
+            grp = self.vs_group(vert, slash.tolist())
+            rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
+            out.append(([mi.VerticalSlash(vert, int(s)) for s in slash], rec, self._cost(grp)))
+        topk, feasible = self._grow(lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM))
+        grp = self.bs_group(topk.clamp(min=1))
+        rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
+        out.append(([mi.BlockSparse(int(t)) for t in topk.clamp(min=1)], rec, self._cost(grp)))
+        return out
+
+    def best(self) -> list:
+        """Per head, the candidate with the best recall (its recall kept as the pattern's score)."""
+        cands = self.candidates()
+        recalls = torch.stack([c[1] for c in cands])  # [C, Hq]
+        pick = recalls.argmax(0)
+        result = []
+        for h in range(self.Hq):
+            c = int(pick[h])
+            p = cands[c][0][h]
+            result.append(type(p)(**{**{f: getattr(p, f) for f in p.__dataclass_fields__ if f != "score"},
+                                     "score": round(float(recalls[c, h]), 6)}))
+        return result
+
+
+def search_layer(q, k, **kwargs) -> list:
+    """Best pattern per query head of one layer (q [B, Hq, L, D] after RoPE, k [B, Hkv, L, D])."""
+    return LayerSearch(q, k, **kwargs).best()
+
+
+def sample_ids(model_path, length: int, task: str, seed: int) -> list[int]:
+    """Token ids of one synthetic long-context prompt of about `length` tokens."""
+    from starshard.engine.generate import build_prompt, load_tokenizer
+    from starshard.evaluation.tasks import make_sample
+
+    tok = load_tokenizer(Path(model_path))
+    if tok is None:
+        g = torch.Generator().manual_seed(seed)
+        print("minference_search: the checkpoint has no tokenizer; using random token ids", file=sys.stderr)
+        return torch.randint(100, 20000, (length,), generator=g).tolist()
+    s = make_sample(task, tok, length, 0.5, seed)
+    ids = build_prompt(tok, context=s.context, question=s.question).ids
+    return ids[:length]
+
+
+def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
+    """One forward pass; each selected layer's heads searched as its attention runs. Returns the
+    per-layer list of {head: pattern} (empty dicts for layers not searched)."""
+    found: list[dict] = [{} for _ in model.layers]
+    saved = [layer.attention.attend for layer in model.layers]
+    want = set(range(len(model.layers))) if layers is None else set(layers)
+
+    def wrap(i, fn):
+        def attend(q, k, v, pos, cache):
+            if i in want:
+                t = time.time()
+                found[i] = dict(enumerate(search_layer(q, k, **kwargs)))
+                if progress:
+                    kinds = [p.kind for p in found[i].values()]
+                    summary = ", ".join(f"{kinds.count(x)} {x}" for x in sorted(set(kinds)))
+                    print(f"layer {i}: {summary} ({time.time() - t:.1f}s)", file=sys.stderr)
+            return fn(q, k, v, pos, cache)
+
+        return attend
+
+    try:
+        for i, layer in enumerate(model.layers):
+            layer.attention.attend = wrap(i, saved[i])
+        with torch.no_grad():
+            dev = next(model.parameters()).device
+            model(torch.tensor([ids], device=dev), last_only=True)
+    finally:
+        for layer, fn in zip(model.layers, saved):
+            layer.attention.attend = fn
+    return found
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m starshard.kernels.minference_search", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint dir, HF dir or .gguf (default: the embedded default model)")
+    p.add_argument("--out", required=True, help="output JSON (starshard MInference config)")
+    p.add_argument("--length", type=int, default=2048, help="sample prompt length in tokens")
+    p.add_argument("--task", default="multikey", help="synthetic task of the sample (starshard.evaluation.tasks)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", default=None, help="comma-separated layer ids to search (others get the default pattern)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--last-q", type=int, default=64)
+    p.add_argument("--force-sink", type=int, default=30, help="first key columns always among the vertical lines")
+    p.add_argument("--force-local", type=int, default=100, help="nearest diagonals always among the slash lines")
+    p.add_argument("--minference-estimate", action="store_true",
+                   help="MInference's raw slash estimate (default: leave out the chosen columns' echoes)")
+    p.add_argument("--target-sink", type=int, default=None, help="target A-shape sink (default: 1024 scaled from 32K)")
+    p.add_argument("--target-local", type=int, default=None, help="target A-shape window (default: 4096 scaled from 32K)")
+    p.add_argument("--recall-blocks", type=int, default=16, help="query row blocks the recall is measured on")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--published", default=None, help="also write MInference's published format to this path")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+
+    import starshard
+    from starshard.checkpoints.default import default_checkpoint
+
+    path = Path(args.model) if args.model else default_checkpoint(progress=not args.quiet)
+    model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
+    ids = sample_ids(path, args.length, args.task, args.seed)
+    L = len(ids)
+    dflt = default_target(L)
+    target = (args.target_sink or dflt[0], args.target_local or dflt[1])
+    layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
+    t0 = time.time()
+    found = run_search(model, ids, layers=layers, progress=not args.quiet, block_size=args.block_size,
+                       last_q=args.last_q, force_sink=args.force_sink, force_local=args.force_local, target=target,
+                       recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate)
+    cfg = mi.MInferenceConfig(
+        layers=found, block_size=args.block_size, last_q=args.last_q, force_sink=args.force_sink,
+        force_local=args.force_local, vertical_aware=not args.minference_estimate,
+        meta={"model": str(path), "sample": {"task": args.task, "tokens": L, "seed": args.seed},
+              "target": {"sink": target[0], "local": target[1]}, "score": "attention recall at equal kernel cost",
+              "searched_layers": sorted(i for i, d in enumerate(found) if d), "seconds": round(time.time() - t0, 1)},
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.save(out)
+    if args.published:
+        Path(args.published).write_text(json.dumps(cfg.to_published()) + "\n")
+    kinds = [p.kind for layer in cfg.layers for p in layer.values()]
+    scores = [p.score for layer in cfg.layers for p in layer.values() if p.score is not None]
+    summary = {"out": str(out), "heads": len(kinds), **{k: kinds.count(k) for k in sorted(set(kinds))},
+               "mean_recall": round(sum(scores) / max(1, len(scores)), 4), "sample_tokens": L,
+               "target": list(target), "seconds": cfg.meta["seconds"]}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""MInference sparse prefill kernels against independent float64 references built from the same
+indices; index builders against plain-torch loops; configs (ours and MInference's published format);
+the offline search and the benchmark script on CPU.
+
+The Triton kernel runs on CPU through TRITON_INTERPRET=1 (set before minference.py is imported), at
+small sizes and float32/float16 only (bfloat16 is not faithful in the interpreter). block_size 16
+makes the short test sequences span several row blocks.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from starshard.kernels import minference as mi  # noqa: E402
+from starshard.kernels.attention import attention  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = Path(__file__).parent / "data" / "minference_published_sample.json"
+BM = 16
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3)}  # (relative out error, lse abs error)
+
+# name: B, Hq, Hkv, Lq, Lk, D, offset (q_pos[0] - k_pos[0]); keys start at global position 7
+LAYOUTS = {
+    "square": (1, 4, 2, 100, 100, 32, 0),
+    "tail": (1, 4, 4, 40, 100, 32, 60),  # the query block is the last 40 of 100 keys
+    "batch_gqa_d24": (2, 4, 1, 72, 72, 24, 0),
+}
+
+
+def make(layout, dtype, seed=0):
+    B, hq, hkv, lq, lk, d, off = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, hq, lq, d, generator=g) * 1.5).to(dtype)  # peakier than unit scores
+    k = torch.randn(B, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(B, hkv, lk, d, generator=g).to(dtype)
+    k_pos = torch.arange(lk) + 7
+    q_pos = torch.arange(lq) + 7 + off
+    return q, k, v, q_pos, k_pos, off
+
+
+# ---- independent references ----------------------------------------------------------------------
+
+
+def causal_vis(lq, lk, off):
+    return torch.arange(lk)[None, :] <= (torch.arange(lq) + off)[:, None]
+
+
+def ashape_vis(sink, local, lq, lk, off):
+    i = torch.arange(lq)[:, None] + off
+    j = torch.arange(lk)[None, :]
+    return (j <= i) & ((j < sink) | (i - j < local))
+
+
+def vs_vis(cols, diags, lq, lk, off, bm):
+    """Row i of row block m (first key index b = m*bm + off) sees key j <= i+off if j is a chosen
+    column or b - d <= j < b - d + bm for a chosen diagonal d. Plain loops over rows and diagonals."""
+    cols = [c for c in cols.tolist() if c < lk]
+    diags = [d for d in diags.tolist() if d < lq + off]
+    vis = torch.zeros(lq, lk, dtype=torch.bool)
+    for i in range(lq):
+        b = (i // bm) * bm + off
+        row = torch.zeros(lk, dtype=torch.bool)
+        row[cols] = True
+        for d in diags:
+            lo, hi = max(0, b - d), min(lk, b - d + bm)
+            if lo < hi:
+                row[lo:hi] = True
+        vis[i] = row & (torch.arange(lk) <= i + off)
+    return vis
+
+
+def bs_vis(blocks, count, lq, lk, off, bm):
+    vis = torch.zeros(lq, lk, dtype=torch.bool)
+    for i in range(lq):
+        for kb in blocks[i // bm, : count[i // bm]].tolist():
+            vis[i, kb * bm : (kb + 1) * bm] = True
+    return vis & causal_vis(lq, lk, off)
+
+
+def reference_vis(pattern, groups, B, hq, lq, lk, off, bm):
+    """[B, Hq, Lq, Lk] visibility from the head patterns and the raw selections in the plan's groups
+    (chosen columns / diagonals / blocks, not the merged index)."""
+    vis = torch.zeros(B, hq, lq, lk, dtype=torch.bool)
+    heads = pattern.for_heads(hq)
+    for grp in groups:
+        for j, h in enumerate(grp.heads):
+            for b in range(B):
+                p = heads[h]
+                if isinstance(p, mi.Dense):
+                    vis[b, h] = causal_vis(lq, lk, off)
+                elif isinstance(p, mi.AShape):
+                    vis[b, h] = ashape_vis(p.sink, p.local, lq, lk, off)
+                elif isinstance(p, mi.VerticalSlash):
+                    vis[b, h] = vs_vis(grp.index.vertical[b, j], grp.index.slash[b, j], lq, lk, off, bm)
+                else:
+                    vis[b, h] = bs_vis(grp.index.blocks[b, j], grp.index.count[b, j], lq, lk, off, bm)
+    return vis
+
+
+def masked_reference(q, k, v, vis, scale=None):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ vv, lse
+
+
+def assert_matches(out, lse, ref, ref_lse, dtype):
+    tol_out, tol_lse = TOL[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < tol_out, f"relative error {err:.3e}"
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < tol_lse
+    assert torch.isneginf(lse[~fin]).all() and (out[~fin] == 0).all()
+
+
+SPARSE_HEADS = (mi.AShape(sink=3, local=20), mi.VerticalSlash(6, 10), mi.BlockSparse(2), mi.VerticalSlash(3, 40))
+
+
+def sparse_pattern(**kw):
+    return mi.SparsePattern(SPARSE_HEADS, block_size=BM, last_q=16, force_sink=2, force_local=5, **kw)
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kernel_matches_masked_reference(layout, dtype):
+    q, k, v, q_pos, k_pos, off = make(layout, dtype)
+    B, hq, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    pattern = sparse_pattern()
+    groups = mi.build_plan(q, k, pattern, offset=off)
+    vis = reference_vis(pattern, groups, B, hq, lq, lk, off, BM)
+    assert (vis.sum(-1) < causal_vis(lq, lk, off).sum(-1)).any()  # really sparse
+    ref, ref_lse = masked_reference(q, k, v, vis)
+    out, lse = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pattern, backend="triton")
+    assert_matches(out, lse, ref, ref_lse, dtype)
+    out_t, lse_t = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pattern, backend="torch")
+    assert_matches(out_t, lse_t, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("case", ["square-fp32", "tail-fp32", "batch_gqa_d24-fp32", "tail-fp16"])
+def test_full_budgets_equal_dense(case):
+    layout, dt = case.split("-")
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[dt]
+    q, k, v, q_pos, k_pos, off = make(layout, dtype, seed=1)
+    big = 10**6
+    pattern = mi.SparsePattern((mi.AShape(0, big), mi.VerticalSlash(big, big), mi.BlockSparse(big), mi.Dense()),
+                               block_size=BM, last_q=16)
+    ref, ref_lse = masked_reference(q, k, v, causal_vis(q.shape[2], k.shape[2], off).expand(q.shape[0], q.shape[1], -1, -1))
+    for backend in ("triton", "torch"):
+        out, lse = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pattern, backend=backend)
+        assert_matches(out, lse, ref, ref_lse, dtype)
+
+
+def test_queries_past_the_keys_and_faithful_estimate():
+    """Query block entirely after its keys (off > Lk - Lq), MInference's raw slash estimate."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 2, 40, 32, generator=g), torch.randn(1, 2, 50, 32, generator=g), torch.randn(1, 2, 50, 32, generator=g)
+    k_pos, q_pos = torch.arange(50), torch.arange(60, 100)
+    pattern = mi.SparsePattern((mi.VerticalSlash(5, 30), mi.BlockSparse(2)), block_size=BM, last_q=16, vertical_aware=False)
+    groups = mi.build_plan(q, k, pattern, offset=60)
+    ref, ref_lse = masked_reference(q, k, v, reference_vis(pattern, groups, 1, 2, 40, 50, 60, BM))
+    out, lse = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pattern, backend="triton")
+    assert_matches(out, lse, ref, ref_lse, torch.float32)
+
+
+def test_gapped_positions_query_is_tail_of_keys():
+    """Star's [anchor; block] layout: positions with a gap, q_pos == k_pos (index-space causal)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(1, 2, 60, 32, generator=g), torch.randn(1, 2, 60, 32, generator=g), torch.randn(1, 2, 60, 32, generator=g)
+    pos = torch.cat([torch.arange(12), torch.arange(500, 548)])
+    pattern = mi.SparsePattern((mi.VerticalSlash(4, 12), mi.AShape(4, 9)), block_size=BM, last_q=16, force_sink=2, force_local=3)
+    assert mi.query_offset(pos, pos, 60, 60) == 0 and mi.query_offset(pos[20:], pos, 40, 60) == 20
+    groups = mi.build_plan(q, k, pattern, offset=0)
+    ref, ref_lse = masked_reference(q, k, v, reference_vis(pattern, groups, 1, 2, 60, 60, 0, BM))
+    out, lse = mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=pattern, backend="triton")
+    assert_matches(out, lse, ref, ref_lse, torch.float32)
+    with pytest.raises(ValueError, match="last entries"):
+        mi.query_offset(pos[:30], pos, 30, 60)
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from starshard.kernels import minference as mi
+fn = mi._minference_fwd
+ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "IDX", "CNT", "CFULL"}
+for dt, modes in (("bf16", (0, 1, 2)), ("fp32", (1,))):
+    sig = {n: "*i32" if n in ints else ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    sig.update({n: "*" + dt for n in ("Q", "K", "V", "O")}, LSE="*fp32")
+    sig.update({n: "constexpr" for n in ("MODE", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE")})
+    for mode in modes:
+        warps, stages = mi.default_launch(128)
+        consts = dict(MODE=mode, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, IEEE=dt == "fp32")
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        assert "wgmma" in k.asm["ptx"] or dt == "fp32", (dt, mode)
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_sm90(tmp_path):
+    """The interpreter skips Triton's compiler: build the real kernel (sm_90a cubin, no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
+        pytest.skip("no ptxas in this triton install")
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# ---- index builders ------------------------------------------------------------------------------
+
+
+def plain_scores(q, k, off, last_q, heads, drop=None):
+    """Vertical / slash sums of softmax rows (float64 loops). drop[h]: columns left out of slash sums."""
+    hq, lq, d = q.shape[1:]
+    g = hq // k.shape[1]
+    lk = k.shape[2]
+    R = min(last_q, lq)
+    vert = torch.zeros(len(heads), lk, dtype=torch.float64)
+    slash = torch.zeros(len(heads), lq + off, dtype=torch.float64)
+    for n, h in enumerate(heads):
+        for r in range(lq - R, lq):
+            s = (k[0, h // g].double() @ q[0, h, r].double()) * d**-0.5
+            s[torch.arange(lk) > r + off] = float("-inf")
+            p = torch.softmax(s, 0)
+            vert[n] += p
+            for j in range(min(lk, r + off + 1)):
+                if drop is None or j not in drop[n]:
+                    slash[n, r + off - j] += p[j]
+    return vert, slash
+
+
+def test_vs_scores_and_selection_match_plain_torch():
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 48, 16, generator=g) * 2, torch.randn(1, 2, 80, 16, generator=g)
+    off, heads = 32, [1, 2]
+    vs, ss = mi.vs_scores(q, k, offset=off, last_q=16, heads=heads)
+    pv, ps = plain_scores(q, k, off, 16, heads)
+    torch.testing.assert_close(vs[0].double(), pv, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ss[0].double(), ps, rtol=1e-5, atol=1e-6)
+    # picks: forced first columns / nearest diagonals, then the largest estimates; per-head budgets
+    v_idx, s_idx = mi.vs_pick(vs, ss, vertical=[4, 6], slash=[5, 9], rows=16, force_sink=2, force_local=3)
+    for n, (kv, ks) in enumerate([(4, 5), (6, 9)]):
+        want_v = {0, 1} | set(torch.topk(pv[n, 2:], kv - 2).indices.add(2).tolist())
+        want_s = {0, 1, 2} | set(torch.topk(ps[n, 3:], ks - 3).indices.add(3).tolist())
+        assert set(v_idx[0, n, :kv].tolist()) == want_v and (v_idx[0, n, kv:] == 80).all()
+        assert set(s_idx[0, n, :ks].tolist()) == want_s and (s_idx[0, n, ks:] == 80).all()
+        assert (v_idx[0, n].diff() >= 0).all() and (s_idx[0, n].diff() >= 0).all()
+    # vertical-aware estimate: chosen columns outside the raw near-diagonal band leave the slash sums
+    v2, vs2, ss2 = mi.vs_estimate(q, k, offset=off, vertical=[4, 6], slash=[5, 9], last_q=16, force_sink=2,
+                                  force_local=3, heads=heads)
+    assert torch.equal(v2, v_idx)
+    drop = []
+    for n in range(2):
+        band = 0
+        while band < s_idx.shape[-1] and s_idx[0, n, band] == band:
+            band += 1
+        first = 48 - 16 + off
+        drop.append({c for c in v_idx[0, n].tolist() if c < 80 and first - c > band})
+    assert any(drop)
+    _, ps2 = plain_scores(q, k, off, 16, heads, drop)
+    torch.testing.assert_close(ss2[0].double(), ps2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(vs2, vs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vs_index_matches_plain_merge(seed):
+    lq, lk, off = 70, 110, 40
+    ndiag = lq + off
+    g = torch.Generator().manual_seed(seed)
+    cols, diags = [], []
+    for _ in range(2):
+        c = torch.randperm(lk, generator=g)[: 12].tolist()
+        # adversarial diagonals: gaps of exactly BM and BM + 1, the first and last ones, a dense run
+        d = {0, 1, 2, 20, 20 + BM, 20 + 2 * BM + 1, ndiag - 1, 70, 71, 72, 73}
+        d |= set(torch.randperm(ndiag, generator=g)[:6].tolist())
+        cols.append(sorted(c) + [lk] * 3)
+        diags.append(sorted(d) + [ndiag] * (20 - len(d)))
+    v_idx, s_idx = torch.tensor([cols]), torch.tensor([diags])
+    ix = mi.vs_index(v_idx, s_idx, Lq=lq, Lk=lk, offset=off, block_size=BM)
+    for n in range(2):
+        dd = [x for x in diags[n] if x < ndiag]
+        for m in range(-(-lq // BM)):
+            b = m * BM + off
+            covered = set()
+            for x in dd:
+                covered |= set(range(max(0, b - x), min(lk, b - x + BM)))
+            # the runs, read as key ranges of this row block, are disjoint and cover exactly that
+            ranges = []
+            for s in range(int(ix.seg_count[0, n])):
+                f, l = ix.seg[0, n, s].tolist()
+                lo, hi = max(0, b - l), min(lk, b + BM - f)
+                if lo < hi:
+                    ranges.append(set(range(lo, hi)))
+            assert sum(len(r) for r in ranges) == len(set().union(*ranges)) == len(covered)
+            assert set().union(*ranges) == covered
+            want = [c for c in cols[n] if c < lk and c < b + BM and c not in covered]
+            cnt = int(ix.col_count[0, n, m])
+            assert ix.col[0, n, m, :cnt].tolist() == want
+            assert int(ix.col_full[0, n, m]) == sum(c <= b for c in want)
+
+
+def test_bs_select_matches_plain():
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 4, 52, 8, generator=g), torch.randn(1, 2, 90, 8, generator=g)
+    off, heads, topk = 38, [0, 3], [3, 5]
+    ix = mi.bs_select(q, k, offset=off, topk=topk, block_size=BM, heads=heads)
+    nm, nn = -(-52 // BM), -(-90 // BM)
+    for n, h in enumerate(heads):
+        for m in range(nm):
+            rows = q[0, h, m * BM : (m + 1) * BM].double().mean(0)
+            first, last = m * BM + off, min(52, (m + 1) * BM) - 1 + off
+            cand = {}
+            for kb in range(nn):
+                if kb * BM > last:
+                    continue
+                key = k[0, h // 2, kb * BM : (kb + 1) * BM].double().mean(0)
+                forced = kb * BM + BM - 1 >= first
+                cand[kb] = float("inf") if forced else float(rows @ key) * 8**-0.5
+            want = sorted(sorted(cand, key=lambda x: -cand[x])[: topk[n]])
+            cnt = int(ix.count[0, n, m])
+            assert ix.blocks[0, n, m, :cnt].tolist() == want
+            assert int(ix.full[0, n, m]) == sum(kb * BM + BM <= min(first + 1, 90) for kb in want)
+
+
+def test_kernel_cost_counts_chunks():
+    q, k, v, q_pos, k_pos, off = make("tail", torch.float32)
+    lq, lk = q.shape[2], k.shape[2]
+    groups = mi.build_plan(q, k, sparse_pattern(), offset=off)
+    nm = -(-lq // BM)
+    for grp in groups:
+        cost = mi.kernel_cost(grp, B=1, Lq=lq, Lk=lk, offset=off, block_size=BM)[0]
+        for j in range(len(grp.heads)):
+            chunks = 0
+            for m in range(nm):
+                b, last = m * BM + off, min(lq, (m + 1) * BM) - 1 + off
+                if grp.kind == "vertical_slash":
+                    for s in range(int(grp.index.seg_count[0, j])):
+                        f, l = grp.index.seg[0, j, s].tolist()
+                        chunks += -(-max(0, min(lk, b + BM - f) - max(0, b - l)) // BM)
+                    chunks += -(-int(grp.index.col_count[0, j, m]) // BM)
+                elif grp.kind == "block_sparse":
+                    chunks += int(grp.index.count[0, j, m])
+                else:
+                    sink, local = grp.sink[j], grp.local[j]
+                    cols = set(range(min(sink, lk))) | set(range(max(0, b - local + 1), min(last + 1, lk)))
+                    if b - local + 1 > sink:
+                        chunks += -(-min(sink, lk) // BM) + -(-(min(last + 1, lk) - (b - local + 1)) // BM)
+                    else:
+                        chunks += -(-min(last + 1, lk) // BM)
+                    assert cols
+            assert int(cost[j]) == chunks * BM * BM
+    assert mi.dense_cost(Lq=lq, Lk=lk, offset=off, block_size=BM) == sum(
+        -(-min(lk, min(lq, (m + 1) * BM) + off) // BM) * BM * BM for m in range(nm))
+
+
+# ---- entry points --------------------------------------------------------------------------------
+
+
+def test_entry_points_and_errors():
+    q, k, v, q_pos, k_pos, off = make("square", torch.float32)
+    pattern = sparse_pattern()
+    a = pattern.attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
+    b = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pattern, backend="torch")
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
+    # a single head pattern broadcasts; all-dense, decode-sized and non-causal calls are exact dense
+    dense = attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
+    out = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=mi.Dense())
+    torch.testing.assert_close(out[0], dense[0])
+    short = mi.minference_attention(q[:, :, -8:], k, v, q_pos=q_pos[-8:], k_pos=k_pos, pattern=pattern)
+    torch.testing.assert_close(short[0], attention(q[:, :, -8:], k, v, q_pos=q_pos[-8:], k_pos=k_pos)[0])
+    full = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pattern, causal=False)
+    torch.testing.assert_close(full[0], attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=False)[0])
+    with pytest.raises(ValueError, match="consecutive"):
+        mi.minference_attention(q, k, v, q_pos=q_pos.flip(0), k_pos=k_pos, pattern=pattern)
+    with pytest.raises(ValueError, match="start at or after"):
+        mi.minference_attention(q, k, v, q_pos=q_pos - 3, k_pos=k_pos, pattern=pattern)
+    with pytest.raises(ValueError, match="every batch row"):
+        mi.minference_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+                                q_pos=torch.stack([q_pos, q_pos + 1]), k_pos=k_pos, pattern=pattern)
+    with pytest.raises(ValueError, match="head patterns"):
+        mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=mi.SparsePattern(SPARSE_HEADS[:3]))
+    with pytest.raises(TypeError, match="pattern\\(layer"):
+        mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=mi.MInferenceConfig())
+    with pytest.raises(ValueError):
+        mi.SparsePattern((mi.Dense(),), block_size=24)
+
+
+# ---- configs -------------------------------------------------------------------------------------
+
+
+def test_config_round_trip(tmp_path):
+    cfg = mi.MInferenceConfig(
+        layers=[{0: mi.AShape(8, 32, score=0.9), 1: mi.VerticalSlash(5, 7, score=0.5)}, {},
+                {2: mi.BlockSparse(3), 0: mi.Dense()}],
+        default=mi.VerticalSlash(10, 20), block_size=32, last_q=32, force_sink=4, force_local=8,
+        vertical_aware=False, meta={"model": "x"})
+    path = tmp_path / "cfg.json"
+    cfg.save(path)
+    back = mi.MInferenceConfig.load(path)
+    assert back.to_dict() == {**cfg.to_dict(), "meta": {"model": "x", "source": str(path)}}
+    assert back.layers[0][0].score == 0.9 and back.layers[0][1] == mi.VerticalSlash(5, 7)
+    p = back.pattern(0, 3)
+    assert p.heads == (mi.AShape(8, 32), mi.VerticalSlash(5, 7), mi.VerticalSlash(10, 20))
+    assert (p.block_size, p.last_q, p.force_sink, p.force_local, p.vertical_aware) == (32, 32, 4, 8, False)
+    assert back.pattern(1, 2).heads == (mi.VerticalSlash(10, 20),) * 2
+    assert back.pattern(2, 2, head_offset=1).heads == (mi.VerticalSlash(10, 20), mi.BlockSparse(3))
+    assert back.pattern(9, 1).heads == (mi.VerticalSlash(10, 20),)  # layers past the file: default
+    # MInference's format both ways (dense heads become all-covering vertical_and_slash)
+    pub = mi.MInferenceConfig.from_published(json.loads(json.dumps(cfg.to_published())))
+    assert pub.layers[0][0] == mi.AShape(8, 32) and pub.layers[0][0].score == 0.9
+    assert pub.layers[2][2] == mi.BlockSparse(mi.PUBLISHED_BLOCK_TOPK)
+    assert isinstance(pub.layers[2][0], mi.VerticalSlash) and pub.layers[2][0].vertical >= 2**30
+    with pytest.raises(ValueError):
+        mi.MInferenceConfig.from_dict({"layers": []})
+    with pytest.raises(ValueError, match="unknown head pattern"):
+        mi.head_pattern({"pattern": "diagonal"})
+
+
+def test_load_published_sample():
+    cfg = mi.MInferenceConfig.load(PUBLISHED)
+    assert len(cfg.layers) == 3
+    assert cfg.layers[0][0] == mi.VerticalSlash(1000, 6096) and cfg.layers[0][0].score == 336
+    assert cfg.layers[0][2] == mi.AShape(sink=100, local=800)
+    assert cfg.layers[0][3] == mi.BlockSparse(100)  # MInference's runtime block budget
+    assert cfg.layers[2][0] == mi.AShape(64, 512) and cfg.layers[1][0] == mi.VerticalSlash(3500, 100)
+    assert cfg.head(1, 1) == mi.VerticalSlash(1000, 6096)  # missing head: MInference's default
+    assert cfg.pattern(7, 4).heads == (mi.VerticalSlash(1000, 6096),) * 4
+    p = cfg.pattern(0, 4)
+    assert (p.block_size, p.last_q, p.force_sink, p.force_local) == (64, 64, 30, 100)
+    # at 80 tokens every published budget covers everything: equals dense
+    q, k, v, q_pos, k_pos, off = make("square", torch.float32)
+    ref = attention(q[:, :, :80], k[:, :, :80], v[:, :, :80], q_pos=q_pos[:80], k_pos=k_pos[:80])
+    out = mi.minference_attention(q[:, :, :80], k[:, :, :80], v[:, :, :80], q_pos=q_pos[:80], k_pos=k_pos[:80],
+                                  pattern=p, backend="torch")
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+# ---- search and bench ----------------------------------------------------------------------------
+
+
+def test_search_layer_picks_vertical_slash_for_scattered_columns():
+    from starshard.kernels.minference_search import LayerSearch
+
+    g = torch.Generator().manual_seed(11)
+    L, D = 256, 32
+    q, k = torch.randn(1, 2, L, D, generator=g) * 0.3, torch.randn(1, 2, L, D, generator=g) * 0.3
+    cols = torch.randperm(L, generator=g)[:24]
+    k[0, 0, cols, 0] += 12.0  # head 0: scattered heavy columns every query likes
+    q[0, 0, :, 0] += 3.0
+    pos = torch.arange(L, dtype=torch.float64)  # head 1: a local band (rotary-like phase)
+    for f, w in enumerate((0.02, 0.05, 0.1)):
+        q[0, 1, :, 2 * f], q[0, 1, :, 2 * f + 1] = 3 * torch.cos(w * pos), 3 * torch.sin(w * pos)
+        k[0, 1, :, 2 * f], k[0, 1, :, 2 * f + 1] = 3 * torch.cos(w * pos), 3 * torch.sin(w * pos)
+    s = LayerSearch(q, k, block_size=BM, last_q=16, force_sink=2, force_local=4, target=(8, 32))
+    best = s.best()
+    assert best[0].kind == "vertical_slash"
+    assert all(0.0 <= p.score <= 1.0 for p in best)
+    for h, p in enumerate(best):  # equal kernel cost: nothing above the target A-shape's
+        sp = mi.SparsePattern((p,), block_size=BM, last_q=16, force_sink=2, force_local=4)
+        grp = mi.build_plan(q[:, h : h + 1], k[:, h : h + 1], sp, offset=0)[0]
+        assert int(mi.kernel_cost(grp, B=1, Lq=L, Lk=L, offset=0, block_size=BM)[0, 0]) <= int(s.target_cost[h])
+
+
+def _default_checkpoint():
+    try:
+        from starshard.checkpoints.default import default_checkpoint
+
+        return default_checkpoint(progress=False)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_search_cli_and_attend_restore(tmp_path):
+    import starshard
+    from starshard.engine.model import dense_attend
+    from starshard.kernels import minference_search as ms
+
+    ckpt = _default_checkpoint()
+    out, pub = tmp_path / "cfg.json", tmp_path / "published.json"
+    summary = ms.main(["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "0,3",
+                       "--block-size", "16", "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet",
+                       "--published", str(pub)])
+    cfg = mi.MInferenceConfig.load(out)
+    assert len(cfg.layers) == 30 and len(cfg.layers[0]) == 9 and len(cfg.layers[3]) == 9 and not cfg.layers[1]
+    assert (cfg.block_size, cfg.last_q, cfg.force_sink, cfg.force_local) == (16, 16, 4, 8)
+    assert summary["heads"] == 18 and cfg.meta["searched_layers"] == [0, 3]
+    assert all(0.0 <= p.score <= 1.0 for p in cfg.layers[0].values())
+    assert len(mi.MInferenceConfig.load(pub).layers[0]) == 9
+    model = starshard.load_model(ckpt)
+    found = ms.run_search(model, list(range(100, 228)), layers=[1], progress=False, block_size=16, last_q=16)
+    assert len(found[1]) == 9 and not found[0]
+    assert all(layer.attention.attend is dense_attend for layer in model.layers)
+
+
+def test_bench_runs_on_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # torch path: fast on CPU
+    subprocess.run([sys.executable, str(ROOT / "launch" / "bench_sparse.py"), "--device", "cpu", "--lengths", "256",
+                    "--heads", "2", "--head-dim", "32", "--dtype", "float32", "--repeats", "1", "--warmup", "0",
+                    "--patterns", "vs:30,64;vs_mi:30,64;ashape:16,64;bs:3", "--block-size", "16", "--out", str(out)],
+                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert r["config"]["sparse_backend"] == "torch"
+    (row,) = r["results"]
+    assert row["length"] == 256 and row["dense_sdpa_cpu_ms"] > 0
+    assert [p["name"] for p in row["patterns"]] == ["vs_30_64", "vs_mi_30_64", "ashape_16_64", "bs_3"]
+    for p in row["patterns"]:
+        assert 0 < p["density"] < 1 and 0 < p["recall"] <= 1 and p["rel_err"] < 1e-4
+        assert p["index_ms"] >= 0 and p["kernel_ms"] > 0 and p["total_ms"] > 0
