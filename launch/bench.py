@@ -97,7 +97,7 @@ def setup(args):
     from starshard.config import ParallelConfig
     from starshard.parallel.topology import init_topology
 
-    parallel = ParallelConfig(cp=args.cp, cp_strategy=args.cp_strategy)
+    parallel = ParallelConfig(cp=args.cp, cp_strategy=args.cp_strategy, ulysses_degree=getattr(args, "ulysses_degree", None))
     return parallel, init_topology(parallel, args.device)
 
 
@@ -122,8 +122,13 @@ def cmd_prefill(args) -> None:
     else:
         model = load_model(args.model, dtype=dtype, device=topo.device)
         cfg = model.config
+    if args.sparse:
+        from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
+
+        install_sparse(model, load_sparse_method(SparseConfig(args.sparse, args.sparse_config)))
     strategy = make_strategy(parallel.cp_strategy, topo.cp_group if args.cp > 1 else None,
-                             block_size=args.block_size, anchor_size=args.anchor_size)
+                             block_size=args.block_size, anchor_size=args.anchor_size,
+                             ulysses_degree=parallel.ulysses_degree, cp_groups=topo.group_ranks("cp"))
     runner = ContextParallelRunner(model, strategy) if parallel.cp_strategy != "dense" else None
     peak = matmul_peak(topo.device)
     rows = []
@@ -337,7 +342,10 @@ def parse_args(argv=None):
     common(p)
     p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny) or config.json")
     p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
-    p.add_argument("--cp-strategy", default="ring", choices=["dense", "ring", "ulysses", "star"], help="context strategy")
+    p.add_argument("--cp-strategy", default="ring", choices=["dense", "ring", "ulysses", "usp", "star"], help="context strategy")
+    p.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
+    p.add_argument("--sparse", default=None, choices=["minference"], help="sparse prefill inside each shard")
+    p.add_argument("--sparse-config", default=None, help="--sparse minference: per-head patterns JSON")
     p.add_argument("--block-size", type=int, default=None, help="star: block size")
     p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from starshard.evaluation.tasks import TASKS  # noqa: E402
 
 # Engine flags passed on to LLM(...) only when given; the engine decides what it supports.
-ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "block_size", "anchor_size", "query_rank", "sparse")
+ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "block_size", "anchor_size", "query_rank", "ulysses_degree", "sparse")
 
 
 def _ints(s: str) -> list[int]:
@@ -75,7 +75,11 @@ def parse_args(argv=None):
     e.add_argument("--cp-strategy", default=None, help="context strategy: dense, ring, ulysses, usp, star, apb")
     e.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     e.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
-    e.add_argument("--sparse", default=None, help="sparse attention inside each shard (e.g. a MInference config)")
+    e.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
+    e.add_argument("--sparse", default=None, choices=["minference"],
+                   help="sparse prefill inside each shard (see launch/infer.py --help)")
+    e.add_argument("--sparse-config", default=None, metavar="FILE",
+                   help="--sparse minference: per-head patterns JSON (default: Vertical-Slash 1000/6096 everywhere)")
     e.add_argument("--block-size", type=int, default=None, help="star: context block size")
     e.add_argument("--anchor-size", type=int, default=None, help="star/apb: anchor size")
     e.add_argument("--query-rank", type=int, default=None, help="CP rank that owns the query (default: last)")
@@ -103,7 +107,17 @@ def parse_args(argv=None):
 
 
 def engine_flags(args) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if getattr(args, "sparse_config", None) is not None and "sparse" not in flags:
+        raise SystemExit("error: --sparse-config needs --sparse minference")
+    if "sparse" in flags:
+        from starshard.kernels.sparse import SparseConfig
+
+        try:
+            flags["sparse"] = SparseConfig(flags["sparse"], args.sparse_config)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    return flags
 
 
 def build_llm(args, llm_cls=None):

@@ -4,6 +4,9 @@
     python launch/infer.py                                   # embedded SmolLM2-135M-Instruct, CPU
     python launch/infer.py --model CKPT --context-file doc.txt --question "Who ...?" --json
     torchrun --nproc-per-node 4 launch/infer.py --tp 2 --pp 2 --model CKPT        # tensor x pipeline
+    torchrun --nproc-per-node 4 launch/infer.py --tp 2 --cp 2 --cp-strategy ring  # tensor x context
+    torchrun --nproc-per-node 4 launch/infer.py --cp 4 --cp-strategy usp --ulysses-degree 2
+    python launch/infer.py --sparse minference --sparse-config cfg.json --context-file doc.txt --question "..."
     srun --ntasks 8 --gpus-per-task 1 python launch/infer.py --tp 4 --pp 2 ...     # in a Slurm allocation
     python launch/infer.py --random-weights llama-3.1-8b --prompt-len 4096 --max-new-tokens 16 --json
 """
@@ -54,15 +57,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
                      "remainder); must match a converted checkpoint's split")
     par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
-    par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "star"], default=None,
-                     help="how the CP group splits the sequence: ring / ulysses (exact), star (approximate); "
-                     "default dense for --cp 1, ring otherwise")
+    par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "usp", "star"], default=None,
+                     help="how the CP group splits the sequence: ring / ulysses / usp (exact), star (approximate); "
+                     "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
+    par.add_argument("--ulysses-degree", type=int, default=None,
+                     help="usp: Ulysses ranks inside each ring rank (must divide --cp; default --cp, i.e. plain "
+                     "Ulysses); keep them on one node, the all-to-alls are the bandwidth-hungry part")
     par.add_argument("--block-size", type=int, default=None,
                      help="star: context tokens per block (default: context / cp)")
     par.add_argument("--anchor-size", type=int, default=None,
                      help="star: anchor tokens (the context's first tokens) before each block (default: block size)")
     par.add_argument("--query-rank", type=int, default=None,
                      help="CP rank that owns the query and the generated tokens' KV (default: the last)")
+    sp = ap.add_argument_group("sparse prefill (approximate; decode stays dense)")
+    sp.add_argument("--sparse", choices=["minference"], default=None,
+                    help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
+                    "Vertical-Slash / Block-Sparse patterns; composes with dense, ulysses and star, not ring/usp")
+    sp.add_argument("--sparse-config", default=None, metavar="FILE",
+                    help="per-layer, per-head patterns (JSON from `python -m starshard.kernels.minference_search`, "
+                    "or MInference's published per-model config); default: Vertical-Slash (1000, 6096) on every head")
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
@@ -88,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--prompt-len replaces the prompt: drop --prompt / --prompt-file / --context-file")
     if args.prompt_len is not None and args.prompt_len < 1:
         ap.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.sparse_config is not None and args.sparse is None:
+        ap.error("--sparse-config needs --sparse minference")
     if args.random_weights and args.prompt_len is None:
         ap.error("--random-weights has no tokenizer: give --prompt-len N (random token ids)")
     return args
@@ -114,19 +129,21 @@ def main(argv=None) -> int:
         kw = dict(prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
     from starshard.checkpoints.load import CheckpointError
     from starshard.config import ParallelConfig
+    from starshard.kernels.sparse import SparseConfig
     from starshard.parallel.topology import LayoutError
 
     try:
         parallel = ParallelConfig(
             tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
             pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size,
-            query_rank=args.query_rank, timeout_s=args.dist_timeout,
+            query_rank=args.query_rank, ulysses_degree=args.ulysses_degree, timeout_s=args.dist_timeout,
         )
+        sparse = SparseConfig(args.sparse, args.sparse_config) if args.sparse else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     try:
         llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json,
-                  random_weights=args.random_weights)
+                  random_weights=args.random_weights, sparse=sparse)
     except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
         raise SystemExit(f"error: {e}") from None
     if args.prompt_len is not None:

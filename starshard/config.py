@@ -134,17 +134,21 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_strategy: str = "dense"  # dense | ring | ulysses | star
+    cp_strategy: str = "dense"  # dense | ring | ulysses | usp | star
     pp_layers: list[int] | None = None  # layers per pipeline stage; None = even split
     block_size: int | None = None  # star: context block per forward (default ceil(context / cp))
     anchor_size: int | None = None  # star: anchor tokens before each block (default = block size)
     query_rank: int | None = None  # CP rank that owns the query and generated KV (default: last)
+    ulysses_degree: int | None = None  # usp: Ulysses ranks inside each ring rank (default: cp, i.e. Ulysses)
     dp: int | None = None  # data-parallel replicas; None = whatever the world leaves (world / (tp*pp*cp))
     timeout_s: float = 600.0  # every collective gives up (with an error) after this long
 
     def __post_init__(self):
         if self.cp > 1 and self.cp_strategy == "dense":
-            raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses or star")
+            raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses, usp or star")
+        if self.ulysses_degree is not None and (self.ulysses_degree < 1 or self.cp % self.ulysses_degree):
+            raise ValueError(f"--ulysses-degree {self.ulysses_degree} must divide --cp {self.cp}; valid: "
+                             f"{[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")
         if self.pp_layers is not None and len(self.pp_layers) != self.pp:
             raise ValueError(f"--pp-layers {self.pp_layers} gives {len(self.pp_layers)} stages but --pp is {self.pp}; "
                              f"give one layer count per stage")

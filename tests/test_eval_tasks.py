@@ -261,8 +261,18 @@ def test_engine_flags_reach_the_parallel_config(eval_cli):
     args = eval_cli.parse_args(["--out", "x", "--cp", "2", "--cp-strategy", "star", "--block-size", "64"])
     p = eval_cli.build_llm(args, Strict).parallel
     assert (p.cp, p.cp_strategy, p.block_size, p.tp) == (2, "star", 64, 1)
-    with pytest.raises(SystemExit, match="--sparse"):  # not wired yet: refused by name
-        eval_cli.build_llm(eval_cli.parse_args(["--out", "x", "--sparse", "cfg.json"]), Strict)
+    with pytest.raises(SystemExit, match="--sparse"):  # an engine without sparse prefill refuses it by name
+        eval_cli.build_llm(eval_cli.parse_args(["--out", "x", "--sparse", "minference"]), Strict)
+
+    class WithSparse(Strict):
+        def __init__(self, path=None, *, sparse=None, **kw):
+            super().__init__(path, **kw)
+            self.sparse = sparse
+
+    got = eval_cli.build_llm(eval_cli.parse_args(["--out", "x", "--sparse", "minference"]), WithSparse).sparse
+    assert (got.method, got.config_path) == ("minference", None)
+    with pytest.raises(SystemExit, match="--sparse-config needs --sparse minference"):
+        eval_cli.build_llm(eval_cli.parse_args(["--out", "x", "--sparse-config", "cfg.json"]), WithSparse)
     with pytest.raises(SystemExit, match="context strategy"):  # the config's own message surfaces
         eval_cli.build_llm(eval_cli.parse_args(["--out", "x", "--cp", "2"]), Strict)
     assert eval_cli.build_llm(eval_cli.parse_args(["--out", "x"]), Strict).parallel is None

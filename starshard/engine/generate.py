@@ -115,7 +115,7 @@ class LLM:
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
                  parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
-                 weights_seed: int = 0):
+                 weights_seed: int = 0, sparse=None):
         from starshard.checkpoints.default import default_checkpoint
         from starshard.checkpoints.load import load_model
         from starshard.parallel.context import make_strategy
@@ -125,6 +125,14 @@ class LLM:
         launch = read_launch_env()
         if random_weights is not None and path is not None:
             raise ValueError("give either a model path or random_weights, not both")
+        if sparse is not None and p.cp_strategy in ("ring", "usp"):
+            from starshard.kernels.sparse import refuse_sparse
+            from starshard.parallel.topology import LayoutError
+
+            try:
+                refuse_sparse(sparse, p.cp_strategy)
+            except ValueError as e:
+                raise LayoutError(str(e)) from None
         tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
         random_cfg = None
         if random_weights is not None:
@@ -145,26 +153,38 @@ class LLM:
         self.topology = init_topology(p, str(device))
         self.device = self.topology.device
         topo = self.topology
-        if tp_pp:
-            from starshard.parallel.runner import ParallelRunner, build_rank_model
+        if tp_pp or random_weights is not None:
+            from starshard.parallel.runner import build_rank_model
 
             model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
+        else:
+            model = load_model(self.path, dtype=dtype, device=self.device)
+        heads, kv_heads = model.layers[0].attention.n_heads, model.layers[0].attention.n_kv_heads  # this rank's
+        if sparse is not None:  # a kernels.sparse.SparseConfig
+            from starshard.kernels.sparse import install_sparse, load_sparse_method
+
+            install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
+        if p.cp > 1 or p.cp_strategy != "dense":
+            from starshard.parallel.context.runner import ContextParallelRunner
+            from starshard.parallel.runner import VocabSampler
+
+            strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None,
+                                     block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank,
+                                     ulysses_degree=p.ulysses_degree, cp_groups=topo.group_ranks("cp"))
+            if hasattr(strategy, "check_heads"):  # before any prefill collective: every rank raises alike
+                from starshard.parallel.topology import LayoutError
+
+                try:
+                    strategy.check_heads(heads, kv_heads)
+                except ValueError as e:
+                    raise LayoutError(str(e)) from None
+            self.runner = ContextParallelRunner(model, strategy, VocabSampler(model, topo) if p.tp > 1 else None)
+        elif tp_pp:
+            from starshard.parallel.runner import ParallelRunner
+
             self.runner = ParallelRunner(model, topo)
         else:
-            if random_weights is not None:
-                from starshard.parallel.runner import build_rank_model
-
-                model = build_rank_model(cfg, src, plan, 0, 0, None, dtype, self.device)
-            else:
-                model = load_model(self.path, dtype=dtype, device=self.device)
-            if p.cp == 1 and p.cp_strategy == "dense":
-                self.runner = LocalRunner(model)
-            else:
-                from starshard.parallel.context.runner import ContextParallelRunner
-
-                strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None,
-                                         block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank)
-                self.runner = ContextParallelRunner(model, strategy)
+            self.runner = LocalRunner(model)
         self.config = self.runner.model.config
         self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
         eos = set(self.config.eos_token_ids)

@@ -18,6 +18,7 @@ from torch import nn
 from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.kernels.attention import attention
+from starshard.kernels.sparse import pattern_for
 
 
 class RMSNorm(nn.Module):
@@ -67,17 +68,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Attention function a context strategy provides: (q, k, v, q_pos, cache_layer) -> out.
 # q: [B, Hq, L, D] after RoPE; k, v: this step's new keys/values [B, Hkv, L, D]; the strategy
 # decides which keys each query sees and what enters the cache.
-AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "LayerKV | None"], torch.Tensor]
+# (q, k, v, pos, cache) -> out; called with sparse=LayerSparse as well when the layer has a sparse method
+AttendFn = Callable[..., torch.Tensor]
 
 
-def dense_attend(q, k, v, pos, cache: LayerKV | None):
-    """Single-device causal attention over the cache (if any) plus this step's keys."""
+def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
+    """Single-device causal attention over the cache (if any) plus this step's keys; `sparse`: the
+    layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks."""
     if cache is not None:
         k, v, k_pos = cache.append(k, v, pos)
     else:
         k_pos = pos
     # One new token follows everything cached: no mask (saves the mask check in every decode step).
-    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1)
+    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern_for(sparse, q))
     return out
 
 
@@ -91,6 +94,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.attend: AttendFn = dense_attend
+        self.sparse = None  # LayerSparse when a sparse prefill method is on (kernels/sparse.py)
 
     def forward(self, x, cos, sin, pos, cache: LayerKV | None):
         B, L, _ = x.shape
@@ -101,7 +105,8 @@ class Attention(nn.Module):
         k = k.view(B, L, self.n_kv_heads, d).transpose(1, 2)
         v = v.view(B, L, self.n_kv_heads, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, pos, cache)
+        # Hooks take `sparse` only when the layer has a method, so plain hooks need not know of it.
+        out = self.attend(q, k, v, pos, cache) if self.sparse is None else self.attend(q, k, v, pos, cache, sparse=self.sparse)
         return self.wo(out.transpose(1, 2).reshape(B, L, self.n_heads * d))
 
 

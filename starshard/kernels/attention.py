@@ -166,8 +166,8 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None):
     blocks); any other position mask -> Triton flash kernel. CPU: torch's fused flash kernel with a
     position bias (float32/bfloat16, shared 1-D positions, more than DECODE_MAX_ROWS query rows),
     else the float32 math path."""
-    if sparse is not None:
-        raise NotImplementedError("sparse attention kernels are not available in this build")
+    if sparse is not None:  # a sparse method's pattern for these heads (kernels/sparse.py)
+        return sparse.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     check_shapes(q, k, v)
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
         return _attention_cuda(q, k, v, q_pos, k_pos, causal, scale)

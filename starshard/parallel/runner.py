@@ -172,9 +172,9 @@ class ParallelPlan:
 
 def plan_parallel(cfg: ModelConfig, parallel: ParallelConfig, src: WeightSource) -> ParallelPlan:
     """Every check that needs only the config and the manifest: run before any collective."""
-    if parallel.cp > 1 and (parallel.tp > 1 or parallel.pp > 1):
-        raise LayoutError(f"context parallelism (cp={parallel.cp}) together with tp={parallel.tp} / pp={parallel.pp} "
-                          "is not supported yet; run --cp with --tp 1 --pp 1, or drop --cp")
+    if parallel.cp > 1 and parallel.pp > 1:
+        raise LayoutError(f"context parallelism (cp={parallel.cp}) together with pp={parallel.pp} is not supported yet; "
+                          "combine --cp with --tp (tp x cp), or drop --pp")
     try:
         check_tp(cfg, parallel.tp)
     except ValueError as e:
@@ -257,6 +257,26 @@ def build_rank_model(cfg: ModelConfig, src: WeightSource, plan: ParallelPlan, tp
 
 
 # ---------------------------------------------------------------------------- runner
+class VocabSampler:
+    """Next token from this rank's vocab shard of the last-row logits: plain sampling on one rank,
+    vocab-parallel argmax / sampling over the TP group (no full logits gathered), the same token on
+    every TP rank."""
+
+    def __init__(self, model: Transformer, topo: Topology):
+        self.tp = topo.tp
+        self.vocab = VocabShard.of(TPLayout(model.config, topo.tp, topo.tp_rank), topo.tp_group)
+        self._gen = None
+        if topo.tp > 1:  # unseeded sampling still needs one noise stream shared by the TP group
+            seed = torch.randint(0, 2**62, (1,), device=topo.device)
+            dist.broadcast(seed, src=topo.tp_ranks[0], group=topo.tp_group)
+            self._gen = torch.Generator(device=topo.device).manual_seed(int(seed))
+
+    def __call__(self, local: torch.Tensor, sampling: SamplingConfig, gen) -> torch.Tensor:
+        if self.tp == 1:
+            return sample(local, sampling, gen)  # same draws as one process
+        return vocab_parallel_sample(local, self.vocab, sampling, gen if gen is not None else self._gen)
+
+
 class ParallelRunner(LocalRunner):
     """Runs this rank's part of a tp x pp model; every rank calls the same methods in lockstep and
     gets the same tokens back (LocalRunner's interface, so LLM's generation loop is unchanged).
@@ -271,13 +291,8 @@ class ParallelRunner(LocalRunner):
         self.min_chunk = min_chunk
         self.link = StageLink(topo.pp_group, topo.pp_ranks, topo.pp_rank) if topo.pp > 1 else None
         self.is_last = topo.is_last_stage
-        layout = TPLayout(model.config, topo.tp, topo.tp_rank)
-        self.vocab = VocabShard.of(layout, topo.tp_group)
-        self._gen = None
-        if topo.tp > 1:  # unseeded sampling still needs one noise stream shared by the TP group
-            seed = torch.randint(0, 2**62, (1,), device=topo.device)
-            dist.broadcast(seed, src=topo.tp_ranks[0], group=topo.tp_group)
-            self._gen = torch.Generator(device=topo.device).manual_seed(int(seed))
+        self.sampler = VocabSampler(model, topo)
+        self.vocab = self.sampler.vocab
 
     def default_chunk(self, length: int) -> int | None:
         if self.topo.pp == 1:
@@ -296,11 +311,7 @@ class ParallelRunner(LocalRunner):
         """Run `ids` [B, L] through the pipeline -> next token [B], the same on every rank."""
         out = self._run(ids, cache, chunk, last_only=True)
         if self.is_last:
-            local = out[:, -1]
-            if self.topo.tp == 1:
-                tok = sample(local, sampling, gen)  # same draws as one process
-            else:
-                tok = vocab_parallel_sample(local, self.vocab, sampling, gen if gen is not None else self._gen)
+            tok = self.sampler(out[:, -1], sampling, gen)
         else:
             tok = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
         return self.link.broadcast_from_last(tok) if self.link is not None else tok

@@ -86,6 +86,16 @@ def megatron_coords(rank: int, tp: int, cp: int, dp: int, pp: int) -> dict[str, 
     return {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp, "pp": rank // (tp * cp * dp)}
 
 
+def group_ranks(kind: str, world_size: int, tp: int, cp: int, dp: int, pp: int) -> list[list[int]]:
+    """Every `kind` group (tp / cp / dp / pp) of the world as sorted global ranks: ranks whose other
+    coordinates agree. Subgroups inside a group (USP) are built from these lists on every rank."""
+    groups: dict[tuple, list[int]] = {}
+    for r in range(world_size):
+        c = megatron_coords(r, tp, cp, dp, pp)
+        groups.setdefault(tuple(v for k, v in c.items() if k != kind), []).append(r)
+    return list(groups.values())
+
+
 @dataclass
 class Topology:
     rank: int
@@ -122,6 +132,9 @@ class Topology:
     @property
     def coords(self) -> dict[str, int]:
         return {"tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
+
+    def group_ranks(self, kind: str) -> list[list[int]]:
+        return group_ranks(kind, self.world_size, self.tp, self.cp, self.dp, self.pp)
 
     def barrier(self) -> None:
         if self.world_group is not None:

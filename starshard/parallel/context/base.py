@@ -78,8 +78,9 @@ class ContextStrategy:
         """CP rank whose last prefill segment holds the prompt's final token (at `last_row`)."""
         return self.query_rank
 
-    def decode_attend(self, q, k, v, pos, cache: LayerKV | None):
-        """Sharded-KV attention for new tokens: local partial + lse merge over the CP group."""
+    def decode_attend(self, q, k, v, pos, cache: LayerKV | None, sparse=None):
+        """Sharded-KV attention for new tokens: local partial + lse merge over the CP group (dense:
+        a sparse method covers prefill only)."""
         if cache is None:
             raise ValueError("decode needs a KV cache")
         if self.is_query_rank:

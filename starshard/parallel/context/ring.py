@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from starshard.kernels.attention import attention
+from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
@@ -265,7 +266,8 @@ class RingAttention(ContextStrategy):
         rows = segment.cache_rows
         plan = zigzag_ring_plan(self._prompt_len, self.group, segment.positions.device) if self.cp > 1 else None
 
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
+            refuse_sparse(sparse, "ring")
             cache_append(cache, k, v, pos, rows)
             return ring_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, plan=plan)[0]
 

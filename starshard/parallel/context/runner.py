@@ -12,9 +12,13 @@ from starshard.parallel.context.base import ContextStrategy
 
 
 class ContextParallelRunner(LocalRunner):
-    def __init__(self, model, strategy: ContextStrategy):
+    """`sampler(last_row_logits, sampling, gen) -> token`: plain sampling by default; a
+    parallel.runner.VocabSampler when the model is tensor parallel (vocab-sharded logits)."""
+
+    def __init__(self, model, strategy: ContextStrategy, sampler=None):
         super().__init__(model)
         self.strategy = strategy
+        self.sample = sampler or sample
 
     def _set_attend(self, fn) -> None:
         for layer in self.model.layers:
@@ -58,11 +62,11 @@ class ContextParallelRunner(LocalRunner):
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
         context_len = min(prompt.context_len, len(prompt.ids) - 1)
         logits, owner = self.prefill_logits(ids, context_len, cache)
-        tok = sample(logits[:, -1], sampling, gen) if self.strategy.rank == owner else torch.zeros(1, dtype=torch.long, device=ids.device)
+        tok = self.sample(logits[:, -1], sampling, gen) if self.strategy.rank == owner else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
 
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
         logits = self.model(ids, cache=cache, last_only=True)
         s = self.strategy
-        tok = sample(logits[:, -1], sampling, gen) if s.is_query_rank else torch.zeros(1, dtype=torch.long, device=ids.device)
+        tok = self.sample(logits[:, -1], sampling, gen) if s.is_query_rank else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, s.query_rank)

@@ -13,6 +13,7 @@ import math
 import torch
 
 from starshard.kernels.attention import attention
+from starshard.kernels.sparse import pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 
 
@@ -57,11 +58,11 @@ class StarAttention(ContextStrategy):
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
 
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
             # rows see the anchor in full and their block causally. Earlier blocks held by this
             # rank stay invisible (each block is encoded independently).
-            out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
+            out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern_for(sparse, q))
             cache_append(cache, k, v, pos, rows)
             return out
 

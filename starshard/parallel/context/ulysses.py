@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from starshard.kernels.attention import attention
+from starshard.kernels.sparse import LayerSparse, pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.sharding import contiguous_shard
 
@@ -124,16 +125,19 @@ def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool =
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                      group, *, scale: float | None = None, need_lse: bool = True):
+                      group, *, scale: float | None = None, need_lse: bool = True, sparse: LayerSparse | None = None):
     """Causal attention of this rank's sequence shard over the whole sequence held by `group`.
 
     q [B, Hq, n, D], k/v [B, Hkv, m, D], q_pos [n], k_pos [m]: this rank's shard; n, m equal on every
     rank. Returns (out [B, Hq, n, D] in q.dtype, lse [B, Hq, n] float32, or None if not need_lse:
     saves one small all-to-all). Raises ValueError when Hq is not divisible by the group size.
+    `sparse`: the layer's sparse method; after the all-to-all this rank holds heads
+    rank*Hq/cp .. (rank+1)*Hq/cp - 1 of the whole sequence, so their patterns apply as on one device.
     """
+    offset = 0 if group is None else dist.get_rank(group) * (q.shape[1] // group_size(group))
 
     def dense(qh, kh, vh, qp, kp):
-        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale)
+        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern_for(sparse, qh, offset))
 
     return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse)
 
@@ -158,9 +162,10 @@ class UlyssesAttention(ContextStrategy):
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
 
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             cache_append(cache, k, v, pos, rows)
-            return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False)[0]
+            return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False,
+                                     sparse=sparse)[0]
 
         return attend
 

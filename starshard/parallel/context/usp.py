@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from starshard.kernels.sparse import refuse_sparse
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.parallel.context.ring import RingPlan, build_ring_plan, ring_attention
-from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions
-from starshard.parallel.context.ulysses import ulysses_core
+from starshard.parallel.context.sharding import usp_shard, zigzag_chunks, zigzag_positions
+from starshard.parallel.context.ulysses import check_ulysses_heads, ulysses_core
 
-__all__ = ["usp_attention", "usp_group_ranks", "new_usp_groups", "usp_coords", "usp_ring_plan"]
+__all__ = ["usp_attention", "usp_group_ranks", "new_usp_groups", "usp_coords", "usp_ring_plan", "UspAttention"]
 
 
 def usp_group_ranks(cp_ranks: Sequence[int], ulysses_degree: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -89,3 +91,47 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
         return ring_attention(qh, kh, vh, qp, kp, ring_group, scale=scale, plan=ring_plan)
 
     return ulysses_core(q, k, v, q_pos, k_pos, ulysses_group, ring, need_lse=need_lse)
+
+
+class UspAttention(ContextStrategy):
+    """USP strategy for the model: Ulysses over `ulysses_group` inside, zigzag ring over `ring_group`.
+
+    The CP group's rank c sits at ring rank c // u, Ulysses rank c % u (usp_coords); create the
+    subgroups with new_usp_groups (collective over the world)."""
+
+    name = "usp"
+
+    def __init__(self, group, ulysses_degree: int, ulysses_group, ring_group, query_rank=None):
+        super().__init__(group, query_rank)
+        if ulysses_degree < 1 or self.cp % ulysses_degree:
+            raise ValueError(f"--ulysses-degree {ulysses_degree} must divide --cp {self.cp}; valid: "
+                             f"{[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")
+        self.u, self.rd = ulysses_degree, self.cp // ulysses_degree
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
+
+    def _shard(self, prompt_len: int, cp_rank: int):
+        ring_rank, uly_rank = usp_coords(cp_rank, self.u)
+        return usp_shard(prompt_len, self.rd, self.u, ring_rank, uly_rank)
+
+    def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
+        shard = self._shard(prompt_len, self.rank)
+        hit = (shard.positions == prompt_len - 1).nonzero()
+        self._prompt_len = prompt_len
+        return [Segment(shard.token_index, shard.positions, shard.rows, int(hit[0]) if len(hit) else -1)]
+
+    def last_token_rank(self, prompt_len: int, context_len: int) -> int:
+        return next(c for c in range(self.cp) if bool((self._shard(prompt_len, c).positions == prompt_len - 1).any()))
+
+    def check_heads(self, hq: int, hkv: int) -> None:
+        check_ulysses_heads(hq, hkv, self.u)
+
+    def prefill_attend(self, segment: Segment):
+        rows = segment.cache_rows
+        plan = usp_ring_plan(self._prompt_len, self.u, self.ring_group, segment.positions.device)
+
+        def attend(q, k, v, pos, cache, sparse=None):
+            refuse_sparse(sparse, "usp")
+            cache_append(cache, k, v, pos, rows)
+            return usp_attention(q, k, v, pos, pos, self.ulysses_group, self.ring_group, ring_plan=plan, need_lse=False)[0]
+
+        return attend
