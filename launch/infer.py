@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "Ulysses); keep them on one node, the all-to-alls are the bandwidth-hungry part")
     par.add_argument("--block-size", type=int, default=None,
                      help="star: context tokens per block (default: context / cp)")
+    par.add_argument("--num-blocks", type=int, default=None,
+                     help="star: cut the context into this many blocks instead of giving --block-size (default: "
+                     "--cp); with --cp 1 this runs on one device exactly what that many hosts would")
     par.add_argument("--anchor-size", type=int, default=None,
                      help="star: anchor tokens (the context's first tokens) before each block (default: block size)")
     par.add_argument("--query-rank", type=int, default=None,
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
     try:
         parallel = ParallelConfig(
             tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
-            pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size,
+            pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size, num_blocks=args.num_blocks,
             query_rank=args.query_rank, ulysses_degree=args.ulysses_degree, timeout_s=args.dist_timeout,
         )
         sparse = SparseConfig(args.sparse, args.sparse_config) if args.sparse else None

@@ -170,7 +170,8 @@ class LLM:
 
             strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None,
                                      block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank,
-                                     ulysses_degree=p.ulysses_degree, cp_groups=topo.group_ranks("cp"))
+                                     ulysses_degree=p.ulysses_degree, cp_groups=topo.group_ranks("cp"),
+                                     num_blocks=p.num_blocks)
             if hasattr(strategy, "check_heads"):  # before any prefill collective: every rank raises alike
                 from starshard.parallel.topology import LayoutError
 

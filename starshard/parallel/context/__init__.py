@@ -5,7 +5,7 @@ STRATEGIES = ("dense", "ring", "ulysses", "usp", "star")
 
 
 def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, query_rank=None,
-                  ulysses_degree=None, cp_groups=None):
+                  ulysses_degree=None, cp_groups=None, num_blocks=None):
     """The strategy `name` over `group` (None = a single rank).
 
     usp: `ulysses_degree` (default: the whole CP group, i.e. plain Ulysses) and `cp_groups`, every CP
@@ -39,5 +39,6 @@ def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, q
     if name == "star":
         from starshard.parallel.context.star import StarAttention
 
-        return StarAttention(group, block_size=block_size, anchor_size=anchor_size, query_rank=query_rank)
+        return StarAttention(group, block_size=block_size, anchor_size=anchor_size, query_rank=query_rank,
+                             num_blocks=num_blocks)
     raise ValueError(f"unknown --cp-strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
