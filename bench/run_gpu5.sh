@@ -25,5 +25,6 @@ else  # phase B: the next call on the same warm machine (converted model and sea
   test -f "$SMOL/manifest.json" || { echo "phase B needs phase A's converted model on this machine" | tee -a "$LOG"; exit 1; }
   T=200 step $E --sparse minference --sparse-config /tmp/smollm2_minference_8k.json --strategy-name minference-searched --out "$OUT/acc/mi_searched"
   T=200 step $E --sparse minference --strategy-name minference-vs-1000-6096 --out "$OUT/acc/mi_default"
+  T=200 step $E --cp-strategy star --num-blocks 4 --strategy-name star-4blocks --out "$OUT/acc/star4"
 fi
 cd "$OUT" && tar czf "acc_${PHASE:-A}.tgz" acc && rm -rf acc

@@ -32,8 +32,30 @@ def test_device_indexed_step_equals_plain_decode(tmp_path):
     assert not dec.fits()  # full: the next step must grow the cache, which a graph cannot follow
 
 
+def test_step_with_a_sparse_method_installed(tmp_path):
+    """Layers with a sparse prefill method call their hook with sparse=; decode stays dense."""
+    from starshard.kernels.minference import MInferenceConfig
+    from starshard.kernels.sparse import install_sparse
+
+    _, path = make_hf_model("llama", tmp_path)
+    model = load_model(path)
+    install_sparse(model, MInferenceConfig())
+    cache = LocalRunner(model).new_cache(30)
+    ids = torch.randint(0, 211, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        got = GraphDecoder(model, cache, capture=False).step(torch.tensor([[7]]))
+        want = model(torch.cat([ids, torch.tensor([[7]])], 1))[:, -1:]
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
 def test_runner_uses_graphs_only_on_cuda_single_token(tmp_path):
+    from starshard.parallel.context import make_strategy
+    from starshard.parallel.context.runner import ContextParallelRunner
+
     _, path = make_hf_model("llama", tmp_path)
     runner = LocalRunner(load_model(path))
     cache = runner.new_cache(40)
+    assert runner.decode_is_local()
     assert runner._graph_decoder(torch.tensor([[1]]), cache) is None  # CPU cache
+    assert ContextParallelRunner(load_model(path), make_strategy("star")).decode_is_local()  # cp = 1

@@ -41,7 +41,7 @@ class GraphDecoder:
         """Another step fits without the cache growing (growth would move its tensors)."""
         return all(kv.length < kv.capacity for kv in self.cache.layers.values())
 
-    def _attend(self, kv: LayerKV, q, k, v, pos, cache=None):
+    def _attend(self, kv: LayerKV, q, k, v, pos, cache=None, sparse=None):  # decode is dense: sparse unused
         kv.k.index_copy_(2, self.slot, k)
         kv.v.index_copy_(2, self.slot, v)
         kv.pos.index_copy_(0, self.slot, pos)

@@ -96,18 +96,23 @@ class LocalRunner:
 
     def _graph_decoder(self, ids, cache: KVCache):
         """The CUDA-graph decoder for this step, or None where a step must run eagerly."""
-        from starshard.engine.model import dense_attend
-
         m = self.model
         if not (self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)):
             return None
-        if any(layer.attention.attend is not dense_attend for layer in m.layers):
-            return None  # a strategy's hooks are in place
+        if not self.decode_is_local():
+            return None
         if self._graph is None or self._graph.cache is not cache:
             from starshard.engine.cuda_graph import GraphDecoder
 
             self._graph = GraphDecoder(m, cache)  # a new generation: the old graph is released
         return self._graph if self._graph.fits() else None
+
+    def decode_is_local(self) -> bool:
+        """A decode step is plain attention over this process's whole cache (what GraphDecoder
+        captures), not a strategy's hook."""
+        from starshard.engine.model import dense_attend
+
+        return all(layer.attention.attend is dense_attend for layer in self.model.layers)
 
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""
