@@ -1,0 +1,259 @@
+"""Attention-level fidelity: metrics against brute-force float64 computations, dense-equivalent settings,
+Star's mask against the real strategy, the CLI on a tiny random model, and the real SmolLM2."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from starshard.checkpoints.load import random_model
+from starshard.evaluation.fidelity import (APBApproximation, BlockKeys, LayerInputs, MaskApproximation,
+                                           MInferenceApproximation, StarApproximation, capture_attention,
+                                           layer_fidelity, masked_output, measure, rel_err)
+from starshard.kernels.minference import AShape, BlockSparse, Dense, MInferenceConfig, VerticalSlash
+from starshard.presets import preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(preset_config("tiny"), dtype=torch.float32, seed=3)
+
+
+def rand_inputs(Hq, Hkv, L, C, D=16, seed=0, layer=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(h, L, D, generator=g) * s for h, s in ((Hq, 1.5), (Hkv, 1.5), (Hkv, 1.0)))
+    return LayerInputs(layer, q, k, v, C)
+
+
+def brute(x: LayerInputs, mask: torch.Tensor) -> dict:
+    """Every metric straight from its definition: whole [Hq, L, L] float64 matrices, no chunks."""
+    Hq, L, D = x.q.shape
+    g = Hq // x.k.shape[0]
+    k, v = x.k.double().repeat_interleave(g, 0), x.v.double().repeat_interleave(g, 0)
+    s = x.q.double() @ k.transpose(-1, -2) / math.sqrt(D)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    if mask.shape[0] != Hq:
+        mask = mask.repeat_interleave(Hq // mask.shape[0], 0)
+    m = mask & causal
+    p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
+    pa = torch.softmax(s.masked_fill(~m, -math.inf), -1).nan_to_num(0.0)
+    od, oa = p @ v, pa @ v
+    rec = (p * m).sum(-1)  # [Hq, L]
+    C = x.context_len
+    return {"recall_mean": rec.mean().item(), "recall_min_head": rec.mean(1).min().item(),
+            "recall_query": rec[:, C:].mean().item(),
+            "rel_err_all": ((oa - od).norm() / od.norm()).item(),
+            "rel_err_query": ((oa[:, C:] - od[:, C:]).norm() / od[:, C:].norm()).item(),
+            "density": m.sum().item() / (Hq * L * (L + 1) / 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics against brute force
+
+
+@pytest.mark.parametrize("Hq,Hkv,mask_heads,L,C", [(4, 2, 2, 150, 131), (6, 2, 6, 97, 90), (3, 3, 1, 129, 128)])
+def test_metrics_equal_bruteforce_for_a_random_mask(Hq, Hkv, mask_heads, L, C):
+    x = rand_inputs(Hq, Hkv, L, C, seed=L)
+    mask = torch.rand(mask_heads, L, L, generator=torch.Generator().manual_seed(1)) < 0.3
+    mask[0, 5] = False  # a row that keeps nothing: output 0, recall 0
+    approx = MaskApproximation("rand", lambda _x: mask)
+    want = brute(x, mask)
+    for tile in (1, 1 << 23):  # 64-row chunks, and one chunk
+        got = layer_fidelity(x, [approx], tile_elements=tile)[0]
+        for key, val in want.items():
+            assert getattr(got, key) == pytest.approx(val, rel=1e-12, abs=1e-14), (key, tile)
+    assert 0 < want["recall_mean"] < 1 and want["rel_err_all"] > 0.05
+    # The reported error is the one of the masked output itself.
+    od = masked_output(x, MaskApproximation("all", lambda _x: torch.ones(1, L, L, dtype=torch.bool)))
+    oa = masked_output(x, approx)
+    assert rel_err(oa, od) == pytest.approx(want["rel_err_all"], rel=1e-12)
+    assert oa[0, 5].abs().max() == 0
+
+
+def test_float32_math_close_to_float64():
+    x = rand_inputs(4, 2, 200, 180, seed=5)
+    mask = torch.rand(2, 200, 200, generator=torch.Generator().manual_seed(2)) < 0.5
+    a = MaskApproximation("rand", lambda _x: mask)
+    f64 = layer_fidelity(x, [a])[0]
+    f32 = layer_fidelity(x, [a], dtype=torch.float32)[0]
+    assert f32.recall_mean == pytest.approx(f64.recall_mean, rel=1e-5)
+    assert f32.rel_err_all == pytest.approx(f64.rel_err_all, rel=1e-4)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        layer_fidelity(x, [a], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("block_rows,key_block,heads", [(1, 1, 4), (7, 1, 2), (64, 16, 1), (10, 3, 2)])
+def test_block_keys_equal_their_mask(block_rows, key_block, heads):
+    L, C = 141, 133
+    x = rand_inputs(4, 2, L, C, seed=block_rows)
+    g = torch.Generator().manual_seed(block_rows + key_block)
+    nb, nk = -(-L // block_rows), -(-L // key_block)
+    K = max(1, nk // 3)
+    keys = torch.randint(-1, nk, (heads, nb, K), generator=g)  # -1 = padding, repeats allowed
+    mask = torch.zeros(heads, L, L, dtype=torch.bool)
+    for h in range(heads):
+        for i in range(L):
+            for b in keys[h, i // block_rows].tolist():
+                if b >= 0:
+                    mask[h, i, b * key_block : (b + 1) * key_block] = True
+    got = layer_fidelity(x, [MaskApproximation("keys", lambda _x: BlockKeys(block_rows, keys, key_block))],
+                         tile_elements=1)[0]
+    want = brute(x, mask)
+    for key, val in want.items():
+        assert getattr(got, key) == pytest.approx(val, rel=1e-12, abs=1e-14), key
+
+
+def test_bad_kept_sets_are_named():
+    x = rand_inputs(4, 2, 70, 60)
+    with pytest.raises(ValueError, match=r"bool mask \[heads, 70, 70\]"):
+        layer_fidelity(x, [MaskApproximation("m", lambda _x: torch.ones(1, 70, 69, dtype=torch.bool))])
+    with pytest.raises(ValueError, match="expected 1, 2 .* or 4"):
+        layer_fidelity(x, [MaskApproximation("m", lambda _x: torch.ones(3, 70, 70, dtype=torch.bool))])
+    with pytest.raises(ValueError, match=r"must lie in \[0, 70\)"):
+        layer_fidelity(x, [MaskApproximation("m", lambda _x: BlockKeys(1, torch.full((1, 70, 2), 70)))])
+    with pytest.raises(ValueError, match="row blocks"):
+        layer_fidelity(x, [MaskApproximation("m", lambda _x: BlockKeys(8, torch.zeros(1, 2, 2, dtype=torch.long)))])
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies: kept sets
+
+
+def star_kept(L, C, block, anchor):
+    """Star's pairs from the paper's description, row by row."""
+    m = torch.zeros(L, L, dtype=torch.bool)
+    for i in range(L):
+        if i >= C:
+            m[i, : i + 1] = True
+        else:
+            s = i // block * block
+            m[i, : min(anchor, s)] = True
+            m[i, s : i + 1] = True
+    return m
+
+
+@pytest.mark.parametrize("L,C,block,anchor", [(131, 120, 32, 8), (97, 96, 25, 40), (150, 77, 10, 3)])
+def test_star_keeps_anchor_and_own_block(L, C, block, anchor):
+    x = rand_inputs(4, 2, L, C)
+    a = StarApproximation(block_size=block, anchor_size=anchor)
+    a.begin_layer(x)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    assert torch.equal(a.keep_mask(x, 0, L)[0] & causal, star_kept(L, C, block, anchor))
+    assert torch.equal(a.keep_mask(x, 64, L)[0] & causal[64:], star_kept(L, C, block, anchor)[64:])
+
+
+def test_star_layer0_equals_the_real_strategy(tiny):
+    """Layer 0's inputs do not depend on attention, so teacher forcing there is exact: the masked output
+    must equal what StarAttention itself computes (block rows in prefill, query rows in its query phase)."""
+    from starshard.parallel.context.runner import ContextParallelRunner
+    from starshard.parallel.context.star import StarAttention
+
+    L, C, block, anchor = 157, 141, 40, 12
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(4))
+    got = {}
+    capture_attention(tiny, ids, lambda lid, q, k, v: got.setdefault(lid, (q[0], k[0], v[0])))
+    x = LayerInputs(0, *got[0], C)
+    want = masked_output(x, StarApproximation(block_size=block, anchor_size=anchor))
+
+    saved = [layer.attention.attend for layer in tiny.layers]
+    runner = ContextParallelRunner(tiny, StarAttention(block_size=block, anchor_size=anchor))
+    seen = torch.zeros(L, dtype=torch.bool)
+    real = torch.zeros_like(want)
+    set_attend = runner._set_attend
+
+    def recording(fn):
+        set_attend(fn)
+
+        def attend(q, k, v, pos, cache):
+            out = fn(q, k, v, pos, cache)
+            for r, p in enumerate(pos.tolist()):  # anchor copies come after their first (own-block) run
+                if not seen[p]:
+                    seen[p] = True
+                    real[:, p] = out[0, :, r].double()
+            return out
+
+        tiny.layers[0].attention.attend = attend
+
+    runner._set_attend = recording
+    try:
+        with torch.no_grad():
+            runner.prefill_logits(ids, C, runner.new_cache(L + 4))
+    finally:
+        for layer, fn in zip(tiny.layers, saved):
+            layer.attention.attend = fn
+    assert bool(seen.all())
+    assert (real - want).abs().max() < 1e-5
+    dense = masked_output(x, StarApproximation(block_size=L))
+    assert rel_err(want, dense) > 0.05  # the mask drops something: the check above is not vacuous
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense-equivalent settings: recall exactly 1, error 0
+
+
+DENSE_EQUIVALENT = [
+    StarApproximation(block_size=1000),
+    StarApproximation(block_size=32, anchor_size=1000),
+    APBApproximation(cp=2, passing_size=1000),
+    APBApproximation(cp=4, anchor_size=0, passing_size=1000, compressor="random"),
+    APBApproximation(cp=3, anchor_size=1000, passing_size=100, embed_query=False),
+    MInferenceApproximation(MInferenceConfig(default=VerticalSlash(10**6, 10**6)), name="mi-vs"),
+    MInferenceApproximation(MInferenceConfig(default=BlockSparse(1000)), name="mi-bs"),
+    MInferenceApproximation(MInferenceConfig(default=AShape(0, 10**6)), name="mi-ashape"),
+    MInferenceApproximation(MInferenceConfig(layers=[{0: Dense(), 1: VerticalSlash(10**6, 10**6)}],
+                                             default=BlockSparse(1000)), name="mi-mixed"),
+]
+
+
+def test_dense_equivalent_settings_are_exact(tiny):
+    L, C = 283, 261
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(1))
+    rep = measure(tiny, ids, C, DENSE_EQUIVALENT, tile_elements=1)
+    for name, rows in rep.layers.items():
+        assert [r.layer for r in rows] == tiny.layer_ids, name
+        for r in rows:
+            assert r.density == 1.0 and r.rel_err_all == 0.0 and r.rel_err_query == 0.0, (name, r)
+            assert abs(r.recall_mean - 1) < 1e-12 and abs(r.recall_min_head - 1) < 1e-12, (name, r)
+            if name.startswith("mi-"):  # the kernel's own (float32) output
+                assert r.kernel_rel_err_all < 1e-5 and r.kernel_rel_err_query < 1e-5, (name, r)
+    for a in DENSE_EQUIVALENT[2:5]:  # APB passed every earlier block whole
+        assert all(p.shape[-1] == 0 or p.shape[-1] > 60 for sel in a.selected.values() for p in sel), a.name
+
+
+def test_sparse_settings_drop_mass(tiny):
+    L, C = 283, 261
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(1))
+    approx = [StarApproximation(block_size=64, anchor_size=8), APBApproximation(cp=4, anchor_size=8, passing_size=4),
+              MInferenceApproximation(MInferenceConfig(default=AShape(8, 64)), name="mi-ashape")]
+    rep = measure(tiny, ids, C, approx)
+    s = rep.summary()
+    for a in approx:
+        assert s[a.name]["mean_density"] < 0.7 and s[a.name]["mean_recall_mean"] < 0.95, a.name
+        assert s[a.name]["mean_rel_err_all"] > 1e-3, a.name
+    # Star and APB compute the query rows densely; A-shape does not.
+    assert s[approx[0].name]["mean_rel_err_query"] == 0.0 and s[approx[1].name]["mean_recall_query"] == pytest.approx(1)
+    assert s["mi-ashape"]["mean_rel_err_query"] > 1e-3
+    # APB keeps exactly `passing` entries per KV head of every block but the last.
+    sel = approx[1].selected[0]
+    assert [tuple(p.shape) for p in sel] == [(2, 4)] * 3 + [(2, 0)]
+
+
+def test_measure_rejects_bad_arguments(tiny):
+    ids = torch.arange(50)
+    with pytest.raises(ValueError, match="own name"):
+        measure(tiny, ids, 40, [StarApproximation(block_size=8), StarApproximation(block_size=8)])
+    with pytest.raises(ValueError, match=r"context_len 0 must lie in \[1, 50\]"):
+        measure(tiny, ids, 0, [StarApproximation(block_size=8)])
+    with pytest.raises(ValueError, match=r"layers \[7\] are not in this model"):
+        measure(tiny, ids, 40, [StarApproximation(block_size=8)], layers=[7])
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        StarApproximation(block_size=0)
+    with pytest.raises(ValueError, match="APB needs at least one context token per CP rank"):
+        measure(tiny, ids[:6], 3, [APBApproximation(cp=4)])
+    rep = measure(tiny, ids, 50, [StarApproximation(block_size=8)])  # no query: the last token lends itself
+    assert rep.meta["context_len"] == 49
