@@ -192,6 +192,72 @@ def test_star_layer0_equals_the_real_strategy(tiny):
     assert rel_err(want, dense) > 0.05  # the mask drops something: the check above is not vacuous
 
 
+APB_CASES = {"query": dict(anchor_size=16, passing_size=8),
+             "no-query": dict(anchor_size=16, passing_size=8, embed_query=False)}
+
+
+def apb_layer0_worker(rank, world, L, C):
+    """Real APB over `world` ranks: this rank's layer-0 block-row outputs and what it selected there."""
+    import torch.distributed as dist
+
+    from starshard.parallel.context.apb import APBAttention, apb_bounds
+    from starshard.parallel.context.runner import ContextParallelRunner
+
+    model = random_model(preset_config("tiny"), dtype=torch.float32, seed=3)
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(4))
+    s, e = apb_bounds(C, world)[rank : rank + 2]
+    out = {}
+    for name, kw in APB_CASES.items():
+        strategy = APBAttention(dist.group.WORLD, **kw).bind(model)
+        strategy.trace = []
+        runner = ContextParallelRunner(model, strategy)
+        calls = []
+        set_attend = runner._set_attend
+
+        def recording(fn, set_attend=set_attend, calls=calls):
+            set_attend(fn)
+
+            def attend(q, k, v, pos, cache):
+                o = fn(q, k, v, pos, cache)
+                calls.append(o[0].clone())
+                return o
+
+            model.layers[0].attention.attend = attend
+
+        runner._set_attend = recording
+        with torch.no_grad():
+            runner.prefill_logits(ids, C, runner.new_cache(L + 4))
+        sel = next(t for t in strategy.trace if t["layer"] == 0)["selected"]
+        out[name] = {"block": calls[0][:, -(e - s):], "selected": None if sel is None else sel[0], "s": s, "e": e}
+    return out
+
+
+def test_apb_layer0_equals_the_real_strategy(tiny):
+    """At layer 0 (inputs independent of attention) APBApproximation must pick exactly what APB picks on
+    every rank, and without the embedded query (whose keys dense attention lacks) give APB's block rows."""
+    from mp_harness import run_ranks
+
+    L, C, world = 157, 141, 3
+    real = run_ranks(apb_layer0_worker, world, L, C)
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(4))
+    got = {}
+    capture_attention(tiny, ids, lambda lid, q, k, v: got.setdefault(lid, (q[0], k[0], v[0])))
+    x = LayerInputs(0, *got[0], C)
+    for name, kw in APB_CASES.items():
+        a = APBApproximation(world, **kw)
+        a.bind(tiny)
+        mine = masked_output(x, a)
+        for r, res in enumerate(real):
+            res = res[name]
+            if r < world - 1:
+                assert torch.equal(a.selected[0][r], res["selected"]), (name, r)
+                assert res["selected"].shape == (2, 8)
+            if name == "no-query" or r == 0:
+                assert (mine[:, res["s"] : res["e"]] - res["block"].double()).abs().max() < 1e-5, (name, r)
+    dense = masked_output(x, StarApproximation(block_size=L))
+    assert rel_err(mine, dense) > 0.05  # APB drops something here: the checks above are not vacuous
+
+
 # ---------------------------------------------------------------------------------------------
 # Dense-equivalent settings: recall exactly 1, error 0
 
@@ -199,9 +265,9 @@ def test_star_layer0_equals_the_real_strategy(tiny):
 DENSE_EQUIVALENT = [
     StarApproximation(block_size=1000),
     StarApproximation(block_size=32, anchor_size=1000),
-    APBApproximation(cp=2, passing_size=1000),
+    APBApproximation(cp=2, anchor_size=0, passing_size=1000),
     APBApproximation(cp=4, anchor_size=0, passing_size=1000, compressor="random"),
-    APBApproximation(cp=3, anchor_size=1000, passing_size=100, embed_query=False),
+    APBApproximation(cp=3, anchor_size=0, passing_size=100, embed_query=False),
     MInferenceApproximation(MInferenceConfig(default=VerticalSlash(10**6, 10**6)), name="mi-vs"),
     MInferenceApproximation(MInferenceConfig(default=BlockSparse(1000)), name="mi-bs"),
     MInferenceApproximation(MInferenceConfig(default=AShape(0, 10**6)), name="mi-ashape"),
@@ -223,6 +289,17 @@ def test_dense_equivalent_settings_are_exact(tiny):
                 assert r.kernel_rel_err_all < 1e-5 and r.kernel_rel_err_query < 1e-5, (name, r)
     for a in DENSE_EQUIVALENT[2:5]:  # APB passed every earlier block whole
         assert all(p.shape[-1] == 0 or p.shape[-1] > 60 for sel in a.selected.values() for p in sel), a.name
+
+
+def test_apb_anchor_keys_count_twice(tiny):
+    """APB's anchor tokens are also in rank 0's block: once passed, a block row sees them twice. Every
+    pair is kept (recall 1), yet the output is not dense; the real strategy agrees (layer-0 test above)."""
+    L, C = 283, 261
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(1))
+    a = APBApproximation(cp=3, anchor_size=20, passing_size=1000)
+    r = measure(tiny, ids, C, [a], layers=[0]).layers[a.name][0]
+    assert r.density == 1.0 and abs(r.recall_mean - 1) < 1e-12
+    assert r.rel_err_all > 1e-3 and r.rel_err_query == 0.0
 
 
 def test_sparse_settings_drop_mass(tiny):

@@ -19,12 +19,17 @@ materialised at once):
                    masked float64 one, against dense
 
 o_approx of a mask-defined approximation is masked dense attention in float64 (softmax over the kept
-keys only). What is modelled is what each method *drops*; keys a method adds that dense attention
-does not have (APB's embedded query in the anchor, Star's re-encoded anchor copies) are not.
+keys only; a key the method sees twice, as APB does with anchor tokens that rank 0 also passes, counts
+twice). What is modelled is what each method *drops*; keys a method adds that dense attention does not
+have (APB's embedded query in the anchor) are not. At layer 0, whose inputs do not depend on attention,
+the outputs equal the real strategies' (tests/test_fidelity.py checks Star and APB).
+
+Teacher forcing judges each layer on dense inputs: Star and APB compute the query rows densely, so
+their query-row error is 0 here; what they lose shows in the context rows (whose KV the query reads).
 
 Approximations implement `Approximation`: `begin_layer` (per-layer state from the layer's inputs),
 `keep_mask` (kept pairs for a chunk of rows, causality is applied by the caller) and optionally
-`output` (an output of their own). Implemented: Star, APB (its own layout and compressor code), MInference
+`key_counts` (keys seen more than once) and `output` (an output of their own). Implemented: Star, APB (its own layout and compressor code), MInference
 (its own index builders and kernel) and `MaskApproximation` (any kept-set given as a mask or as per
 row-block key index lists, e.g. AnchorAttention's).
 """
@@ -85,6 +90,11 @@ class Approximation:
         """Kept pairs of rows r0 .. r1-1 against keys 0 .. r1-1: bool [1 | Hkv | Hq, r1-r0, r1].
         Pairs past the causal diagonal may be anything (the caller applies causality)."""
         raise NotImplementedError
+
+    def key_counts(self, x: LayerInputs, r0: int, r1: int) -> torch.Tensor | None:
+        """How many times each kept key enters the row's softmax, shaped like keep_mask, or None (once).
+        APB sees a key twice when it is in the anchor and also in an earlier rank's passing block."""
+        return None
 
     def output(self, x: LayerInputs) -> torch.Tensor | None:
         """The approximation's own output [Hq, L, D] (e.g. a kernel's), or None."""
@@ -201,10 +211,12 @@ class APBApproximation(Approximation):
         st, cp, C, L = self.strategy, self.cp, x.context_len, x.length
         Hkv, dev = x.k.shape[0], x.q.device
         q, k, v = x.q[None], x.k[None], x.v[None]
-        # keys[r]: [Hkv, L] keys rank r's block rows may see (causality applied later); row r = cp: query.
-        keys = torch.zeros(Hkv, cp + 1, L, dtype=torch.bool, device=dev)
-        keys[:, 0] = True
-        keys[:, cp] = True
+        # keys[:, r]: [Hkv, L] how often rank r's block rows see each key (causality applied later); row
+        # r = cp: the query. A key is seen twice when it is in the anchor and in an earlier rank's passing block.
+        keys = torch.zeros(Hkv, cp + 1, L, dtype=torch.int32, device=dev)
+        keys[:, 0] = 1
+        keys[:, cp] = 1
+        heads = torch.arange(Hkv, device=dev)[:, None]
         selected = []
         for r in range(cp):
             st.rank = r
@@ -212,10 +224,10 @@ class APBApproximation(Approximation):
             s, e = st._bounds[r], st._bounds[r + 1]
             if r > 0:
                 front = seg.index[: seg.n_front]
-                keys[:, r, front[front < C].to(dev)] = True  # the anchor's context tokens
-                keys[:, r, s:e] = True
-                for j, sel in enumerate(selected[:r]):
-                    keys[torch.arange(Hkv, device=dev)[:, None], r, sel] = True
+                keys[:, r, front[front < C].to(dev)] += 1  # the anchor's context tokens
+                keys[:, r, s:e] += 1
+                for sel in selected[:r]:  # positions are distinct within one rank's selection
+                    keys[heads, r, sel] += 1
             if r == cp - 1 or cp == 1 or st._sizes[1] == 0:
                 selected.append(torch.zeros(Hkv, 0, dtype=torch.long, device=dev))
                 continue
@@ -229,7 +241,7 @@ class APBApproximation(Approximation):
                 qs[:, :, a:b] = _rotate(qs[:, :, a:b], -seg.query_shift, st.inv_freq).to(qs.dtype)
             _, _, pos = st._select(x.layer, seg, qs, ks, vs, seg.positions.to(dev))
             selected.append(pos[0].long())
-        self._keys = keys
+        self._keys, self._twice = keys, bool((keys > 1).any())
         self._row_rank = torch.full((L,), cp, dtype=torch.long, device=dev)
         for r in range(cp):
             self._row_rank[st._bounds[r] : st._bounds[r + 1]] = r
@@ -237,7 +249,10 @@ class APBApproximation(Approximation):
         self._resolved = {"anchor": st._sizes[0], "passing": st._sizes[1], "bounds": list(st._bounds)}
 
     def keep_mask(self, x, r0, r1):
-        return self._keys[:, self._row_rank[r0:r1], :r1]
+        return self._keys[:, self._row_rank[r0:r1], :r1] > 0
+
+    def key_counts(self, x, r0, r1):
+        return self._keys[:, self._row_rank[r0:r1], :r1] if self._twice else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,6 +416,14 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).norm() / den) if den > 0 else float((a - ref).norm())
 
 
+def _masked_softmax(s: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor | None, Hq: int, Hkv: int):
+    """Softmax over the kept keys, a key counted `counts` times (exp(s + log n)); rows that keep no key
+    give 0, as the kernels do."""
+    if counts is not None:
+        s = s + _expand_heads(counts.to(s.device), Hq, Hkv).to(s.dtype).log()
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+
+
 def _chunk_rows(Hq: int, L: int, tile_elements: int) -> int:
     """Rows per chunk so that [Hq, rows, keys <= L] tiles stay within the budget; aligned starts."""
     return max(_ROW_ALIGN, tile_elements // max(1, Hq * L) // _ROW_ALIGN * _ROW_ALIGN)
@@ -423,7 +446,7 @@ def masked_output(x: LayerInputs, approximation: Approximation, *, dtype: torch.
         r1 = min(L, r0 + rows)
         m = _expand_heads(approximation.keep_mask(x, r0, r1).to(x.q.device), Hq, Hkv) & (j[None, :r1] <= j[r0:r1, None])
         s = torch.einsum("hrd,hkd->hrk", x.q[:, r0:r1].to(dtype), k[:, :r1]) * D**-0.5
-        out[:, r0:r1] = torch.softmax(s.masked_fill(~m, float("-inf")), -1).nan_to_num(0.0) @ v[:, :r1]
+        out[:, r0:r1] = _masked_softmax(s, m, approximation.key_counts(x, r0, r1), Hq, Hkv) @ v[:, :r1]
     return out
 
 
@@ -472,8 +495,7 @@ def layer_fidelity(x: LayerInputs, approximations: list[Approximation],
             acc.recall_head += rec.sum(-1)
             acc.recall_q += rec[:, in_q].sum()
             acc.kept += m.sum()
-            # Rows that keep no key get output 0 (as the kernels do).
-            pa = torch.softmax(s.masked_fill(~m, float("-inf")), -1).nan_to_num(0.0)
+            pa = _masked_softmax(s, m, a.key_counts(x, r0, r1), Hq, Hkv)
             diff = (pa @ vd[:, :r1] - od).double().pow(2).sum(-1)
             acc.err_all += diff.sum()
             acc.err_q += diff[:, in_q].sum()
