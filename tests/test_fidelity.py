@@ -445,3 +445,42 @@ def test_smollm2_star_recall_grows_with_the_anchor():
         assert all(a <= b + 1e-12 for a, b in zip(small, large)) and sum(large) > sum(small)
     assert max(recall[0]) < 1 and sum(recall[0]) / len(recall[0]) < 0.95
     assert sum(err[-1]) < sum(err[0])  # more kept mass, closer outputs
+
+
+KERNEL_CHECK = r"""
+import json, torch
+from starshard.evaluation.fidelity import LayerInputs, MInferenceApproximation, masked_output
+from starshard.kernels.minference import AShape, BlockSparse, MInferenceConfig, VerticalSlash, triton_available
+g = torch.Generator().manual_seed(0)
+L, C = 211, 200
+q, k, v = torch.randn(6, L, 32, generator=g) * 2, torch.randn(2, L, 32, generator=g) * 2, torch.randn(2, L, 32, generator=g)
+q[:, :, :4] += 3.0  # a few heavy key columns and diagonals, so the estimates have something to find
+k[:, 7] += 2.0
+x = LayerInputs(0, q, k, v, C)
+heads = {0: VerticalSlash(20, 40), 1: BlockSparse(2), 2: AShape(16, 48), 3: VerticalSlash(5, 200), 4: BlockSparse(1)}
+out = {"triton": triton_available(q)}
+for name, cfg in (("mixed", MInferenceConfig(layers=[heads], default=AShape(4, 30), block_size=32, last_q=16)),
+                  ("vs", MInferenceConfig(default=VerticalSlash(30, 20), block_size=16, last_q=8))):
+    a = MInferenceApproximation(cfg, backend="triton")
+    want = masked_output(x, a)
+    got = a.output(x).double()
+    dense = masked_output(x, MInferenceApproximation(MInferenceConfig(default=AShape(0, 10**6))))
+    out[name] = [(got - want).abs().max().item(), ((want - dense).norm() / dense.norm()).item()]
+print(json.dumps(out))
+"""
+
+
+def test_minference_kept_set_is_what_the_triton_kernel_computes():
+    """The kept pairs come from MInference's own index builders; the Triton kernel (interpreted on CPU)
+    computing from the same indices must give the masked float64 output."""
+    import os
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["triton"]
+    for name in ("mixed", "vs"):
+        diff, sparse_err = out[name]
+        assert diff < 1e-5 and sparse_err > 0.05, (name, out)
