@@ -28,6 +28,11 @@ Approximation specs are comma-separated key=value lists; each flag may be repeat
                   head: pattern=vs,vertical=V,slash=S | pattern=ashape,sink=S,local=W |
                   pattern=bs,topk=K | pattern=dense; plus block_size=, last_q=, force_sink=,
                   force_local=; kernel=0 skips the kernel's own output; backend=torch|triton
+    --mask        fn=MODULE:FUNCTION, any other key=value is passed on as a keyword argument (numbers
+                  as numbers): FUNCTION(x, **kwargs) gets the layer's inputs (LayerInputs: q, k, v after
+                  RoPE, context_len) and returns the kept pairs as a bool mask [heads, L, L] or as
+                  BlockKeys index lists (starshard.evaluation.fidelity); how a kernel that is not wired in
+                  here (AnchorAttention) is measured
     any spec      name=LABEL (default: derived from the settings)
 
 Writes fidelity.json (per layer and means), fidelity.md (table) and fidelity.png (per-layer recall and
@@ -135,12 +140,45 @@ def build_approximations(args) -> list:
         except (ValueError, OSError) as e:
             raise SystemExit(f"error: --minference {text}: {e}") from None
         out.append(a)
+    for text in args.mask or []:
+        spec = parse_spec(text, "--mask")
+        out.append(mask_approximation(spec, text))
     if not out:
-        raise SystemExit("error: give at least one approximation: --star, --apb or --minference (see --help)")
+        raise SystemExit("error: give at least one approximation: --star, --apb, --minference or --mask (see --help)")
     names = [a.name for a in out]
     if len(set(names)) != len(names):
         raise SystemExit(f"error: two approximations share a name ({names}); add name=LABEL to tell them apart")
     return out
+
+
+def _number(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def mask_approximation(spec: dict, text: str):
+    """--mask fn=MODULE:FUNCTION,...: a kept set from any importable function of the layer's inputs."""
+    import functools
+    import importlib
+
+    from starshard.evaluation.fidelity import MaskApproximation
+
+    target = spec.get("fn")
+    if not target or ":" not in target:
+        raise SystemExit(f"error: --mask {text}: needs fn=MODULE:FUNCTION (e.g. fn=mypkg.kept:select)")
+    mod_name, _, fn_name = target.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"error: --mask {text}: cannot load {target}: {e}") from None
+    kwargs = {k: _number(v) for k, v in spec.items() if k not in ("fn", "name")}
+    a = MaskApproximation(spec.get("name", f"mask({fn_name})"), functools.partial(fn, **kwargs) if kwargs else fn)
+    a.config = lambda: {"kind": "mask", "fn": target, "kwargs": kwargs}
+    return a
 
 
 def _named(a, spec: dict):
@@ -188,6 +226,8 @@ def parse_args(argv=None):
     a.add_argument("--apb", action="append", metavar="SPEC", help="APB, e.g. cp=4,anchor=128,passing=64")
     a.add_argument("--minference", action="append", metavar="SPEC",
                    help="MInference, e.g. config=cfg.json or pattern=vs,vertical=256,slash=512")
+    a.add_argument("--mask", action="append", metavar="SPEC",
+                   help="any kept set from a function of the layer's inputs, e.g. fn=mypkg.kept:select,topk=8")
     r = ap.add_argument_group("measurement and output")
     r.add_argument("--layers", default=None, metavar="I,J,A-B",
                    help="layers to measure, e.g. 0,5,10-14 (default: all)")

@@ -373,6 +373,26 @@ def test_cli_on_tiny_random_model(cli, tmp_path, capsys):
     assert (out / "fidelity.png").stat().st_size > 1000
 
 
+def window_select(x, window=4):
+    """A --mask function: each row keeps its `window` nearest keys (as BlockKeys, one row per block)."""
+    rows = torch.arange(x.length)[:, None]
+    keys = rows - torch.arange(window)[None, :]
+    return BlockKeys(1, torch.where(keys >= 0, keys, -1)[None])
+
+
+def test_cli_mask_function_plugs_in(cli, tmp_path):
+    out = tmp_path / "fid"
+    cli.main(["--random-weights", "tiny", "--length", "200", "--device", "cpu", "--quiet", "--out", str(out),
+              "--mask", "fn=test_fidelity:window_select,window=16,name=win16",
+              "--minference", "pattern=ashape,sink=0,local=16,name=ashape16"])
+    data = json.loads((out / "fidelity.json").read_text())
+    assert data["configs"]["win16"] == {"kind": "mask", "fn": "test_fidelity:window_select", "kwargs": {"window": 16}}
+    for mine, ref in zip(data["layers"]["win16"], data["layers"]["ashape16"]):
+        for key in ("recall_mean", "recall_min_head", "rel_err_all", "rel_err_query", "density"):
+            assert mine[key] == pytest.approx(ref[key], rel=1e-12), key
+        assert mine["recall_mean"] < 0.9
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--star", "block=8,cp=2"], "block= or cp=, not both"),
     (["--star", "blok=8"], "unknown key"),
@@ -385,6 +405,8 @@ def test_cli_on_tiny_random_model(cli, tmp_path, capsys):
     (["--star", "cp=2", "--layers", "1-x"], "--layers"),
     (["--star", "cp=2", "--layers", "5"], r"layers \[5\] are not in this model"),
     (["--star", "cp=2", "--query-len", "300"], "--query-len"),
+    (["--mask", "window=3"], "fn=MODULE:FUNCTION"),
+    (["--mask", "fn=no_such_module:f"], "cannot load"),
 ])
 def test_cli_bad_flags_are_named(cli, argv, msg):
     with pytest.raises(SystemExit, match=msg):
@@ -396,7 +418,7 @@ def test_cli_help_explains_every_flag(cli, capsys):
         cli.main(["--help"])
     text = capsys.readouterr().out
     for flag in ("--model", "--random-weights", "--task", "--length", "--depth", "--prompt-file", "--context-file",
-                 "--question", "--star", "--apb", "--minference", "--layers", "--metrics-dtype", "--out"):
+                 "--question", "--star", "--apb", "--minference", "--mask", "--layers", "--metrics-dtype", "--out"):
         assert flag in text
     import argparse
 
