@@ -232,6 +232,7 @@ def apb_layer0_worker(rank, world, L, C):
     return out
 
 
+@pytest.mark.slow  # spawned processes / the real model: ~5-10 s on 2 idle cores
 def test_apb_layer0_equals_the_real_strategy(tiny):
     """At layer 0 (inputs independent of attention) APBApproximation must pick exactly what APB picks on
     every rank, and without the embedded query (whose keys dense attention lacks) give APB's block rows."""
@@ -441,6 +442,7 @@ def test_cli_help_explains_every_flag(cli, capsys):
 # The real model
 
 
+@pytest.mark.slow  # spawned processes / the real model: ~5-10 s on 2 idle cores
 def test_smollm2_star_recall_grows_with_the_anchor():
     """SmolLM2-135M on a ~500-token harness sample: Star with a small anchor loses attention mass, and
     larger anchors keep more of it, layer by layer."""
@@ -492,6 +494,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # spawned processes / the real model: ~5-10 s on 2 idle cores
 def test_minference_kept_set_is_what_the_triton_kernel_computes():
     """The kept pairs come from MInference's own index builders; the Triton kernel (interpreted on CPU)
     computing from the same indices must give the masked float64 output."""
