@@ -249,7 +249,8 @@ def parse_layers(text: str | None) -> list[int] | None:
             lo, dash, hi = part.partition("-")
             out += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
     except ValueError:
-        raise SystemExit(f"error: --layers {text!r}: expected comma-separated layer ids or ranges, e.g. 0,5,10-14") from None
+        raise SystemExit(f"error: --layers {text!r}: expected comma-separated layer ids or ranges, "
+                         "e.g. 0,5,10-14") from None
     return out
 
 
@@ -321,7 +322,8 @@ def build_input(args, tok, vocab: int):
     question = f"{s.question} {s.answer_prefix}".strip() if raw else s.question
     p = build_prompt(tok, context=s.context, question=question, raw=raw)
     depth = "" if s.depth is None else f", depth {s.depth:g}"
-    return torch.tensor(p.ids), p.context_len, f"{args.task}, length {args.length}{depth}, seed {args.seed}, {args.format}"
+    desc = f"{args.task}, length {args.length}{depth}, seed {args.seed}, {args.format}"
+    return torch.tensor(p.ids), p.context_len, desc
 
 
 def main(argv=None) -> int:

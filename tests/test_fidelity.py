@@ -477,7 +477,8 @@ from starshard.evaluation.fidelity import LayerInputs, MInferenceApproximation, 
 from starshard.kernels.minference import AShape, BlockSparse, MInferenceConfig, VerticalSlash, triton_available
 g = torch.Generator().manual_seed(0)
 L, C = 211, 200
-q, k, v = torch.randn(6, L, 32, generator=g) * 2, torch.randn(2, L, 32, generator=g) * 2, torch.randn(2, L, 32, generator=g)
+q, k = torch.randn(6, L, 32, generator=g) * 2, torch.randn(2, L, 32, generator=g) * 2
+v = torch.randn(2, L, 32, generator=g)
 q[:, :, :4] += 3.0  # a few heavy key columns and diagonals, so the estimates have something to find
 k[:, 7] += 2.0
 x = LayerInputs(0, q, k, v, C)

@@ -4,8 +4,8 @@ Teacher-forced: the dense model runs once over the input; at every attention lay
 q, k, v are handed to each approximation, and the layer's output goes on as the dense one. Every
 approximation is thus judged per layer on the same inputs, and errors do not compound.
 
-Per approximation and layer (float64, in row chunks so an 8K x 8K x heads score matrix is never
-materialised at once):
+Per approximation and layer (float64 by default, float32 on request; in row chunks so an 8K x 8K x
+heads score matrix is never materialised at once):
     rel_err_all    ||o_approx - o_dense||_F / ||o_dense||_F over all rows (every row an
                    approximation computes once: Star/APB context rows as block rows, plus the query)
     rel_err_query  the same over the query rows (positions >= context_len; the last row if there is
@@ -29,9 +29,10 @@ their query-row error is 0 here; what they lose shows in the context rows (whose
 
 Approximations implement `Approximation`: `begin_layer` (per-layer state from the layer's inputs),
 `keep_mask` (kept pairs for a chunk of rows, causality is applied by the caller) and optionally
-`key_counts` (keys seen more than once) and `output` (an output of their own). Implemented: Star, APB (its own layout and compressor code), MInference
-(its own index builders and kernel) and `MaskApproximation` (any kept-set given as a mask or as per
-row-block key index lists, e.g. AnchorAttention's).
+`key_counts` (keys seen more than once) and `output` (an output of their own). Implemented: Star,
+APB (its own layout and compressor code), MInference (its own index builders and kernel) and
+`MaskApproximation` (any kept set given as a mask or as per row-block key index lists, e.g.
+AnchorAttention's).
 """
 from __future__ import annotations
 
@@ -451,7 +452,8 @@ def masked_output(x: LayerInputs, approximation: Approximation, *, dtype: torch.
 
 
 def layer_fidelity(x: LayerInputs, approximations: list[Approximation],
-                   tile_elements: int = DEFAULT_TILE_ELEMENTS, dtype: torch.dtype = torch.float64) -> list[LayerFidelity]:
+                   tile_elements: int = DEFAULT_TILE_ELEMENTS,
+                   dtype: torch.dtype = torch.float64) -> list[LayerFidelity]:
     """Every approximation's metrics on one layer, in chunks of rows. dtype: of the score / output math
     (float64 by default; float32 halves memory and time on a GPU); sums are always float64."""
     if dtype not in (torch.float32, torch.float64):
@@ -556,7 +558,8 @@ class FidelityReport:
         for name, s in self.summary().items():
             kq = s.get("mean_kernel_rel_err_query")
             lines.append(f"| {name} | {s['mean_recall_mean']:.4f} | {s['mean_recall_min_head']:.4f} | "
-                         f"{s['mean_recall_query']:.4f} | {s['mean_rel_err_all']:.2e} | {s['mean_rel_err_query']:.2e} | "
+                         f"{s['mean_recall_query']:.4f} | {s['mean_rel_err_all']:.2e} | "
+                         f"{s['mean_rel_err_query']:.2e} | "
                          f"{'-' if kq is None else f'{kq:.2e}'} | {s['mean_density']:.3f} |")
         m = self.meta
         lines.append("")
@@ -612,7 +615,8 @@ class FidelityReport:
         return True
 
 
-def capture_attention(model, ids: torch.Tensor, on_layer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]):
+def capture_attention(model, ids: torch.Tensor,
+                      on_layer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]):
     """Run the model densely over ids [L] (positions 0 .. L-1) calling on_layer(layer, q, k, v) with each
     layer's post-RoPE q [1, Hq, L, D], k, v [1, Hkv, L, D]; returns the logits. The model's hooks are
     restored afterwards."""
