@@ -394,6 +394,44 @@ def test_cli_mask_function_plugs_in(cli, tmp_path):
         assert mine["recall_mean"] < 0.9
 
 
+class CharTokenizer:
+    """One token per character, no chat template: enough to check how inputs are assembled."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 500 for c in text]
+
+
+def test_cli_inputs(cli, tmp_path):
+    tok = CharTokenizer()
+    (tmp_path / "ctx.txt").write_text("some long context")
+    (tmp_path / "prompt.txt").write_text("a whole prompt")
+    base = ["--random-weights", "tiny", "--star", "cp=2"]
+    ids, C, desc = cli.build_input(cli.parse_args(base + ["--context-file", str(tmp_path / "ctx.txt"),
+                                                          "--question", "what?"]), tok, 512)
+    assert C == len("some long context") and len(ids) == C + len("\n\nwhat?") and "ctx.txt" in desc
+    ids, C, _ = cli.build_input(cli.parse_args(base + ["--prompt-file", str(tmp_path / "prompt.txt")]), tok, 512)
+    assert len(ids) == C == len("a whole prompt")  # measure() lends the last token as the query
+    args = cli.parse_args(base + ["--task", "passkey", "--length", "400", "--depth", "0.25", "--seed", "3"])
+    ids, C, desc = cli.build_input(args, tok, 512)
+    from starshard.evaluation.tasks import make_sample
+
+    s = make_sample("passkey", tok, 400, 0.25, 3, 4 + 64)  # what launch/eval.py would build for this cell
+    assert ids.tolist() == tok.encode(s.context + "\n\n" + s.question) and C == len(s.context)
+    assert "passkey, length 400, depth 0.25, seed 3, chat" == desc
+    ids, C, _ = cli.build_input(cli.parse_args(["--random-weights", "tiny", "--length", "50", "--query-len", "7"]),
+                                None, 512)
+    assert len(ids) == 50 and C == 43 and int(ids.max()) < 512
+    for argv, msg in ((["--context-file", str(tmp_path / "ctx.txt")], "needs --question"),
+                      (["--context-file", str(tmp_path / "ctx.txt"), "--prompt-file", str(tmp_path / "prompt.txt")],
+                       "not both"),
+                      (["--prompt-file", str(tmp_path / "missing.txt")], "is not a file"),
+                      (["--task", "nope"], "unknown --task")):
+        with pytest.raises(SystemExit, match=msg):
+            cli.build_input(cli.parse_args(base + argv), tok, 512)
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--star", "block=8,cp=2"], "block= or cp=, not both"),
     (["--star", "blok=8"], "unknown key"),
