@@ -46,6 +46,7 @@ def brute(x: LayerInputs, mask: torch.Tensor) -> dict:
     rec = (p * m).sum(-1)  # [Hq, L]
     C = x.context_len
     return {"recall_mean": rec.mean().item(), "recall_min_head": rec.mean(1).min().item(),
+            "recall_heads": rec.mean(1).tolist(),
             "recall_query": rec[:, C:].mean().item(),
             "rel_err_all": ((oa - od).norm() / od.norm()).item(),
             "rel_err_query": ((oa[:, C:] - od[:, C:]).norm() / od[:, C:].norm()).item(),

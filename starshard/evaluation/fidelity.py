@@ -390,6 +390,7 @@ class LayerFidelity:
     recall_min_head: float
     recall_query: float
     density: float
+    recall_heads: list = field(default_factory=list)  # per query head: mean recall over rows
     kernel_rel_err_all: float | None = None
     kernel_rel_err_query: float | None = None
 
@@ -497,7 +498,10 @@ def layer_fidelity(x: LayerInputs, approximations: list[Approximation],
             acc.recall_head += rec.sum(-1)
             acc.recall_q += rec[:, in_q].sum()
             acc.kept += m.sum()
-            pa = _masked_softmax(s, m, a.key_counts(x, r0, r1), Hq, Hkv)
+            counts = a.key_counts(x, r0, r1)
+            if counts is None and bool((m | ~causal).all()):
+                continue  # every causal pair kept once: the output is the dense one (rows of a dense rank)
+            pa = _masked_softmax(s, m, counts, Hq, Hkv)
             diff = (pa @ vd[:, :r1] - od).double().pow(2).sum(-1)
             acc.err_all += diff.sum()
             acc.err_q += diff[:, in_q].sum()
@@ -516,6 +520,7 @@ def layer_fidelity(x: LayerInputs, approximations: list[Approximation],
             recall_min_head=float(head_mean.min()),
             recall_query=float(acc.recall_q / (Hq * n_q)),
             density=float(acc.kept / pairs),
+            recall_heads=head_mean.tolist(),
         )
         own = a.output(x)
         if own is not None:
@@ -537,12 +542,14 @@ class FidelityReport:
     layers: dict = field(default_factory=dict)  # name -> [LayerFidelity]
 
     def summary(self) -> dict:
-        """Per approximation: the mean of each metric over layers (and the worst layer's recall)."""
+        """Per approximation: the mean of each metric over layers, the worst layer's recall and error, and
+        the worst (layer, head) recall."""
         out = {}
         for name, rows in self.layers.items():
-            keys = [k for k in asdict(rows[0]) if k != "layer" and getattr(rows[0], k) is not None]
+            keys = [k for k, v in asdict(rows[0]).items() if k != "layer" and isinstance(v, float)]
             s = {f"mean_{k}": sum(getattr(r, k) for r in rows) / len(rows) for k in keys}
             s["min_layer_recall_mean"] = min(r.recall_mean for r in rows)
+            s["min_head_recall"] = min(r.recall_min_head for r in rows)  # the worst (layer, head)
             s["max_layer_rel_err_query"] = max(r.rel_err_query for r in rows)
             out[name] = s
         return out
