@@ -194,6 +194,7 @@ def test_star_layer0_equals_the_real_strategy(tiny):
 
 
 APB_CASES = {"query": dict(anchor_size=16, passing_size=8),
+             "head": dict(anchor_size=16, passing_size=8, prefix_len=6),  # the query goes in after a head
              "no-query": dict(anchor_size=16, passing_size=8, embed_query=False)}
 
 
