@@ -76,6 +76,39 @@ def test_metrics_equal_bruteforce_for_a_random_mask(Hq, Hkv, mask_heads, L, C):
     assert oa[0, 5].abs().max() == 0
 
 
+def test_measure_on_tiny_model_equals_bruteforce(tiny):
+    """Through the teacher-forced run: each layer's metrics for a fixed random mask equal brute force on
+    that layer's q, k, v (an independent forward pass with plain hooks)."""
+    L, C = 203, 190
+    ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(7))
+    mask = torch.rand(4, L, L, generator=torch.Generator().manual_seed(8)) < 0.4
+    rep = measure(tiny, ids, C, [MaskApproximation("rand", lambda _x: mask)], tile_elements=1)
+    saved = [layer.attention.attend for layer in tiny.layers]
+    qkv = {}
+
+    def hook(i):
+        def attend(q, k, v, pos, cache):
+            qkv[i] = (q[0].clone(), k[0].clone(), v[0].clone())
+            return saved[i](q, k, v, pos, cache)
+
+        return attend
+
+    try:
+        for i, layer in enumerate(tiny.layers):
+            layer.attention.attend = hook(i)
+        with torch.no_grad():
+            tiny(ids[None])
+    finally:
+        for layer, fn in zip(tiny.layers, saved):
+            layer.attention.attend = fn
+    assert len(rep.layers["rand"]) == len(tiny.layers) == 2
+    for i, got in enumerate(rep.layers["rand"]):
+        want = brute(LayerInputs(i, *qkv[i], C), mask)
+        for key, val in want.items():
+            assert getattr(got, key) == pytest.approx(val, rel=1e-9, abs=1e-12), (i, key)
+    assert rep.layers["rand"][0].rel_err_all != pytest.approx(rep.layers["rand"][1].rel_err_all, rel=1e-3)
+
+
 def test_float32_math_close_to_float64():
     x = rand_inputs(4, 2, 200, 180, seed=5)
     mask = torch.rand(2, 200, 200, generator=torch.Generator().manual_seed(2)) < 0.5
