@@ -421,9 +421,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def _masked_softmax(s: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor | None, Hq: int, Hkv: int):
     """Softmax over the kept keys, a key counted `counts` times (exp(s + log n)); rows that keep no key
     give 0, as the kernels do."""
-    if counts is not None:
-        s = s + _expand_heads(counts.to(s.device), Hq, Hkv).to(s.dtype).log()
-    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+    if counts is not None:  # log on the KV-head tensor, before it is expanded to the query heads
+        s = s + _expand_heads(counts.to(s.device, s.dtype).log(), Hq, Hkv)
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+    return p if bool(keep.any(-1).all()) else p.nan_to_num(0.0)
 
 
 def _chunk_rows(Hq: int, L: int, tile_elements: int) -> int:
