@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     rt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    rt.add_argument("--no-cuda-graphs", action="store_true",
+                    help="run decode steps eagerly (default on one GPU: each step replays a captured CUDA graph)")
     rt.add_argument("--json", action="store_true",
                     help="print one JSON object as the last stdout line (text, token_ids, prompt_tokens, timings)")
     args = ap.parse_args(argv)
@@ -152,6 +154,7 @@ def main(argv=None) -> int:
     if args.prompt_len is not None:
         gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
         kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
+    llm.runner.cuda_graphs = not args.no_cuda_graphs
     lead = llm.topology.rank == 0  # every rank runs the model; one prints
     out = llm.generate(
         **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
