@@ -11,7 +11,7 @@ from starshard.config import ParallelConfig
 from starshard.kernels.minference import AShape, Dense, MInferenceConfig, VerticalSlash
 from starshard.kernels.sparse import SparseConfig
 
-STEPS = 5
+STEPS = 32
 
 
 def rel(a, b) -> float:
