@@ -1127,7 +1127,7 @@ def _attention_triton(q, k, v, groups, *, offset, scale, block_size, launch=None
 
 def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=True, backend=None, launch=None):
     """Sparse prefill attention with lse. `pattern`: a SparsePattern (or anything `SparsePattern(...)`
-    accepts: one HeadPattern, a sequence of them). backend: None (Triton where it runs, else torch),
+    accepts: one HeadPattern, a sequence of them). backend: None (Triton on CUDA, else torch),
     "triton" or "torch". Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
     exact dense attention."""
     from starshard.kernels.attention import attention
@@ -1156,7 +1156,8 @@ def attention_from_plan(q, k, v, groups, *, offset: int, scale=None, block_size:
     hand-made indices). backend / launch as in `minference_attention`."""
     check_shapes(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    use_triton = triton_available(q) if backend is None else backend == "triton"
+    # Default: Triton on CUDA; on CPU the torch path (the interpreter is for tests, which ask for it).
+    use_triton = q.is_cuda and triton_available(q) if backend is None else backend == "triton"
     if use_triton:
         if not triton_available(q):
             raise RuntimeError("the Triton MInference kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU) and float16/bfloat16/float32")
