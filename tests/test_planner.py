@@ -1,10 +1,18 @@
 """Memory planner against hand-computed byte counts (tiny preset, Llama-3.1-8B/70B) and published
 parameter counts; the smallest-layout search; the CLI's --plan-only and refusal."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from starshard.planner import GiB, Layout, Workload, plan_memory, smallest_layout, weight_elements
 from starshard.presets import preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_weight_counts_match_published_parameter_counts():
@@ -117,3 +125,23 @@ def test_bad_layout_in_planner():
         Layout(cp=2)
     with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
         plan_memory(preset_config("tiny"), Layout(pp=3), Workload(8))
+
+
+def _infer(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "infer.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_cli_plan_only_and_refusal():
+    p = _infer(["--random-weights", "llama-3.1-8b", "--prompt-len", "131072", "--max-new-tokens", "64", "--tp", "8",
+                "--dtype", "bfloat16", "--plan-only", "--json"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    plan = json.loads(p.stdout.strip().splitlines()[-1])
+    assert plan["peak_bytes"] == 2_008_031_232 + 131136 * 32 * 520 + 131072 * 2 * (8192 + 9472) + 16032 * 4
+    assert plan["layout"] == {"tp": 8, "pp": 1, "cp": 1, "strategy": "dense"}
+    # a layout that cannot fit is refused before anything loads, naming the smallest one that does
+    p = _infer(["--random-weights", "llama-3.1-8b", "--prompt-len", "8192", "--max-new-tokens", "16", "--dtype",
+                "bfloat16", "--memory-limit-gb", "12"])
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "does not fit" in p.stderr and "smallest layout that fits: tp=1 pp=2 cp=1" in p.stderr
