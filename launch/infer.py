@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -252,13 +253,41 @@ def refusal(plan, limit, best) -> str:
             + f" on {b.world} processes")
 
 
-class RunMonitor:
-    """Rank 0's progress messages and the fault-injection test hook, attached around the runner's
-    prefill / next_token and the model's forward (one forward = one prefill chunk or CP segment)."""
+class Watchdog(threading.Thread):
+    """Ends this rank when it makes no progress (no layer forward, no decode step) for `limit_s`.
 
-    def __init__(self, llm, prompt_tokens: int, max_new: int, rank: int):
+    Collectives give up after --dist-timeout, so a rank waiting on a dead peer fails by itself; a rank
+    stuck outside a collective (or whose peers all left) would not, and across nodes no launcher ends
+    it. The limit is 2 x --dist-timeout + 10 s: well past any single layer's legitimate time."""
+
+    def __init__(self, limit_s: float, rank: int):
+        super().__init__(daemon=True, name="starshard-watchdog")
+        self.limit_s, self.rank = limit_s, rank
+        self.last = time.monotonic()
+        self.done = threading.Event()
+
+    def beat(self, *_) -> None:
+        self.last = time.monotonic()
+
+    def run(self) -> None:
+        while not self.done.wait(min(5.0, self.limit_s / 4)):
+            idle = time.monotonic() - self.last
+            if idle > self.limit_s:
+                sys.stderr.write(f"error: rank {self.rank}: no progress for {idle:.0f} s (over 2 x --dist-timeout + "
+                                 "10 s): this rank is stuck or its peers are gone; ending it\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+
+class RunMonitor:
+    """Rank 0's progress messages, the watchdog's heartbeat and the fault-injection test hook,
+    attached around the runner's prefill / next_token and the model's forward (one forward = one
+    prefill chunk or CP segment) and its layers."""
+
+    def __init__(self, llm, prompt_tokens: int, max_new: int, rank: int, watchdog: Watchdog | None = None):
         from starshard.parallel.topology import FaultInjection
 
+        self.watchdog = watchdog
         self.fault = FaultInjection.from_env()
         self.rank, self.total, self.max_new = rank, prompt_tokens, max_new
         self.in_prefill, self.forwards, self.rows, self.step = False, 0, 0, 0
@@ -282,6 +311,8 @@ class RunMonitor:
             if self.in_prefill:  # a runner's prefill may run through its own next_token
                 return next_token(*a, **k)
             self.step += 1
+            if self.watchdog is not None:
+                self.watchdog.beat()
             self.fire(self.step)
             out = next_token(*a, **k)
             if self.step % self.every == 0:
@@ -291,6 +322,9 @@ class RunMonitor:
 
         runner.prefill, runner.next_token = wrapped_prefill, wrapped_next
         llm.model.register_forward_pre_hook(self.on_forward)
+        if watchdog is not None:
+            for layer in llm.model.layers:
+                layer.register_forward_pre_hook(watchdog.beat)
 
     def on_forward(self, module, args):
         if self.in_prefill and args:
@@ -380,11 +414,17 @@ def run(args, launch, lead: bool, t_start: float) -> int:
         if args.prompt_len is not None:
             gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
             kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
-        RunMonitor(llm, n_prompt, args.max_new_tokens, launch.rank)
+        watchdog = None
+        if launch.world_size > 1:
+            watchdog = Watchdog(2 * args.dist_timeout + 10, launch.rank)
+            watchdog.start()
+        RunMonitor(llm, n_prompt, args.max_new_tokens, launch.rank, watchdog)
         out = llm.generate(
             **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
         )
+        if watchdog is not None:
+            watchdog.done.set()
     except Exception as e:
         why = collective_failure(e, args.dist_timeout) if launch.world_size > 1 else None
         if why is None:

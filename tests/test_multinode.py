@@ -3,6 +3,7 @@ that dies or hangs ending the job everywhere, and TOML run configs mirroring the
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,16 +42,16 @@ def _nodes(args, nnodes=2, nproc=1, env=None, timeout=180):
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=starshard-test", "--max-restarts=0", INFER, *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=env or _env()))
+                                      env=env or _env(), start_new_session=True))
     out = []
     try:
         for p in procs:
             so, se = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
             out.append((p.returncode, so, se, time.monotonic() - t0))
     finally:
-        for p in procs:  # a failed assertion above must not leave ranks behind
+        for p in procs:  # a failure above must not leave ranks behind: end each torchrun's own process group
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     return out
 
@@ -93,18 +94,29 @@ def test_killed_rank_ends_every_node_with_one_message():
 
 
 @pytest.mark.slow
-def test_hung_rank_times_out_within_dist_timeout():
-    """Rank 1 hangs at decode step 1: rank 0's collective times out after --dist-timeout, it exits with one
-    line, and torchrun ends the hung rank: the job ends in bounded time."""
+def test_hung_rank_on_another_node_ends_the_job():
+    """Rank 1 (the other node) hangs at decode step 1 outside any collective: rank 0 times out after
+    --dist-timeout and exits with one line. The hung rank's node ends too: its torchrun agent when it
+    loses the rendezvous store hosted by the other node, else the rank's own watchdog after
+    2 x --dist-timeout + 10 s without progress (which one depends on which agent hosts the store)."""
     env = _env(STARSHARD_FAULT_INJECT="1:1:hang")
+    nodes = _nodes(TINY + ["--tp", "2", "--dist-timeout", "5"], env=env, timeout=150)
+    assert all(rc != 0 for rc, *_ in nodes), [n[2][-1500:] for n in nodes]
+    assert max(t for *_, t in nodes) < 90
+    lines = [ln for _, _, se, _ in nodes for ln in se.splitlines() if ln.startswith("error: rank ")]
+    assert any(ln.startswith("error: rank 0: ") and "--dist-timeout=5" in ln for ln in lines), lines
+    assert all(ln.startswith(("error: rank 0: ", "error: rank 1: no progress for")) for ln in lines), lines
+
+
+def test_watchdog_ends_a_stuck_rank():
+    """The watchdog alone: no heartbeat for longer than its limit -> one line and exit 1, in bounded time."""
+    code = ("import sys, time; sys.path.insert(0, %r); sys.argv = ['x']\n"
+            "import importlib.util as u; s = u.spec_from_file_location('i', %r); m = u.module_from_spec(s)\n"
+            "s.loader.exec_module(m); w = m.Watchdog(1.0, 3); w.start(); time.sleep(30)\n") % (str(ROOT), INFER)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", INFER,
-                        *TINY, "--tp", "2", "--dist-timeout", "6"], capture_output=True, text=True, env=env, timeout=120)
-    took = time.monotonic() - t0
-    assert p.returncode != 0
-    assert 6 < took < 60
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: rank ")]
-    assert len(lines) == 1 and "--dist-timeout=6" in lines[0], p.stderr[-2000:]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert p.returncode == 1 and time.monotonic() - t0 < 20
+    assert p.stderr.strip().splitlines()[-1].startswith("error: rank 3: no progress for")
 
 
 def test_fault_hook_parsing():
