@@ -145,3 +145,41 @@ def test_cli_plan_only_and_refusal():
                 "bfloat16", "--memory-limit-gb", "12"])
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "does not fit" in p.stderr and "smallest layout that fits: tp=1 pp=2 cp=1" in p.stderr
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "llama-3.1-8b", "llama-3.1-70b"])
+def test_weights_match_the_shards_the_runtime_builds(preset):
+    """Planner weight bytes == the tensor shapes runner.build_rank_model would load on every (tp, pp) rank
+    (plan_shard's specs, read without building anything)."""
+    import math
+
+    from starshard.checkpoints.hf import TPLayout, plan_shard, valid_tp_sizes
+    from starshard.parallel.pipeline import partition_layers
+    from starshard.parallel.runner import RandomSource
+
+    cfg = preset_config(preset)
+    src = RandomSource(cfg, 0, None, "cpu")  # only has() is used: which tensors exist
+    for tp in valid_tp_sizes(cfg, 8):
+        for pp in (1, 2, 3)[: cfg.num_layers]:
+            stages = partition_layers(cfg.num_layers, pp, None)
+            plan = plan_memory(cfg, Layout(tp=tp, pp=pp), Workload(16, dtype_bytes=2))
+            for p, layers in enumerate(stages):
+                specs = plan_shard(cfg, src, TPLayout(cfg, tp, tp - 1), layers, p == 0, p == pp - 1)
+                assert plan.stages[p].weights == 2 * sum(math.prod(s.shape) for s in specs), (tp, pp, p)
+
+
+def test_kv_cache_matches_the_runtime_allocation():
+    """Dense KV bytes == what LocalRunner.new_cache allocates for prompt + decode budget."""
+    import torch
+
+    from starshard.config import ParallelConfig
+    from starshard.engine.generate import LocalRunner
+    from starshard.parallel.runner import build_rank_model, plan_parallel, weight_source
+
+    cfg = preset_config("tiny")
+    src = weight_source(None, random_seed=0)
+    model = build_rank_model(cfg, src, plan_parallel(cfg, ParallelConfig(), src), 0, 0, None, torch.float32, "cpu")
+    cache = LocalRunner(model).new_cache(64 + 4)
+    real = sum(t.numel() * t.element_size() for kv in cache.layers.values() for t in (kv.k, kv.v, kv.pos))
+    assert real == plan_memory(cfg, Layout(), Workload(64, max_new_tokens=4, dtype_bytes=4)).stages[0].kv_cache
+    assert sum(p.numel() * 4 for p in model.parameters()) == plan_memory(cfg, Layout(), Workload(64, dtype_bytes=4)).stages[0].weights
