@@ -93,6 +93,15 @@ def test_killed_rank_ends_every_node_with_one_message():
     assert 'File "' + INFER not in err  # our ranks print no traceback
 
 
+def test_bad_input_is_reported_once_before_any_collective():
+    """A layout the model cannot take, on two nodes: every rank refuses it before the process group
+    exists (exit 2), and the message appears once (rank 0), with no traceback."""
+    nodes = _nodes(TINY + ["--tp", "2", "--max-new-tokens", "100000000"], timeout=120)
+    assert all(rc != 0 for rc, *_ in nodes)
+    err = "".join(se for _, _, se, _ in nodes)
+    assert err.count("exceeds the model window") == 1 and 'File "' + INFER not in err, err[-2000:]
+
+
 @pytest.mark.slow
 def test_hung_rank_on_another_node_ends_the_job():
     """Rank 1 (the other node) hangs at decode step 1 outside any collective: rank 0 times out after
