@@ -198,3 +198,20 @@ def test_infer_sbatch_two_tasks_matches_one_process(tmp_path):
         assert rc != 0, text
         assert "fault injected at step 2" in text
         assert sum(ln.startswith("error: rank ") for ln in text.splitlines()) <= 1
+
+        # bench.sbatch: the same launch logic around launch/bench.py (a 2-rank ring CP prefill)
+        out = tmp_path / "bench.json"
+        rc, text, state = slurm.sbatch(str(ROOT / "launch" / "slurm" / "bench.sbatch"),
+                                       ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"],
+                                       ["prefill", "--cp", "2", "--cp-strategy", "ring", "--random-weights", "tiny",
+                                        "--lengths", "64", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+                                        "--out", str(out)], job_env)
+        assert rc == 0, f"{state}\n{text}"
+        bench = json.loads(out.read_text())
+        assert (bench["cp"], bench["gpus"], [r["length"] for r in bench["results"]]) == (2, 2, [64])
+
+        # eval.sbatch reaches launch/eval.py on every task (its --help; a real eval needs a model)
+        rc, text, state = slurm.sbatch(str(ROOT / "launch" / "slurm" / "eval.sbatch"),
+                                       ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10"],
+                                       ["--help"], job_env)
+        assert rc == 0 and "usage: eval.py" in text and "launch/eval.py --help" in text, f"{state}\n{text}"
