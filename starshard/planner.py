@@ -12,12 +12,15 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                and layer (the cache stores positions). dense: prompt + decode budget; ring / usp
                (zigzag shards) and ulysses: the rank's sequence shard; star / apb: the rank's context
                blocks. The query rank also keeps the query and every generated token.
-  activations  the peak of one prefill forward on this rank: the residual stream, the normed input and
-               the larger of the attention part (qkv + attention output) and the MLP part (gate/up,
-               activation, down), for the rows run at once (a prefill chunk, a CP shard, or star's
-               anchor + block); the strategy's in-flight KV (ring send/recv blocks, ulysses
-               all-to-all, apb passing blocks); the last token's logits in float32 on the last stage.
-               Attention itself is assumed fused (flash): no [rows x keys] score matrix.
+  activations  the peak of one layer's forward (engine/model.py) for the rows run at once (a prefill
+               chunk, a CP shard, or star's anchor + block), counting the tensors alive together:
+               attention part: the layer input, normed input, qkv, rotated q and k, attention output,
+               its [rows, heads*d] copy and the o-proj output, plus the residual (4h + (hq+2hkv)d +
+               (3hq+hkv)d per row); MLP part: input, residual, normed, gate/up, silu(gate)*up and either
+               silu(gate) or the down-proj output (max(3h + 4f, 4h + 3f) per row); the larger of the
+               two. Plus the strategy's in-flight KV (ring send/recv blocks, ulysses all-to-all, apb
+               passing blocks) and the last token's logits in float32 on the last stage. Attention
+               itself is assumed fused (flash): no [rows x keys] score matrix.
 """
 from __future__ import annotations
 
@@ -229,9 +232,9 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     weights = weight_elements(cfg, lay.tp, layers, first, last) * b
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * (B * 2 * hkv * d * b + POS_BYTES)
-    attn_part = (hq + 2 * hkv) * d + hq * d + h  # qkv, attention output, o-proj output
-    mlp_part = 3 * ffn + h  # gate/up, activation, down-proj output
-    act = B * rows * b * (2 * h + max(attn_part, mlp_part))
+    attn_part = 4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d
+    mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
+    act = B * rows * b * max(attn_part, mlp_part)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
         act += B * rows * b * ((hq + 2 * hkv) * d + hq * d)
     act += B * flight * 2 * hkv * d * b

@@ -34,9 +34,10 @@ def test_tiny_dense_by_hand():
     assert s.weights == (2 * 36992 + 512 * 64 + 64 + 512 * 64) * 4 == 558336
     # 68 tokens x 2 layers x (K+V: 2*2 heads*16*4 bytes + int64 position)
     assert s.kv_cache == 2 * 68 * 264 == 35904
-    # 64 rows x 4 bytes x (residual + normed 2*64 + max(attn 256, mlp 3*128+64=448)) + logits 512 x 4
-    assert s.activations == 64 * 4 * (128 + 448) + 2048 == 149504
-    assert plan.peak_bytes == 558336 + 35904 + 149504
+    # 64 rows x 4 bytes x max(attn 4*64 + 8*16 + 14*16 = 608, mlp max(3*64 + 4*128, 4*64 + 3*128) = 704)
+    # + logits 512 x 4
+    assert s.activations == 64 * 4 * 704 + 2048 == 182272
+    assert plan.peak_bytes == 558336 + 35904 + 182272
 
 
 def test_tiny_tp2_pp2_by_hand():
@@ -46,9 +47,9 @@ def test_tiny_tp2_pp2_by_hand():
     # per layer per tp rank: 128 + (2+2*1)*16*64 + 64*32 + 2*64*64 + 64*64 = 18560; vocab rows 256
     assert (s0.weights, s1.weights) == ((18560 + 256 * 64) * 4, (18560 + 64 + 256 * 64) * 4) == (139776, 140032)
     assert s0.kv_cache == s1.kv_cache == 68 * (2 * 1 * 16 * 4 + 8) == 9248
-    # 16-row chunks: attn (2+2)*16 + 32 + 64 = 160, mlp 3*64 + 64 = 256; logits on the last stage only
-    assert s0.activations == 16 * 4 * (128 + 256) == 24576
-    assert s1.activations == 24576 + 256 * 4
+    # 16-row chunks: attn 256 + 4*16 + 7*16 = 432, mlp max(192 + 256, 256 + 192) = 448; logits on the last stage
+    assert s0.activations == 16 * 4 * 448 == 28672
+    assert s1.activations == 28672 + 256 * 4
 
 
 def test_vocab_padding_to_tp_multiple():
@@ -70,8 +71,9 @@ def test_llama8b_tp8_128k_by_hand():
     # the textbook figure: 128K tokens of Llama-3-8B KV in bf16 = 16 GiB on one rank (positions aside)
     one = plan_memory(cfg, Layout(), Workload(131072, dtype_bytes=2)).stages[0]
     assert one.kv_cache - 131072 * 32 * 8 == 16 * GiB
-    # rows 131072 x 2 bytes x (2*4096 + max(attn 6*128+512+4096=5376, mlp 3*1792+4096=9472)) + logits
-    assert s.activations == 131072 * 2 * (8192 + 9472) + 16032 * 4
+    # rows 131072 x 2 bytes x max(attn 4*4096 + 6*128 + 13*128 = 18816, mlp max(3*4096 + 4*1792,
+    # 4*4096 + 3*1792) = 21760) + float32 logits of the last token
+    assert s.activations == 131072 * 2 * 21760 + 16032 * 4
 
 
 def test_cp_strategies_by_hand():
@@ -79,7 +81,7 @@ def test_cp_strategies_by_hand():
     w = Workload(64, max_new_tokens=4, dtype_bytes=4)
     ring = plan_memory(cfg, Layout(cp=2, strategy="ring"), w).stages[0]
     assert (ring.kv_tokens, ring.rows) == (32 + 4, 32)  # zigzag shard of 2*ceil(64/4) rows
-    assert ring.activations == 32 * 4 * (128 + 448) + 2 * 32 * 2 * 2 * 16 * 4 + 2048  # + send/recv KV blocks
+    assert ring.activations == 32 * 4 * 704 + 2 * 32 * 2 * 2 * 16 * 4 + 2048  # + send/recv KV blocks
     uly = plan_memory(cfg, Layout(cp=4, strategy="ulysses"), Workload(63, max_new_tokens=4, dtype_bytes=4)).stages[0]
     assert (uly.kv_tokens, uly.rows) == (16 + 4, 16)
     # star: context 63 (+1 query token), blocks of 32 -> rank 0 [0,32), rank 1 [32,63) behind a 32-token anchor
@@ -138,7 +140,7 @@ def test_cli_plan_only_and_refusal():
                 "--dtype", "bfloat16", "--plan-only", "--json"])
     assert p.returncode == 0, p.stderr[-2000:]
     plan = json.loads(p.stdout.strip().splitlines()[-1])
-    assert plan["peak_bytes"] == 2_008_031_232 + 131136 * 32 * 520 + 131072 * 2 * (8192 + 9472) + 16032 * 4
+    assert plan["peak_bytes"] == 2_008_031_232 + 131136 * 32 * 520 + 131072 * 2 * 21760 + 16032 * 4
     assert plan["layout"] == {"tp": 8, "pp": 1, "cp": 1, "strategy": "dense"}
     # a layout that cannot fit is refused before anything loads, naming the smallest one that does
     p = _infer(["--random-weights", "llama-3.1-8b", "--prompt-len", "8192", "--max-new-tokens", "16", "--dtype",
