@@ -246,7 +246,8 @@ def refusal(plan, limit, best) -> str:
            f"{gib(s.weights)}, KV cache {gib(s.kv_cache)}, activations {gib(s.activations)}) but {gib(limit)} is "
            "usable per rank (--memory-limit-gb, or 90% of the GPU): it does not fit. ")
     if best is None:
-        return msg + "No layout of up to 1024 ranks fits: shorten the prompt, lower --max-new-tokens or set --prefill-chunk"
+        return msg + ("No layout of up to 1024 ranks fits: shorten the prompt, lower --max-new-tokens or set "
+                      "--prefill-chunk")
     b = best.layout
     return (msg + f"The smallest layout that fits: {b.describe()} ({b.world} ranks, {gib(best.peak_bytes)} per rank): "
             f"run with --tp {b.tp} --pp {b.pp} --cp {b.cp}" + (f" --cp-strategy {b.strategy}" if b.cp > 1 else "")

@@ -89,7 +89,8 @@ def test_killed_rank_ends_every_node_with_one_message():
     err = "".join(se for _, _, se, _ in nodes)
     assert err.count("fault injected at step 2") == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("error: rank ")]
-    assert len(lines) == 1 and lines[0].startswith("error: rank 0: ") and "the job is stopping on every rank" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0: ")
+    assert "the job is stopping on every rank" in lines[0]
     assert 'File "' + INFER not in err  # our ranks print no traceback
 
 
@@ -163,7 +164,8 @@ def _infer_module():
 def test_example_configs_plan(name, capsys):
     """Every shipped example parses and plans (no weights are loaded) within an 80 GB GPU."""
     infer = _infer_module()
-    assert infer.main(["--config", str(ROOT / "examples" / name), "--plan-only", "--json", "--memory-limit-gb", "72"]) == 0
+    argv = ["--config", str(ROOT / "examples" / name), "--plan-only", "--json", "--memory-limit-gb", "72"]
+    assert infer.main(argv) == 0
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["fits"] and plan["peak_bytes"] < 72 * 2**30
 

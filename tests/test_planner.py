@@ -184,4 +184,5 @@ def test_kv_cache_matches_the_runtime_allocation():
     cache = LocalRunner(model).new_cache(64 + 4)
     real = sum(t.numel() * t.element_size() for kv in cache.layers.values() for t in (kv.k, kv.v, kv.pos))
     assert real == plan_memory(cfg, Layout(), Workload(64, max_new_tokens=4, dtype_bytes=4)).stages[0].kv_cache
-    assert sum(p.numel() * 4 for p in model.parameters()) == plan_memory(cfg, Layout(), Workload(64, dtype_bytes=4)).stages[0].weights
+    weights = plan_memory(cfg, Layout(), Workload(64, dtype_bytes=4)).stages[0].weights
+    assert sum(p.numel() * 4 for p in model.parameters()) == weights
