@@ -209,6 +209,16 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
     return None
 
 
+def gpus_per_node() -> int:
+    """Processes per node as the launcher says (torchrun LOCAL_WORLD_SIZE, srun SLURM_NTASKS_PER_NODE
+    such as "8" or "8(x4)"), else 8: the largest tp the smallest-layout search keeps inside a node."""
+    import re
+
+    raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "8"
+    m = re.match(r"\d+", raw)
+    return int(m.group()) if m else 8
+
+
 def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit: int | None):
     """(plan, smallest fitting plan or None); Abort on an impossible layout."""
     from starshard.planner import Layout, Workload, plan_memory, smallest_layout
@@ -223,7 +233,7 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
         raise Abort(str(e)) from None
     best = None
     if not plan.fits(limit):
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))  # tp stays inside a node
+        per_node = gpus_per_node()  # tp stays inside a node
         best = smallest_layout(cfg, work, strategy, limit, max_tp=max(per_node, args.tp), allow=runtime_supports)
     return plan, best
 
