@@ -101,8 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", type=Path, default=None,
                     help="TOML run config whose keys are these flags' long names (tables only group them); flags "
                     "given on the command line override it; relative paths are relative to the file (examples/)")
+    from starshard.parallel.topology import read_launch_env
     from starshard.runconfig import parse_with_config
 
+    if read_launch_env().rank != 0:  # every rank parses the same flags: only rank 0 says what is wrong
+        ap.error = lambda message: sys.exit(2)
     args = parse_with_config(ap, argv)
     given = [x for x in ("prompt", "prompt_file", "context_file") if getattr(args, x) is not None]
     if len(given) > 1:

@@ -197,3 +197,11 @@ def test_bad_config_is_refused_clearly(tmp_path, text, needle):
     p = subprocess.run([sys.executable, INFER, "--config", str(cfg), "--plan-only"], capture_output=True, text=True,
                        env=_env(), timeout=60)
     assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-1500:]
+
+
+def test_bad_config_on_two_nodes_is_reported_once(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("tpp = 2\n")
+    nodes = _nodes(["--config", str(cfg)] + TINY, timeout=120)
+    assert all(rc != 0 for rc, *_ in nodes)
+    assert "".join(se for _, _, se, _ in nodes).count("unknown key 'tpp'") == 1
