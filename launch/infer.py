@@ -28,6 +28,17 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 log = logging.getLogger("starshard.infer")
 
 
+def launch_rank() -> int:
+    """This process's global rank as topology.read_launch_env reads it (torchrun, then Slurm), without
+    importing torch: flag errors stay fast."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Run a prompt through a model with starshard. With no --model, runs the embedded "
@@ -101,10 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", type=Path, default=None,
                     help="TOML run config whose keys are these flags' long names (tables only group them); flags "
                     "given on the command line override it; relative paths are relative to the file (examples/)")
-    from starshard.parallel.topology import read_launch_env
     from starshard.runconfig import parse_with_config
 
-    if read_launch_env().rank != 0:  # every rank parses the same flags: only rank 0 says what is wrong
+    if launch_rank() != 0:  # every rank parses the same flags: only rank 0 says what is wrong
         ap.error = lambda message: sys.exit(2)
     args = parse_with_config(ap, argv)
     given = [x for x in ("prompt", "prompt_file", "context_file") if getattr(args, x) is not None]

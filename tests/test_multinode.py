@@ -191,12 +191,20 @@ def test_config_values_flags_override_and_paths(tmp_path):
     ("tp = 2\n[parallel]\ntp = 4\n", "[parallel] tp is set twice"),
     ("tp = [\n", "not valid TOML"),
 ])
-def test_bad_config_is_refused_clearly(tmp_path, text, needle):
+def test_bad_config_is_refused_clearly(tmp_path, capsys, text, needle):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(text)
-    p = subprocess.run([sys.executable, INFER, "--config", str(cfg), "--plan-only"], capture_output=True, text=True,
-                       env=_env(), timeout=60)
-    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-1500:]
+    with pytest.raises(SystemExit) as e:
+        _infer_module().parse_args(["--config", str(cfg), "--plan-only"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_bad_config_from_the_command_line():
+    """The same refusal through the real entry point: exit 2, the message, no traceback."""
+    p = subprocess.run([sys.executable, INFER, "--config", str(ROOT / "no-such.toml")], capture_output=True,
+                       text=True, env=_env(), timeout=60)
+    assert p.returncode == 2 and "no-such.toml: no such file" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_bad_config_on_two_nodes_is_reported_once(tmp_path):

@@ -166,52 +166,73 @@ class LocalSlurm:
         raise AssertionError(f"job {job} did not end within {timeout} s: {state}\n{self.logs()}")
 
 
-@pytest.mark.slow
-def test_infer_sbatch_two_tasks_matches_one_process(tmp_path):
+JOB_ENV = {"STARSHARD_PYTHON": sys.executable, "STARSHARD_HOME": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+TWO_TASKS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"]
+TINY = ["--random-weights", "tiny", "--prompt-len", "64", "--max-new-tokens", "4", "--json", "--device", "cpu",
+        "--dist-timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """One cluster for the module's tests; the daemons stop when they are done."""
     why = _missing()
     if why:
         pytest.skip(why)
-    args = ["--random-weights", "tiny", "--prompt-len", "64", "--max-new-tokens", "4", "--json", "--device", "cpu",
-            "--dist-timeout", "60"]
+    with LocalSlurm(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def _script(name: str) -> str:
+    return str(ROOT / "launch" / "slurm" / name)
+
+
+@pytest.mark.slow
+def test_infer_sbatch_two_tasks_matches_one_process(slurm):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    single = subprocess.run([sys.executable, str(ROOT / "launch" / "infer.py"), *args], capture_output=True,
+    single = subprocess.run([sys.executable, str(ROOT / "launch" / "infer.py"), *TINY], capture_output=True,
                             text=True, env=env, timeout=120)
     assert single.returncode == 0, single.stderr[-2000:]
     ref = json.loads(single.stdout.strip().splitlines()[-1])
-    job_env = {"STARSHARD_PYTHON": sys.executable, "STARSHARD_HOME": str(ROOT), "OMP_NUM_THREADS": "1",
-               "PYTHONWARNINGS": "ignore"}
-    with LocalSlurm(tmp_path) as slurm:
-        rc, text, err = slurm.sbatch(str(ROOT / "launch" / "slurm" / "infer.sbatch"),
-                                     ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"],
-                                     args + ["--tp", "2"], job_env)
-        assert rc == 0, f"sbatch exit {rc}: {err}\n--- job output\n{text}\n{slurm.logs()}"
-        results = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
-        assert len(results) == 1, text  # rank 0 alone prints the result
-        assert results[0]["token_ids"] == ref["token_ids"] and len(ref["token_ids"]) == 4
-        assert "master 127.0.0.1:" in text or f"master {slurm.host}:" in text  # rendezvous on the first host
-        assert "NCCL_NVLS_ENABLE=0" in text and "timing: plan" in text
+    rc, text, state = slurm.sbatch(_script("infer.sbatch"), TWO_TASKS, TINY + ["--tp", "2"], JOB_ENV)
+    assert rc == 0, f"{state}\n--- job output\n{text}\n{slurm.logs()}"
+    results = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+    assert len(results) == 1, text  # rank 0 alone prints the result
+    assert results[0]["token_ids"] == ref["token_ids"] and len(ref["token_ids"]) == 4
+    assert "master 127.0.0.1:" in text or f"master {slurm.host}:" in text  # rendezvous on the first host
+    assert "NCCL_NVLS_ENABLE=0" in text and "timing: plan" in text
 
-        # a rank that dies ends the whole job: non-zero exit, one message from the survivor
-        rc, text, err = slurm.sbatch(str(ROOT / "launch" / "slurm" / "infer.sbatch"),
-                                     ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"],
-                                     args + ["--tp", "2"], {**job_env, "STARSHARD_FAULT_INJECT": "1:2"})
-        assert rc != 0, text
-        assert "fault injected at step 2" in text
-        assert sum(ln.startswith("error: rank ") for ln in text.splitlines()) <= 1
 
-        # bench.sbatch: the same launch logic around launch/bench.py (a 2-rank ring CP prefill)
-        out = tmp_path / "bench.json"
-        rc, text, state = slurm.sbatch(str(ROOT / "launch" / "slurm" / "bench.sbatch"),
-                                       ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10"],
-                                       ["prefill", "--cp", "2", "--cp-strategy", "ring", "--random-weights", "tiny",
-                                        "--lengths", "64", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
-                                        "--out", str(out)], job_env)
-        assert rc == 0, f"{state}\n{text}"
-        bench = json.loads(out.read_text())
-        assert (bench["cp"], bench["gpus"], [r["length"] for r in bench["results"]]) == (2, 2, [64])
+@pytest.mark.slow
+def test_infer_sbatch_killed_rank_fails_the_job(slurm):
+    """A rank that dies ends the whole job: non-zero exit, at most one message from the survivor
+    (srun --kill-on-bad-exit may end it first)."""
+    rc, text, state = slurm.sbatch(_script("infer.sbatch"), TWO_TASKS, TINY + ["--tp", "2"],
+                                   {**JOB_ENV, "STARSHARD_FAULT_INJECT": "1:2"})
+    assert rc != 0, text
+    assert "fault injected at step 2" in text
+    assert sum(ln.startswith("error: rank ") for ln in text.splitlines()) <= 1
 
-        # eval.sbatch reaches launch/eval.py on every task (its --help; a real eval needs a model)
-        rc, text, state = slurm.sbatch(str(ROOT / "launch" / "slurm" / "eval.sbatch"),
-                                       ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1", "--time=10"],
-                                       ["--help"], job_env)
-        assert rc == 0 and "usage: eval.py" in text and "launch/eval.py --help" in text, f"{state}\n{text}"
+
+@pytest.mark.slow
+def test_bench_and_eval_sbatch(slurm, tmp_path):
+    # bench.sbatch: the same launch logic around launch/bench.py (a 2-rank ring CP prefill)
+    out = tmp_path / "bench.json"
+    rc, text, state = slurm.sbatch(_script("bench.sbatch"), TWO_TASKS,
+                                   ["prefill", "--cp", "2", "--cp-strategy", "ring", "--random-weights", "tiny",
+                                    "--lengths", "64", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+                                    "--out", str(out)], JOB_ENV)
+    assert rc == 0, f"{state}\n{text}"
+    bench = json.loads(out.read_text())
+    assert (bench["cp"], bench["gpus"], [r["length"] for r in bench["results"]]) == (2, 2, [64])
+    # eval.sbatch reaches launch/eval.py (its --help; a real eval needs a model)
+    rc, text, state = slurm.sbatch(_script("eval.sbatch"), ["--nodes=1", "--ntasks-per-node=1", "--time=10"],
+                                   ["--help"], JOB_ENV)
+    assert rc == 0 and "usage: eval.py" in text and "launch/eval.py --help" in text, f"{state}\n{text}"
+
+
+def test_sbatch_scripts_refuse_to_run_outside_slurm():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for name in ("infer.sbatch", "bench.sbatch", "eval.sbatch"):
+        p = subprocess.run(["bash", _script(name), "--help"], capture_output=True, text=True, env=env, timeout=30)
+        assert p.returncode == 2 and "run this with sbatch" in p.stderr, (name, p.stderr)
