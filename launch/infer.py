@@ -9,17 +9,37 @@
     python launch/infer.py --sparse minference --sparse-config cfg.json --context-file doc.txt --question "..."
     srun --ntasks 8 --gpus-per-task 1 python launch/infer.py --tp 4 --pp 2 ...     # in a Slurm allocation
     python launch/infer.py --random-weights llama-3.1-8b --prompt-len 4096 --max-new-tokens 16 --json
+    python launch/infer.py --config examples/llama-3.1-8b.toml --plan-only        # memory plan, loads nothing
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        launch/infer.py --tp 8 --pp 2 ...                                         # two nodes: tp inside a node
+    sbatch --nodes 4 launch/slurm/infer.sbatch --config examples/4node-tp8-cp4.toml   # see docs/cluster.md
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+log = logging.getLogger("starshard.infer")
+
+
+def launch_rank() -> int:
+    """This process's global rank as topology.read_launch_env reads it (torchrun, then Slurm), without
+    importing torch: flag errors stay fast."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,15 +106,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     rt.add_argument("--prompt-len", type=int, default=None,
                     help="use this many random token ids as the prompt (needed with --random-weights: no tokenizer)")
     rt.add_argument("--dist-timeout", type=float, default=600.0,
-                    help="seconds any collective may wait before the run fails with an error")
+                    help="seconds any collective may wait before the run fails with an error: a dead or hung rank "
+                    "ends the job on every rank within about this long")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     rt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     rt.add_argument("--no-cuda-graphs", action="store_true",
                     help="run decode steps eagerly (default on one GPU: each step replays a captured CUDA graph)")
     rt.add_argument("--json", action="store_true",
-                    help="print one JSON object as the last stdout line (text, token_ids, prompt_tokens, timings)")
-    args = ap.parse_args(argv)
+                    help="print one JSON object as the last stdout line (text, token_ids, prompt_tokens, timings; "
+                    "with --plan-only the memory plan)")
+    rt.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                    help="rank 0's progress and timing messages on stderr (info: the plan summary, prefill chunks, "
+                    "decode progress, the per-phase timing summary; debug adds the full plan); other ranks print "
+                    "errors only")
+    plan = ap.add_argument_group("memory plan (computed from the model config before anything loads)")
+    plan.add_argument("--plan-only", action="store_true",
+                      help="print the per-rank memory plan (weights, KV cache, peak activations per pipeline stage) "
+                      "and exit without loading weights or starting any collective")
+    plan.add_argument("--memory-limit-gb", type=float, default=None,
+                      help="usable memory per rank in GiB; a layout whose plan exceeds it is refused with the "
+                      "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU)")
+    ap.add_argument("--config", type=Path, default=None,
+                    help="TOML run config whose keys are these flags' long names (tables only group them); flags "
+                    "given on the command line override it; relative paths are relative to the file (examples/)")
+    from starshard.runconfig import parse_with_config
+
+    if launch_rank() != 0:  # every rank parses the same flags: only rank 0 says what is wrong
+        ap.error = lambda message: sys.exit(2)
+    args = parse_with_config(ap, argv)
     given = [x for x in ("prompt", "prompt_file", "context_file") if getattr(args, x) is not None]
     if len(given) > 1:
         ap.error(f"give only one of --prompt, --prompt-file, --context-file (got {', '.join('--' + g.replace('_', '-') for g in given)})")
@@ -113,29 +153,292 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
+class Abort(Exception):
+    """A bad launch found before any collective: rank 0 reports it once, every rank exits with 2."""
 
-    from starshard import LLM
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-    kw = {}
+def setup_logging(level: str, lead: bool) -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("[starshard] %(message)s"))
+    root = logging.getLogger("starshard")
+    root.handlers[:] = [h]
+    root.propagate = False
+    root.setLevel(getattr(logging, level.upper()) if lead else logging.ERROR)  # progress from rank 0 only
+
+
+def prompt_kwargs(args) -> dict:
     if args.context_file is not None:
         if not args.context_file.is_file():
-            raise SystemExit(f"error: --context-file {args.context_file} does not exist")
-        kw = dict(context=args.context_file.read_text(), question=args.question)
-    elif args.prompt_file is not None:
+            raise Abort(f"--context-file {args.context_file} does not exist")
+        return dict(context=args.context_file.read_text(), question=args.question)
+    if args.prompt_file is not None:
         if not args.prompt_file.is_file():
-            raise SystemExit(f"error: --prompt-file {args.prompt_file} does not exist")
-        kw = dict(prompt=args.prompt_file.read_text())
+            raise Abort(f"--prompt-file {args.prompt_file} does not exist")
+        return dict(prompt=args.prompt_file.read_text())
+    return dict(prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+
+
+def model_config(args, lead: bool):
+    """(model config, checkpoint path or None) from the config alone: no weights are read."""
+    from starshard.parallel.runner import read_config, weight_source
+
+    if args.random_weights is not None:
+        from starshard.presets import preset_config
+
+        try:
+            return preset_config(args.random_weights), None
+        except ValueError as e:
+            raise Abort(str(e)) from None
+    if args.model is None:
+        from starshard.checkpoints.default import default_checkpoint
+
+        path = default_checkpoint(progress=lead and not args.json)  # converted once into the cache dir
     else:
-        kw = dict(prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+        path = Path(args.model)
+    try:
+        return read_config(weight_source(path, is_default=args.model is None)), path
+    except (FileNotFoundError, ValueError) as e:
+        raise Abort(str(e)) from None
+
+
+def prompt_lengths(args, path, kw) -> tuple[int, int]:
+    """(prompt tokens, context tokens) as generate() will see them (the tokenizer only; cheap)."""
+    if args.prompt_len is not None:
+        return args.prompt_len, args.prompt_len
+    from starshard.engine.generate import build_prompt, load_tokenizer
+
+    try:
+        p = build_prompt(load_tokenizer(path), **kw, raw=args.raw)
+    except ValueError as e:
+        raise Abort(str(e)) from None
+    return len(p.ids), p.context_len
+
+
+def check_window(cfg, n_prompt: int, max_new: int) -> None:
+    if n_prompt + max_new > cfg.max_position_embeddings:
+        w = cfg.max_position_embeddings
+        raise Abort(f"prompt of {n_prompt} tokens + {max_new} new tokens exceeds the model window of {w} tokens; "
+                    f"shorten the prompt to at most {w - max_new} tokens or lower --max-new-tokens")
+
+
+def runtime_supports(tp: int, pp: int, cp: int) -> bool:
+    """Layouts the runtime runs today (mirrors runner.plan_parallel: CP combines with tp, not with pp yet)."""
+    return cp == 1 or pp == 1
+
+
+def memory_limit(args, device: str, local_rank: int) -> int | None:
+    from starshard.planner import GiB
+
+    if args.memory_limit_gb is not None:
+        if args.memory_limit_gb <= 0:
+            raise Abort(f"--memory-limit-gb must be > 0, got {args.memory_limit_gb}")
+        return int(args.memory_limit_gb * GiB)
+    if device.startswith("cuda"):
+        import torch
+
+        idx = local_rank if local_rank < torch.cuda.device_count() else 0
+        # 10% stays free for the CUDA context, NCCL buffers and allocator fragmentation
+        return int(torch.cuda.get_device_properties(idx).total_memory * 0.9)
+    return None
+
+
+def gpus_per_node() -> int:
+    """Processes per node as the launcher says (torchrun LOCAL_WORLD_SIZE, srun SLURM_NTASKS_PER_NODE
+    such as "8" or "8(x4)"), else 8: the largest tp the smallest-layout search keeps inside a node."""
+    import re
+
+    raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "8"
+    m = re.match(r"\d+", raw)
+    return int(m.group()) if m else 8
+
+
+def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit: int | None):
+    """(plan, smallest fitting plan or None); Abort on an impossible layout."""
+    from starshard.planner import Layout, Workload, plan_memory, smallest_layout
+
+    strategy = args.cp_strategy or ("dense" if args.cp == 1 else "ring")
+    try:
+        lay = Layout(args.tp, args.pp, args.cp, strategy, tuple(args.pp_layers) if args.pp_layers else None,
+                     args.block_size, args.anchor_size, args.query_rank)
+        work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes)
+        plan = plan_memory(cfg, lay, work)
+    except ValueError as e:
+        raise Abort(str(e)) from None
+    best = None
+    if not plan.fits(limit):
+        per_node = gpus_per_node()  # tp stays inside a node
+        best = smallest_layout(cfg, work, strategy, limit, max_tp=max(per_node, args.tp), allow=runtime_supports)
+    return plan, best
+
+
+def plan_json(plan, limit, best) -> dict:
+    lay = plan.layout
+    return {"layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "strategy": lay.strategy},
+            "world_size": lay.world, "peak_bytes": plan.peak_bytes, "limit_bytes": limit, "fits": plan.fits(limit),
+            "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "weights": s.weights, "kv_cache": s.kv_cache,
+                        "activations": s.activations, "kv_tokens": s.kv_tokens, "rows": s.rows} for s in plan.stages],
+            "smallest_fitting": None if best is None else {
+                "tp": best.layout.tp, "pp": best.layout.pp, "cp": best.layout.cp, "peak_bytes": best.peak_bytes}}
+
+
+def refusal(plan, limit, best) -> str:
+    from starshard.planner import gib
+
+    s = plan.worst
+    msg = (f"layout {plan.layout.describe()} needs {gib(plan.peak_bytes)} per rank (stage {s.pp_rank}: weights "
+           f"{gib(s.weights)}, KV cache {gib(s.kv_cache)}, activations {gib(s.activations)}) but {gib(limit)} is "
+           "usable per rank (--memory-limit-gb, or 90% of the GPU): it does not fit. ")
+    if best is None:
+        return msg + ("No layout of up to 1024 ranks fits: shorten the prompt, lower --max-new-tokens or set "
+                      "--prefill-chunk")
+    b = best.layout
+    return (msg + f"The smallest layout that fits: {b.describe()} ({b.world} ranks, {gib(best.peak_bytes)} per rank): "
+            f"run with --tp {b.tp} --pp {b.pp} --cp {b.cp}" + (f" --cp-strategy {b.strategy}" if b.cp > 1 else "")
+            + f" on {b.world} processes")
+
+
+class Watchdog(threading.Thread):
+    """Ends this rank when it makes no progress (no layer forward, no decode step) for `limit_s`.
+
+    Collectives give up after --dist-timeout, so a rank waiting on a dead peer fails by itself; a rank
+    stuck outside a collective (or whose peers all left) would not, and across nodes no launcher ends
+    it. The limit is 2 x --dist-timeout + 10 s: well past any single layer's legitimate time."""
+
+    def __init__(self, limit_s: float, rank: int):
+        super().__init__(daemon=True, name="starshard-watchdog")
+        self.limit_s, self.rank = limit_s, rank
+        self.last = time.monotonic()
+        self.done = threading.Event()
+
+    def beat(self, *_) -> None:
+        self.last = time.monotonic()
+
+    def run(self) -> None:
+        while not self.done.wait(min(5.0, self.limit_s / 4)):
+            idle = time.monotonic() - self.last
+            if idle > self.limit_s:
+                sys.stderr.write(f"error: rank {self.rank}: no progress for {idle:.0f} s (over 2 x --dist-timeout + "
+                                 "10 s): this rank is stuck or its peers are gone; ending it\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+
+class RunMonitor:
+    """Rank 0's progress messages, the watchdog's heartbeat and the fault-injection test hook,
+    attached around the runner's prefill / next_token and the model's forward (one forward = one
+    prefill chunk or CP segment) and its layers."""
+
+    def __init__(self, llm, prompt_tokens: int, max_new: int, rank: int, watchdog: Watchdog | None = None):
+        from starshard.parallel.topology import FaultInjection
+
+        self.watchdog = watchdog
+        self.fault = FaultInjection.from_env()
+        self.rank, self.total, self.max_new = rank, prompt_tokens, max_new
+        self.in_prefill, self.forwards, self.rows, self.step = False, 0, 0, 0
+        self.every = max(1, max_new // 10)
+        self.t_decode = None
+        runner = llm.runner
+        prefill, next_token = runner.prefill, runner.next_token
+
+        def wrapped_prefill(*a, **k):
+            self.fire(0)
+            self.in_prefill = True
+            try:
+                return prefill(*a, **k)
+            finally:
+                self.in_prefill = False
+                log.info("prefill: done, %d forward(s), %d rows on this rank (prompt %d tokens)", self.forwards,
+                         self.rows, self.total)
+                self.t_decode = time.perf_counter()
+
+        def wrapped_next(*a, **k):
+            if self.in_prefill:  # a runner's prefill may run through its own next_token
+                return next_token(*a, **k)
+            self.step += 1
+            if self.watchdog is not None:
+                self.watchdog.beat()
+            self.fire(self.step)
+            out = next_token(*a, **k)
+            if self.step % self.every == 0:
+                dt = time.perf_counter() - self.t_decode
+                log.info("decode: %d/%d tokens, %.1f tok/s", self.step + 1, self.max_new, self.step / dt if dt else 0.0)
+            return out
+
+        runner.prefill, runner.next_token = wrapped_prefill, wrapped_next
+        llm.model.register_forward_pre_hook(self.on_forward)
+        if watchdog is not None:
+            for layer in llm.model.layers:
+                layer.register_forward_pre_hook(watchdog.beat)
+
+    def on_forward(self, module, args):
+        if self.in_prefill and args:
+            self.forwards += 1
+            n = args[0].shape[1]
+            self.rows += n
+            log.info("prefill: forward %d, %d rows (%d rows so far on this rank; prompt %d tokens)",
+                     self.forwards, n, self.rows, self.total)
+
+    def fire(self, step: int) -> None:
+        if self.fault is not None:
+            self.fault.maybe_fire(self.rank, step)
+
+
+def timing_summary(t: dict[str, float], m: dict) -> str:
+    return (f"timing: plan {t['plan']:.2f} s | setup (init + weights) {t['setup']:.2f} s | prefill "
+            f"{m['prefill_seconds']:.2f} s ({m['prompt_tokens']} tokens, "
+            f"{m['prompt_tokens'] / m['prefill_seconds'] if m['prefill_seconds'] else 0.0:.0f} tok/s) | decode "
+            f"{m['decode_seconds']:.2f} s ({m['generated_tokens']} tokens, {m['decode_tokens_per_second']:.1f} tok/s) "
+            f"| total {t['total']:.2f} s")
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    from starshard.parallel.topology import read_launch_env
+
+    launch = read_launch_env()
+    lead = launch.rank == 0  # every rank runs the model; one prints
+    setup_logging(args.log_level, lead)
+    try:
+        return run(args, launch, lead, t_start)
+    except Abort as e:  # found before any collective, identically on every rank: say it once
+        if lead:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args, launch, lead: bool, t_start: float) -> int:
+    import torch
+
+    from starshard.planner import DTYPE_BYTES
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = getattr(torch, dtype_name)
+    kw = prompt_kwargs(args)
+    # Everything below up to LLM() reads configs only: a bad input fails here, before any collective.
+    cfg, path = model_config(args, lead)
+    n_prompt, n_context = prompt_lengths(args, path, kw)
+    check_window(cfg, n_prompt, args.max_new_tokens)
+    limit = memory_limit(args, device, launch.local_rank)
+    plan, best = make_plan(args, cfg, n_prompt, n_context, DTYPE_BYTES[dtype_name], limit)
+    if args.plan_only:
+        if lead:
+            print(json.dumps(plan_json(plan, limit, best)) if args.json else plan.table(limit))
+            if best is not None:
+                print(f"note: {refusal(plan, limit, best)}", file=sys.stderr)
+        return 0
+    if not plan.fits(limit):
+        raise Abort(refusal(plan, limit, best))
+    log.info("memory plan: %s", plan.table(limit).splitlines()[-1])
+    log.debug("%s", plan.table(limit))
+    times = {"plan": time.perf_counter() - t_start}
+
+    from starshard import LLM
     from starshard.checkpoints.load import CheckpointError
     from starshard.config import ParallelConfig
     from starshard.kernels.sparse import SparseConfig
-    from starshard.parallel.topology import LayoutError
+    from starshard.parallel.topology import LayoutError, collective_failure
 
     try:
         parallel = ParallelConfig(
@@ -145,21 +448,42 @@ def main(argv=None) -> int:
         )
         sparse = SparseConfig(args.sparse, args.sparse_config) if args.sparse else None
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise Abort(str(e)) from None
+    t0 = time.perf_counter()
     try:
-        llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json,
-                  random_weights=args.random_weights, sparse=sparse)
-    except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
-        raise SystemExit(f"error: {e}") from None
-    if args.prompt_len is not None:
-        gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
-        kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
-    llm.runner.cuda_graphs = not args.no_cuda_graphs
-    lead = llm.topology.rank == 0  # every rank runs the model; one prints
-    out = llm.generate(
-        **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
-    )
+        try:
+            llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json and lead,
+                      random_weights=args.random_weights, sparse=sparse)
+        except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
+            raise Abort(str(e)) from None
+        times["setup"] = time.perf_counter() - t0
+        if args.prompt_len is not None:
+            gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
+            kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
+        llm.runner.cuda_graphs = not args.no_cuda_graphs
+        watchdog = None
+        if launch.world_size > 1:
+            watchdog = Watchdog(2 * args.dist_timeout + 10, launch.rank)
+            watchdog.start()
+        RunMonitor(llm, n_prompt, args.max_new_tokens, launch.rank, watchdog)
+        out = llm.generate(
+            **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
+        )
+        if watchdog is not None:
+            watchdog.done.set()
+    except Exception as e:
+        why = collective_failure(e, args.dist_timeout) if launch.world_size > 1 else None
+        if why is None:
+            raise
+        # A peer died or hung: one line per surviving rank, no traceback, and out at once (tearing
+        # down a broken process group can itself block).
+        sys.stderr.write(f"error: rank {launch.rank}: {why}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+    times["total"] = time.perf_counter() - t_start
+    log.info("%s", timing_summary(times, out.metrics))
     if not lead:
         return 0
     if args.json:

@@ -4,12 +4,19 @@ Groups come from megatron-core's `parallel_state.initialize_model_parallel` (Meg
 fastest-varying, then cp, dp, pp). Everything else takes its group from the `Topology` object; no
 code relies on the default group. Layout errors are raised before any collective, so a bad launch
 fails fast on every rank instead of hanging in a rendezvous.
+
+Failures: every collective (the default group and megatron-core's groups) gives up after
+`ParallelConfig.timeout_s`; NCCL's watchdog tears a process down on an error or a timeout
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=1) instead of leaving it hung. `collective_failure` turns what a
+broken collective raises into one line for the user. `FaultInjection` is the test hook that makes a
+rank die or hang on purpose (STARSHARD_FAULT_INJECT).
 """
 from __future__ import annotations
 
-import math
 import os
 import re
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -59,6 +66,69 @@ def read_launch_env(env=None) -> LaunchEnv:
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                          host, port, "slurm")
     return LaunchEnv(0, 1, 0, "127.0.0.1", "29500", "single")
+
+
+FAULT_ENV = "STARSHARD_FAULT_INJECT"
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test hook: STARSHARD_FAULT_INJECT=RANK:STEP[:MODE] makes global rank RANK die (MODE exit, the
+    default: os._exit(43), no clean-up, like a crash) or hang (MODE hang: sleeps forever) when it
+    reaches STEP: 0 is the start of the prefill, k the k-th decode step. launch/infer.py calls
+    `maybe_fire` at those points; nothing else reads the variable."""
+
+    rank: int
+    step: int
+    mode: str = "exit"
+
+    @classmethod
+    def from_env(cls, env=None) -> "FaultInjection | None":
+        raw = (os.environ if env is None else env).get(FAULT_ENV, "").strip()
+        if not raw:
+            return None
+        parts = raw.split(":")
+        try:
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("exit", "hang")):
+                raise ValueError
+            return cls(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "exit")
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}={raw!r}: expected RANK:STEP or RANK:STEP:exit|hang (a test hook; "
+                             f"unset it for normal runs)") from None
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        if (rank, step) != (self.rank, self.step):
+            return
+        sys.stderr.write(f"rank {rank}: {FAULT_ENV} fault injected at step {step}: {self.mode}\n")
+        sys.stderr.flush()
+        if self.mode == "exit":
+            os._exit(43)
+        while True:  # hang: the others must notice through their collective timeout
+            time.sleep(3600)
+
+
+_BROKEN = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl", "gloo",
+           "peer", "socket", "communicator", "watchdog")
+
+
+def collective_failure(exc: BaseException, timeout_s: float) -> str | None:
+    """One line for an exception raised by a broken collective (a peer died, hung or the network
+    dropped), or None when `exc` is something else (a bug, whose traceback should show)."""
+    text = f"{type(exc).__name__}: {exc}"
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    is_dist = isinstance(exc, getattr(dist, "DistError", ())) or (
+        isinstance(exc, RuntimeError) and any(k in text.lower() for k in _BROKEN))
+    if not is_dist:
+        return None
+    low = text.lower()
+    if any(k in low for k in ("connection reset", "connection closed", "broken pipe", "connection refused")):
+        what = "a peer rank closed its connection (it died or exited)"
+    elif "timed out" in low or "timeout" in low:
+        what = f"a collective waited longer than --dist-timeout={timeout_s:g} s (a peer rank hung or died)"
+    else:
+        what = "a collective failed (a peer rank died or the network dropped)"
+    return (f"{what}; the job is stopping on every rank. The first rank that failed says why in its own "
+            f"message or in the launcher's exit report [{first[:300]}]")
 
 
 def check_layout(parallel: ParallelConfig, world_size: int) -> int:
@@ -171,6 +241,9 @@ def init_topology(parallel: ParallelConfig, device: str | None = None, timeout_s
                               "launch at most one process per GPU on each node")
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
+        # NCCL: on an error or a timeout the watchdog ends the process instead of leaving it blocked
+        # (a user's own setting wins). gloo raises on a dead peer or a timeout by itself.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", env.master_port)
         kw = {"device_id": dev} if use_cuda else {}  # NCCL binds its communicators to this GPU up front
@@ -194,7 +267,7 @@ def init_topology(parallel: ParallelConfig, device: str | None = None, timeout_s
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
             context_parallel_size=parallel.cp,
-            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+            distributed_timeout_minutes=timeout_s / 60,  # a timedelta inside: short test timeouts hold
             order="tp-cp-ep-dp-pp",
             create_gloo_process_groups=False,  # inference needs no gloo side groups next to NCCL
         )

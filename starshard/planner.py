@@ -1,0 +1,279 @@
+"""Per-rank memory plan of one layout, from the model config alone (nothing is loaded).
+
+    plan = plan_memory(cfg, Layout(tp=8, cp=4, strategy="ring"), Workload(prompt_tokens=131072, max_new_tokens=64))
+    print(plan.table()); plan.fits(limit_bytes)
+    smallest_layout(cfg, workload, "ring", limit_bytes)   # the fewest ranks that fit
+
+Counted per rank (the worst pipeline stage and the worst CP rank):
+  weights      this (tp, pp) rank's slices: heads, KV heads (replicated when tp > KV heads), MLP
+               columns; the vocabulary padded to a multiple of tp, the embedding on the first stage, the
+               final norm + LM head on the last (a tied head shares the embedding when both are here).
+  kv_cache     K and V of the rank's layers for the tokens it keeps, plus one int64 position per token
+               and layer (the cache stores positions). dense: prompt + decode budget; ring / usp
+               (zigzag shards) and ulysses: the rank's sequence shard; star / apb: the rank's context
+               blocks. The query rank also keeps the query and every generated token.
+  activations  the peak of one layer's forward (engine/model.py) for the rows run at once (a prefill
+               chunk, a CP shard, or star's anchor + block), counting the tensors alive together:
+               attention part: the layer input, normed input, qkv, rotated q and k, attention output,
+               its [rows, heads*d] copy and the o-proj output, plus the residual (4h + (hq+2hkv)d +
+               (3hq+hkv)d per row); MLP part: input, residual, normed, gate/up, silu(gate)*up and either
+               silu(gate) or the down-proj output (max(3h + 4f, 4h + 3f) per row); the larger of the
+               two. Plus the strategy's in-flight KV (ring send/recv blocks, ulysses all-to-all, apb
+               passing blocks) and the last token's logits in float32 on the last stage. Attention
+               itself is assumed fused (flash): no [rows x keys] score matrix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from starshard.config import ModelConfig
+
+GiB = 1 << 30
+STRATEGIES = ("dense", "ring", "ulysses", "usp", "star", "apb")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+POS_BYTES = 8  # int64 position stored next to each cached token, per layer
+LOGIT_BYTES = 4  # the last token's logits are sampled in float32
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    strategy: str = "dense"
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; None = even split, earlier stages the remainder
+    block_size: int | None = None  # star: context tokens per block (default ceil(context / cp))
+    anchor_size: int | None = None  # star / apb: anchor tokens (star default: the block; apb: paper defaults)
+    query_rank: int | None = None  # CP rank that keeps the query and generated tokens (default: the last)
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; one of {', '.join(STRATEGIES)}")
+        if self.cp > 1 and self.strategy == "dense":
+            raise ValueError(f"cp={self.cp} needs a context strategy (ring, ulysses, usp, star or apb), not dense")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        s = f"tp={self.tp} pp={self.pp} cp={self.cp}"
+        return s + (f" ({self.strategy})" if self.cp > 1 else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_tokens: int
+    context_tokens: int | None = None  # the context part of the prompt; None = all but the last token
+    max_new_tokens: int = 0  # decode budget: KV for these is preallocated
+    prefill_chunk: int | None = None  # rows per prefill forward (None: the whole prompt; pp > 1 picks chunks)
+    dtype_bytes: int = 2
+    batch: int = 1
+
+    def __post_init__(self):
+        if self.prompt_tokens < 1:
+            raise ValueError(f"the prompt must have >= 1 token, got {self.prompt_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+    @property
+    def context(self) -> int:
+        """Context length as the approximate strategies see it: at least one query token follows it."""
+        c = self.prompt_tokens if self.context_tokens is None else self.context_tokens
+        return max(0, min(c, self.prompt_tokens - 1))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on the worst rank of one pipeline stage."""
+
+    pp_rank: int
+    layers: int
+    weights: int
+    kv_cache: int
+    activations: int
+    kv_tokens: int  # tokens whose KV the worst CP rank keeps
+    rows: int  # rows in that rank's largest prefill forward
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+
+@dataclass
+class MemoryPlan:
+    layout: Layout
+    workload: Workload
+    stages: list[StageMemory] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst.total
+
+    def fits(self, limit_bytes: int | None) -> bool:
+        return limit_bytes is None or self.peak_bytes <= limit_bytes
+
+    def table(self, limit_bytes: int | None = None) -> str:
+        w = self.workload
+        lines = [f"memory plan: {self.layout.describe()}, {self.layout.world} ranks; prompt {w.prompt_tokens} tokens "
+                 f"+ {w.max_new_tokens} new, {w.dtype_bytes}-byte weights/KV, batch {w.batch}",
+                 f"{'stage':>5} {'layers':>6} {'weights':>10} {'kv cache':>10} {'activations':>11} {'total':>10}"
+                 f" {'kv tokens':>10} {'rows':>7}"]
+        for s in self.stages:
+            lines.append(f"{s.pp_rank:>5} {s.layers:>6} {gib(s.weights):>10} {gib(s.kv_cache):>10} "
+                         f"{gib(s.activations):>11} {gib(s.total):>10} {s.kv_tokens:>10} {s.rows:>7}")
+        tail = f"peak per rank: {gib(self.peak_bytes)} (stage {self.worst.pp_rank})"
+        if limit_bytes is not None:
+            tail += f"; limit {gib(limit_bytes)}: " + ("fits" if self.fits(limit_bytes) else "DOES NOT FIT")
+        lines.append(tail)
+        return "\n".join(lines)
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.3f} GiB"
+
+
+# ---------------------------------------------------------------------------- pieces
+def split_layers(num_layers: int, pp: int, pp_layers=None) -> list[int]:
+    """Layers per stage: as given, or even with the remainder on the earlier stages (as the runtime)."""
+    if pp_layers is not None:
+        if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            raise ValueError(f"pp_layers {list(pp_layers)} must give {pp} stages of >= 1 layer summing to {num_layers}")
+        return list(pp_layers)
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp)
+    return [base + (i < extra) for i in range(pp)]
+
+
+def _heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, MLP columns, vocab rows) on one tensor-parallel rank."""
+    return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.intermediate_size // tp, -(-cfg.vocab_size // tp)
+
+
+def weight_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv, ffn, vrows = _heads(cfg, tp)
+    qkv = (hq + 2 * hkv) * d
+    per_layer = 2 * h + qkv * h + (qkv if cfg.qkv_bias else 0) + h * hq * d + 2 * ffn * h + h * ffn
+    n = layers * per_layer
+    if first:
+        n += vrows * h
+    if last:
+        n += h + (0 if cfg.tie_word_embeddings and first else vrows * h)
+    return n
+
+
+def _star_blocks(context: int, block: int, cp: int) -> list[list[tuple[int, int]]]:
+    """Context blocks [start, end) per CP rank: contiguous runs of blocks (as star.star_blocks)."""
+    n = math.ceil(context / block)
+    per: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    for i in range(n):
+        per[i * cp // n].append((i * block, min(context, (i + 1) * block)))
+    return per
+
+
+def _apb_sizes(block: int) -> tuple[int, int]:
+    """(anchor, passing) defaults of apb.apb_default_sizes (paper Table 5, capped at 8K)."""
+    return min(8192, max(block // 4, min(block, 64))), min(8192, max(block // 8, min(block, 32)))
+
+
+def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int, int, int]:
+    """(KV tokens kept, rows of the largest prefill forward, transient KV tokens in flight) on the worst CP rank."""
+    L, N, cp = w.prompt_tokens, w.max_new_tokens, lay.cp
+    q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
+    if lay.strategy == "dense":
+        chunk = w.prefill_chunk
+        if chunk is None and lay.pp > 1:  # ParallelRunner.default_chunk: ~4 chunks per stage, >= 512 tokens
+            chunk = max(512, -(-L // (4 * lay.pp)))
+        return L + N, min(L, chunk or L), 0
+    if lay.strategy in ("ring", "usp"):  # zigzag: two chunks of ceil(L / 2cp) per rank
+        rows = 2 * math.ceil(L / (2 * cp))
+        # ring keeps a send and a receive KV block of one layer in flight
+        return rows + N, rows, 2 * rows
+    if lay.strategy == "ulysses":
+        rows = math.ceil(L / cp)
+        return rows + N, rows, 0  # the all-to-all buffers are counted as activations (full-sequence qkv / cp)
+    C, Q = w.context, L - w.context
+    if lay.strategy == "star":
+        block = lay.block_size or max(1, math.ceil(C / cp))
+        anchor = lay.anchor_size or block
+        blocks = _star_blocks(max(C, 1), block, cp)
+        kept = [sum(e - s for s, e in blocks[r]) + (Q + N if r == q_rank else 0) for r in range(cp)]
+        # one forward per block, behind the anchor (the first block has none); then the query phase
+        rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
+        return max(kept), rows, 0
+    # apb: even split; block rows behind an anchor (+ the embedded query); passing blocks gathered per layer
+    per = [C * (r + 1) // cp - C * r // cp for r in range(cp)]
+    block = max(per)
+    anchor, passing = _apb_sizes(block)
+    if lay.anchor_size is not None:
+        anchor = lay.anchor_size
+    kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)]
+    return max(kept), block + anchor + Q, cp * min(passing, block)
+
+
+def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layers: int) -> StageMemory:
+    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    b, B = w.dtype_bytes, w.batch
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv, ffn, vrows = _heads(cfg, lay.tp)
+    weights = weight_elements(cfg, lay.tp, layers, first, last) * b
+    kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
+    kv = layers * kv_tok * (B * 2 * hkv * d * b + POS_BYTES)
+    attn_part = 4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d
+    mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
+    act = B * rows * b * max(attn_part, mlp_part)
+    if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
+        act += B * rows * b * ((hq + 2 * hkv) * d + hq * d)
+    act += B * flight * 2 * hkv * d * b
+    if last:
+        act += B * vrows * LOGIT_BYTES
+    return StageMemory(pp_rank, layers, weights, kv, act, kv_tok, rows)
+
+
+def plan_memory(cfg: ModelConfig, layout: Layout, workload: Workload) -> MemoryPlan:
+    from starshard.checkpoints.hf import check_tp
+
+    check_tp(cfg, layout.tp)
+    counts = split_layers(cfg.num_layers, layout.pp, layout.pp_layers)
+    plan = MemoryPlan(layout, workload)
+    plan.stages = [stage_memory(cfg, layout, workload, i, n) for i, n in enumerate(counts)]
+    return plan
+
+
+def smallest_layout(cfg: ModelConfig, workload: Workload, strategy: str, limit_bytes: int, *,
+                    max_world: int = 1024, max_tp: int = 64,
+                    allow: Callable[[int, int, int], bool] = lambda tp, pp, cp: True) -> MemoryPlan | None:
+    """The fitting layout with the fewest ranks (ties: the lowest peak), keeping `strategy` (dense searches
+    tp x pp only; a CP strategy also cp); `allow(tp, pp, cp)` filters out layouts the runtime refuses."""
+    from starshard.checkpoints.hf import valid_tp_sizes
+
+    tps = valid_tp_sizes(cfg, max_tp)
+    for world in range(1, max_world + 1):
+        best = None
+        for tp in (t for t in tps if world % t == 0):
+            for pp in range(1, min(cfg.num_layers, world // tp) + 1):
+                if (world // tp) % pp:
+                    continue
+                cp = world // (tp * pp)
+                if (cp > 1 and strategy == "dense") or not allow(tp, pp, cp):
+                    continue
+                lay = Layout(tp, pp, cp, strategy if cp > 1 else "dense")
+                plan = plan_memory(cfg, lay, workload)
+                if plan.fits(limit_bytes) and (best is None or plan.peak_bytes < best.peak_bytes):
+                    best = plan
+        if best is not None:
+            return best
+    return None

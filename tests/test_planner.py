@@ -1,0 +1,188 @@
+"""Memory planner against hand-computed byte counts (tiny preset, Llama-3.1-8B/70B) and published
+parameter counts; the smallest-layout search; the CLI's --plan-only and refusal."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from starshard.planner import GiB, Layout, Workload, plan_memory, smallest_layout, weight_elements
+from starshard.presets import preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_weight_counts_match_published_parameter_counts():
+    # Llama 3.1 8B / 70B and SmolLM2-135M (tied head) as published: the whole model on one rank.
+    assert weight_elements(preset_config("llama-3.1-8b"), 1, 32, True, True) == 8_030_261_248
+    assert weight_elements(preset_config("llama-3.1-70b"), 1, 80, True, True) == 70_553_706_496
+    assert weight_elements(preset_config("smollm2-135m"), 1, 30, True, True) == 134_515_008
+    # Tied head on a last stage without the embedding: the stage keeps its own copy.
+    smol = preset_config("smollm2-135m")
+    assert weight_elements(smol, 1, 15, False, True) - weight_elements(smol, 1, 15, False, False) == 576 + 49152 * 576
+
+
+def test_tiny_dense_by_hand():
+    # tiny: vocab 512, hidden 64, MLP 128, 2 layers, 4 heads, 2 KV heads, head_dim 16; float32.
+    cfg = preset_config("tiny")
+    plan = plan_memory(cfg, Layout(), Workload(64, max_new_tokens=4, dtype_bytes=4))
+    (s,) = plan.stages
+    # per layer: norms 2*64 + wqkv (4+2*2)*16*64 + wo 64*64 + w13 2*128*64 + w2 64*128 = 36992
+    assert s.weights == (2 * 36992 + 512 * 64 + 64 + 512 * 64) * 4 == 558336
+    # 68 tokens x 2 layers x (K+V: 2*2 heads*16*4 bytes + int64 position)
+    assert s.kv_cache == 2 * 68 * 264 == 35904
+    # 64 rows x 4 bytes x max(attn 4*64 + 8*16 + 14*16 = 608, mlp max(3*64 + 4*128, 4*64 + 3*128) = 704)
+    # + logits 512 x 4
+    assert s.activations == 64 * 4 * 704 + 2048 == 182272
+    assert plan.peak_bytes == 558336 + 35904 + 182272
+
+
+def test_tiny_tp2_pp2_by_hand():
+    cfg = preset_config("tiny")
+    plan = plan_memory(cfg, Layout(tp=2, pp=2), Workload(64, max_new_tokens=4, dtype_bytes=4, prefill_chunk=16))
+    s0, s1 = plan.stages
+    # per layer per tp rank: 128 + (2+2*1)*16*64 + 64*32 + 2*64*64 + 64*64 = 18560; vocab rows 256
+    assert (s0.weights, s1.weights) == ((18560 + 256 * 64) * 4, (18560 + 64 + 256 * 64) * 4) == (139776, 140032)
+    assert s0.kv_cache == s1.kv_cache == 68 * (2 * 1 * 16 * 4 + 8) == 9248
+    # 16-row chunks: attn 256 + 4*16 + 7*16 = 432, mlp max(192 + 256, 256 + 192) = 448; logits on the last stage
+    assert s0.activations == 16 * 4 * 448 == 28672
+    assert s1.activations == 28672 + 256 * 4
+
+
+def test_vocab_padding_to_tp_multiple():
+    cfg = dataclasses.replace(preset_config("tiny"), vocab_size=510)
+    a = plan_memory(cfg, Layout(tp=4), Workload(8, dtype_bytes=4)).stages[0]
+    b = plan_memory(dataclasses.replace(cfg, vocab_size=512), Layout(tp=4), Workload(8, dtype_bytes=4)).stages[0]
+    assert a.weights == b.weights  # 510 pads to 512: 128 rows per rank for embedding and head
+    assert a.activations == b.activations
+
+
+def test_llama8b_tp8_128k_by_hand():
+    cfg = preset_config("llama-3.1-8b")
+    plan = plan_memory(cfg, Layout(tp=8), Workload(131072, max_new_tokens=64, dtype_bytes=2))
+    (s,) = plan.stages
+    # per layer per rank: 2*4096 + (4+2)*128*4096 + 4096*512 + 2*1792*4096 + 4096*1792 = 27271168; vocab 16032 rows
+    assert s.weights == (32 * 27271168 + 2 * 16032 * 4096 + 4096) * 2 == 2_008_031_232
+    # one KV head per rank: 131136 tokens x 32 layers x (2*128*2 + 8)
+    assert s.kv_cache == 131136 * 32 * 520
+    # the textbook figure: 128K tokens of Llama-3-8B KV in bf16 = 16 GiB on one rank (positions aside)
+    one = plan_memory(cfg, Layout(), Workload(131072, dtype_bytes=2)).stages[0]
+    assert one.kv_cache - 131072 * 32 * 8 == 16 * GiB
+    # rows 131072 x 2 bytes x max(attn 4*4096 + 6*128 + 13*128 = 18816, mlp max(3*4096 + 4*1792,
+    # 4*4096 + 3*1792) = 21760) + float32 logits of the last token
+    assert s.activations == 131072 * 2 * 21760 + 16032 * 4
+
+
+def test_cp_strategies_by_hand():
+    cfg = preset_config("tiny")
+    w = Workload(64, max_new_tokens=4, dtype_bytes=4)
+    ring = plan_memory(cfg, Layout(cp=2, strategy="ring"), w).stages[0]
+    assert (ring.kv_tokens, ring.rows) == (32 + 4, 32)  # zigzag shard of 2*ceil(64/4) rows
+    assert ring.activations == 32 * 4 * 704 + 2 * 32 * 2 * 2 * 16 * 4 + 2048  # + send/recv KV blocks
+    uly = plan_memory(cfg, Layout(cp=4, strategy="ulysses"), Workload(63, max_new_tokens=4, dtype_bytes=4)).stages[0]
+    assert (uly.kv_tokens, uly.rows) == (16 + 4, 16)
+    # star: context 63 (+1 query token), blocks of 32 -> rank 0 [0,32), rank 1 [32,63) behind a 32-token anchor
+    star = plan_memory(cfg, Layout(cp=2, strategy="star"), w).stages[0]
+    assert (star.kv_tokens, star.rows) == (31 + 1 + 4, 31 + 32)
+    # apb: context 63 -> blocks 31, 32; defaults anchor min(b,64)=32, passing min(b,32)=32
+    apb = plan_memory(cfg, Layout(cp=2, strategy="apb"), w).stages[0]
+    assert (apb.kv_tokens, apb.rows) == (32 + 1 + 4, 32 + 32 + 1)
+    # KV per rank falls with cp for every sharding strategy
+    for strat in ("ring", "ulysses", "usp", "star", "apb"):
+        kv = [plan_memory(cfg, Layout(cp=c, strategy=strat), Workload(4096, dtype_bytes=4)).stages[0].kv_cache
+              for c in (2, 4)]
+        assert kv[1] < kv[0], strat
+
+
+def test_smallest_layout():
+    cfg = preset_config("llama-3.1-8b")
+    w = Workload(8192, max_new_tokens=128, dtype_bytes=2)
+    one = plan_memory(cfg, Layout(), w)
+    assert smallest_layout(cfg, w, "dense", one.peak_bytes).layout == Layout()
+    best = smallest_layout(cfg, w, "dense", one.peak_bytes - 1)
+    assert best.layout.world == 2 and best.peak_bytes <= one.peak_bytes - 1
+    # 70B with a 1M-token context on 80 GB GPUs: tp 8 alone does not fit; the search adds ring CP ranks
+    big = preset_config("llama-3.1-70b")
+    w = Workload(1 << 20, max_new_tokens=64, dtype_bytes=2)
+    limit = 72 * GiB
+    assert not plan_memory(big, Layout(tp=8), w).fits(limit)
+    found = smallest_layout(big, w, "ring", limit, allow=lambda tp, pp, cp: tp <= 8)
+    assert found is not None and found.fits(limit) and found.layout.tp <= 8
+    # nothing with fewer ranks fits (checked by brute force over every factorisation)
+    for tp in (1, 2, 4, 8):
+        for pp in range(1, 81):
+            for cp in range(1, 65):
+                if tp * pp * cp < found.layout.world:
+                    lay = Layout(tp, pp, cp, "ring" if cp > 1 else "dense")
+                    assert not plan_memory(big, lay, w).fits(limit), lay
+
+
+def test_bad_layout_in_planner():
+    with pytest.raises(ValueError, match="valid tp sizes"):
+        plan_memory(preset_config("tiny"), Layout(tp=3), Workload(8))
+    with pytest.raises(ValueError, match="needs a context strategy"):
+        Layout(cp=2)
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        plan_memory(preset_config("tiny"), Layout(pp=3), Workload(8))
+
+
+def _infer(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "infer.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_cli_plan_only_and_refusal():
+    p = _infer(["--random-weights", "llama-3.1-8b", "--prompt-len", "131072", "--max-new-tokens", "64", "--tp", "8",
+                "--dtype", "bfloat16", "--plan-only", "--json"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    plan = json.loads(p.stdout.strip().splitlines()[-1])
+    assert plan["peak_bytes"] == 2_008_031_232 + 131136 * 32 * 520 + 131072 * 2 * 21760 + 16032 * 4
+    assert plan["layout"] == {"tp": 8, "pp": 1, "cp": 1, "strategy": "dense"}
+    # a layout that cannot fit is refused before anything loads, naming the smallest one that does
+    p = _infer(["--random-weights", "llama-3.1-8b", "--prompt-len", "8192", "--max-new-tokens", "16", "--dtype",
+                "bfloat16", "--memory-limit-gb", "12"])
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "does not fit" in p.stderr and "smallest layout that fits: tp=1 pp=2 cp=1" in p.stderr
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "llama-3.1-8b", "llama-3.1-70b"])
+def test_weights_match_the_shards_the_runtime_builds(preset):
+    """Planner weight bytes == the tensor shapes runner.build_rank_model would load on every (tp, pp) rank
+    (plan_shard's specs, read without building anything)."""
+    import math
+
+    from starshard.checkpoints.hf import TPLayout, plan_shard, valid_tp_sizes
+    from starshard.parallel.pipeline import partition_layers
+    from starshard.parallel.runner import RandomSource
+
+    cfg = preset_config(preset)
+    src = RandomSource(cfg, 0, None, "cpu")  # only has() is used: which tensors exist
+    for tp in valid_tp_sizes(cfg, 8):
+        for pp in (1, 2, 3)[: cfg.num_layers]:
+            stages = partition_layers(cfg.num_layers, pp, None)
+            plan = plan_memory(cfg, Layout(tp=tp, pp=pp), Workload(16, dtype_bytes=2))
+            for p, layers in enumerate(stages):
+                specs = plan_shard(cfg, src, TPLayout(cfg, tp, tp - 1), layers, p == 0, p == pp - 1)
+                assert plan.stages[p].weights == 2 * sum(math.prod(s.shape) for s in specs), (tp, pp, p)
+
+
+def test_kv_cache_matches_the_runtime_allocation():
+    """Dense KV bytes == what LocalRunner.new_cache allocates for prompt + decode budget."""
+    import torch
+
+    from starshard.config import ParallelConfig
+    from starshard.engine.generate import LocalRunner
+    from starshard.parallel.runner import build_rank_model, plan_parallel, weight_source
+
+    cfg = preset_config("tiny")
+    src = weight_source(None, random_seed=0)
+    model = build_rank_model(cfg, src, plan_parallel(cfg, ParallelConfig(), src), 0, 0, None, torch.float32, "cpu")
+    cache = LocalRunner(model).new_cache(64 + 4)
+    real = sum(t.numel() * t.element_size() for kv in cache.layers.values() for t in (kv.k, kv.v, kv.pos))
+    assert real == plan_memory(cfg, Layout(), Workload(64, max_new_tokens=4, dtype_bytes=4)).stages[0].kv_cache
+    weights = plan_memory(cfg, Layout(), Workload(64, dtype_bytes=4)).stages[0].weights
+    assert sum(p.numel() * 4 for p in model.parameters()) == weights
