@@ -551,3 +551,21 @@ def test_study_mode_with_one_host_is_dense(model):
     with torch.no_grad():
         ref = model(ids[None])[0, -1]
     assert rel(got, ref) <= 1e-5
+
+
+def test_compressors_score_a_head_slice_as_the_full_model_does():
+    """Under tensor parallelism a rank scores only its KV heads (and their GQA groups): the query and
+    random compressors give that slice exactly the full model's scores, so the selection does not
+    depend on the tp split."""
+    torch.manual_seed(1)
+    B, Hq, Hkv, n, D = 1, 6, 3, 23, 8
+    q, k, v, query = torch.randn(B, Hq, n, D), torch.randn(B, Hkv, n, D), torch.randn(B, Hkv, n, D), torch.randn(B, Hq, 4, D)
+    pos = torch.arange(30, 30 + n)
+    for comp in (QueryCompressor(), RandomCompressor(seed=2)):
+        for with_query in (query, None):
+            full = comp.score(ScoreInput(1, q, k, v, pos, with_query, 2))
+            for h in range(Hkv):  # tp = 3: one KV head and its group of 2 q heads per rank
+                part = comp.score(ScoreInput(1, q[:, 2 * h : 2 * h + 2], k[:, h : h + 1], v[:, h : h + 1], pos,
+                                             None if with_query is None else with_query[:, 2 * h : 2 * h + 2], 2,
+                                             kv_head_offset=h))
+                assert torch.allclose(part, full[:, h : h + 1], atol=1e-6)

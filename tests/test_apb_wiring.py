@@ -180,3 +180,64 @@ def test_eval_smoke_apb_study_mode(tmp_path, smol_tok):
                      "--no-progress", "--cp-strategy", "apb", "--apb-hosts", "4", "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["summary"]["samples"] == 1 and s["engine"]["apb_hosts"] == 4 and s["strategy"] == "apb"
+
+
+STEPS = 4
+
+
+def apb_logits_and_tokens(llm, ids):
+    """(full-vocab query-phase logits of the last token, greedy tokens) through LLM's runner."""
+    runner = llm.runner
+    cache = runner.new_cache(len(ids) + 1)
+    with torch.inference_mode():
+        logits, _ = runner.prefill_logits(ids, len(ids) - 1, cache)  # as prefill(): the last token is the query
+    sampler = getattr(runner.sample, "vocab", None)
+    if sampler is not None:  # tensor parallel: this rank holds a vocab shard
+        from starshard.parallel.tensor import gather_logits
+
+        logits = gather_logits(logits, sampler)
+    return logits[0, -1], llm.generate(ids.tolist(), max_new_tokens=STEPS).token_ids
+
+
+def tp_layouts_rank(rank, world, path, ids, layouts):
+    from starshard import LLM
+
+    out = []
+    for lay in layouts:
+        llm = LLM(path, parallel=ParallelConfig(**lay), progress=False)
+        logits, tokens = apb_logits_and_tokens(llm, ids)
+        out.append({"logits": logits, "tokens": tokens, "coords": llm.topology.coords,
+                    "hosts": llm.runner.strategy.hosts})
+    return out
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: four spawned ranks build three tensor-parallel LLMs
+def test_apb_composes_with_tp(tmp_path):
+    """tp=2 x cp=2 and tp=2 with 2 virtual hosts (cp=1, dp=2) on 4 gloo ranks equal one process in
+    study mode: one KV head (and its GQA group) per TP rank, random selection (tp-independent by
+    construction), and the query compressor with whole blocks passed."""
+    from mp_harness import run_ranks
+    from starshard import LLM
+
+    _, path = make_hf_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                            eos_token_id=None)
+    ids = torch.randint(0, 211, (61,), generator=torch.Generator().manual_seed(5))
+    rnd = dict(cp_strategy="apb", anchor_size=6, passing_size=5, compressor="random")
+    whole = dict(cp_strategy="apb", anchor_size=6, passing_size=40)
+    layouts = [dict(tp=2, cp=2, **rnd), dict(tp=2, apb_hosts=2, **rnd), dict(tp=2, cp=2, **whole)]
+    refs = [apb_logits_and_tokens(LLM(path, parallel=ParallelConfig(apb_hosts=2, **o), progress=False), ids)
+            for o in (rnd, rnd, whole)]
+    with torch.inference_mode():
+        dense = LLM(path, progress=False).model(ids[None])[0, -1]
+    assert rel(refs[0][0], dense) > 1e-3  # the selection matters: the comparison below can fail
+    results = run_ranks(tp_layouts_rank, 4, path, ids, layouts)
+    for i, (ref_logits, ref_tokens) in enumerate(refs):
+        for res in results:
+            r = res[i]
+            assert r["hosts"] == 2
+            assert rel(r["logits"], ref_logits) <= 1e-4, (layouts[i], rel(r["logits"], ref_logits))
+            assert r["tokens"] == ref_tokens, layouts[i]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()

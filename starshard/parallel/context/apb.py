@@ -100,7 +100,8 @@ class ScoreInput:
     q: [B, Hq, n, D] the block's queries (after RoPE); k, v: [B, Hkv, n, D] its keys (after RoPE) and values;
     pos: [n] their global positions; query: [B, Hq, Lq, D] the embedded query's queries (rotated to the
     query's true positions when the RoPE is bound), None when the query is not embedded.
-    inv_freq: the model's RoPE inverse frequencies when bound (see `rotate`).
+    inv_freq: the model's RoPE inverse frequencies when bound (see `rotate`). kv_head_offset: global
+    index of the first KV head here (tensor parallelism hands each rank a contiguous slice of heads).
     """
 
     layer: int
@@ -111,6 +112,7 @@ class ScoreInput:
     query: torch.Tensor | None
     rank: int
     inv_freq: torch.Tensor | None = None
+    kv_head_offset: int = 0
 
     def rotate(self, x: torch.Tensor, delta) -> torch.Tensor:
         """x [B, H, R, D] rotated by RoPE over `delta` positions (int or [R]); float32."""
@@ -185,7 +187,8 @@ class QueryCompressor(Compressor):
 
 
 class RandomCompressor(Compressor):
-    """Uniform random scores, reproducible per (seed, layer, rank): the ablation baseline."""
+    """Uniform random scores, reproducible per (seed, layer, host, global KV head): the ablation
+    baseline; the same selection whatever the tensor-parallel split."""
 
     name = "random"
 
@@ -195,8 +198,11 @@ class RandomCompressor(Compressor):
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, Hkv, n, _ = inp.k.shape
         gen = torch.Generator(device=inp.k.device)
-        gen.manual_seed((self.seed * 1_000_003 + inp.layer * 7919 + inp.rank) % (2**63))
-        return torch.rand(B, Hkv, n, generator=gen, device=inp.k.device)
+        out = []
+        for h in range(inp.kv_head_offset, inp.kv_head_offset + Hkv):
+            gen.manual_seed((self.seed * 1_000_003 + inp.layer * 7919 + inp.rank * 104_729 + h) % (2**63))
+            out.append(torch.rand(B, n, generator=gen, device=inp.k.device))
+        return torch.stack(out, dim=1)
 
 
 class RetainingHeads(Compressor):
@@ -377,6 +383,7 @@ class APBAttention(ContextStrategy):
         self._prompt_head = 0
         self.embed_query = embed_query
         self.compressor = make_compressor(compressor, path=compressor_path, seed=seed, tp_group=tp_group)
+        self.tp_group = tp_group
         self.inv_freq: torch.Tensor | None = None
         self.layer_ids: list[int] | None = None
         self.trace: list | None = None  # set to [] to record what each layer selected and sent
@@ -472,7 +479,9 @@ class APBAttention(ContextStrategy):
             query = q[:, :, r0:r1]
             if self.inv_freq is not None and seg.query_shift:
                 query = _rotate(query, seg.query_shift, self.inv_freq)
-        scores = self.compressor.score(ScoreInput(layer, q[:, :, F_:], kL, vL, pL, query, seg.host, self.inv_freq))
+        offset = 0 if self.tp_group is None else dist.get_rank(self.tp_group) * Hkv  # this rank's first KV head
+        scores = self.compressor.score(ScoreInput(layer, q[:, :, F_:], kL, vL, pL, query, seg.host, self.inv_freq,
+                                                  offset))
         idx = scores.topk(m, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, m]
         gather = idx[..., None].expand(B, Hkv, m, D)
         return kL.gather(2, gather), vL.gather(2, gather), pL[idx]
