@@ -20,7 +20,8 @@ Row layout and positions (the RoPE positions the model runs with):
     rank 0:       [query, score-only] [block]                   (only when the compressor reads the query)
                    p .. p+Lq-1                                   0 .. e_0-1
 
-`head` = the first `prefix_len` context tokens (the chat template's system/user header, default none),
+`head` = the first `prefix_len` context tokens (the chat template's system/user header; by default the
+prompt's own, Prompt.head_len, which the runner hands over via `use_prompt_head`; 0 for raw prompts),
 `query` = the prompt's query tokens, `anchor context` = the rest of the first `a` context tokens. The
 anchor takes the *starting* positions 0, 1, ... consecutively, in row order, so the embedded query sits
 right after the head (as the paper and its code do) and the anchor context behind it is shifted by
