@@ -95,7 +95,8 @@ def add_apb_arguments(group) -> None:
                        "chat template's head when the template is applied, else 0)")
     group.add_argument("--apb-hosts", type=int, default=None, metavar="N",
                        help="apb with --cp 1: split the context into N blocks run one after another on this device, "
-                       "each handing its passing KV to the later ones; reproduces --cp N exactly (study mode)")
+                       "each handing its passing KV to the later ones; reproduces --cp N exactly (study mode). Without it, "
+                       "APB on one rank has nothing to pass and is exact causal attention")
 
 
 def apb_cli_error(args, cp_strategy: str | None, cp: int | None) -> str | None:
