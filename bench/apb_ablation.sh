@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # APB accuracy vs Star vs dense, with the APB paper's ablations, on ONE device: APB runs in study mode
-# (--cp-strategy apb --apb-hosts HOSTS), which reproduces cp = HOSTS exactly; Star runs with cp = 1 and
-# --block-size ceil(length / HOSTS), i.e. about HOSTS blocks one after another.
+# (--cp-strategy apb --apb-hosts HOSTS) and Star with --num-blocks HOSTS, each reproducing cp = HOSTS
+# exactly, the hosts' blocks run one after another.
 #
 #   DEVICE=cuda LENGTHS=2048,4096,8192 HOSTS=4 SAMPLES=4 bash bench/apb_ablation.sh
 #   DEVICE=cpu LENGTHS=1024 HOSTS=4 SAMPLES=1 TASKS=passkey bash bench/apb_ablation.sh   # CPU smoke
@@ -19,9 +19,9 @@
 #   EXTRA    further eval.py flags for every run (e.g. "--format completion --max-new-tokens 32")
 #
 # One run directory per configuration under OUT (dense, star, apb, apb_no_anchor, apb_no_passing,
-# apb_random, apb_no_embed), skipped when its summary.json already exists (rerun to resume); Star's
-# per-length runs (star_L<len>) are merged into OUT/star. Then `launch/eval.py --compare` writes
-# OUT/compare.md: accuracy per task and length, and the ratio of each configuration to dense.
+# apb_random, apb_no_embed), skipped when its summary.json already exists (rerun to resume). Then
+# `launch/eval.py --compare` writes OUT/compare.md: accuracy per task and length, and the ratio of each
+# configuration to dense.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -55,41 +55,12 @@ run() {  # run NAME [eval.py flags...]
 
 apb=(--cp-strategy apb --apb-hosts "$HOSTS")
 run dense
+run star --cp-strategy star --num-blocks "$HOSTS"
 run apb "${apb[@]}"
 run apb_no_anchor "${apb[@]}" --anchor-size 0
 run apb_no_passing "${apb[@]}" --passing-size 0
 run apb_random "${apb[@]}" --compressor random
 run apb_no_embed "${apb[@]}" --no-embed-query
-
-# Star: block = ceil(length / HOSTS) for each length (the context is a little shorter than the
-# length, so the last of the ~HOSTS blocks is the short one), then one merged run directory.
-IFS=, read -r -a lens <<< "$LENGTHS"
-if [[ ! -f "$OUT/star/summary.json" ]]; then
-  parts=()
-  for L in "${lens[@]}"; do
-    block=$(( (L + HOSTS - 1) / HOSTS ))
-    run "star_L$L" --cp-strategy star --block-size "$block" --lengths "$L"
-    parts+=("$OUT/star_L$L")
-  done
-  "$PY" - "$OUT/star" "${parts[@]}" <<'EOF'
-import json, sys
-from pathlib import Path
-sys.path.insert(0, ".")
-from starshard.evaluation import report
-
-out, parts = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
-rows, blocks, meta = [], {}, None
-for p in parts:
-    run = report.load_run(p)
-    rows += run.rows
-    meta = meta or dict(run.meta)
-    blocks[str(run.meta["lengths"][0])] = run.meta["engine"]["block_size"]
-meta.update(strategy="star", lengths=[int(L) for L in blocks], seconds=None)
-meta["engine"] = dict(meta["engine"], block_size=blocks)  # per length
-report.write_run(out, rows, meta)
-print(f"merged {len(rows)} Star samples from {len(parts)} runs into {out}")
-EOF
-fi
 
 "$PY" launch/eval.py --compare "$OUT/dense" "$OUT/star" "$OUT/apb" "$OUT/apb_no_anchor" "$OUT/apb_no_passing" \
   "$OUT/apb_random" "$OUT/apb_no_embed" --out "$OUT"

@@ -109,6 +109,7 @@ def header(args, topo, kind: str) -> dict:
 # ---------------------------------------------------------------------------- end-to-end prefill
 def cmd_prefill(args) -> None:
     from starshard.checkpoints.load import load_model, random_model
+    from starshard.config import SamplingConfig
     from starshard.engine.generate import LocalRunner
     from starshard.parallel.context import make_strategy
     from starshard.parallel.context.runner import ContextParallelRunner
@@ -139,7 +140,7 @@ def cmd_prefill(args) -> None:
         state = {}
 
         def prefill():
-            state["cache"] = cache = (runner or LocalRunner(model)).new_cache(L + args.decode_steps + 1)
+            state["cache"] = cache = (runner or LocalRunner(model)).new_cache(L + args.decode_steps + 8)
             with torch.inference_mode():
                 if runner is None:
                     state["logits"] = model(ids[None], cache=cache, last_only=True)
@@ -154,10 +155,12 @@ def cmd_prefill(args) -> None:
             decode = None
             if args.decode_steps:
                 tok = torch.zeros(1, 1, dtype=torch.long, device=topo.device)
+                stepper = runner or LocalRunner(model, cuda_graphs=not args.no_cuda_graphs)
+                stepper.cuda_graphs = not args.no_cuda_graphs
 
-                def step():
+                def step():  # one generated token, as LLM.generate runs it (CUDA graphs on one GPU)
                     with torch.inference_mode():
-                        model(tok, cache=state["cache"], last_only=True)
+                        stepper.next_token(tok, state["cache"], SamplingConfig(), None)
 
                 step_times = timed(step, topo.device, args.decode_steps, warmup=2)
                 decode = {"step_seconds": median(step_times), "tokens_per_second": 1 / median(step_times)}
@@ -350,6 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly (default: replay a CUDA graph on one rank)")
     p = sub.add_parser("attention", help="one attention layer per strategy (and torch's context_parallel)")
     common(p)
     p.add_argument("--strategies", type=lambda s: s.split(","), default=["dense", "ring", "ulysses"],

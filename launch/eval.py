@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from starshard.evaluation.tasks import TASKS  # noqa: E402
 
 # Engine flags passed on to LLM(...) only when given; the engine decides what it supports.
-ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "block_size", "anchor_size", "query_rank", "ulysses_degree", "sparse",
-                "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len", "apb_hosts")
+ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "block_size", "num_blocks", "anchor_size", "query_rank", "ulysses_degree",
+                "sparse", "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len", "apb_hosts")
 
 
 def _ints(s: str) -> list[int]:
@@ -82,6 +82,8 @@ def parse_args(argv=None):
     e.add_argument("--sparse-config", default=None, metavar="FILE",
                    help="--sparse minference: per-head patterns JSON (default: Vertical-Slash 1000/6096 everywhere)")
     e.add_argument("--block-size", type=int, default=None, help="star: context block size")
+    e.add_argument("--num-blocks", type=int, default=None,
+                   help="star: context blocks (default --cp); with --cp 1, one device runs what N hosts would")
     e.add_argument("--anchor-size", type=int, default=None, help="star/apb: anchor size")
     e.add_argument("--query-rank", type=int, default=None, help="CP rank that owns the query (default: last)")
     from starshard.parallel.context import add_apb_arguments, apb_cli_error
@@ -229,7 +231,7 @@ def main(argv=None, llm_cls=None) -> int:
         return 0
     meta = {"strategy": name, "model": str(getattr(llm, "path", args.model)), "tasks_version": TASKS_VERSION,
             "format": args.format,
-            "engine": engine_flags(args), "tasks": args.tasks, "lengths": args.lengths, "depths": args.depths,
+            "engine": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in engine_flags(args).items()}, "tasks": args.tasks, "lengths": args.lengths, "depths": args.depths,
             "samples_per_cell": args.samples_per_cell, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
             "reserve_tokens": reserve, "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

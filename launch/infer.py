@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "Ulysses); keep them on one node, the all-to-alls are the bandwidth-hungry part")
     par.add_argument("--block-size", type=int, default=None,
                      help="star: context tokens per block (default: context / cp)")
+    par.add_argument("--num-blocks", type=int, default=None,
+                     help="star: cut the context into this many blocks instead of giving --block-size (default: "
+                     "--cp); with --cp 1 this runs on one device exactly what that many hosts would")
     par.add_argument("--anchor-size", type=int, default=None,
                      help="star: anchor tokens (the context's first tokens) before each block (default: block size); "
                      "apb: anchor tokens per host (default: the paper's table, context/hosts/4 capped at 8192; 0 = none)")
@@ -93,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
     rt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    rt.add_argument("--no-cuda-graphs", action="store_true",
+                    help="run decode steps eagerly (default on one GPU: each step replays a captured CUDA graph)")
     rt.add_argument("--json", action="store_true",
                     help="print one JSON object as the last stdout line (text, token_ids, prompt_tokens, timings)")
     args = ap.parse_args(argv)
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
     try:
         parallel = ParallelConfig(
             tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
-            pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size,
+            pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size, num_blocks=args.num_blocks,
             query_rank=args.query_rank, ulysses_degree=args.ulysses_degree, timeout_s=args.dist_timeout,
             **{k: getattr(args, k) for k in APB_OPTIONS},
         )
@@ -160,6 +165,7 @@ def main(argv=None) -> int:
     if args.prompt_len is not None:
         gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
         kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
+    llm.runner.cuda_graphs = not args.no_cuda_graphs
     lead = llm.topology.rank == 0  # every rank runs the model; one prints
     out = llm.generate(
         **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

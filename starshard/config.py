@@ -138,6 +138,7 @@ class ParallelConfig:
     pp_layers: list[int] | None = None  # layers per pipeline stage; None = even split
     block_size: int | None = None  # star: context block per forward (default ceil(context / cp))
     anchor_size: int | None = None  # star: anchor tokens before each block (default = block size)
+    num_blocks: int | None = None  # star: context blocks when no block_size (default cp; cp=1 studies N hosts)
     query_rank: int | None = None  # CP rank that owns the query and generated KV (default: last)
     ulysses_degree: int | None = None  # usp: Ulysses ranks inside each ring rank (default: cp, i.e. Ulysses)
     passing_size: int | None = None  # apb: passing-block entries per KV head and host (default: paper table)

@@ -55,6 +55,10 @@ def test_make_strategy_builds_apb_with_its_options():
     p = ParallelConfig(cp_strategy="apb", passing_size=0, embed_query=False, apb_hosts=3)
     assert apb_options(p) == {"passing_size": 0, "embed_query": False, "apb_hosts": 3}
     assert make_strategy("apb", **apb_options(p)).hosts == 3
+    assert make_strategy("apb", num_blocks=4).hosts == 4  # Star's --num-blocks means the same for APB
+    assert make_strategy("apb", num_blocks=4, apb_hosts=4).hosts == 4
+    with pytest.raises(ValueError, match="disagree"):
+        make_strategy("apb", num_blocks=3, apb_hosts=4)
 
 
 def test_apb_options_are_refused_elsewhere_with_the_flag_named():

@@ -148,6 +148,21 @@ def test_decode_default_splits_and_config():
     assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
 
 
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+def test_decode_length_on_device_ignores_the_rest(use_triton):
+    """length= (CUDA-graph decode): keys past the valid count are ignored, even when they hold
+    garbage and their splits are empty; the result equals attention over the valid prefix."""
+    q, k, v = qkv(1, 6, 2, 1, 700, 64, torch.float32, seed=11)
+    kp = torch.arange(700)
+    for n in (1, 63, 300, 700):
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, n:], v2[:, :, n:] = 1e4, float("nan")  # must never be read into the result
+        length = torch.tensor([n], dtype=torch.int32)
+        out, lse = decode_attention(q, k2, v2, q_pos=torch.tensor([n - 1]), k_pos=kp, causal=False, num_splits=4,
+                                    use_triton=use_triton, length=length)
+        assert_close(out, lse, q, k[:, :, :n], v[:, :, :n], torch.tensor([n - 1]), kp[:n], causal=False, expect_empty=0)
+
+
 def test_block_ranges_against_brute_force():
     gen = torch.Generator().manual_seed(9)
     bm, bn = 8, 4

@@ -68,6 +68,20 @@ def test_star_differs_from_dense_when_blocks_are_small(model):
 def test_bad_sizes_refused():
     with pytest.raises(ValueError, match="--block-size must be >= 1"):
         StarAttention(block_size=0)
+    with pytest.raises(ValueError, match="--block-size or --num-blocks, not both"):
+        StarAttention(block_size=8, num_blocks=2)
+
+
+@pytest.mark.parametrize("num_blocks,anchor", [(3, None), (4, 5)])
+def test_num_blocks_is_block_size_from_the_context(model, num_blocks, anchor):
+    """--num-blocks N on one rank = the block size N hosts get (ceil(context / N)); not dense."""
+    L, C = 77, 66
+    ids = torch.randint(0, 211, (L,), generator=torch.Generator().manual_seed(num_blocks))
+    got, _ = star_logits(model, ids, C, num_blocks=num_blocks, anchor_size=anchor)
+    want, _ = star_logits(model, ids, C, block_size=-(-C // num_blocks), anchor_size=anchor)
+    dense, _ = star_logits(model, ids, C, block_size=C)
+    assert torch.equal(got, want)
+    assert ((got - dense).norm() / dense.norm()).item() > 1e-4
 
 
 @pytest.mark.parametrize("cp,block,anchor", [(2, 16, 16), (3, 11, 7), (4, 9, 9), (2, 7, 3)])

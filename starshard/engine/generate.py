@@ -92,8 +92,10 @@ class LocalRunner:
     """Runs a whole model in this process. Parallel runners (starshard.parallel) offer the same two
     methods, so the generation loop below is written once for every layout."""
 
-    def __init__(self, model):
+    def __init__(self, model, cuda_graphs: bool = True):
         self.model = model
+        self.cuda_graphs = cuda_graphs  # replay single-token decode steps from a CUDA graph (cuda_graph.py)
+        self._graph = None
 
     def new_cache(self, capacity: int) -> KVCache:
         m = self.model
@@ -105,8 +107,31 @@ class LocalRunner:
         ids = torch.tensor([prompt.ids], device=cache.device)
         return self.next_token(ids, cache, sampling, gen, chunk)
 
+    def _graph_decoder(self, ids, cache: KVCache):
+        """The CUDA-graph decoder for this step, or None where a step must run eagerly."""
+        m = self.model
+        if not (self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)):
+            return None
+        if not self.decode_is_local():
+            return None
+        if self._graph is None or self._graph.cache is not cache:
+            from starshard.engine.cuda_graph import GraphDecoder
+
+            self._graph = GraphDecoder(m, cache)  # a new generation: the old graph is released
+        return self._graph if self._graph.fits() else None
+
+    def decode_is_local(self) -> bool:
+        """A decode step is plain attention over this process's whole cache (what GraphDecoder
+        captures), not a strategy's hook."""
+        from starshard.engine.model import dense_attend
+
+        return all(layer.attention.attend is dense_attend for layer in self.model.layers)
+
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""
+        graph = self._graph_decoder(ids, cache)
+        if graph is not None:
+            return sample(graph.step(ids)[:, -1], sampling, gen)
         chunk = chunk or ids.shape[1]
         for s in range(0, ids.shape[1], chunk):
             logits = self.model(ids[:, s : s + chunk], cache=cache, last_only=True)
@@ -186,7 +211,8 @@ class LLM:
             strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None,
                                      block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank,
                                      ulysses_degree=p.ulysses_degree, cp_groups=topo.group_ranks("cp"),
-                                     tp_group=topo.tp_group if p.tp > 1 else None, **apb_options(p))
+                                     num_blocks=p.num_blocks, tp_group=topo.tp_group if p.tp > 1 else None,
+                                     **apb_options(p))
             if hasattr(strategy, "check_heads"):  # before any prefill collective: every rank raises alike
                 from starshard.parallel.topology import LayoutError
 

@@ -127,6 +127,30 @@ def cuda_backend(q: torch.Tensor, Lk: int, mode: str | None, sms: int) -> str:
     return "triton"
 
 
+_NATIVE_GQA: dict[tuple, bool] = {}
+
+
+def _cudnn_native_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether torch's cuDNN op takes fewer KV heads than query heads and gets them right on this
+    device / torch build (newer cuDNN frontends do; older ones raise or mis-broadcast). Checked once
+    per (device, dtype) on a small input against the expanded call; saves the K/V copy."""
+    key = (q.device, q.dtype)
+    if key not in _NATIVE_GQA:
+        g = torch.Generator(device=q.device).manual_seed(0)
+        qs = torch.randn(1, 4, 192, 64, device=q.device, dtype=q.dtype, generator=g)
+        ks, vs = (torch.randn(1, 2, 192, 64, device=q.device, dtype=q.dtype, generator=g) for _ in range(2))
+        try:
+            op = torch.ops.aten._scaled_dot_product_cudnn_attention
+            got = op(qs, ks, vs, None, True, 0.0, True, False)
+            want = op(qs, ks.repeat_interleave(2, 1), vs.repeat_interleave(2, 1), None, True, 0.0, True, False)
+            ok = got[0].shape == want[0].shape and torch.allclose(got[0].float(), want[0].float(), atol=1e-3, rtol=0)
+            ok = ok and torch.allclose(got[1].float().reshape(-1)[: 4 * 192], want[1].float().reshape(-1)[: 4 * 192], atol=1e-3)
+        except RuntimeError:
+            ok = False
+        _NATIVE_GQA[key] = bool(ok)
+    return _NATIVE_GQA[key]
+
+
 def _fused(q, k, v, *, causal: bool, scale, op: str):
     """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row)."""
     B, Hq, Lq, D = q.shape
@@ -135,7 +159,8 @@ def _fused(q, k, v, *, causal: bool, scale, op: str):
         # No mask: a KV head's g query heads are just more rows over the same keys (no K/V copy).
         out, lse = _fused(q.reshape(B, k.shape[1], g * Lq, D), k, v, causal=False, scale=scale, op=op)
         return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
-    if g > 1:  # causal rows of different heads differ: equal head counts (the copy is a few % of the time)
+    if g > 1 and not (op == "cudnn" and _cudnn_native_gqa(q, k)):
+        # Causal rows of different heads differ: equal head counts (the copy is a few % of the time).
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if op == "cudnn":
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)

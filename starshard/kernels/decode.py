@@ -49,7 +49,7 @@ if triton is not None:
     # Cache lengths change every step: no variant per divisibility of the sizes.
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_kernel(
-        Q, K, V, OP, LP, QPOS, KPOS,
+        Q, K, V, OP, LP, QPOS, KPOS, LK_PTR,
         qk_scale,
         s_qb, s_qh, s_qm, s_qd,
         s_kb, s_kh, s_kn, s_kd,
@@ -57,9 +57,11 @@ if triton is not None:
         s_qpb, s_kpb,
         Hkv, G, Lq, Lk, chunk, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+        CAUSAL: tl.constexpr, IEEE: tl.constexpr, HAS_LK: tl.constexpr,
     ):
         split = tl.program_id(0)
+        if HAS_LK:  # valid keys read on the device (CUDA-graph decode: the cache length changes per replay)
+            Lk = tl.load(LK_PTR)
         row_block = tl.program_id(1)
         pid_bk = tl.program_id(2)
         b = pid_bk // Hkv
@@ -164,11 +166,20 @@ def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:
     return max(1, min(want, -(-Lk // _MIN_CHUNK)))
 
 
-def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None):
+def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None,
+                     length: torch.Tensor | None = None):
     """q [B, Hq, Lq, D] (Lq small), k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU);
-    `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning)."""
+    `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning).
+    `length`: int32 tensor [1] on q's device, the number of valid leading keys (the rest of k / v is
+    ignored); read by the kernel, so a captured CUDA graph stays right as the cache grows. The
+    torch path reads it on the host."""
     check_shapes(q, k, v)
+    use_triton = q.device.type == "cuda" if use_triton is None else use_triton
+    if length is not None and not use_triton:
+        n = int(length.reshape(-1)[0])
+        k, v = k[:, :, :n], v[:, :, :n]
+        k_pos = k_pos[..., :n]
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
@@ -176,7 +187,6 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     kp = as_positions(k_pos, B, Lk, "k_pos", q.device)
     if Lq == 0 or Lk == 0 or B * Hq == 0:
         return q.new_zeros(q.shape), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
-    use_triton = q.device.type == "cuda" if use_triton is None else use_triton
     if not use_triton:
         return _torch_decode(q, k, v, qp, kp, causal, scale, num_splits or _num_splits(q.device, B * Hkv, Lk))
     if triton is None:
@@ -199,13 +209,13 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     o_part = torch.empty(B, Hq, Lq, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, Lq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_splits, row_blocks, B * Hkv)](
-        q, k, v, o_part, l_part, qp, kp,
+        q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
         scale * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(),
         s_pb * Lq, s_pb * Lk,
         Hkv, G, Lq, Lk, chunk, num_splits,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
+        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None,
         num_warps=warps, num_stages=stages,
     )
     out = torch.empty_like(q)

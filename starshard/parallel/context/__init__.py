@@ -14,10 +14,11 @@ def apb_options(parallel) -> dict:
 
 
 def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, query_rank=None,
-                  ulysses_degree=None, cp_groups=None, tp_group=None, **apb):
+                  ulysses_degree=None, cp_groups=None, num_blocks=None, tp_group=None, **apb):
     """The strategy `name` over `group` (None = a single rank).
 
-    apb: the APB_OPTIONS keywords (refused for other strategies) and `tp_group` (retaining heads).
+    apb: the APB_OPTIONS keywords (refused for other strategies) and `tp_group` (retaining heads);
+    `num_blocks` (--num-blocks) is the same as apb_hosts (--apb-hosts) for APB.
 
     usp: `ulysses_degree` (default: the whole CP group, i.e. plain Ulysses) and `cp_groups`, every CP
     group of the world as global ranks (its subgroups are created collectively on every rank)."""
@@ -57,18 +58,23 @@ def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, q
     if name == "star":
         from starshard.parallel.context.star import StarAttention
 
-        return StarAttention(group, block_size=block_size, anchor_size=anchor_size, query_rank=query_rank)
+        return StarAttention(group, block_size=block_size, anchor_size=anchor_size, query_rank=query_rank,
+                             num_blocks=num_blocks)
     if name == "apb":
         from starshard.parallel.context.apb import APBAttention
 
         if block_size is not None:
             raise ValueError("--block-size is Star's; APB splits the context evenly over the hosts (--cp, or "
                              "--apb-hosts with --cp 1): drop --block-size")
+        hosts = apb.get("apb_hosts")
+        if num_blocks is not None and hosts is not None and num_blocks != hosts:
+            raise ValueError(f"--num-blocks {num_blocks} and --apb-hosts {hosts} disagree; for APB they are the "
+                             "same setting: give one")
         return APBAttention(group, anchor_size=anchor_size, passing_size=apb.get("passing_size"),
                             compressor=apb.get("compressor", "query"), embed_query=apb.get("embed_query", True),
                             query_rank=query_rank, prefix_len=apb.get("prefix_len"),
                             compressor_path=apb.get("compressor_path"), tp_group=tp_group,
-                            num_blocks=apb.get("apb_hosts"))
+                            num_blocks=hosts if hosts is not None else num_blocks)
     raise ValueError(f"unknown --cp-strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
 
 

@@ -69,7 +69,15 @@ class ContextParallelRunner(LocalRunner):
         tok = self.sample(logits[:, -1], sampling, gen) if self.strategy.rank == owner else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
 
+    def decode_is_local(self) -> bool:
+        # One rank: the sharded decode is plain attention over the whole local cache (Star / APB
+        # studied on one device run their query phase and decode like this).
+        return self.strategy.cp == 1
+
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
+        graph = self._graph_decoder(ids, cache)
+        if graph is not None:
+            return self.sample(graph.step(ids)[:, -1], sampling, gen)
         logits = self.model(ids, cache=cache, last_only=True)
         s = self.strategy
         tok = self.sample(logits[:, -1], sampling, gen) if s.is_query_rank else torch.zeros(1, dtype=torch.long, device=ids.device)

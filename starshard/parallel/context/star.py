@@ -31,17 +31,23 @@ class StarAttention(ContextStrategy):
     name = "star"
     query_phase = True
 
-    def __init__(self, group=None, *, block_size: int | None = None, anchor_size: int | None = None, query_rank=None):
+    def __init__(self, group=None, *, block_size: int | None = None, anchor_size: int | None = None, query_rank=None,
+                 num_blocks: int | None = None):
         super().__init__(group, query_rank)
-        for flag, v in (("--block-size", block_size), ("--anchor-size", anchor_size)):
+        for flag, v in (("--block-size", block_size), ("--anchor-size", anchor_size), ("--num-blocks", num_blocks)):
             if v is not None and v < 1:
                 raise ValueError(f"{flag} must be >= 1, got {v}")
+        if block_size is not None and num_blocks is not None:
+            raise ValueError("give --block-size or --num-blocks, not both")
         self.block_size = block_size
         self.anchor_size = anchor_size
+        self.num_blocks = num_blocks
 
     def resolved_sizes(self, context_len: int) -> tuple[int, int]:
-        """(block, anchor): block defaults to ceil(context / cp), anchor to the block size."""
-        block = self.block_size or max(1, math.ceil(context_len / self.cp))
+        """(block, anchor): block defaults to ceil(context / num_blocks), num_blocks to cp (so cp=1
+        with num_blocks=N runs exactly what N hosts would, one block after another); anchor
+        defaults to the block size."""
+        block = self.block_size or max(1, math.ceil(context_len / (self.num_blocks or self.cp)))
         return block, self.anchor_size or block
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:

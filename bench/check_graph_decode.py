@@ -1,0 +1,34 @@
+"""CUDA-graph decode vs eager on one GPU: same tokens, and step time. JSON lines.
+
+    python bench/check_graph_decode.py                       # embedded SmolLM2 (8K prompt)
+    python bench/check_graph_decode.py --random-weights llama-3.1-8b --prompt-len 131072
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from starshard import LLM
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--random-weights", default=None)
+ap.add_argument("--prompt-len", type=int, default=8000)
+ap.add_argument("--steps", type=int, default=64)
+args = ap.parse_args()
+llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights)
+ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+res = {"model": args.random_weights or "smollm2-135m", "prompt_len": args.prompt_len, "steps": args.steps}
+for graphs in (False, True):
+    llm.runner.cuda_graphs = graphs
+    llm.generate(ids[:1000], max_new_tokens=8)  # warm-up (kernels, cuDNN plans)
+    out = llm.generate(ids, max_new_tokens=args.steps)
+    res[f"tokens_graphs_{graphs}"] = out.token_ids
+    res[f"decode_ms_per_step_graphs_{graphs}"] = 1e3 * out.metrics["decode_seconds"] / max(1, len(out.token_ids) - 1)
+    res[f"prefill_s_graphs_{graphs}"] = out.metrics["prefill_seconds"]
+res["same_tokens"] = res["tokens_graphs_False"] == res["tokens_graphs_True"]
+n = next(i for i, (a, b) in enumerate(zip(res["tokens_graphs_False"] + [None], res["tokens_graphs_True"] + [-1])) if a != b)
+res["first_difference_at"] = n
+for k in ("tokens_graphs_False", "tokens_graphs_True"):
+    res[k] = res[k][:16]
+print(json.dumps(res), flush=True)
