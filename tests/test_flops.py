@@ -106,3 +106,10 @@ def test_bad_arguments():
         apb_flops(CFG, 3, 4, anchor=1, passing=1)
     with pytest.raises(ValueError, match=">= 0"):
         apb_flops(CFG, 30, 2, anchor=-1, passing=1)
+
+
+def test_study_mode_time_adds_the_hosts_up():
+    ranks = apb_flops(CFG, 10, 2, anchor=3, passing=2, query_len=2)
+    one = [r.seconds(1e3) for r in ranks]
+    assert predicted_seconds(ranks, 1e3) == max(one) and predicted_seconds(ranks, 1e3, serial=True) == sum(one)
+    assert ranks[1].seconds(1e3, 5e2) == (ranks[1].linear + ranks[1].compressor) / 1e3 + ranks[1].attention / 5e2

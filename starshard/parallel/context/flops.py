@@ -53,9 +53,13 @@ class PrefillFlops:
 
 
 def predicted_seconds(ranks: list[PrefillFlops], matmul_flops_per_s: float,
-                      attention_flops_per_s: float | None = None) -> float:
-    """The slowest rank's predicted time (collectives assumed hidden)."""
-    return max(r.seconds(matmul_flops_per_s, attention_flops_per_s) for r in ranks)
+                      attention_flops_per_s: float | None = None, serial: bool = False) -> float:
+    """The slowest rank's predicted time (collectives assumed hidden); serial: the ranks run one after
+    another on one device (Star --num-blocks / APB --apb-hosts study mode), so their times add up.
+    (In study mode every host runs the query phase once in a single call; the sum counts it per host,
+    a small overestimate for short queries.)"""
+    times = [r.seconds(matmul_flops_per_s, attention_flops_per_s) for r in ranks]
+    return sum(times) if serial else max(times)
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> float:
