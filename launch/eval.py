@@ -28,7 +28,7 @@ from starshard.evaluation.tasks import TASKS  # noqa: E402
 
 # Engine flags passed on to LLM(...) only when given; the engine decides what it supports.
 ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "block_size", "num_blocks", "anchor_size", "query_rank", "ulysses_degree",
-                "sparse")
+                "sparse", "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len", "apb_hosts")
 
 
 def _ints(s: str) -> list[int]:
@@ -86,6 +86,9 @@ def parse_args(argv=None):
                    help="star: context blocks (default --cp); with --cp 1, one device runs what N hosts would")
     e.add_argument("--anchor-size", type=int, default=None, help="star/apb: anchor size")
     e.add_argument("--query-rank", type=int, default=None, help="CP rank that owns the query (default: last)")
+    from starshard.parallel.context import add_apb_arguments, apb_cli_error
+
+    add_apb_arguments(ap.add_argument_group("APB (--cp-strategy apb; see launch/infer.py --help)"))
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
@@ -94,6 +97,9 @@ def parse_args(argv=None):
         return args
     if args.out is None:
         ap.error("--out DIR is required (or --compare DIR ...)")
+    bad = apb_cli_error(args, args.cp_strategy, args.cp)
+    if bad:
+        ap.error(bad)
     args.tasks = [x for x in args.tasks.split(",") if x]
     bad = [x for x in args.tasks if x not in TASKS]
     if bad:

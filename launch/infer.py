@@ -77,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
                      "remainder); must match a converted checkpoint's split")
     par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
-    par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "usp", "star"], default=None,
-                     help="how the CP group splits the sequence: ring / ulysses / usp (exact), star (approximate); "
+    par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "usp", "star", "apb"], default=None,
+                     help="how the CP group splits the sequence: ring / ulysses / usp (exact), star / apb (approximate); "
                      "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
     par.add_argument("--ulysses-degree", type=int, default=None,
                      help="usp: Ulysses ranks inside each ring rank (must divide --cp; default --cp, i.e. plain "
@@ -89,9 +89,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="star: cut the context into this many blocks instead of giving --block-size (default: "
                      "--cp); with --cp 1 this runs on one device exactly what that many hosts would")
     par.add_argument("--anchor-size", type=int, default=None,
-                     help="star: anchor tokens (the context's first tokens) before each block (default: block size)")
+                     help="star: anchor tokens (the context's first tokens) before each block (default: block size); "
+                     "apb: anchor tokens per host (default: the paper's table, context/hosts/4 capped at 8192; 0 = none)")
     par.add_argument("--query-rank", type=int, default=None,
                      help="CP rank that owns the query and the generated tokens' KV (default: the last)")
+    from starshard.parallel.context import add_apb_arguments, apb_cli_error
+
+    add_apb_arguments(ap.add_argument_group("APB (--cp-strategy apb: anchors with the embedded query, compressed "
+                                            "passing blocks; paper ablations: --anchor-size 0, --passing-size 0, "
+                                            "--compressor random, --no-embed-query)"))
     sp = ap.add_argument_group("sparse prefill (approximate; decode stays dense)")
     sp.add_argument("--sparse", choices=["minference"], default=None,
                     help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
@@ -150,6 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--sparse-config needs --sparse minference")
     if args.random_weights and args.prompt_len is None:
         ap.error("--random-weights has no tokenizer: give --prompt-len N (random token ids)")
+    bad = apb_cli_error(args, args.cp_strategy, args.cp)
+    if bad:
+        ap.error(bad)
     return args
 
 
@@ -438,6 +447,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     from starshard.checkpoints.load import CheckpointError
     from starshard.config import ParallelConfig
     from starshard.kernels.sparse import SparseConfig
+    from starshard.parallel.context import APB_OPTIONS
     from starshard.parallel.topology import LayoutError, collective_failure
 
     try:
@@ -445,6 +455,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
             tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
             pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size, num_blocks=args.num_blocks,
             query_rank=args.query_rank, ulysses_degree=args.ulysses_degree, timeout_s=args.dist_timeout,
+            **{k: getattr(args, k) for k in APB_OPTIONS},
         )
         sparse = SparseConfig(args.sparse, args.sparse_config) if args.sparse else None
     except ValueError as e:

@@ -141,6 +141,12 @@ class ParallelConfig:
     num_blocks: int | None = None  # star: context blocks when no block_size (default cp; cp=1 studies N hosts)
     query_rank: int | None = None  # CP rank that owns the query and generated KV (default: last)
     ulysses_degree: int | None = None  # usp: Ulysses ranks inside each ring rank (default: cp, i.e. Ulysses)
+    passing_size: int | None = None  # apb: passing-block entries per KV head and host (default: paper table)
+    compressor: str | None = None  # apb: query (default) | retaining-heads | random
+    compressor_path: str | None = None  # apb: retaining-heads weights file
+    embed_query: bool | None = None  # apb: False ablates the query embedded in the anchors (default True)
+    prefix_len: int | None = None  # apb: template head tokens before the embedded query (default: the prompt's)
+    apb_hosts: int | None = None  # apb with cp = 1: simulate this many hosts one after another (study mode)
     dp: int | None = None  # data-parallel replicas; None = whatever the world leaves (world / (tp*pp*cp))
     timeout_s: float = 600.0  # every collective gives up (with an error) after this long
 

@@ -315,8 +315,9 @@ def apb_worker(rank, world, path, cases, steps):
             for _ in range(steps - 1):
                 tok = runner.next_token(tok.view(1, 1), cache, SamplingConfig(), None)
                 toks.append(int(tok))
+        kv = {i: tuple(t.clone() for t in cache.layer(i).view()) for i in cache.layers}
         out[name] = {"logits": logits[0, -1], "owner": owner, "tokens": toks, "after_prefill": after,
-                     "final": cache.length, "positions": cache.layer(0).view()[2].clone(),
+                     "final": cache.length, "positions": cache.layer(0).view()[2].clone(), "kv": kv,
                      "trace": strategy.trace, "prefill_log": prefill_log, "ids": ids}
     # Retaining heads under tensor parallelism: ranks 0 and 1 each hold half the heads.
     if rank < 2:
@@ -485,3 +486,86 @@ def test_allgather_moves_only_the_passing_blocks(ranks, model_path, name):
 
 def test_retaining_heads_under_tensor_parallelism(ranks):
     assert ranks[0]["tp"] <= 1e-5 and ranks[1]["tp"] <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Study mode: cp = 1 with N virtual hosts reproduces cp = N
+# ---------------------------------------------------------------------------------------------
+
+
+def study_run(model, ids, context_len, hosts, steps, **kw):
+    """cp = 1, `hosts` virtual hosts run in turn: logits, greedy tokens, the cache, the trace."""
+    from starshard.config import SamplingConfig
+
+    saved = [layer.attention.attend for layer in model.layers]
+    strategy = APBAttention(num_blocks=hosts, **kw)
+    strategy.trace = []
+    runner = ContextParallelRunner(model, strategy)  # binds the model
+    cache = runner.new_cache(len(ids) + steps)
+    with torch.no_grad():
+        logits, owner = runner.prefill_logits(ids, context_len, cache)
+        tok = logits[:, -1].argmax(-1)
+        toks = [int(tok)]
+        for _ in range(steps - 1):
+            tok = runner.next_token(tok.view(1, 1), cache, SamplingConfig(), None)
+            toks.append(int(tok))
+    for layer, fn in zip(model.layers, saved):
+        layer.attention.attend = fn
+    kv = {i: cache.layer(i).view() for i in cache.layers}
+    return logits[0, -1], owner, toks, kv, strategy.trace
+
+
+@pytest.mark.parametrize("name", ["fixed2", "fixed3", "fixed4", "query3", "random2", "window3", "nopass3",
+                                  "noanchor4", "longquery4", "exact3"])
+def test_study_mode_reproduces_cp(ranks, model_path, name):
+    """One process, N virtual hosts one after another == N gloo ranks: the query-phase logits, the
+    greedy tokens, every layer's KV cache (rows, values and positions, blocks in host order) and
+    what each host selected and received at every layer."""
+    model = load_model(model_path)
+    _, cp, L, C, kw = case(name)
+    logits, owner, toks, kv, trace = study_run(model, ranks[0][name]["ids"], C, cp, STEPS, **kw)
+    assert owner == 0
+    assert rel(logits, ranks[cp - 1][name]["logits"]) <= 1e-6
+    assert toks == ranks[cp - 1][name]["tokens"]
+    for i, (k, v, pos) in kv.items():  # ranks' caches laid end to end, in rank order
+        want = [torch.cat([ranks[r][name]["kv"][i][j] for r in range(cp)], dim=2 if j < 2 else 0) for j in range(3)]
+        assert pos.tolist() == want[2].tolist()
+        assert rel(k, want[0]) <= 1e-6 and rel(v, want[1]) <= 1e-6
+    if kw["passing_size"] == 0:
+        assert trace == []
+        return
+    n_layers = model.config.num_layers
+    assert [t["host"] for t in trace] == [h for h in range(cp) for _ in range(n_layers)]
+    for h in range(cp):
+        for t, want in zip(trace[h * n_layers : (h + 1) * n_layers], ranks[h][name]["trace"]):
+            assert t["layer"] == want["layer"] and t["sent"] == want["sent"]
+            for key in ("selected", "received"):
+                assert (t[key] is None) == (want[key] is None)
+                if t[key] is not None:
+                    assert torch.equal(t[key], want[key])
+
+
+def test_study_mode_with_one_host_is_dense(model):
+    ids = torch.randint(0, 211, (40,), generator=torch.Generator().manual_seed(9))
+    got, _ = apb_run(model, ids, 33, num_blocks=1, anchor_size=4, passing_size=2)
+    with torch.no_grad():
+        ref = model(ids[None])[0, -1]
+    assert rel(got, ref) <= 1e-5
+
+
+def test_compressors_score_a_head_slice_as_the_full_model_does():
+    """Under tensor parallelism a rank scores only its KV heads (and their GQA groups): the query and
+    random compressors give that slice exactly the full model's scores, so the selection does not
+    depend on the tp split."""
+    torch.manual_seed(1)
+    B, Hq, Hkv, n, D = 1, 6, 3, 23, 8
+    q, k, v, query = torch.randn(B, Hq, n, D), torch.randn(B, Hkv, n, D), torch.randn(B, Hkv, n, D), torch.randn(B, Hq, 4, D)
+    pos = torch.arange(30, 30 + n)
+    for comp in (QueryCompressor(), RandomCompressor(seed=2)):
+        for with_query in (query, None):
+            full = comp.score(ScoreInput(1, q, k, v, pos, with_query, 2))
+            for h in range(Hkv):  # tp = 3: one KV head and its group of 2 q heads per rank
+                part = comp.score(ScoreInput(1, q[:, 2 * h : 2 * h + 2], k[:, h : h + 1], v[:, h : h + 1], pos,
+                                             None if with_query is None else with_query[:, 2 * h : 2 * h + 2], 2,
+                                             kv_head_offset=h))
+                assert torch.allclose(part, full[:, h : h + 1], atol=1e-6)

@@ -18,10 +18,12 @@ class PromptTooLongError(ValueError):
 
 @dataclass
 class Prompt:
-    """Token ids of one request; ids[:context_len] is the context, the rest is the query."""
+    """Token ids of one request; ids[:context_len] is the context, the rest is the query.
+    ids[:head_len] is the chat template's head (system / user header) at the context's front."""
 
     ids: list[int]
     context_len: int
+    head_len: int = 0
 
 
 @dataclass
@@ -69,10 +71,21 @@ def build_prompt(tokenizer, *, prompt=None, context=None, question=None, raw=Fal
         if use_template
         else content
     )
-    split = text.find(content) + len(context_text)
+    start = text.find(content)
+    split = start + len(context_text)
     head = tokenizer.encode(text[:split], add_special_tokens=not use_template)
     tail = tokenizer.encode(text[split:], add_special_tokens=False) if split < len(text) else []
-    return Prompt(head + tail, len(head))
+    return Prompt(head + tail, len(head), _head_len(tokenizer, text[:start], head, use_template) if use_template else 0)
+
+
+def _head_len(tokenizer, head_text: str, ids: list[int], use_template) -> int:
+    """Tokens of the template head: those of the head text alone that the prompt's ids start with
+    (a token merging across the head / context boundary counts as context)."""
+    alone = tokenizer.encode(head_text, add_special_tokens=not use_template) if head_text else []
+    n = 0
+    while n < min(len(alone), len(ids)) and alone[n] == ids[n]:
+        n += 1
+    return n
 
 
 class LocalRunner:
@@ -193,10 +206,13 @@ class LLM:
             from starshard.parallel.context.runner import ContextParallelRunner
             from starshard.parallel.runner import VocabSampler
 
+            from starshard.parallel.context import apb_options
+
             strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None,
                                      block_size=p.block_size, anchor_size=p.anchor_size, query_rank=p.query_rank,
                                      ulysses_degree=p.ulysses_degree, cp_groups=topo.group_ranks("cp"),
-                                     num_blocks=p.num_blocks)
+                                     num_blocks=p.num_blocks, tp_group=topo.tp_group if p.tp > 1 else None,
+                                     **apb_options(p))
             if hasattr(strategy, "check_heads"):  # before any prefill collective: every rank raises alike
                 from starshard.parallel.topology import LayoutError
 

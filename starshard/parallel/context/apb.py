@@ -20,7 +20,8 @@ Row layout and positions (the RoPE positions the model runs with):
     rank 0:       [query, score-only] [block]                   (only when the compressor reads the query)
                    p .. p+Lq-1                                   0 .. e_0-1
 
-`head` = the first `prefix_len` context tokens (the chat template's system/user header, default none),
+`head` = the first `prefix_len` context tokens (the chat template's system/user header; by default the
+prompt's own, Prompt.head_len, which the runner hands over via `use_prompt_head`; 0 for raw prompts),
 `query` = the prompt's query tokens, `anchor context` = the rest of the first `a` context tokens. The
 anchor takes the *starting* positions 0, 1, ... consecutively, in row order, so the embedded query sits
 right after the head (as the paper and its code do) and the anchor context behind it is shifted by
@@ -29,6 +30,13 @@ anchor token duplicates a block token. (If the query alone is longer than everyt
 its positions overlap the block's; visibility is unaffected, see below.) Visibility never relies on
 positions across the pieces: each piece is its own attention call (anchor causal, [anchor; passing]
 full, block causal) merged by lse, so colliding positions cannot leak keys.
+
+Study mode (one device, `num_blocks` = N virtual hosts, cp = 1): the context is split into N blocks
+exactly as over N ranks and the hosts run one after another, each through all layers, as separate
+segments. Each host's per-layer passing entries are kept (small) and handed to later hosts at the same
+layer in place of the all-gather. This reproduces cp = N exactly: host h's computation depends only on
+hosts < h. The blocks land in one cache in position order; the query phase attends all of it, which is
+the lse merge over N ranks done in one call.
 
 On rank 0 (no anchor) the compressor still needs the embedded query: its query rows are computed
 exactly as on the other ranks (they see the head and themselves, causally) but no other row sees them
@@ -51,6 +59,7 @@ min(b, 32) so short contexts keep a usable anchor and passing block.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +69,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from starshard.kernels.attention import attention
+from starshard.kernels.sparse import pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.parallel.context.merge import merge_partials
 
@@ -91,7 +101,8 @@ class ScoreInput:
     q: [B, Hq, n, D] the block's queries (after RoPE); k, v: [B, Hkv, n, D] its keys (after RoPE) and values;
     pos: [n] their global positions; query: [B, Hq, Lq, D] the embedded query's queries (rotated to the
     query's true positions when the RoPE is bound), None when the query is not embedded.
-    inv_freq: the model's RoPE inverse frequencies when bound (see `rotate`).
+    inv_freq: the model's RoPE inverse frequencies when bound (see `rotate`). kv_head_offset: global
+    index of the first KV head here (tensor parallelism hands each rank a contiguous slice of heads).
     """
 
     layer: int
@@ -102,6 +113,7 @@ class ScoreInput:
     query: torch.Tensor | None
     rank: int
     inv_freq: torch.Tensor | None = None
+    kv_head_offset: int = 0
 
     def rotate(self, x: torch.Tensor, delta) -> torch.Tensor:
         """x [B, H, R, D] rotated by RoPE over `delta` positions (int or [R]); float32."""
@@ -176,7 +188,8 @@ class QueryCompressor(Compressor):
 
 
 class RandomCompressor(Compressor):
-    """Uniform random scores, reproducible per (seed, layer, rank): the ablation baseline."""
+    """Uniform random scores, reproducible per (seed, layer, host, global KV head): the ablation
+    baseline; the same selection whatever the tensor-parallel split."""
 
     name = "random"
 
@@ -186,8 +199,11 @@ class RandomCompressor(Compressor):
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, Hkv, n, _ = inp.k.shape
         gen = torch.Generator(device=inp.k.device)
-        gen.manual_seed((self.seed * 1_000_003 + inp.layer * 7919 + inp.rank) % (2**63))
-        return torch.rand(B, Hkv, n, generator=gen, device=inp.k.device)
+        out = []
+        for h in range(inp.kv_head_offset, inp.kv_head_offset + Hkv):
+            gen.manual_seed((self.seed * 1_000_003 + inp.layer * 7919 + inp.rank * 104_729 + h) % (2**63))
+            out.append(torch.rand(B, n, generator=gen, device=inp.k.device))
+        return torch.stack(out, dim=1)
 
 
 class RetainingHeads(Compressor):
@@ -332,37 +348,49 @@ class APBSegment(Segment):
     query_shift: int = 0  # true position - embedded position of the query rows
     score_only: bool = False  # rank 0: the front rows are the query, seen by no other row
     head_len: int = 0  # score-only rows also see the block's first head_len rows (the template head)
+    host: int = 0  # which block (CP rank, or virtual host in study mode) this segment runs
 
     def to(self, device) -> "APBSegment":
         base = super().to(device)
-        return APBSegment(base.index, base.positions, base.cache_rows, base.last_row, self.n_front,
-                          self.query_rows, self.query_shift, self.score_only, self.head_len)
+        return dataclasses.replace(self, index=base.index, positions=base.positions, cache_rows=base.cache_rows)
 
 
 class APBAttention(ContextStrategy):
     """APB over a CP group. anchor_size / passing_size None = paper defaults for the block size;
     0 = ablate (no anchor / no passing). embed_query=False ablates the embedded query. compressor:
     "query" | "retaining-heads" (needs compressor_path) | "random" | a Compressor. prefix_len: the
-    chat template's head at the context's front (the embedded query goes right after it)."""
+    chat template's head at the context's front (the embedded query goes right after it); None = the
+    prompt's own (`use_prompt_head`, set by the runner from Prompt.head_len), else 0. num_blocks: with
+    cp = 1, simulate that many hosts one after another (study mode, exact copy of cp = num_blocks)."""
 
     name = "apb"
     query_phase = True
 
     def __init__(self, group=None, *, anchor_size: int | None = None, passing_size: int | None = None,
                  compressor="query", embed_query: bool = True, query_rank: int | None = None,
-                 prefix_len: int = 0, compressor_path=None, seed: int = 0, tp_group=None):
+                 prefix_len: int | None = None, compressor_path=None, seed: int = 0, tp_group=None,
+                 num_blocks: int | None = None):
         super().__init__(group, query_rank)
         for flag, v in (("--anchor-size", anchor_size), ("--passing-size", passing_size), ("--prefix-len", prefix_len)):
             if v is not None and v < 0:
                 raise ValueError(f"{flag} must be >= 0, got {v}")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"--apb-hosts must be >= 1, got {num_blocks}")
+        if num_blocks is not None and self.cp > 1 and num_blocks != self.cp:
+            raise ValueError(f"--apb-hosts {num_blocks} simulates hosts on one device; with --cp {self.cp} the CP "
+                             f"ranks are the hosts: drop --apb-hosts or run --cp 1")
+        self.num_blocks = num_blocks
         self.anchor_size, self.passing_size, self.prefix_len = anchor_size, passing_size, prefix_len
+        self._prompt_head = 0
         self.embed_query = embed_query
         self.compressor = make_compressor(compressor, path=compressor_path, seed=seed, tp_group=tp_group)
+        self.tp_group = tp_group
         self.inv_freq: torch.Tensor | None = None
         self.layer_ids: list[int] | None = None
         self.trace: list | None = None  # set to [] to record what each layer selected and sent
         self._bounds: list[int] | None = None  # set by segments(): block boundaries of this prompt
         self._sizes: tuple[int, int] | None = None  # (anchor, passing) resolved for this prompt
+        self._stash: dict[int, dict[int, tuple]] = {}  # study mode: layer -> host -> passing (k, v, pos)
 
     def bind(self, model) -> "APBAttention":
         """Learn the model's RoPE (query re-rotation, retaining heads' pre-RoPE inputs) and the global
@@ -371,46 +399,70 @@ class APBAttention(ContextStrategy):
         self.layer_ids = list(getattr(model, "layer_ids", [])) or None
         return self
 
+    @property
+    def hosts(self) -> int:
+        """Blocks the context is split into: the CP ranks, or (cp = 1) virtual hosts run in turn."""
+        return self.cp if self.cp > 1 else (self.num_blocks or 1)
+
+    def use_prompt_head(self, head_len: int) -> None:
+        """The prompt's chat-template head length: the default prefix_len (the runner sets it per prompt)."""
+        self._prompt_head = int(head_len)
+
+    @property
+    def effective_prefix_len(self) -> int:
+        return self._prompt_head if self.prefix_len is None else self.prefix_len
+
     def resolved_sizes(self, context_len: int) -> tuple[int, int]:
-        """(anchor, passing) for this context (defaults from the per-rank block size)."""
-        anchor, passing = apb_default_sizes(max(1, math.ceil(context_len / self.cp)))
+        """(anchor, passing) for this context (defaults from the per-host block size)."""
+        anchor, passing = apb_default_sizes(max(1, math.ceil(context_len / self.hosts)))
         return (anchor if self.anchor_size is None else self.anchor_size,
                 passing if self.passing_size is None else self.passing_size)
 
     def _passing_counts(self) -> list[int]:
         _, passing = self._sizes
         b = self._bounds
-        return [min(passing, b[r + 1] - b[r]) for r in range(self.cp)]
+        return [min(passing, b[r + 1] - b[r]) for r in range(self.hosts)]
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
-        C, Lq = context_len, prompt_len - context_len
-        if C < self.cp:
-            raise ValueError(f"APB needs at least one context token per CP rank: {C} context tokens, cp = {self.cp}")
-        self._bounds = b = apb_bounds(C, self.cp)
-        self._sizes = anchor, passing = self.resolved_sizes(C)
-        s, e = b[self.rank], b[self.rank + 1]
+        C = context_len
+        if C < self.hosts:
+            what = "CP rank" if self.cp > 1 else "host (--apb-hosts)"
+            raise ValueError(f"APB needs at least one context token per {what}: {C} context tokens, "
+                             f"{self.hosts} hosts; lower the host count or lengthen the context")
+        self._bounds = apb_bounds(C, self.hosts)
+        self._sizes = self.resolved_sizes(C)
+        self._stash = {}
+        hosts = [self.rank] if self.cp > 1 else range(self.hosts)
+        return [self._host_segment(h, prompt_len, C) for h in hosts]
+
+    def _host_segment(self, host: int, prompt_len: int, C: int) -> "APBSegment":
+        Lq = prompt_len - C
+        anchor, passing = self._sizes
+        b = self._bounds
+        s, e = b[host], b[host + 1]
         block = torch.arange(s, e)
         query = torch.arange(C, prompt_len)
-        embed = self.embed_query and Lq > 0 and self.cp > 1
-        if self.rank == 0:
-            # Score-only query rows when rank 0's block is actually compressed with the query.
-            needs = (embed and self.compressor.uses_query and self.cp > 1 and 0 < passing < e - s)
+        embed = self.embed_query and Lq > 0 and self.hosts > 1
+        prefix = self.effective_prefix_len
+        if host == 0:
+            # Score-only query rows when host 0's block is actually compressed with the query.
+            needs = (embed and self.compressor.uses_query and 0 < passing < e - s)
             if not needs:
-                return [APBSegment(block, block.clone(), None)]
-            p = min(self.prefix_len, e - s)
+                return APBSegment(block, block.clone(), None, host=host)
+            p = min(prefix, e - s)
             index = torch.cat([query, block])
             positions = torch.cat([torch.arange(p, p + Lq), block])
-            return [APBSegment(index, positions, torch.arange(Lq, Lq + e - s), n_front=Lq, query_rows=(0, Lq),
-                               query_shift=C - p, score_only=True, head_len=p)]
-        p = min(self.prefix_len, s)
+            return APBSegment(index, positions, torch.arange(Lq, Lq + e - s), n_front=Lq, query_rows=(0, Lq),
+                              query_shift=C - p, score_only=True, head_len=p, host=host)
+        p = min(prefix, s)
         q_len = Lq if embed else 0
         a = max(p, min(anchor, s - q_len)) if embed else min(anchor, s)
         index = torch.cat([torch.arange(p), query if embed else query[:0], torch.arange(p, a)])
         n_front = len(index)
         positions = torch.cat([torch.arange(n_front), block])
         index = torch.cat([index, block])
-        return [APBSegment(index, positions, torch.arange(n_front, n_front + e - s), n_front=n_front,
-                           query_rows=(p, p + q_len) if embed else None, query_shift=C - p)]
+        return APBSegment(index, positions, torch.arange(n_front, n_front + e - s), n_front=n_front,
+                          query_rows=(p, p + q_len) if embed else None, query_shift=C - p, host=host)
 
     # -- per-layer pieces ---------------------------------------------------------------------
 
@@ -419,7 +471,7 @@ class APBAttention(ContextStrategy):
         F_ = seg.n_front
         kL, vL, pL = k[:, :, F_:], v[:, :, F_:], pos[F_:]
         B, Hkv, n, D = kL.shape
-        m = self._passing_counts()[self.rank]
+        m = self._passing_counts()[seg.host]
         if m == n:  # the budget covers the block: pass it whole
             return kL, vL, pL.expand(B, Hkv, n)
         query = None
@@ -428,10 +480,27 @@ class APBAttention(ContextStrategy):
             query = q[:, :, r0:r1]
             if self.inv_freq is not None and seg.query_shift:
                 query = _rotate(query, seg.query_shift, self.inv_freq)
-        scores = self.compressor.score(ScoreInput(layer, q[:, :, F_:], kL, vL, pL, query, self.rank, self.inv_freq))
+        offset = 0 if self.tp_group is None else dist.get_rank(self.tp_group) * Hkv  # this rank's first KV head
+        scores = self.compressor.score(ScoreInput(layer, q[:, :, F_:], kL, vL, pL, query, seg.host, self.inv_freq,
+                                                  offset))
         idx = scores.topk(m, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, m]
         gather = idx[..., None].expand(B, Hkv, m, D)
         return kL.gather(2, gather), vL.gather(2, gather), pL[idx]
+
+    def _exchange_virtual(self, layer: int, host: int, sel, like: torch.Tensor):
+        """Study mode: keep this host's passing entries for later hosts, return those of earlier ones
+        (same result and order as `_exchange` over `hosts` ranks, no collective)."""
+        B, Hkv, _, D = like.shape
+        store = self._stash.setdefault(layer, {})
+        if sel is not None:
+            store[host] = sel
+        shape = (B, Hkv, max(self._passing_counts()), 2 * D + 8 // like.element_size())
+        if host == 0:
+            return None, shape
+        if any(j not in store for j in range(host)):
+            raise RuntimeError(f"APB study mode: host {host} ran before an earlier host at layer {layer}")
+        got = [store[j] for j in range(host)]
+        return tuple(torch.cat([g[i] for g in got], dim=2) for i in range(3)), shape
 
     def _exchange(self, sel, like: torch.Tensor):
         """One all-gather of every rank's passing entries (k, v and positions packed into one tensor of
@@ -463,11 +532,11 @@ class APBAttention(ContextStrategy):
             raise RuntimeError("APB: call segments(prompt_len, context_len) before prefill_attend")
         seg = segment if isinstance(segment, APBSegment) else APBSegment(segment.index, segment.positions, segment.cache_rows)
         _, passing = self._sizes
-        exchange = self.cp > 1 and passing > 0
-        last = self.rank == self.cp - 1
+        exchange = self.hosts > 1 and passing > 0
+        last = seg.host == self.hosts - 1
         calls = [0]
 
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             i = calls[0]
             calls[0] += 1
             layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i
@@ -479,15 +548,19 @@ class APBAttention(ContextStrategy):
                 extra_v.append(v[:, :, :F_])
             if exchange:
                 sel = None if last else self._select(layer, seg, q, k, v, pos)
-                got, sent = self._exchange(sel, kL)
+                if self.cp > 1:
+                    got, sent = self._exchange(sel, kL)
+                else:
+                    got, sent = self._exchange_virtual(layer, seg.host, sel, kL)
                 if got is not None:
                     extra_k.append(got[0])
                     extra_v.append(got[1])
                 if self.trace is not None:
-                    self.trace.append({"layer": layer, "sent": sent,
+                    self.trace.append({"layer": layer, "host": seg.host, "sent": sent,
                                        "selected": None if sel is None else sel[2].cpu(),
                                        "received": None if got is None else got[2].cpu()})
-            out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True)
+            # The block's own causal part is the quadratic one: a sparse method (--sparse) applies there.
+            out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern_for(sparse, qL))
             if extra_k:
                 ek, ev = torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)
                 o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False)

@@ -19,6 +19,8 @@ class ContextParallelRunner(LocalRunner):
         super().__init__(model)
         self.strategy = strategy
         self.sample = sampler or sample
+        if hasattr(strategy, "bind"):  # strategies that need the model's RoPE / layer ids (APB)
+            strategy.bind(model)
 
     def _set_attend(self, fn) -> None:
         for layer in self.model.layers:
@@ -59,6 +61,8 @@ class ContextParallelRunner(LocalRunner):
             raise ValueError("--prefill-chunk is not supported with a context strategy yet: each CP rank "
                              "already holds only its shard; drop --prefill-chunk")
         ids = torch.tensor(prompt.ids, device=cache.device)
+        if hasattr(self.strategy, "use_prompt_head"):  # APB embeds the query after the chat template's head
+            self.strategy.use_prompt_head(getattr(prompt, "head_len", 0))
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
         context_len = min(prompt.context_len, len(prompt.ids) - 1)
         logits, owner = self.prefill_logits(ids, context_len, cache)
