@@ -43,9 +43,11 @@ def fixed_scores(layer, n_heads, pos):
     return ((pos.cpu()[None, :] * 7919 + h * 104729 + layer * 1299709) % 1000003).float().to(pos.device)
 
 
-def fixed_selection(passing):
+def fixed_selection(passing, skip_below=lambda rank: 0):
+    """The fixed compressor's picks; `skip_below(rank)`: the next rank's anchor ends there, so those
+    positions are never passed (no key is seen twice)."""
     def selected(layer, head, rank, block):
-        pos = torch.tensor(block)
+        pos = torch.tensor([t for t in block if t >= skip_below(rank)], dtype=torch.long)
         m = min(passing, len(block))
         keep = fixed_scores(layer, head + 1, pos)[head].topk(m).indices
         return pos[keep].tolist()
@@ -416,7 +418,13 @@ def test_fixed_selection_equals_masked_reference(ranks, model_path, cp):
     name = f"fixed{cp}"
     _, _, L, C, kw = case(name)
     cfg = model.config
-    selected = fixed_selection(kw["passing_size"])
+    b = apb_bounds(C, cp)
+
+    def next_anchor_end(r):  # rank r+1's anchor: the prefix, the embedded query, then context up to here
+        s = b[r + 1]
+        return max(min(kw["prefix_len"], s), min(kw["anchor_size"], s - (L - C)))
+
+    selected = fixed_selection(kw["passing_size"], next_anchor_end)
     index, pos, vis = apb_unrolled(L, C, cp, anchor=kw["anchor_size"], selected=selected, n_layers=cfg.num_layers,
                                    n_kv_heads=cfg.num_kv_heads, prefix_len=kw["prefix_len"], score_rows=True)
     ref, toks = masked_tokens(model, index, ranks[0][name]["ids"], pos, vis, STEPS)
@@ -427,7 +435,6 @@ def test_fixed_selection_equals_masked_reference(ranks, model_path, cp):
         dense = model(ranks[0][name]["ids"][None])[0, -1]
     assert rel(ranks[0][name]["logits"], dense) > 1e-3
     # Each rank but the last sent exactly the fixed selection, in position order.
-    b = apb_bounds(C, cp)
     for r in range(cp - 1):
         for layer, t in enumerate(ranks[r][name]["trace"]):
             for h in range(cfg.num_kv_heads):
@@ -569,3 +576,16 @@ def test_compressors_score_a_head_slice_as_the_full_model_does():
                                              None if with_query is None else with_query[:, 2 * h : 2 * h + 2], 2,
                                              kv_head_offset=h))
                 assert torch.allclose(part, full[:, h : h + 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("hosts,anchor", [(3, 10), (4, 30)])
+def test_full_passing_with_an_anchor_is_exact(model, hosts, anchor):
+    """Passing budget over every block and the query not embedded: each block row sees the anchor,
+    every earlier block (what its anchor does not hold) and its own block, each key once, so APB
+    equals dense attention. A key passed on that the receiver's anchor also holds would count twice
+    in its softmax and break this (anchor 30 covers all of rank 0's block and part of rank 1's)."""
+    ids = torch.randint(0, 211, (77,), generator=torch.Generator().manual_seed(hosts))
+    got, _ = apb_run(model, ids, 67, num_blocks=hosts, anchor_size=anchor, passing_size=1000, embed_query=False)
+    with torch.no_grad():
+        ref = model(ids[None])[0, -1]
+    assert rel(got, ref) <= 1e-5

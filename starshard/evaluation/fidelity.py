@@ -19,8 +19,8 @@ heads score matrix is never materialised at once):
                    masked float64 one, against dense
 
 o_approx of a mask-defined approximation is masked dense attention in float64 (softmax over the kept
-keys only; a key the method sees twice, as APB does with anchor tokens that rank 0 also passes, counts
-twice). What is modelled is what each method *drops*; keys a method adds that dense attention does not
+keys only; a key a method sees twice counts twice: APB passes no key its receiver's anchor holds, so
+none does today, but the model keeps the count). What is modelled is what each method *drops*; keys a method adds that dense attention does not
 have (APB's embedded query in the anchor) are not. At layer 0, whose inputs do not depend on attention,
 the outputs equal the real strategies' (tests/test_fidelity.py checks Star and APB).
 
@@ -94,7 +94,8 @@ class Approximation:
 
     def key_counts(self, x: LayerInputs, r0: int, r1: int) -> torch.Tensor | None:
         """How many times each kept key enters the row's softmax, shaped like keep_mask, or None (once).
-        APB sees a key twice when it is in the anchor and also in an earlier rank's passing block."""
+        A key in a receiver's anchor and in an earlier rank's passing block would count twice (APB's
+        selection leaves those out)."""
         return None
 
     def output(self, x: LayerInputs) -> torch.Tensor | None:

@@ -418,10 +418,26 @@ class APBAttention(ContextStrategy):
         return (anchor if self.anchor_size is None else self.anchor_size,
                 passing if self.passing_size is None else self.passing_size)
 
+    def anchor_context_end(self, host: int, prompt_len: int, context_len: int) -> int:
+        """Host `host`'s anchor holds context positions [0, this) (0 for host 0)."""
+        if host == 0:
+            return 0
+        s = self._bounds[host]
+        anchor, _ = self._sizes
+        p = min(self.effective_prefix_len, s)
+        embed = self.embed_query and prompt_len > context_len and self.hosts > 1
+        return max(p, min(anchor, s - (prompt_len - context_len))) if embed else min(anchor, s)
+
+    def _candidates(self, host: int) -> tuple[int, int]:
+        """Positions [lo, hi) host `host` may pass on: its block minus what the next host's anchor
+        already holds (anchors only grow with the host index), so no later host sees a key twice."""
+        lo, hi = self._bounds[host], self._bounds[host + 1]
+        nxt = self._anchor_ends[host + 1] if host + 1 < self.hosts else 0
+        return min(max(lo, nxt), hi), hi
+
     def _passing_counts(self) -> list[int]:
         _, passing = self._sizes
-        b = self._bounds
-        return [min(passing, b[r + 1] - b[r]) for r in range(self.hosts)]
+        return [min(passing, hi - lo) for lo, hi in map(self._candidates, range(self.hosts))]
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         C = context_len
@@ -431,6 +447,7 @@ class APBAttention(ContextStrategy):
                              f"{self.hosts} hosts; lower the host count or lengthen the context")
         self._bounds = apb_bounds(C, self.hosts)
         self._sizes = self.resolved_sizes(C)
+        self._anchor_ends = [self.anchor_context_end(h, prompt_len, C) for h in range(self.hosts)]
         self._stash = {}
         hosts = [self.rank] if self.cp > 1 else range(self.hosts)
         return [self._host_segment(h, prompt_len, C) for h in hosts]
@@ -472,8 +489,10 @@ class APBAttention(ContextStrategy):
         kL, vL, pL = k[:, :, F_:], v[:, :, F_:], pos[F_:]
         B, Hkv, n, D = kL.shape
         m = self._passing_counts()[seg.host]
-        if m == n:  # the budget covers the block: pass it whole
-            return kL, vL, pL.expand(B, Hkv, n)
+        lo, hi = self._candidates(seg.host)
+        first = lo - self._bounds[seg.host]  # block rows before `first` sit in the next host's anchor
+        if m == hi - lo:  # the budget covers every candidate: pass them whole
+            return kL[:, :, first:], vL[:, :, first:], pL[first:].expand(B, Hkv, m)
         query = None
         if seg.query_rows is not None and self.compressor.uses_query:
             r0, r1 = seg.query_rows
@@ -483,7 +502,7 @@ class APBAttention(ContextStrategy):
         offset = 0 if self.tp_group is None else dist.get_rank(self.tp_group) * Hkv  # this rank's first KV head
         scores = self.compressor.score(ScoreInput(layer, q[:, :, F_:], kL, vL, pL, query, seg.host, self.inv_freq,
                                                   offset))
-        idx = scores.topk(m, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, m]
+        idx = scores[..., first:].topk(m, dim=-1).indices.sort(dim=-1).values + first  # [B, Hkv, m]
         gather = idx[..., None].expand(B, Hkv, m, D)
         return kL.gather(2, gather), vL.gather(2, gather), pL[idx]
 
