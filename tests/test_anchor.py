@@ -321,3 +321,24 @@ def test_kernel_compiles_for_sm90(tmp_path):
     if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this triton install")
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_bench_script_runs_on_cpu(tmp_path):
+    """launch/bench_anchor.py end to end at a tiny size (interpreted Triton)."""
+    out = tmp_path / "anchor.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "launch" / "bench_anchor.py"), "--device", "cpu", "--quick", "--lengths", "128",
+           "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dtype", "float32", "--block-q", "16",
+           "--block-k", "16", "--init-tokens", "16", "--step", "2", "--thetas", "3", "--vs", "8,32",
+           "--vs-block-size", "16", "--repeats", "1", "--warmup", "0", "--recall-blocks", "2", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    row = json.loads(out.read_text())["results"][0]
+    a, vs = row["anchor"][0], row["vertical_slash"][0]
+    assert 0 < a["density"] < 1 and 0 < a["recall"] <= 1 + 1e-6 and a["rel_err"] < 1e-4
+    assert 0 < vs["recall"] <= 1 + 1e-6 and vs["rel_err"] < 1e-4
+    for key in ("dense_sdpa_cpu_ms",):
+        assert row[key] > 0
+    assert a["identify_ms"] > 0 and a["kernel_ms"] > 0 and a["total_ms"] > 0
