@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -195,7 +194,7 @@ def main(argv=None) -> dict:
         del q, k, v, kd, vd
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    text = json.dumps(result, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
+    text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

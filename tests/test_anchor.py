@@ -350,3 +350,16 @@ def test_bench_script_runs_on_cpu(tmp_path):
     for key in ("dense_sdpa_cpu_ms",):
         assert row[key] > 0
     assert a["identify_ms"] > 0 and a["kernel_ms"] > 0 and a["total_ms"] > 0
+
+
+def test_gapped_positions_query_is_tail_of_keys():
+    """Star's [anchor; block] layout: positions with a gap, the query block is the tail of its keys."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) * 2), torch.randn(1, 1, 70, 16, generator=g), torch.randn(1, 1, 70, 16, generator=g)
+    k_pos = torch.cat([torch.arange(10), torch.arange(300, 360)])
+    cfg = an.AnchorConfig(theta=2.0, block_q=16, block_k=16, init_tokens=4, local_window=5, step=1)
+    index = an.build_index(q, k, cfg, offset=30, backend="torch")
+    ref, ref_lse = masked_reference(q, k, v, reference_vis(cfg, index, 1, 2, 40, 70, 30))
+    for backend in ("triton", "torch"):
+        out, lse = an.anchor_attention(q, k, v, q_pos=k_pos[30:], k_pos=k_pos, config=cfg, backend=backend)
+        assert_matches(out, lse, ref, ref_lse, torch.float32)
