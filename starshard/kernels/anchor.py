@@ -546,7 +546,10 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     if Lk == 0:
         return torch.zeros_like(q), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
-    offset = query_offset(q_pos, k_pos, Lq, Lk)
+    try:
+        offset = query_offset(q_pos, k_pos, Lq, Lk)
+    except ValueError as e:  # same layouts as MInference; say which method refused
+        raise ValueError(f"AnchorAttention: {e}") from None
     index = build_index(q, k, config, offset=offset, scale=scale, backend=backend)
     return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
 
