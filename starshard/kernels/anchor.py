@@ -66,7 +66,10 @@ class AnchorConfig:
     score; the paper uses 12); block_q: query rows per pooled block and per kernel program; block_k:
     keys per load in the kernels; init_tokens: initial keys always attended (and part of the anchor);
     local_window: keys before a group's first row that belong to its window (besides the group itself);
-    step: query blocks sharing one stripe selection (the paper's `step`)."""
+    step: query blocks sharing one stripe selection (the paper's `step`). Defaults are the paper's
+    (theta 12, 128-row blocks, step 16, for 8B models at 32K-128K); a small model at a few thousand
+    tokens needs finer pooling (SmolLM2-135M passkey at 2K: found with block_q=16, step=1, lost with
+    block_q=64, step=4 at the same theta)."""
 
     theta: float = 12.0
     block_q: int = 128
