@@ -1,0 +1,573 @@
+"""AnchorAttention sparse prefill: anchor scores, difference-aware stripe selection, sparse flash by index.
+
+    cfg = AnchorConfig(theta=12.0)
+    out, lse = anchor_attention(q, k, v, q_pos=..., k_pos=..., config=cfg)   # entry point
+    out, lse = cfg.attention(q, k, v, q_pos=..., k_pos=...)                   # the `sparse=` hook form
+
+Same contract as `attention` (DESIGN.md): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA, K/V never
+repeated), causal by global position, out in q.dtype, lse float32 (natural log), rows that see no key
+get out = 0 and lse = -inf. Position layouts as MInference (`minference.query_offset`): query row i
+sits at key index i + off and sees key j iff j <= i + off.
+
+The method (AnchorAttention paper, Algorithms 1-3), in key-index space. Query rows are cut into
+blocks of `block_q` rows (block m starts at key index b_m = m * block_q + off); `step` consecutive
+blocks form a group g, whose first row sits at key index gb_g. For group g:
+- window start ws_g = max(0, gb_g - local_window). The *anchor region* of row i is the keys
+  j <= i + off with j < init_tokens (initial tokens) or j >= ws_g (local window, up to the diagonal).
+- stage 1, anchor: x_a[i] = max over the anchor region of q_i . k_j * scale (no score matrix kept).
+- stage 2, stripe identification: the block means qbar_m (of q rows) and xbar_m (of x_a) of every block
+  m in g; candidates are the keys init_tokens <= j < ws_g (each visible to every row of the group);
+  key j is selected iff xbar_m - qbar_m . k_j * scale <= theta for some block m of the group (the
+  paper's `step` union). No sorting: selected keys are written, ascending, into a compact per-group
+  list (idx [B, Hq, G, KI] int32, count [B, Hq, G]).
+- stage 3, sparse compute: per query block, a flash loop over its anchor region (contiguous spans)
+  and then over the group's selected keys, loaded by index `block_k` at a time (stripes: one key
+  row at a time in the key dimension, any gaps).
+theta = +inf keeps every candidate, i.e. exact causal attention.
+
+Backends: Triton kernels (anchor max, identification with in-kernel compaction, sparse flash) on CUDA
+or under TRITON_INTERPRET=1; otherwise torch code computing the very same quantities (float32 math,
+float64 for float64 inputs). Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
+exact dense attention.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from starshard.kernels.attention import check_shapes
+from starshard.kernels.minference import MIN_SPARSE_ROWS, _is_triton_interpreted, query_offset
+
+try:
+    import triton
+    import triton.language as tl
+
+    from starshard.kernels.minference import _chunk, _span  # shared streaming-softmax steps
+except ImportError:  # non-Linux CPU installs: torch path only
+    triton = None
+
+_LOG2E = 1.4426950408889634
+_SCORE_BUDGET = 1 << 24  # elements of a float32 score tile on the torch paths
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> bool:
+    return x >= 16 and not x & (x - 1)
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    """AnchorAttention parameters. theta: score-difference threshold (natural-log units of the scaled
+    score; the paper uses 12); block_q: query rows per pooled block and per kernel program; block_k:
+    keys per load in the kernels; init_tokens: initial keys always attended (and part of the anchor);
+    local_window: keys before a group's first row that belong to its window (besides the group itself);
+    step: query blocks sharing one stripe selection (the paper's `step`). Defaults are the paper's
+    (theta 12, 128-row blocks, step 16, for 8B models at 32K-128K); a small model at a few thousand
+    tokens needs finer pooling (SmolLM2-135M passkey at 2K: found with block_q=16, step=1, lost with
+    block_q=64, step=4 at the same theta)."""
+
+    theta: float = 12.0
+    block_q: int = 128
+    block_k: int = 64
+    init_tokens: int = 128
+    local_window: int = 0
+    step: int = 16
+
+    def __post_init__(self):
+        if not isinstance(self.theta, (int, float)) or math.isnan(self.theta):
+            raise ValueError(f"AnchorConfig.theta must be a number (or inf for dense), got {self.theta!r}")
+        if not _pow2(self.block_q) or not _pow2(self.block_k):
+            raise ValueError(f"AnchorConfig block_q and block_k must be powers of two >= 16, got {self.block_q}, {self.block_k}")
+        if self.init_tokens < 0 or self.local_window < 0:
+            raise ValueError(f"AnchorConfig init_tokens and local_window must be >= 0, got {self.init_tokens}, {self.local_window}")
+        if self.step < 1:
+            raise ValueError(f"AnchorConfig.step must be >= 1, got {self.step}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AnchorConfig":
+        known = {f.name for f in fields(cls)}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown AnchorConfig keys {sorted(extra)}; known: {sorted(known)}")
+        return cls(**{k: (float(v) if k == "theta" else int(v)) for k, v in d.items()})
+
+    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None):
+        """The hook `attention(..., sparse=config)` calls."""
+        return anchor_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, config=self, scale=scale, causal=causal)
+
+
+@dataclass
+class StripeIndex:
+    """Selected keys per group of `step` query blocks: idx [B, Hq, G, KI] int32, ascending in the first
+    count[b, h, g] entries (the rest is unspecified); count [B, Hq, G] int32."""
+
+    idx: torch.Tensor
+    count: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------------
+# Geometry shared by every path
+# --------------------------------------------------------------------------------------------------
+
+
+def window_starts(cfg: AnchorConfig, *, Lq: int, offset: int, device=None) -> torch.Tensor:
+    """ws_g per group g: [G] int64."""
+    G = _cdiv(_cdiv(Lq, cfg.block_q), cfg.step)
+    gb = torch.arange(G, device=device) * (cfg.step * cfg.block_q) + offset
+    return (gb - cfg.local_window).clamp(min=0)
+
+
+def index_capacity(cfg: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> int:
+    """Most candidates any group has (host arithmetic, no sync): the last group's."""
+    G = _cdiv(_cdiv(Lq, cfg.block_q), cfg.step)
+    ws = max(0, (G - 1) * cfg.step * cfg.block_q + offset - cfg.local_window)
+    return max(0, min(ws, Lk) - cfg.init_tokens)
+
+
+def anchor_region(cfg: AnchorConfig, *, Lq: int, Lk: int, offset: int, rows: torch.Tensor) -> torch.Tensor:
+    """[rows, Lk] bool: the anchor region (initial tokens + local window, causal) of query rows `rows`."""
+    ws = window_starts(cfg, Lq=Lq, offset=offset, device=rows.device)[rows // (cfg.block_q * cfg.step)]
+    j = torch.arange(Lk, device=rows.device)[None, :]
+    qi = (rows + offset)[:, None]
+    return (j <= qi) & ((j < cfg.init_tokens) | (j >= ws[:, None]))
+
+
+def selected_mask(index: StripeIndex, Lk: int) -> torch.Tensor:
+    """[B, Hq, G, Lk] bool from the compact lists."""
+    B, H, G, KI = index.idx.shape
+    mask = torch.zeros(B, H, G, Lk + 1, dtype=torch.bool, device=index.idx.device)
+    if KI:
+        valid = torch.arange(KI, device=index.idx.device) < index.count[..., None]
+        cols = torch.where(valid, index.idx.long(), Lk)  # invalid entries land in a spare column
+        mask.scatter_(3, cols, True)
+    return mask[..., :Lk]
+
+
+def _accum(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def pool_blocks(q: torch.Tensor, xa: torch.Tensor, block_q: int):
+    """Block means of query rows [B, Hq, nM, D] and of anchors [B, Hq, nM] (float32, float64 for float64);
+    the last block averages only its real rows."""
+    B, Hq, Lq, D = q.shape
+    nM = _cdiv(Lq, block_q)
+    pad = nM * block_q - Lq
+    acc = _accum(q)
+    qs = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).view(B, Hq, nM, block_q, D).sum(3)
+    xs = torch.nn.functional.pad(xa.to(acc), (0, pad)).view(B, Hq, nM, block_q).sum(3)
+    n = torch.full((nM,), float(block_q), dtype=acc, device=q.device)
+    n[-1] = block_q - pad
+    return qs / n[:, None], xs / n
+
+
+# --------------------------------------------------------------------------------------------------
+# Torch paths (also the CPU fallback)
+# --------------------------------------------------------------------------------------------------
+
+
+def _anchor_max_torch(q, k, cfg, *, offset, scale):
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    acc = _accum(q)
+    kf = k.to(acc)
+    xa = torch.empty(B, Hq, Lq, dtype=acc, device=q.device)
+    rows = max(1, _SCORE_BUDGET // max(1, B * Hq * Lk))
+    for r0 in range(0, Lq, rows):
+        r1 = min(Lq, r0 + rows)
+        reg = anchor_region(cfg, Lq=Lq, Lk=Lk, offset=offset, rows=torch.arange(r0, r1, device=q.device))
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, r0:r1].to(acc).view(B, Hkv, g, r1 - r0, D), kf)
+        s = s.reshape(B, Hq, r1 - r0, Lk) * scale
+        xa[:, :, r0:r1] = s.masked_fill(~reg, float("-inf")).amax(-1) if Lk else float("-inf")
+    return xa.float() if acc == torch.float32 else xa
+
+
+def _identify_torch(q, k, xa, cfg, *, offset, scale):
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qbar, xbar = pool_blocks(q, xa, cfg.block_q)  # [B, Hq, nM, D], [B, Hq, nM]
+    nM = qbar.shape[2]
+    G = _cdiv(nM, cfg.step)
+    KI = index_capacity(cfg, Lq=Lq, Lk=Lk, offset=offset)
+    ws = window_starts(cfg, Lq=Lq, offset=offset).tolist()
+    idx = torch.zeros(B, Hq, G, KI, dtype=torch.int32, device=q.device)
+    count = torch.zeros(B, Hq, G, dtype=torch.int32, device=q.device)
+    kf = k.to(qbar.dtype)
+    for gi in range(G):
+        lo, hi = cfg.init_tokens, min(ws[gi], Lk)
+        if hi <= lo:
+            continue
+        m0, m1 = gi * cfg.step, min(nM, (gi + 1) * cfg.step)
+        qb = qbar[:, :, m0:m1].reshape(B, Hkv, g, m1 - m0, D)
+        s = torch.einsum("bhgmd,bhkd->bhgmk", qb, kf[:, :, lo:hi]).reshape(B, Hq, m1 - m0, hi - lo) * scale
+        hit = ((xbar[:, :, m0:m1, None] - s) <= cfg.theta).any(2)  # [B, Hq, n]
+        pos = hit.long().cumsum(-1) - 1  # compaction without sorting
+        cols = torch.arange(lo, hi, device=q.device, dtype=torch.int32).expand_as(hit)
+        dest = torch.where(hit, pos, KI)  # misses land in a spare slot
+        row = torch.zeros(B, Hq, KI + 1, dtype=torch.int32, device=q.device)
+        row.scatter_(2, dest, cols)
+        idx[:, :, gi] = row[..., :KI]
+        count[:, :, gi] = hit.sum(-1).to(torch.int32)
+    return StripeIndex(idx, count)
+
+
+def _sparse_torch(q, k, v, index, cfg, *, offset, scale):
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    acc = _accum(q)
+    kf, vf = k.to(acc), v.to(acc)
+    sel = selected_mask(index, Lk)  # [B, Hq, G, Lk]
+    out = torch.empty(B, Hq, Lq, D, dtype=acc, device=q.device)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    rows = max(1, _SCORE_BUDGET // max(1, B * Hq * Lk))
+    for r0 in range(0, Lq, rows):
+        r1 = min(Lq, r0 + rows)
+        r = torch.arange(r0, r1, device=q.device)
+        vis = anchor_region(cfg, Lq=Lq, Lk=Lk, offset=offset, rows=r) | sel[:, :, r // (cfg.block_q * cfg.step)]
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, r0:r1].to(acc).view(B, Hkv, g, r1 - r0, D), kf)
+        s = s.reshape(B, Hq, r1 - r0, Lk).mul(scale).masked_fill(~vis, float("-inf"))
+        m = torch.logsumexp(s, -1)
+        p = torch.exp(s - m.nan_to_num(neginf=0.0)[..., None])
+        o = torch.einsum("bhgqk,bhkd->bhgqd", p.view(B, Hkv, g, r1 - r0, Lk), vf).reshape(B, Hq, r1 - r0, D)
+        out[:, :, r0:r1] = o
+        lse[:, :, r0:r1] = m.float()
+    return out.to(q.dtype), lse
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _max_span(q, x_i, kt_base, s_kn, offs_n, d_ok, q_idx, lo, hi, qk_scale,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Row max of q . k * qk_scale over keys lo..hi-1 (causal by q_idx), folded into x_i."""
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + offs_n
+            ok = cols < hi
+            kt = tl.load(kt_base + cols[None, :] * s_kn, mask=ok[None, :] & d_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, kt) * qk_scale
+            s = tl.where(ok[None, :] & (cols[None, :] <= q_idx[:, None]), s, float("-inf"))
+            x_i = tl.maximum(x_i, tl.max(s, 1))
+        return x_i
+
+    @triton.jit
+    def _anchor_max_fwd(
+        Q, K, XA, qk_scale,
+        s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+        Hq, G, Lq, Lk, off, init_tokens, local_window, rows_per_group,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1)
+        b = pid // Hq
+        h = pid % Hq
+        kvh = h // G
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = offs_m < Lq
+        d_ok = offs_d < HEAD_DIM
+        q_idx = offs_m + off
+        last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Lq) - 1 + off
+        ws = tl.maximum((pid_m * BLOCK_M // rows_per_group) * rows_per_group + off - local_window, 0)
+        q = tl.load(Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
+        hi = tl.minimum(last + 1, Lk)
+        x_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        # initial tokens, then the window; one span when they touch
+        sep = ws > init_tokens
+        i_hi = tl.where(sep, tl.minimum(init_tokens, hi), 0)
+        w_lo = tl.where(sep, ws, 0)
+        x_i = _max_span(q, x_i, kt_base, s_kn, offs_n, d_ok, q_idx, 0, i_hi, qk_scale, BLOCK_N, IEEE)
+        x_i = _max_span(q, x_i, kt_base, s_kn, offs_n, d_ok, q_idx, w_lo, hi, qk_scale, BLOCK_N, IEEE)
+        tl.store(XA + pid.to(tl.int64) * Lq + offs_m, x_i, mask=row_ok)
+
+    @triton.jit
+    def _identify_fwd(
+        QP, XP, K, IDX, CNT, qk_scale, theta,
+        s_kb, s_kh, s_kn, s_kd,
+        Hq, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STEP_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        # One program per (group, batch x head): pooled queries of the group's blocks against every
+        # candidate key; a key is kept if any block's pooled anchor minus its score is <= theta.
+        gi = tl.program_id(0)
+        pid = tl.program_id(1)
+        b = pid // Hq
+        h = pid % Hq
+        kvh = h // G
+        offs_s = gi * step + tl.arange(0, STEP_P)
+        s_ok = (tl.arange(0, STEP_P) < step) & (offs_s < nM)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_ok = offs_d < HEAD_DIM
+        qp = tl.load(QP + (pid.to(tl.int64) * nM + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        xp = tl.load(XP + pid.to(tl.int64) * nM + offs_s, mask=s_ok, other=0.0)
+        # score >= xbar - theta  <=>  xbar - score <= theta; padded blocks never hit
+        thr = tl.where(s_ok, xp - theta, float("inf"))
+        kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
+        ws = tl.maximum(gi * rows_per_group + off - local_window, 0)
+        hi = tl.minimum(ws, Lk)
+        out_ptr = IDX + (pid.to(tl.int64) * n_groups + gi) * KI
+        cnt = gi - gi  # int32 zero
+        for start in range(init_tokens, hi, BLOCK_N):
+            cols = start + offs_n
+            ok = cols < hi
+            kt = tl.load(kt_base + cols[None, :] * s_kn, mask=ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+            if IEEE:
+                s = tl.dot(qp, kt, input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(qp, kt) * qk_scale
+            hit = (tl.max(s - thr[:, None], 0) >= 0) & ok
+            hit_i = hit.to(tl.int32)
+            pos = cnt + tl.cumsum(hit_i, 0) - 1
+            tl.store(out_ptr + pos, cols, mask=hit)
+            cnt += tl.sum(hit_i, 0)
+        tl.store(CNT + pid.to(tl.int64) * n_groups + gi, cnt)
+
+    @triton.jit
+    def _anchor_sparse_fwd(
+        Q, K, V, O, LSE, IDX, CNT, qk_scale,
+        s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om, s_od,
+        Hq, G, Lq, Lk, off, n_qblocks, n_groups, KI, init_tokens, local_window, rows_per_group,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        pid_m = n_qblocks - 1 - tl.program_id(0)  # heaviest query blocks first
+        pid = tl.program_id(1)
+        b = pid // Hq
+        h = pid % Hq
+        kvh = h // G
+        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = offs_m < Lq
+        d_ok = offs_d < HEAD_DIM
+        q_idx = offs_m + off
+        base = pid_m * BLOCK_M + off
+        last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, Lq) - 1 + off
+        gi = pid_m * BLOCK_M // rows_per_group
+        ws = tl.maximum(gi * rows_per_group + off - local_window, 0)
+
+        q = tl.load(Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
+        v_base = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_d[None, :] * s_vd
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # anchor region: initial tokens (every row sees them when apart from the window), then the
+        # window up to the diagonal; keys <= base need no causal mask
+        hi = tl.minimum(last + 1, Lk)
+        sep = ws > init_tokens
+        zero = base - base
+        i_hi = tl.where(sep, tl.minimum(init_tokens, Lk), zero)
+        m_i, l_i, acc = _span(q, m_i, l_i, acc, kt_base, v_base, s_kn, s_vn, offs_n, d_ok, q_idx,
+                              zero, i_hi, zero, i_hi, zero, zero, qk_scale, BLOCK_N, False, EVEN_D, IEEE)
+        w_lo = tl.where(sep, ws, zero)
+        m_i, l_i, acc = _span(q, m_i, l_i, acc, kt_base, v_base, s_kn, s_vn, offs_n, d_ok, q_idx,
+                              w_lo, hi, w_lo, tl.minimum(hi, base + 1), zero, zero, qk_scale, BLOCK_N, False,
+                              EVEN_D, IEEE)
+        # stripes: the group's selected keys (all before ws, so visible to every row), by index
+        grp = pid.to(tl.int64) * n_groups + gi
+        n_sel = tl.load(CNT + grp)
+        idx_ptr = IDX + grp * KI
+        n_full = (n_sel // BLOCK_N) * BLOCK_N
+        for c in range(0, n_full, BLOCK_N):
+            cols = tl.load(idx_ptr + c + offs_n)
+            m_i, l_i, acc = _chunk(q, m_i, l_i, acc, kt_base, v_base, cols, cols >= 0, s_kn, s_vn, d_ok, q_idx,
+                                   0, 0, qk_scale, False, False, EVEN_D, IEEE)
+        if n_full < n_sel:
+            ok = (n_full + offs_n) < n_sel
+            cols = tl.load(idx_ptr + n_full + offs_n, mask=ok, other=0)
+            m_i, l_i, acc = _chunk(q, m_i, l_i, acc, kt_base, v_base, cols, ok, s_kn, s_vn, d_ok, q_idx,
+                                   0, 0, qk_scale, True, False, EVEN_D, IEEE)
+
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        o_ptrs = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + pid.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+
+
+def triton_available(q: torch.Tensor) -> bool:
+    """The Triton kernels run on CUDA tensors, or on CPU tensors when Triton is interpreted."""
+    if triton is None or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if q.is_cuda:
+        return True
+    return q.device.type == "cpu" and _is_triton_interpreted(_anchor_sparse_fwd)
+
+
+def default_launch(head_dim: int, block_q: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the sparse kernel; 8 warps for 128-row blocks or wide heads."""
+    if block_q >= 128 or head_dim > 64:
+        return 8, 2 if head_dim <= 128 else 1
+    return 4, 2
+
+
+def _use_triton(q, backend) -> bool:
+    if backend is None:
+        return triton_available(q)
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    if backend == "triton" and not triton_available(q):
+        raise RuntimeError("the Triton AnchorAttention kernels need CUDA tensors (or TRITON_INTERPRET=1 on CPU) "
+                           "and float16/bfloat16/float32")
+    return backend == "triton"
+
+
+def _block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
+
+
+# --------------------------------------------------------------------------------------------------
+# The three stages and the entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None) -> torch.Tensor:
+    """Stage 1: x_a [B, Hq, Lq] float32 (float64 for float64 inputs): per row, the max scaled score over
+    its anchor region (-inf if the region is empty)."""
+    check_shapes(q, k, k)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    if not _use_triton(q, backend):
+        return _anchor_max_torch(q, k, config, offset=offset, scale=scale)
+    xa = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    BM = config.block_q
+    grid = (_cdiv(Lq, BM), B * Hq)
+    _anchor_max_fwd[grid](
+        q, k, xa, float(scale), *q.stride(), *k.stride(),
+        Hq, Hq // Hkv, Lq, Lk, offset, config.init_tokens, config.local_window, BM * config.step,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32,
+        num_warps=4 if BM <= 64 else 8, num_stages=2,
+    )
+    return xa
+
+
+def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None, backend=None) -> StripeIndex:
+    """Stage 2: per group of `step` query blocks, the candidate keys (init_tokens <= j < ws_g) with
+    xbar_m - qbar_m . k_j * scale <= theta for some block m of the group, as compact ascending lists."""
+    check_shapes(q, k, k)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    if not _use_triton(q, backend):
+        return _identify_torch(q, k, xa, config, offset=offset, scale=scale)
+    qbar, xbar = pool_blocks(q, xa, config.block_q)
+    nM = qbar.shape[2]
+    G = _cdiv(nM, config.step)
+    KI = index_capacity(config, Lq=Lq, Lk=Lk, offset=offset)
+    idx = torch.empty(B, Hq, G, max(KI, 1), dtype=torch.int32, device=q.device)
+    count = torch.empty(B, Hq, G, dtype=torch.int32, device=q.device)
+    _identify_fwd[(G, B * Hq)](
+        qbar.contiguous(), xbar.contiguous(), k, idx, count, float(scale), float(config.theta), *k.stride(),
+        Hq, Hq // Hkv, nM, G, max(KI, 1), config.step, config.init_tokens, Lk, offset, config.local_window,
+        config.block_q * config.step,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), STEP_P=max(16, triton.next_power_of_2(config.step)),
+        BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    return StripeIndex(idx[..., :KI], count)
+
+
+def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offset: int, scale=None, backend=None,
+                     launch=None):
+    """Stage 3: flash attention over each row's anchor region plus its group's selected keys -> (out, lse)."""
+    check_shapes(q, k, v)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    G = _cdiv(_cdiv(Lq, config.block_q), config.step)
+    if index.count.shape != (B, Hq, G):
+        raise ValueError(f"stripe index count has shape {tuple(index.count.shape)}, expected {(B, Hq, G)} for this call")
+    if not _use_triton(q, backend):
+        return _sparse_torch(q, k, v, index, config, offset=offset, scale=scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    idx = index.idx if index.idx.shape[-1] else index.count.unsqueeze(-1)  # never read when empty
+    idx = idx if idx.is_contiguous() and idx.stride(2) == idx.shape[3] else idx.contiguous()
+    BM = config.block_q
+    nM = _cdiv(Lq, BM)
+    warps, stages = launch or default_launch(_block_d(D), BM)
+    _anchor_sparse_fwd[(nM, B * Hq)](
+        q, k, v, out, lse, idx, index.count, scale * _LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        Hq, Hq // Hkv, Lq, Lk, offset, nM, G, idx.shape[-1], config.init_tokens, config.local_window,
+        BM * config.step,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def build_index(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None) -> StripeIndex:
+    """Stages 1 and 2 (what benchmarks time as identification)."""
+    xa = anchor_scores(q, k, config, offset=offset, scale=scale, backend=backend)
+    return identify_stripes(q, k, xa, config, offset=offset, scale=scale, backend=backend)
+
+
+def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None, causal=True, backend=None,
+                     launch=None):
+    """AnchorAttention sparse prefill with lse. backend: None (Triton where it runs, else torch),
+    "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense."""
+    from starshard.kernels.attention import attention
+
+    if isinstance(config, dict):
+        config = AnchorConfig.from_dict(config)
+    if not isinstance(config, AnchorConfig):
+        raise TypeError(f"config must be an AnchorConfig (or its dict form), got {type(config).__name__}")
+    check_shapes(q, k, v)
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    if not causal or Lq < MIN_SPARSE_ROWS:
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+    if Lk == 0:
+        return torch.zeros_like(q), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
+    try:
+        offset = query_offset(q_pos, k_pos, Lq, Lk)
+    except ValueError as e:  # same layouts as MInference; say which method refused
+        raise ValueError(f"AnchorAttention: {e}") from None
+    index = build_index(q, k, config, offset=offset, scale=scale, backend=backend)
+    return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
+
+
+def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> float:
+    """Share of the causal (row, key) pairs the sparse step computes (anchor regions + stripes)."""
+    rows = torch.arange(Lq, device=index.count.device)
+    reg = anchor_region(config, Lq=Lq, Lk=Lk, offset=offset, rows=rows).sum(-1).double()  # [Lq]
+    stripes = index.count.double()[:, :, rows // (config.block_q * config.step)]  # [B, Hq, Lq]
+    causal = (rows + offset + 1).clamp(max=Lk).double()
+    return float(((reg + stripes).sum(-1) / causal.sum()).mean())
+
+
+__all__ = [
+    "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
+    "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
+    "triton_available", "default_launch",
+]
