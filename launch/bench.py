@@ -126,7 +126,7 @@ def cmd_prefill(args) -> None:
     if args.sparse:
         from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
 
-        install_sparse(model, load_sparse_method(SparseConfig(args.sparse, args.sparse_config)))
+        install_sparse(model, load_sparse_method(SparseConfig(args.sparse, args.sparse_config, args.anchor_theta)))
     strategy = make_strategy(parallel.cp_strategy, topo.cp_group if args.cp > 1 else None,
                              block_size=args.block_size, anchor_size=args.anchor_size,
                              ulysses_degree=parallel.ulysses_degree, cp_groups=topo.group_ranks("cp"))
@@ -347,7 +347,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
     p.add_argument("--cp-strategy", default="ring", choices=["dense", "ring", "ulysses", "usp", "star"], help="context strategy")
     p.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
-    p.add_argument("--sparse", default=None, choices=["minference"], help="sparse prefill inside each shard")
+    p.add_argument("--sparse", default=None, choices=["minference", "anchor"], help="sparse prefill inside each shard")
+    p.add_argument("--anchor-theta", type=float, default=12.0, help="--sparse anchor: score threshold")
     p.add_argument("--sparse-config", default=None, help="--sparse minference: per-head patterns JSON")
     p.add_argument("--block-size", type=int, default=None, help="star: block size")
     p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")

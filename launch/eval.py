@@ -77,10 +77,13 @@ def parse_args(argv=None):
     e.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     e.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
     e.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
-    e.add_argument("--sparse", default=None, choices=["minference"],
+    e.add_argument("--sparse", default=None, choices=["minference", "anchor"],
                    help="sparse prefill inside each shard (see launch/infer.py --help)")
     e.add_argument("--sparse-config", default=None, metavar="FILE",
                    help="--sparse minference: per-head patterns JSON (default: Vertical-Slash 1000/6096 everywhere)")
+    e.add_argument("--anchor-theta", type=float, default=12.0, help="--sparse anchor: score threshold (paper: 12)")
+    e.add_argument("--anchor-block-q", type=int, default=128, help="--sparse anchor: query rows pooled per block")
+    e.add_argument("--anchor-step", type=int, default=16, help="--sparse anchor: query blocks per stripe selection")
     e.add_argument("--block-size", type=int, default=None, help="star: context block size")
     e.add_argument("--num-blocks", type=int, default=None,
                    help="star: context blocks (default --cp); with --cp 1, one device runs what N hosts would")
@@ -123,7 +126,8 @@ def engine_flags(args) -> dict:
         from starshard.kernels.sparse import SparseConfig
 
         try:
-            flags["sparse"] = SparseConfig(flags["sparse"], args.sparse_config)
+            flags["sparse"] = SparseConfig(flags["sparse"], args.sparse_config, args.anchor_theta, args.anchor_block_q,
+                                           args.anchor_step)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     return flags

@@ -99,12 +99,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                                             "passing blocks; paper ablations: --anchor-size 0, --passing-size 0, "
                                             "--compressor random, --no-embed-query)"))
     sp = ap.add_argument_group("sparse prefill (approximate; decode stays dense)")
-    sp.add_argument("--sparse", choices=["minference"], default=None,
+    sp.add_argument("--sparse", choices=["minference", "anchor"], default=None,
                     help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
-                    "Vertical-Slash / Block-Sparse patterns; composes with dense, ulysses and star, not ring/usp")
+                    "Vertical-Slash / Block-Sparse patterns; anchor = AnchorAttention stripes (keys whose score is "
+                    "within --anchor-theta of the block's anchor); composes with dense, ulysses, star and apb, "
+                    "not ring/usp")
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
                     help="per-layer, per-head patterns (JSON from `python -m starshard.kernels.minference_search`, "
                     "or MInference's published per-model config); default: Vertical-Slash (1000, 6096) on every head")
+    sp.add_argument("--anchor-theta", type=float, default=12.0,
+                    help="--sparse anchor: keep keys scoring within this of the anchor (paper: 12; lower = sparser)")
+    sp.add_argument("--anchor-block-q", type=int, default=128,
+                    help="--sparse anchor: query rows pooled per block (small models at a few K tokens: 16)")
+    sp.add_argument("--anchor-step", type=int, default=16,
+                    help="--sparse anchor: query blocks sharing one stripe selection (small models: 1)")
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
@@ -457,7 +465,8 @@ def run(args, launch, lead: bool, t_start: float) -> int:
             query_rank=args.query_rank, ulysses_degree=args.ulysses_degree, timeout_s=args.dist_timeout,
             **{k: getattr(args, k) for k in APB_OPTIONS},
         )
-        sparse = SparseConfig(args.sparse, args.sparse_config) if args.sparse else None
+        sparse = (SparseConfig(args.sparse, args.sparse_config, args.anchor_theta, args.anchor_block_q, args.anchor_step)
+                  if args.sparse else None)
     except ValueError as e:
         raise Abort(str(e)) from None
     t0 = time.perf_counter()

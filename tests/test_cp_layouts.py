@@ -159,3 +159,19 @@ def test_bench_prefill_with_sparse_runs_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["args"]["sparse"] == "minference" and res["results"][0]["length"] == 200
     assert res["results"][0]["prefill_seconds"] > 0
+
+
+def test_anchor_sparse_composes_with_ulysses(tmp_path):
+    """--sparse anchor: an infinite threshold is dense; a small one drops keys, and Ulysses cp=2
+    (each rank the whole sequence of half the heads) gives the one-process result."""
+    _, path = make_hf_model("llama", tmp_path, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                            eos_token_id=None)
+    ids = torch.randint(0, 211, (300,), generator=torch.Generator().manual_seed(8))
+    dense = reference(path, ids)
+    full = reference(path, ids, SparseConfig("anchor", anchor_theta=float("inf"), anchor_block_q=16, anchor_step=1))
+    assert rel(full[1], dense[1]) <= 1e-5
+    sparse = SparseConfig("anchor", anchor_theta=0.02, anchor_block_q=16, anchor_step=1)  # random weights: flat scores
+    ref = reference(path, ids, sparse)
+    assert rel(ref[1], dense[1]) > 1e-4
+    layouts = [{"parallel": {"cp": 2, "cp_strategy": "ulysses"}, "sparse": sparse}]
+    check(run_ranks(layouts_rank, 2, path, ids, layouts), layouts, [ref])

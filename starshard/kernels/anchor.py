@@ -431,8 +431,8 @@ def default_launch(head_dim: int, block_q: int) -> tuple[int, int]:
 
 
 def _use_triton(q, backend) -> bool:
-    if backend is None:
-        return triton_available(q)
+    if backend is None:  # Triton on CUDA; on CPU the torch path (the interpreter is for tests, which ask for it)
+        return q.is_cuda and triton_available(q)
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
     if backend == "triton" and not triton_available(q):
@@ -560,7 +560,8 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
 def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> float:
     """Share of the causal (row, key) pairs the sparse step computes (anchor regions + stripes)."""
     rows = torch.arange(Lq, device=index.count.device)
-    reg = anchor_region(config, Lq=Lq, Lk=Lk, offset=offset, rows=rows).sum(-1).double()  # [Lq]
+    # The region mask row by row would be Lq x Lk: count it 2048 rows at a time.
+    reg = torch.cat([anchor_region(config, Lq=Lq, Lk=Lk, offset=offset, rows=r).sum(-1) for r in rows.split(2048)]).double()
     stripes = index.count.double()[:, :, rows // (config.block_q * config.step)]  # [B, Hq, Lq]
     causal = (rows + offset + 1).clamp(max=Lk).double()
     return float(((reg + stripes).sum(-1) / causal.sum()).mean())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-SPARSE_METHODS = ("minference",)
+SPARSE_METHODS = ("minference", "anchor")
 
 
 class SparseMethod(Protocol):
@@ -25,20 +25,43 @@ class SparseMethod(Protocol):
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """--sparse METHOD [--sparse-config FILE]."""
+    """--sparse METHOD [--sparse-config FILE] [--anchor-theta T --anchor-block-q N --anchor-step S].
+
+    minference: per-head patterns from FILE (default Vertical-Slash 1000/6096 everywhere).
+    anchor: AnchorAttention with one threshold for every head (paper: theta 12, 128-row blocks
+    pooled, one stripe selection per 16 blocks; small models at a few K tokens need finer pooling)."""
 
     method: str
     config_path: str | None = None
+    anchor_theta: float = 12.0
+    anchor_block_q: int = 128
+    anchor_step: int = 16
 
     def __post_init__(self):
         if self.method not in SPARSE_METHODS:
             raise ValueError(f"unknown --sparse {self.method!r}; choose one of {', '.join(SPARSE_METHODS)}")
+        if self.method == "anchor" and self.config_path is not None:
+            raise ValueError("--sparse-config is for --sparse minference; AnchorAttention takes --anchor-theta")
         if self.config_path is not None and not Path(self.config_path).is_file():
             raise ValueError(f"--sparse-config {self.config_path} does not exist; write one with "
                              "`python -m starshard.kernels.minference_search --out FILE` or drop the flag")
 
 
+@dataclass(frozen=True)
+class UniformSparse:
+    """One spec for every layer and head (AnchorAttention selects per head at run time)."""
+
+    spec: object
+
+    def pattern(self, layer: int, num_heads: int, head_offset: int = 0):
+        return self.spec
+
+
 def load_sparse_method(cfg: SparseConfig) -> SparseMethod:
+    if cfg.method == "anchor":
+        from starshard.kernels.anchor import AnchorConfig
+
+        return UniformSparse(AnchorConfig(theta=cfg.anchor_theta, block_q=cfg.anchor_block_q, step=cfg.anchor_step))
     from starshard.kernels.minference import MInferenceConfig
 
     # No file: every head uses the default Vertical-Slash (1000 columns, 6096 diagonals).
