@@ -152,7 +152,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         if self.cp > 1 and self.cp_strategy == "dense":
-            raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses, usp or star")
+            raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses, usp, star or apb")
         if self.ulysses_degree is not None and (self.ulysses_degree < 1 or self.cp % self.ulysses_degree):
             raise ValueError(f"--ulysses-degree {self.ulysses_degree} must divide --cp {self.cp}; valid: "
                              f"{[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")

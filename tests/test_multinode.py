@@ -186,7 +186,7 @@ def test_config_values_flags_override_and_paths(tmp_path):
 @pytest.mark.parametrize("text,needle", [
     ("tpp = 2\n", "unknown key 'tpp'; valid keys:"),
     ("tp = \"two\"\n", "tp = 'two': not a valid value for --tp"),
-    ("cp-strategy = \"zigzag\"\n", "--cp-strategy must be one of dense, ring, ulysses, star"),
+    ("cp-strategy = \"zigzag\"\n", "--cp-strategy must be one of dense, ring, ulysses, usp, star, apb"),
     ("json = 1\n", "--json is a switch"),
     ("tp = 2\n[parallel]\ntp = 4\n", "[parallel] tp is set twice"),
     ("tp = [\n", "not valid TOML"),
