@@ -10,6 +10,6 @@ if [ ! -f "$SMOL/manifest.json" ]; then
   T=120 step python3 -m starshard.checkpoints.convert --gguf /tmp/smol.gguf --out "$SMOL" --dtype float32
 fi
 E="python3 launch/eval.py --lengths 1024,2048,4096,8192 --num-depths 5 --device cuda --no-progress"
-T=220 step $E --sparse anchor --anchor-theta 12 --anchor-block-q 16 --anchor-step 1 --strategy-name anchor-t12-q16 --out /tmp/acc/anchor
-T=150 step python3 launch/bench_anchor.py --device cuda --lengths 32768,131072 --thetas 4,8,12 --vs "1000,6096" --out "$OUT/anchor.json"
+T=200 step $E --sparse anchor --anchor-theta 12 --anchor-block-q 16 --anchor-step 1 --strategy-name anchor-t12-q16 --out /tmp/acc/anchor
+T=100 step python3 launch/bench_anchor.py --device cuda --lengths 131072 --thetas 4,12 --vs "1000,6096" --out "$OUT/anchor.json"
 cd /tmp && tar czf "$OUT/anchor_acc.tgz" acc
