@@ -120,6 +120,10 @@ class LocalRunner:
             self._graph = GraphDecoder(m, cache)  # a new generation: the old graph is released
         return self._graph if self._graph.fits() else None
 
+    def end_generation(self) -> None:
+        """Release what a generation held (the CUDA graph keeps its KV cache alive)."""
+        self._graph = None
+
     def decode_is_local(self) -> bool:
         """A decode step is plain attention over this process's whole cache (what GraphDecoder
         captures), not a strategy's hook."""
@@ -299,6 +303,7 @@ class LLM:
             tok = self.runner.next_token(tok.view(1, 1), cache, sampling, gen)
         self._sync()
         t2 = time.perf_counter()
+        self.runner.end_generation()  # the cache goes with this call, not with the next one
         decode_steps = max(len(out) - 1, 0)  # the first token comes from the prefill
         kept = [t for t in out if t not in self.eos_ids]
         text = self.tokenizer.decode(kept, skip_special_tokens=True) if self.tokenizer is not None else ""
