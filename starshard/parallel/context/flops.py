@@ -156,8 +156,10 @@ def apb_flops(cfg: ModelConfig, context: int, cp: int, anchor: int, passing: int
         raise ValueError(f"anchor and passing must be >= 0, got {anchor}, {passing}")
     b = apb_bounds(context, cp)
     n = [b[r + 1] - b[r] for r in range(cp)]
-    m = [min(passing, x) for x in n] if cp > 1 else [0] * cp
     q_e = query_len if embed_query and cp > 1 else 0
+    # A host passes nothing the next host's anchor holds (context [0, anchor end)); prefix ignored.
+    a_next = [max(0, min(anchor, b[r + 1] - q_e)) if r + 1 < cp else 0 for r in range(cp)]
+    m = [min(passing, b[r + 1] - min(max(b[r], a_next[r]), b[r + 1])) for r in range(cp)] if cp > 1 else [0] * cp
     w = 8 // kv_bytes
     sent = cfg.num_kv_heads * max(m) * (2 * cfg.head_dim + w) * kv_bytes * cfg.num_layers if passing and cp > 1 else 0
     out = []
