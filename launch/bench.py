@@ -81,6 +81,29 @@ def prefill_flops(cfg, L: int) -> dict[str, float]:
     return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
 
 
+def model_seconds(cfg, strategy, L: int, context: int, peak: float) -> float | None:
+    """The strategy's FLOP-model prefill time at the measured matmul peak (parallel/context/flops.py):
+    the slowest rank, or the sum over hosts when one device runs them in turn (study mode)."""
+    from starshard.parallel.context import flops
+
+    q = L - context
+    name, cp = strategy.name, strategy.cp
+    if name == "dense":
+        ranks = flops.dense_flops(cfg, L)
+    elif name in ("ring", "ulysses", "usp"):  # exact strategies split the same work evenly
+        ranks = flops.ring_flops(cfg, L, cp)
+    elif name == "star":
+        block, anchor = strategy.resolved_sizes(context)
+        ranks = flops.star_flops(cfg, context, cp, block, anchor, query_len=q)
+    elif name == "apb":
+        anchor, passing = strategy.resolved_sizes(context)
+        ranks = flops.apb_flops(cfg, context, strategy.hosts, anchor, passing, query_len=q,
+                                embed_query=strategy.embed_query)
+    else:
+        return None
+    return flops.predicted_seconds(ranks, peak, serial=cp == 1 and len(ranks) > 1)
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 
@@ -97,7 +120,11 @@ def setup(args):
     from starshard.config import ParallelConfig
     from starshard.parallel.topology import init_topology
 
-    parallel = ParallelConfig(cp=args.cp, cp_strategy=args.cp_strategy, ulysses_degree=getattr(args, "ulysses_degree", None))
+    from starshard.parallel.context import APB_OPTIONS
+
+    apb = {k: getattr(args, k) for k in APB_OPTIONS if getattr(args, k, None) is not None}
+    parallel = ParallelConfig(cp=args.cp, cp_strategy=args.cp_strategy, ulysses_degree=getattr(args, "ulysses_degree", None),
+                              num_blocks=getattr(args, "num_blocks", None), **apb)
     return parallel, init_topology(parallel, args.device)
 
 
@@ -127,9 +154,12 @@ def cmd_prefill(args) -> None:
         from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
 
         install_sparse(model, load_sparse_method(SparseConfig(args.sparse, args.sparse_config, args.anchor_theta)))
+    from starshard.parallel.context import apb_options
+
     strategy = make_strategy(parallel.cp_strategy, topo.cp_group if args.cp > 1 else None,
                              block_size=args.block_size, anchor_size=args.anchor_size,
-                             ulysses_degree=parallel.ulysses_degree, cp_groups=topo.group_ranks("cp"))
+                             ulysses_degree=parallel.ulysses_degree, cp_groups=topo.group_ranks("cp"),
+                             num_blocks=parallel.num_blocks, **apb_options(parallel))
     runner = ContextParallelRunner(model, strategy) if parallel.cp_strategy != "dense" else None
     peak = matmul_peak(topo.device)
     rows = []
@@ -169,6 +199,10 @@ def cmd_prefill(args) -> None:
             row = {"length": L, "prefill_seconds": t, "all_seconds": times, "peak_memory_gib": mem,
                    "model_tflops": flops["total"] / 1e12, "achieved_tflops_per_gpu": flops["total"] / t / topo.world_size / 1e12,
                    "mfu": flops["total"] / t / topo.world_size / peak, "decode": decode}
+            model_t = model_seconds(cfg, runner.strategy if runner else make_strategy("dense"), L,
+                                    context_len if runner and runner.strategy.query_phase else L, peak)
+            if model_t:  # the FLOP model at the matmul peak: what a strategy that wastes nothing takes
+                row.update(model_seconds=model_t, measured_over_model=t / model_t)
         except torch.OutOfMemoryError as e:
             row = {"length": L, "error": f"out of memory: {str(e).splitlines()[0]}"}
             state.clear()
@@ -345,7 +379,9 @@ def parse_args(argv=None):
     common(p)
     p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny) or config.json")
     p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
-    p.add_argument("--cp-strategy", default="ring", choices=["dense", "ring", "ulysses", "usp", "star"], help="context strategy")
+    p.add_argument("--cp-strategy", default="ring", choices=["dense", "ring", "ulysses", "usp", "star", "apb"],
+                   help="context strategy")
+    p.add_argument("--num-blocks", type=int, default=None, help="star / apb: hosts simulated on one device (cp 1)")
     p.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
     p.add_argument("--sparse", default=None, choices=["minference", "anchor"], help="sparse prefill inside each shard")
     p.add_argument("--anchor-theta", type=float, default=12.0, help="--sparse anchor: score threshold")
@@ -353,6 +389,9 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="star: block size")
     p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
+    from starshard.parallel.context import add_apb_arguments
+
+    add_apb_arguments(p.add_argument_group("APB (--cp-strategy apb)"))
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly (default: replay a CUDA graph on one rank)")
     p = sub.add_parser("attention", help="one attention layer per strategy (and torch's context_parallel)")

@@ -158,7 +158,28 @@ def test_bench_prefill_with_sparse_runs_on_cpu(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert res["args"]["sparse"] == "minference" and res["results"][0]["length"] == 200
-    assert res["results"][0]["prefill_seconds"] > 0
+    assert res["results"][0]["prefill_seconds"] > 0 and res["results"][0]["model_seconds"] > 0
+
+
+def test_bench_prefill_apb_study_mode_reports_its_flop_model(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from starshard.parallel.context.flops import apb_flops, predicted_seconds
+    from starshard.presets import preset_config
+
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "launch" / "bench.py"), "prefill",
+           "--random-weights", "tiny", "--lengths", "300", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
+           "--cp-strategy", "apb", "--apb-hosts", "4", "--anchor-size", "16", "--passing-size", "8",
+           "--query-tokens", "20", "--decode-steps", "2", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    row = json.loads(out.read_text())["results"][0]
+    peak = json.loads(out.read_text())["matmul_peak_tflops"] * 1e12
+    want = predicted_seconds(apb_flops(preset_config("tiny"), 280, 4, 16, 8, query_len=20), peak, serial=True)
+    assert row["model_seconds"] == pytest.approx(want, rel=1e-9)
 
 
 def test_anchor_sparse_composes_with_ulysses(tmp_path):
