@@ -180,7 +180,7 @@ def cmd_prefill(args) -> None:
         try:
             if topo.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(topo.device)
-            times = timed(prefill, topo.device, args.repeats)
+            times = timed(prefill, topo.device, args.repeats, warmup=args.warmup)
             mem = torch.cuda.max_memory_allocated(topo.device) / 2**30 if topo.device.type == "cuda" else None
             decode = None
             if args.decode_steps:
@@ -377,6 +377,9 @@ def parse_args(argv=None):
 
     p = sub.add_parser("prefill", help="end-to-end prefill (+ decode steps) of one strategy")
     common(p)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed prefills per length before the timed ones (0 at long lengths: list a short "
+                        "length first to warm the process up instead)")
     p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny) or config.json")
     p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
     p.add_argument("--cp-strategy", default="ring", choices=["dense", "ring", "ulysses", "usp", "star", "apb"],

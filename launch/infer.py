@@ -238,11 +238,6 @@ def check_window(cfg, n_prompt: int, max_new: int) -> None:
                     f"shorten the prompt to at most {w - max_new} tokens or lower --max-new-tokens")
 
 
-def runtime_supports(tp: int, pp: int, cp: int) -> bool:
-    """Layouts the runtime runs today (mirrors runner.plan_parallel: CP combines with tp, not with pp yet)."""
-    return cp == 1 or pp == 1
-
-
 def memory_limit(args, device: str, local_rank: int) -> int | None:
     from starshard.planner import GiB
 
@@ -284,7 +279,7 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
     best = None
     if not plan.fits(limit):
         per_node = gpus_per_node()  # tp stays inside a node
-        best = smallest_layout(cfg, work, strategy, limit, max_tp=max(per_node, args.tp), allow=runtime_supports)
+        best = smallest_layout(cfg, work, strategy, limit, max_tp=max(per_node, args.tp))
     return plan, best
 
 

@@ -26,7 +26,7 @@ def prefill_logits(llm: LLM, ids: torch.Tensor):
         if not hasattr(runner, "prefill_logits"):  # one process, no strategy
             return llm.model(ids[None])[0, -1], 0
         logits, owner = runner.prefill_logits(ids, len(ids), cache)
-    if runner.strategy.rank != owner:
+    if runner.strategy.rank != owner or logits is None:  # logits live on the last pipeline stage
         return None, owner
     sampler = getattr(runner.sample, "vocab", None)
     if sampler is not None:  # tensor parallel: this rank holds a vocab shard
@@ -46,7 +46,7 @@ def layouts_rank(rank, world, path, ids, layouts):
     for lay in layouts:
         llm = LLM(path, parallel=ParallelConfig(**lay["parallel"]), sparse=lay.get("sparse"))
         tokens = llm.generate(ids.tolist(), max_new_tokens=STEPS).token_ids
-        logits, owner = prefill_logits(llm, ids)
+        logits, owner = (None, None) if lay.get("tokens_only") else prefill_logits(llm, ids)
         out.append({"tokens": tokens, "logits": logits, "owner": owner, "coords": llm.topology.coords})
     return out
 
@@ -56,7 +56,8 @@ def check(results, layouts, refs):
         ref_tokens, ref_logits = refs[i]
         per_rank = [res[i] for res in results]
         owners = [r for r in per_rank if r["logits"] is not None]
-        assert len(owners) == lay["parallel"].get("tp", 1), lay  # every TP rank of the owner CP rank
+        # every TP rank of the owner CP rank (its last pipeline stage)
+        assert len(owners) == (0 if lay.get("tokens_only") else lay["parallel"].get("tp", 1)), lay
         for r in owners:
             assert rel(r["logits"], ref_logits) <= 1e-4, (lay, rel(r["logits"], ref_logits))
         for r in per_rank:
@@ -196,3 +197,27 @@ def test_anchor_sparse_composes_with_ulysses(tmp_path):
     assert rel(ref[1], dense[1]) > 1e-4
     layouts = [{"parallel": {"cp": 2, "cp_strategy": "ulysses"}, "sparse": sparse}]
     check(run_ranks(layouts_rank, 2, path, ids, layouts), layouts, [ref])
+
+
+def test_pp_x_cp(tmp_path):
+    """pp=2 x cp=2 on 4 ranks: ring and Ulysses (logits and 32 greedy tokens equal one process), Star
+    with its default blocks (exact at cp=2: the second block's anchor is the whole first one) and APB
+    through the query phase; an odd number of layers split 2 + 1."""
+    _, path = make_hf_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                            eos_token_id=None)
+    ids = torch.randint(0, 211, (61,), generator=torch.Generator().manual_seed(9))
+    layouts = [
+        {"parallel": {"pp": 2, "cp": 2, "cp_strategy": "ring"}},
+        {"parallel": {"pp": 2, "cp": 2, "cp_strategy": "ulysses"}},
+        {"parallel": {"pp": 2, "cp": 2, "cp_strategy": "star"}, "tokens_only": True},
+        {"parallel": {"pp": 2, "cp": 2, "cp_strategy": "apb", "passing_size": 5}, "tokens_only": True},
+    ]
+    ref = reference(path, ids)
+    # APB is approximate: its reference is APB's one-process study mode with 2 hosts (tested equal to cp=2).
+    apb = LLM(path, parallel=ParallelConfig(cp_strategy="apb", apb_hosts=2, passing_size=5))
+    ref_apb = (apb.generate(ids.tolist(), max_new_tokens=STEPS).token_ids, None)
+    assert ref_apb[0] != ref[0]  # the approximation shows: the APB check is not the dense one again
+    results = run_ranks(layouts_rank, 4, path, ids, layouts)
+    check(results, layouts, [ref] * 3 + [ref_apb])
+    assert [r[0]["coords"]["pp"] for r in results] == [0, 0, 1, 1]
+    assert [r[0]["coords"]["cp"] for r in results] == [0, 1, 0, 1]

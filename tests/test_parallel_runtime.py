@@ -198,8 +198,13 @@ def test_bad_layouts_are_refused_before_any_collective(tmp_path, world_env):
         LLM(smol, parallel=ParallelConfig(tp=2))
     with pytest.raises(LayoutError, match="pp=4 exceeds the model's 3 layers"):
         LLM(smol, parallel=ParallelConfig(pp=4))
-    with pytest.raises(LayoutError, match=r"cp=2\) together with pp=2 is not supported yet"):
-        LLM(smol, parallel=ParallelConfig(pp=2, cp=2, cp_strategy="ring"))
+    world_env(6)
+    with pytest.raises(LayoutError, match=r"Ulysses needs the query heads .* 3, divisible by cp=2"):
+        LLM(smol, parallel=ParallelConfig(tp=3, cp=2, cp_strategy="ulysses"))  # 3 local heads, 2 Ulysses ranks
+    with pytest.raises(LayoutError, match=r"Ulysses needs the query heads .* 9, divisible by cp=6"):
+        LLM(smol, parallel=ParallelConfig(cp=6, cp_strategy="ulysses"))
+    with pytest.raises(LayoutError, match=r"Ulysses needs the query heads .* 3, divisible by cp=2"):
+        LLM(smol, parallel=ParallelConfig(tp=3, cp=2, cp_strategy="usp", ulysses_degree=2))
     world_env(4)
     with pytest.raises(LayoutError, match=r"world size 4 is not a multiple of tp\*pp\*cp = 3\*1\*1 = 3"):
         LLM(smol, parallel=ParallelConfig(tp=3))

@@ -184,14 +184,19 @@ class LLM:
             self.path = None
         else:
             self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
-        if tp_pp or random_weights is not None:
-            from starshard.parallel.runner import ParallelPlan, plan_parallel, read_config, weight_source
+        if tp_pp or random_weights is not None or p.cp > 1:
+            from starshard.parallel.runner import (ParallelPlan, check_context_heads, plan_parallel, read_config,
+                                                   weight_source)
 
             src = weight_source(self.path, is_default=path is None,
                                 random_seed=weights_seed if random_weights is not None else None)
             cfg = read_config(src, random_cfg)
             # Layout checks need only the config: a bad layout fails here, before any collective.
-            plan = plan_parallel(cfg, p, src) if tp_pp else ParallelPlan(cfg, 1, 1, [list(range(cfg.num_layers))])
+            if tp_pp:
+                plan = plan_parallel(cfg, p, src)
+            else:
+                check_context_heads(cfg, p)
+                plan = ParallelPlan(cfg, 1, 1, [list(range(cfg.num_layers))])
         self.topology = init_topology(p, str(device))
         self.device = self.topology.device
         topo = self.topology
@@ -224,7 +229,12 @@ class LLM:
                     strategy.check_heads(heads, kv_heads)
                 except ValueError as e:
                     raise LayoutError(str(e)) from None
-            self.runner = ContextParallelRunner(model, strategy, VocabSampler(model, topo) if p.tp > 1 else None)
+            link = None
+            if p.pp > 1:
+                from starshard.parallel.pipeline import StageLink
+
+                link = StageLink(topo.pp_group, topo.pp_ranks, topo.pp_rank)
+            self.runner = ContextParallelRunner(model, strategy, VocabSampler(model, topo) if p.tp > 1 else None, link)
         elif tp_pp:
             from starshard.parallel.runner import ParallelRunner
 

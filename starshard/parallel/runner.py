@@ -172,9 +172,6 @@ class ParallelPlan:
 
 def plan_parallel(cfg: ModelConfig, parallel: ParallelConfig, src: WeightSource) -> ParallelPlan:
     """Every check that needs only the config and the manifest: run before any collective."""
-    if parallel.cp > 1 and parallel.pp > 1:
-        raise LayoutError(f"context parallelism (cp={parallel.cp}) together with pp={parallel.pp} is not supported yet; "
-                          "combine --cp with --tp (tp x cp), or drop --pp")
     try:
         check_tp(cfg, parallel.tp)
     except ValueError as e:
@@ -196,7 +193,23 @@ def plan_parallel(cfg: ModelConfig, parallel: ParallelConfig, src: WeightSource)
                 f"checkpoint {src.path} splits the layers over stages as {held}, this run as {[len(s) for s in stages]}; "
                 f"run with --pp-layers {','.join(map(str, held))} or convert again with the wanted --pp-layers"
             )
+    check_context_heads(cfg, parallel)
     return ParallelPlan(cfg, parallel.tp, parallel.pp, stages)
+
+
+def check_context_heads(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """Ulysses / USP split each tensor-parallel rank's heads over their all-to-all group: refuse a
+    head count that does not split, from the config alone (before any collective)."""
+    degree = {"ulysses": parallel.cp, "usp": parallel.ulysses_degree or parallel.cp}.get(parallel.cp_strategy)
+    if degree is None or degree == 1:
+        return
+    from starshard.parallel.context.ulysses import check_ulysses_heads
+
+    layout = TPLayout(cfg, parallel.tp, 0)
+    try:
+        check_ulysses_heads(layout.heads, layout.kv_heads, degree)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------- this rank's model

@@ -523,8 +523,9 @@ class APBAttention(ContextStrategy):
 
     def _exchange(self, sel, like: torch.Tensor):
         """One all-gather of every rank's passing entries (k, v and positions packed into one tensor of
-        the KV dtype, padded to the largest count) -> ((k, v, positions) of ranks < this one, or None;
-        the shape this rank sent)."""
+        the KV dtype, padded to the largest count), started asynchronously -> a function that waits
+        for it and returns ((k, v, positions) of ranks < this one, or None; the shape this rank sent).
+        The caller computes the block's own causal attention in between, which hides the gather."""
         B, Hkv, _, D = like.shape
         counts = self._passing_counts()
         M, dt = max(counts), like.dtype
@@ -537,14 +538,19 @@ class APBAttention(ContextStrategy):
             buf[:, :, :m, D : 2 * D] = vs
             buf[:, :, :m, 2 * D :] = ps.to(torch.int64).contiguous()[..., None].view(dt)
         out = torch.empty(self.cp * B, Hkv, M, 2 * D + w, dtype=dt, device=like.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, buf, group=self.group)
-        out = out.view(self.cp, B, Hkv, M, 2 * D + w)
-        if self.rank == 0:
-            return None, tuple(buf.shape)
-        got = torch.cat([out[j, :, :, : counts[j]] for j in range(self.rank)], dim=2)
-        pos = got[..., 2 * D :].contiguous().view(torch.int64)[..., 0]
-        return (got[..., :D], got[..., D : 2 * D], pos), tuple(buf.shape)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
+        work = gather(out, buf, group=self.group, async_op=True)
+
+        def finish():
+            work.wait()
+            if self.rank == 0:
+                return None, tuple(buf.shape)
+            got = out.view(self.cp, B, Hkv, M, 2 * D + w)
+            got = torch.cat([got[j, :, :, : counts[j]] for j in range(self.rank)], dim=2)
+            pos = got[..., 2 * D :].contiguous().view(torch.int64)[..., 0]
+            return (got[..., :D], got[..., D : 2 * D], pos), tuple(buf.shape)
+
+        return finish
 
     def prefill_attend(self, segment: Segment):
         if self._sizes is None:
@@ -568,9 +574,15 @@ class APBAttention(ContextStrategy):
             if exchange:
                 sel = None if last else self._select(layer, seg, q, k, v, pos)
                 if self.cp > 1:
-                    got, sent = self._exchange(sel, kL)
+                    pending = self._exchange(sel, kL)
                 else:
-                    got, sent = self._exchange_virtual(layer, seg.host, sel, kL)
+                    done = self._exchange_virtual(layer, seg.host, sel, kL)
+                    pending = lambda: done  # noqa: E731
+            # The block's own causal part is the quadratic one (a sparse method, --sparse, applies
+            # there); it runs while the passing blocks are gathered.
+            out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern_for(sparse, qL))
+            if exchange:
+                got, sent = pending()
                 if got is not None:
                     extra_k.append(got[0])
                     extra_v.append(got[1])
@@ -578,8 +590,6 @@ class APBAttention(ContextStrategy):
                     self.trace.append({"layer": layer, "host": seg.host, "sent": sent,
                                        "selected": None if sel is None else sel[2].cpu(),
                                        "received": None if got is None else got[2].cpu()})
-            # The block's own causal part is the quadratic one: a sparse method (--sparse) applies there.
-            out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern_for(sparse, qL))
             if extra_k:
                 ek, ev = torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)
                 o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False)

@@ -1,4 +1,9 @@
-"""Runs a model's prefill and decode under a context strategy, on every rank of a CP group."""
+"""Runs a model's prefill and decode under a context strategy, on every rank of a CP group.
+
+With pipeline parallelism each rank holds one stage: every forward (a strategy's prefill segment,
+the query phase, a decode step) enters at the first stage and its hidden states go stage to stage
+(pipeline.StageLink); the strategy's hooks run inside each stage's layers, over that stage's CP
+group. The last stage samples; the token is broadcast over its CP group, then down the pipeline."""
 from __future__ import annotations
 
 import torch
@@ -15,10 +20,12 @@ class ContextParallelRunner(LocalRunner):
     """`sampler(last_row_logits, sampling, gen) -> token`: plain sampling by default; a
     parallel.runner.VocabSampler when the model is tensor parallel (vocab-sharded logits)."""
 
-    def __init__(self, model, strategy: ContextStrategy, sampler=None):
+    def __init__(self, model, strategy: ContextStrategy, sampler=None, link=None):
         super().__init__(model)
         self.strategy = strategy
         self.sample = sampler or sample
+        self.link = link  # pipeline.StageLink when pp > 1
+        self.is_last = link is None or link.is_last
         if hasattr(strategy, "bind"):  # strategies that need the model's RoPE / layer ids (APB)
             strategy.bind(model)
 
@@ -27,31 +34,45 @@ class ContextParallelRunner(LocalRunner):
             layer.attention.attend = fn
 
     def _broadcast_token(self, tok: torch.Tensor, src_cp_rank: int) -> torch.Tensor:
+        """The owner's token on every rank: over the last stage's CP group, then down the pipeline."""
         s = self.strategy
-        if s.cp == 1:
-            return tok
-        tok = tok.contiguous()
-        dist.broadcast(tok, src=dist.get_global_rank(s.group, src_cp_rank), group=s.group)
-        return tok
+        if s.cp > 1 and self.is_last:
+            tok = tok.contiguous()
+            dist.broadcast(tok, src=dist.get_global_rank(s.group, src_cp_rank), group=s.group)
+        return self.link.broadcast_from_last(tok) if self.link is not None else tok
+
+    def _forward(self, ids: torch.Tensor, **kw):
+        """One forward of `ids` [1, n] through this stage (hidden states from / to the neighbours)."""
+        m, link = self.model, self.link
+        if link is not None and not link.is_first:
+            dtype = m.layers[0].attention_norm.weight.dtype
+            ids = link.recv_prev((1, ids.shape[1], m.config.hidden_size), dtype, ids.device)
+        out = m(ids, **kw)
+        if link is not None and not link.is_last:
+            link.send_next(out)
+            return None
+        return out
 
     def prefill_logits(self, ids: torch.Tensor, context_len: int, cache: KVCache):
         """Run prompt ids [L] sharded over the CP group -> (last-token logits or None, owner CP rank).
 
         Only the owner's logits are meaningful; for query-phase strategies every rank holds them.
         """
-        s, m = self.strategy, self.model
+        s = self.strategy
         L = ids.shape[0]
         logits = None
         for seg in s.segments(L, context_len if s.query_phase else L):
             seg = seg.to(ids.device)
             self._set_attend(s.prefill_attend(seg))
-            logits = m(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)
+            logits = self._forward(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)
         self._set_attend(s.decode_attend)
         owner = s.last_token_rank(L, context_len)
         if s.query_phase:
-            logits = m(ids[None, context_len:], positions=torch.arange(context_len, L, device=ids.device),
-                       cache=cache, last_only=True)
+            logits = self._forward(ids[None, context_len:], positions=torch.arange(context_len, L, device=ids.device),
+                                   cache=cache, last_only=True)
             owner = s.query_rank
+        if self.link is not None:
+            self.link.flush()
         cache.next_position = L  # padding rows may carry positions past the prompt
         return logits, owner
 
@@ -66,7 +87,8 @@ class ContextParallelRunner(LocalRunner):
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
         context_len = min(prompt.context_len, len(prompt.ids) - 1)
         logits, owner = self.prefill_logits(ids, context_len, cache)
-        tok = self.sample(logits[:, -1], sampling, gen) if self.strategy.rank == owner else torch.zeros(1, dtype=torch.long, device=ids.device)
+        sampler = self.is_last and self.strategy.rank == owner
+        tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -78,13 +100,16 @@ class ContextParallelRunner(LocalRunner):
     def decode_is_local(self) -> bool:
         # One rank: the sharded decode is plain attention over the whole local cache (Star / APB
         # studied on one device run their query phase and decode like this).
-        return self.strategy.cp == 1
+        return self.strategy.cp == 1 and self.link is None
 
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
         graph = self._graph_decoder(ids, cache)
         if graph is not None:
             return self.sample(graph.step(ids)[:, -1], sampling, gen)
-        logits = self.model(ids, cache=cache, last_only=True)
+        logits = self._forward(ids, cache=cache, last_only=True)
+        if self.link is not None:
+            self.link.flush()
         s = self.strategy
-        tok = self.sample(logits[:, -1], sampling, gen) if s.is_query_rank else torch.zeros(1, dtype=torch.long, device=ids.device)
+        sampler = self.is_last and s.is_query_rank
+        tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, s.query_rank)
