@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Summarise a CP benchmark run (bench/run_gpu9.sh): measured prefill per strategy and length next to
+its FLOP model, read at the rate dense reaches on one GPU, and the model's prediction where a run was
+not made (longer lengths, cp=4). Writes summary.json, summary.md and prefill_cp.png into the run's
+directory.
+
+    python bench/cp_summary.py bench/results/2026-11-23-h200x2-cp
+
+The model's time at the matmul peak is flops.predicted_seconds; "at dense's rate" multiplies it by
+dense's own measured / model ratio (the 1-GPU run), so 1.00 means the strategy wastes no more than
+dense does. Rows come from each JSON, or from the run log for a step stopped before writing it; a
+repeated first length is the process's cold start and is dropped.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from starshard.parallel.context import flops  # noqa: E402
+from starshard.presets import preset_config  # noqa: E402
+
+CFG = preset_config("llama-3.1-8b")
+Q = 64  # bench.py prefill --query-tokens default: the query of Star / APB
+STRATS = {"dense": {}, "ring": {}, "ulysses": {}, "star": {"block": 32768, "anchor": 32768},
+          "apb": {"anchor": 4096, "passing": 2048}}
+
+
+def model_seconds(name: str, L: int, cp: int, peak: float) -> float:
+    kw = STRATS[name]
+    if name == "dense":
+        ranks = flops.dense_flops(CFG, L)
+    elif name in ("ring", "ulysses"):
+        ranks = flops.ring_flops(CFG, L, cp)
+    elif name == "star":
+        ranks = flops.star_flops(CFG, L - Q, cp, kw["block"], kw["anchor"], query_len=Q)
+    else:
+        ranks = flops.apb_flops(CFG, L - Q, cp, kw["anchor"], kw["passing"], query_len=Q)
+    return flops.predicted_seconds(ranks, peak)
+
+
+def measured(run: Path) -> dict[str, dict[int, float]]:
+    """strategy -> {length: warm prefill seconds} from the run log (every row rank 0 printed)."""
+    out: dict[str, dict[int, float]] = {}
+    name = None
+    for line in (run / "run9.log").read_text().splitlines():
+        if line.startswith("==="):
+            m = re.search(r"--cp-strategy (\w+)", line)
+            name = m.group(1) + ("_nopass" if "--passing-size 0" in line else "")
+            seen: set[int] = set()
+        elif line.startswith('{"length"') and name:
+            row = json.loads(line)
+            if "prefill_seconds" not in row:
+                continue
+            L = row["length"]
+            if L in seen or L not in out.get(name, {}):  # the repeated first length replaces the cold row
+                out.setdefault(name, {})[L] = row["prefill_seconds"]
+            seen.add(L)
+    return out
+
+
+def main(run: Path) -> None:
+    peak = json.loads((run / "dense_1gpu.json").read_text())["matmul_peak_tflops"] * 1e12
+    got = measured(run)
+    dense_rate = got["dense"][131072] / model_seconds("dense", 131072, 1, peak)
+    lengths = [131072, 262144, 524288, 1048576]
+    rows = []
+    for name in ("dense", "ring", "ulysses", "star", "apb"):
+        for cp in ((1,) if name == "dense" else (2, 4)):
+            for L in lengths:
+                m = model_seconds(name, L, cp, peak) * dense_rate
+                t = got.get(name, {}).get(L) if cp == (1 if name == "dense" else 2) else None
+                rows.append({"strategy": name, "cp": cp, "length": L, "measured_seconds": t,
+                             "model_seconds_at_dense_rate": m, "measured_over_model": t / m if t else None})
+    nopass = got.get("apb_nopass", {}).get(131072)
+    summary = {"device": "2 x NVIDIA H200 (NVLink)", "shape": "llama-3.1-8b, random bf16 weights",
+               "matmul_peak_tflops": peak / 1e12, "dense_measured_over_peak_model": dense_rate,
+               "apb_exposed_gather_and_compressor_seconds_128k": (got["apb"][131072] - nopass) if nopass else None,
+               "rows": rows}
+    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    def cell(name, cp, L, key):
+        r = next(r for r in rows if (r["strategy"], r["cp"], r["length"]) == (name, cp, L))
+        return r[key]
+
+    md = ["Prefill seconds, Llama-3.1-8B shape, random bf16 weights, 64-token query. Measured on "
+          f"{summary['device']}; model = FLOP model x dense's measured/peak ratio ({dense_rate:.2f}), "
+          "in parentheses. cp=4: model only.", "",
+          "| strategy | cp | " + " | ".join(f"{L // 1024}K" for L in lengths) + " |",
+          "|---|---:|" + "---:|" * len(lengths)]
+    for name in ("dense", "ring", "ulysses", "star", "apb"):
+        for cp in ((1,) if name == "dense" else (2, 4)):
+            cells = []
+            for L in lengths:
+                t, m = cell(name, cp, L, "measured_seconds"), cell(name, cp, L, "model_seconds_at_dense_rate")
+                cells.append(f"**{t:.2f}** ({m:.2f})" if t else f"({m:.2f})")
+            md.append(f"| {name} | {cp} | " + " | ".join(cells) + " |")
+    (run / "summary.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, name in enumerate(("dense", "ring", "ulysses", "star", "apb")):
+        cp = 1 if name == "dense" else 2
+        pts = sorted(got.get(name, {}).items())
+        color = f"C{i}"
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=color, label=f"{name}, {cp} GPU measured")
+        ax.plot(lengths, [cell(name, cp, L, "model_seconds_at_dense_rate") for L in lengths], ls="--",
+                color=color, alpha=0.6, label=f"{name}, {cp} GPU model")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill seconds")
+    ax.set_title("Prefill, Llama-3.1-8B shape, 2 x H200 (model: FLOPs at dense's rate)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(run / "prefill_cp.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
