@@ -8,8 +8,8 @@ directory.
 
 The model's time at the matmul peak is flops.predicted_seconds; "at dense's rate" multiplies it by
 dense's own measured / model ratio (the 1-GPU run), so 1.00 means the strategy wastes no more than
-dense does. Rows come from each JSON, or from the run log for a step stopped before writing it; a
-repeated first length is the process's cold start and is dropped.
+dense does. Rows come from the run logs (a step stopped before writing its JSON still printed its rows);
+each step's first row is its process's cold start and is dropped.
 """
 from __future__ import annotations
 
@@ -43,22 +43,21 @@ def model_seconds(name: str, L: int, cp: int, peak: float) -> float:
 
 
 def measured(run: Path) -> dict[str, dict[int, float]]:
-    """strategy -> {length: warm prefill seconds} from the run log (every row rank 0 printed)."""
+    """strategy -> {length: warm prefill seconds} from the run logs (every row rank 0 printed). The
+    first row of each step is the process's warm-up prefill (cold start) and is dropped."""
     out: dict[str, dict[int, float]] = {}
-    name = None
-    for line in (run / "run9.log").read_text().splitlines():
-        if line.startswith("==="):
-            m = re.search(r"--cp-strategy (\w+)", line)
-            name = m.group(1) + ("_nopass" if "--passing-size 0" in line else "")
-            seen: set[int] = set()
-        elif line.startswith('{"length"') and name:
-            row = json.loads(line)
-            if "prefill_seconds" not in row:
-                continue
-            L = row["length"]
-            if L in seen or L not in out.get(name, {}):  # the repeated first length replaces the cold row
-                out.setdefault(name, {})[L] = row["prefill_seconds"]
-            seen.add(L)
+    for log in sorted(run.glob("run*.log")):
+        name, first = None, False
+        for line in log.read_text().splitlines():
+            if line.startswith("==="):
+                m = re.search(r"--cp-strategy (\w+)", line)
+                name = m.group(1) + ("_nopass" if "--passing-size 0" in line else "")
+                first = True
+            elif line.startswith('{"length"') and name:
+                row = json.loads(line)
+                if not first and "prefill_seconds" in row:
+                    out.setdefault(name, {})[row["length"]] = row["prefill_seconds"]
+                first = False
     return out
 
 
