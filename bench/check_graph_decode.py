@@ -1,7 +1,8 @@
-"""CUDA-graph decode vs eager on one GPU: same tokens, and step time. JSON lines.
+"""CUDA-graph decode vs eager: same tokens, and step time. JSON lines (rank 0).
 
     python bench/check_graph_decode.py                       # embedded SmolLM2 (8K prompt)
     python bench/check_graph_decode.py --random-weights llama-3.1-8b --prompt-len 131072
+    torchrun --nproc-per-node 2 bench/check_graph_decode.py --random-weights llama-3.1-8b --cp 2 --cp-strategy ring
 """
 import argparse
 import json
@@ -10,15 +11,20 @@ import time
 import torch
 
 from starshard import LLM
+from starshard.config import ParallelConfig
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--random-weights", default=None)
 ap.add_argument("--prompt-len", type=int, default=8000)
 ap.add_argument("--steps", type=int, default=64)
+ap.add_argument("--cp", type=int, default=1)
+ap.add_argument("--cp-strategy", default="dense")
 args = ap.parse_args()
-llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights)
+llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights,
+          parallel=ParallelConfig(cp=args.cp, cp_strategy=args.cp_strategy))
 ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-res = {"model": args.random_weights or "smollm2-135m", "prompt_len": args.prompt_len, "steps": args.steps}
+res = {"model": args.random_weights or "smollm2-135m", "prompt_len": args.prompt_len, "steps": args.steps,
+       "cp": args.cp, "cp_strategy": args.cp_strategy}
 for graphs in (False, True):
     llm.runner.cuda_graphs = graphs
     llm.generate(ids[:1000], max_new_tokens=8)  # warm-up (kernels, cuDNN plans)
@@ -31,4 +37,5 @@ n = next(i for i, (a, b) in enumerate(zip(res["tokens_graphs_False"] + [None], r
 res["first_difference_at"] = n
 for k in ("tokens_graphs_False", "tokens_graphs_True"):
     res[k] = res[k][:16]
-print(json.dumps(res), flush=True)
+if llm.topology.rank == 0:
+    print(json.dumps(res), flush=True)

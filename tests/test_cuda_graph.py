@@ -59,3 +59,50 @@ def test_runner_uses_graphs_only_on_cuda_single_token(tmp_path):
     assert runner.decode_is_local()
     assert runner._graph_decoder(torch.tensor([[1]]), cache) is None  # CPU cache
     assert ContextParallelRunner(load_model(path), make_strategy("star")).decode_is_local()  # cp = 1
+
+
+def _sharded_step_rank(rank, world, path, strategy_name):
+    """Both decode paths over a CP group: the eager strategy hook and the device-indexed graph step."""
+    import torch.distributed as dist
+
+    from starshard.parallel.context import make_strategy
+    from starshard.parallel.context.runner import ContextParallelRunner
+
+    model = load_model(path)
+    runner = ContextParallelRunner(model, make_strategy(strategy_name, dist.group.WORLD))
+    s = runner.strategy
+    ids = torch.randint(0, 211, (37,), generator=torch.Generator().manual_seed(5))
+    plain, graphed = runner.new_cache(37 + 8), runner.new_cache(37 + 8)
+    out = []
+    with torch.no_grad():
+        runner.prefill_logits(ids, 33, plain)
+        runner.prefill_logits(ids, 33, graphed)
+        dec = GraphDecoder(model, graphed, capture=False, group=s.group, appends=s.is_query_rank)
+        tok = torch.tensor([[5]])
+        for _ in range(6):
+            want = model(tok, cache=plain, last_only=True)
+            got = dec.step(tok)
+            out.append((((got - want).norm() / want.norm()).item()))
+            tok = want[:, -1].argmax(-1, keepdim=True)
+            dist.broadcast(tok, src=s.query_rank)  # the query rank's logits decide (as the runner does)
+    return {"errs": out, "query": s.is_query_rank, "lengths": (plain.length, graphed.length),
+            "next": (plain.next_position, graphed.next_position),
+            "kv": [torch.equal(plain.layer(i).view()[2], graphed.layer(i).view()[2]) for i in model.layer_ids]}
+
+
+def test_sharded_graph_step_equals_eager_sharded_decode(tmp_path):
+    """The step a CP rank's CUDA graph records (merge over the group inside, KV appended on the query
+    rank only), run eagerly on gloo: same logits as the strategy's own decode hook, step after step,
+    for ring (exact) and Star (query phase), and only the query rank's cache grows."""
+    from mp_harness import run_ranks
+
+    _, path = make_hf_model("llama", tmp_path, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    for name in ("ring", "star"):
+        res = run_ranks(_sharded_step_rank, 2, path, name)
+        assert sum(r["query"] for r in res) == 1
+        for r in res:
+            assert max(r["errs"]) <= 1e-5, (name, r["errs"])
+            assert r["lengths"][0] == r["lengths"][1] and r["next"][0] == r["next"][1] and all(r["kv"])
+        q = next(r for r in res if r["query"])
+        other = next(r for r in res if not r["query"])
+        assert q["lengths"][0] > other["lengths"][0]  # 6 decode tokens stored on the query rank alone

@@ -10,6 +10,11 @@ it writes (index_copy_ at a device index) and the number of valid keys (read by 
 kernel, decode.py `length=`). The cache's tensors must therefore not move: one graph serves one
 KVCache whose capacity covers the whole generation (LLM.generate sizes it so). Sampling stays
 outside the graph.
+
+Sharded-KV decode (a CP group): every rank replays its own graph of the same step; each attends its
+shard and the partials merge by lse over the group inside the graph (NCCL collectives are captured
+like kernels), and only the query rank writes the new token's KV. Every rank of the group must
+capture at the same step and replay the same number of times (ContextParallelRunner sees to it).
 """
 from __future__ import annotations
 
@@ -19,16 +24,20 @@ import torch
 
 from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.kernels.decode import decode_attention
+from starshard.parallel.context.group_merge import merge_over_group
 
 
 class GraphDecoder:
     """One-token decode steps of `model` over `cache` (batch 1), captured on the first step.
 
     `capture=False` runs the same device-indexed step eagerly (what the graph records; the CPU
-    tests check it against plain decode)."""
+    tests check it against plain decode). `group`: the CP group whose ranks hold the other KV shards
+    (partials merged by lse over it); `appends`: this rank stores the new token's KV (the query rank;
+    always, without a group)."""
 
-    def __init__(self, model, cache: KVCache, capture: bool = True):
+    def __init__(self, model, cache: KVCache, capture: bool = True, group=None, appends: bool = True):
         self.model, self.cache, self.capture = model, cache, capture
+        self.group, self.appends = group, appends
         dev = cache.device
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -39,13 +48,16 @@ class GraphDecoder:
 
     def fits(self) -> bool:
         """Another step fits without the cache growing (growth would move its tensors)."""
-        return all(kv.length < kv.capacity for kv in self.cache.layers.values())
+        return not self.appends or all(kv.length < kv.capacity for kv in self.cache.layers.values())
 
     def _attend(self, kv: LayerKV, q, k, v, pos, cache=None, sparse=None):  # decode is dense: sparse unused
-        kv.k.index_copy_(2, self.slot, k)
-        kv.v.index_copy_(2, self.slot, v)
-        kv.pos.index_copy_(0, self.slot, pos)
-        out, _ = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=False, length=self.length)
+        if self.appends:
+            kv.k.index_copy_(2, self.slot, k)
+            kv.v.index_copy_(2, self.slot, v)
+            kv.pos.index_copy_(0, self.slot, pos)
+        out, lse = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=False, length=self.length)
+        if self.group is not None:
+            out, _ = merge_over_group(out, lse, self.group)
         return out
 
     def _forward(self):
@@ -66,7 +78,7 @@ class GraphDecoder:
         self.tok.copy_(tok.view(1, 1))
         self.pos.fill_(self.cache.next_position)
         self.slot.fill_(n)
-        self.length.fill_(n + 1)
+        self.length.fill_(n + 1 if self.appends else n)
         if not self.capture:
             self.logits = self._forward()
         elif self.graph is None:
@@ -84,7 +96,8 @@ class GraphDecoder:
             self.graph.replay()
         else:
             self.graph.replay()
-        for kv in self.cache.layers.values():
-            kv.length += 1
+        if self.appends:
+            for kv in self.cache.layers.values():
+                kv.length += 1
         self.cache.next_position += 1
         return self.logits

@@ -26,6 +26,7 @@ class ContextParallelRunner(LocalRunner):
         self.sample = sampler or sample
         self.link = link  # pipeline.StageLink when pp > 1
         self.is_last = link is None or link.is_last
+        self._eager_rest = False  # the query rank's cache filled up: no graphs until the generation ends
         if hasattr(strategy, "bind"):  # strategies that need the model's RoPE / layer ids (APB)
             strategy.bind(model)
 
@@ -102,13 +103,41 @@ class ContextParallelRunner(LocalRunner):
         # studied on one device run their query phase and decode like this).
         return self.strategy.cp == 1 and self.link is None
 
+    def _graph_decoder(self, ids, cache: KVCache):
+        """cp = 1: the local graph decoder. cp > 1 (no pipeline): a GraphDecoder that merges over the
+        CP group, appending on the query rank only. Every rank must take the same path each step (the
+        graph's collectives pair with the peers'), so the ranks agree on it with one tiny all-reduce
+        per step; once the query rank's cache is full, the rest of the generation runs eagerly."""
+        s = self.strategy
+        if s.cp == 1 or self.link is not None:
+            return super()._graph_decoder(ids, cache) if self.link is None else None
+        if not (self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)) or self._eager_rest:
+            return None
+        if self._graph is None or self._graph.cache is not cache:
+            from starshard.engine.cuda_graph import GraphDecoder
+
+            self._graph = GraphDecoder(self.model, cache, group=s.group, appends=s.is_query_rank)
+        fits = torch.tensor([int(self._graph.fits())], device=cache.device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=s.group)
+        if not fits.item():
+            self._graph, self._eager_rest = None, True
+            return None
+        return self._graph
+
+    def end_generation(self) -> None:
+        super().end_generation()
+        self._eager_rest = False
+
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
         graph = self._graph_decoder(ids, cache)
-        if graph is not None:
+        if graph is not None and self.strategy.cp == 1:
             return self.sample(graph.step(ids)[:, -1], sampling, gen)
-        logits = self._forward(ids, cache=cache, last_only=True)
-        if self.link is not None:
-            self.link.flush()
+        if graph is not None:  # sharded KV: every rank replays its graph, the query rank samples
+            logits = graph.step(ids)
+        else:
+            logits = self._forward(ids, cache=cache, last_only=True)
+            if self.link is not None:
+                self.link.flush()
         s = self.strategy
         sampler = self.is_last and s.is_query_rank
         tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
