@@ -3,6 +3,7 @@
     python bench/check_graph_decode.py                       # embedded SmolLM2 (8K prompt)
     python bench/check_graph_decode.py --random-weights llama-3.1-8b --prompt-len 131072
     torchrun --nproc-per-node 2 bench/check_graph_decode.py --random-weights llama-3.1-8b --cp 2 --cp-strategy ring
+    torchrun --nproc-per-node 2 bench/check_graph_decode.py --random-weights llama-3.1-8b --tp 2
 """
 import argparse
 import json
@@ -18,13 +19,14 @@ ap.add_argument("--random-weights", default=None)
 ap.add_argument("--prompt-len", type=int, default=8000)
 ap.add_argument("--steps", type=int, default=64)
 ap.add_argument("--cp", type=int, default=1)
+ap.add_argument("--tp", type=int, default=1)
 ap.add_argument("--cp-strategy", default="dense")
 args = ap.parse_args()
 llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights,
-          parallel=ParallelConfig(cp=args.cp, cp_strategy=args.cp_strategy))
+          parallel=ParallelConfig(tp=args.tp, cp=args.cp, cp_strategy=args.cp_strategy))
 ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 res = {"model": args.random_weights or "smollm2-135m", "prompt_len": args.prompt_len, "steps": args.steps,
-       "cp": args.cp, "cp_strategy": args.cp_strategy}
+       "tp": args.tp, "cp": args.cp, "cp_strategy": args.cp_strategy}
 for graphs in (False, True):
     llm.runner.cuda_graphs = graphs
     llm.generate(ids[:1000], max_new_tokens=8)  # warm-up (kernels, cuDNN plans)

@@ -321,8 +321,11 @@ class ParallelRunner(LocalRunner):
         return self.next_token(ids, cache, sampling, gen, chunk or self.default_chunk(ids.shape[1]))
 
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
-        """Run `ids` [B, L] through the pipeline -> next token [B], the same on every rank."""
-        out = self._run(ids, cache, chunk, last_only=True)
+        """Run `ids` [B, L] through the pipeline -> next token [B], the same on every rank.
+        Without pipeline stages a one-token step replays a CUDA graph (the tensor-parallel
+        all-reduces captured inside; every tp rank's cache grows alike, so they agree on when)."""
+        graph = self._graph_decoder(ids, cache) if self.link is None else None
+        out = graph.step(ids) if graph is not None else self._run(ids, cache, chunk, last_only=True)
         if self.is_last:
             tok = self.sampler(out[:, -1], sampling, gen)
         else:
