@@ -177,6 +177,7 @@ def cmd_prefill(args) -> None:
                 else:
                     state["logits"], state["owner"] = runner.prefill_logits(ids, context_len, cache)
 
+        stepper = None
         try:
             if topo.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(topo.device)
@@ -208,6 +209,8 @@ def cmd_prefill(args) -> None:
             state.clear()
             torch.cuda.empty_cache()
         rows.append(row)
+        if stepper is not None:
+            stepper.end_generation()  # drop the decode graph with this length's cache
         if topo.rank == 0:
             print(json.dumps(row), file=sys.stderr, flush=True)
     result = header(args, topo, "prefill")

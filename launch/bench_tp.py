@@ -151,6 +151,7 @@ def main(argv=None) -> int:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(result, indent=1))
         state.clear()
+        runner.end_generation()  # drop the decode graph (it holds the cache and captured collectives)
     if lead:
         print(json.dumps(result))
     if dist.is_initialized():
