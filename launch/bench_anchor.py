@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_sparse import DTYPES, commit, make_inputs, quality, timed  # noqa: E402
+from bench_sparse import DTYPES, commit, make_inputs, quality, timed, write_result  # noqa: E402
 from starshard.kernels import anchor as an  # noqa: E402
 from starshard.kernels import minference as mi  # noqa: E402
 
@@ -194,11 +194,7 @@ def main(argv=None) -> dict:
         del q, k, v, kd, vd
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out)
     return result
 
 

@@ -47,6 +47,15 @@ def commit() -> str:
         return "unknown"
 
 
+def write_result(result: dict, out: str | None) -> None:
+    """Print the run's JSON, and write it to `out` when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+
+
 def timed(fn, device, repeats: int, warmup: int) -> float:
     """Median seconds per call of fn() after warm-up; CUDA events on GPU."""
     for _ in range(warmup):
@@ -261,11 +270,7 @@ def main(argv=None) -> dict:
         del q, k, v, kd, vd
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    write_result(result, args.out)
     return result
 
 

@@ -21,9 +21,9 @@ pytest.importorskip("triton")
 
 from starshard.kernels import anchor as an  # noqa: E402
 from starshard.kernels.attention import attention  # noqa: E402
+from sparse_reference import assert_matches, masked_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3)}  # (relative out error, lse abs error)
 
 # name: B, Hq, Hkv, Lq, Lk, D, offset (q_pos[0] - k_pos[0]); keys start at global position 5
 LAYOUTS = {
@@ -120,27 +120,6 @@ def reference_vis(cfg, index, B, hq, lq, lk, off):
                 keys = index.idx[b, h, gi, : int(index.count[b, h, gi])].long()
                 vis[b, h, i, keys[keys <= i + off]] = True
     return vis
-
-
-def masked_reference(q, k, v, vis, scale=None):
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    s = (q.double() @ kk.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    return p @ vv, lse
-
-
-def assert_matches(out, lse, ref, ref_lse, dtype):
-    tol_out, tol_lse = TOL[dtype]
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    assert torch.isfinite(out).all()
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err < tol_out, f"relative error {err:.3e}"
-    fin = torch.isfinite(ref_lse)
-    assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < tol_lse
-    assert torch.isneginf(lse[~fin]).all() and (out[~fin] == 0).all()
 
 
 def assert_selection_matches(index, sel, margin, tol):
