@@ -107,10 +107,14 @@ class LocalRunner:
         ids = torch.tensor([prompt.ids], device=cache.device)
         return self.next_token(ids, cache, sampling, gen, chunk)
 
+    def _graphs_apply(self, ids, cache: KVCache) -> bool:
+        """Graphs are on, the cache is on the GPU and this step is one token."""
+        return self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)
+
     def _graph_decoder(self, ids, cache: KVCache):
         """The CUDA-graph decoder for this step, or None where a step must run eagerly."""
         m = self.model
-        if not (self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)):
+        if not self._graphs_apply(ids, cache):
             return None
         if not self.decode_is_local():
             return None

@@ -109,9 +109,11 @@ class ContextParallelRunner(LocalRunner):
         graph's collectives pair with the peers'), so the ranks agree on it with one tiny all-reduce
         per step; once the query rank's cache is full, the rest of the generation runs eagerly."""
         s = self.strategy
-        if s.cp == 1 or self.link is not None:
-            return super()._graph_decoder(ids, cache) if self.link is None else None
-        if not (self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)) or self._eager_rest:
+        if self.link is not None:
+            return None
+        if s.cp == 1:
+            return super()._graph_decoder(ids, cache)
+        if self._eager_rest or not self._graphs_apply(ids, cache):
             return None
         if self._graph is None or self._graph.cache is not cache:
             from starshard.engine.cuda_graph import GraphDecoder
