@@ -7,7 +7,7 @@ import time
 import torch
 
 from starshard import LLM
-from starshard.engine.generate import Prompt
+from starshard.runtime.prompt import Prompt
 from starshard.config import SamplingConfig
 
 

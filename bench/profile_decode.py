@@ -20,7 +20,7 @@ ids = list(range(100, 100 + args.prompt_len))
 runner = llm.runner
 cache = runner.new_cache(len(ids) + 2 * args.steps + 2)
 from starshard.config import SamplingConfig
-from starshard.engine.generate import Prompt
+from starshard.runtime.prompt import Prompt
 
 s = SamplingConfig()
 with torch.inference_mode():

@@ -17,7 +17,7 @@ if [ "${PHASE:-A}" = A ]; then
   T=120 step python3 -m starshard.checkpoints.convert --gguf /tmp/smol.gguf --out "$SMOL" --dtype float32
   T=60 step python3 bench/check_graph_decode.py
   T=90 step python3 bench/check_graph_decode.py --random-weights llama-3.1-8b --prompt-len 32768 --steps 32
-  T=120 step python3 -m starshard.kernels.minference_search --length 8192 --device cuda --dtype bfloat16 --out "$OUT/smollm2_minference_8k.json" --quiet
+  T=120 step python3 -m starshard.tools.minference_search --length 8192 --device cuda --dtype bfloat16 --out "$OUT/smollm2_minference_8k.json" --quiet
   cp "$OUT/smollm2_minference_8k.json" /tmp/  # phase B reads it
   T=200 step $E --out "$OUT/acc/dense"
   T=200 step $E --cp-strategy star --num-blocks 4 --strategy-name star-4blocks --out "$OUT/acc/star4"

@@ -135,11 +135,12 @@ def header(args, topo, kind: str) -> dict:
 
 # ---------------------------------------------------------------------------- end-to-end prefill
 def cmd_prefill(args) -> None:
-    from starshard.checkpoints.load import load_model, random_model
+    from starshard.checkpoints.load import load_model
+    from starshard.checkpoints.sources import random_model
     from starshard.config import SamplingConfig
-    from starshard.engine.generate import LocalRunner
+    from starshard.runtime.local import LocalRunner
     from starshard.parallel.context import make_strategy
-    from starshard.parallel.context.runner import ContextParallelRunner
+    from starshard.runtime.context_parallel import ContextParallelRunner
     from starshard.presets import preset_config
 
     parallel, topo = setup(args)
@@ -362,6 +363,94 @@ def cmd_plot(args) -> None:
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
 
+# ---------------------------------------------------------------------------- the service
+def cmd_serve(args) -> None:
+    """The long-document service's engine in this process (no HTTP): time to first token for a
+    question on a new document (prefill) and on a cached one (a follow-up), then aggregate decode
+    tokens/s with N concurrent questions on one cached document."""
+    import threading
+
+    import numpy as np
+
+    from starshard import LLM
+    from starshard.config import ParallelConfig
+    from starshard.runtime.service import SamplingParams, Service
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype if device.type == "cuda" else "float32")
+    llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
+              parallel=ParallelConfig())
+    budget = int(args.cache_gib * 2**30)
+    svc = Service(llm, cache_bytes=budget, max_batch=max(args.concurrency), max_queue=4 * max(args.concurrency),
+                  max_extend=args.question_tokens + 8)
+    svc.start()
+    vocab = llm.config.vocab_size
+    rng = np.random.default_rng(0)
+
+    def tokens(n):  # random ids (random weights have no tokenizer; real weights: still a valid prompt)
+        return [int(x) for x in rng.integers(100, vocab - 100, n)]
+
+    def ask(ids, max_tokens):
+        """Submit; -> (done event, record with arrival, first-token and per-token times)."""
+        rec = {"t0": time.perf_counter(), "times": [], "finish": None, "cached": 0}
+        done = threading.Event()
+
+        def on_event(ev):
+            if ev.token_id is not None:
+                rec["times"].append(time.perf_counter())
+            if ev.finish_reason is not None:
+                rec["finish"], rec["cached"] = ev.finish_reason, ev.cached_tokens
+                done.set()
+
+        svc.submit(svc.text_prompt(ids), max_tokens=max_tokens, sampling=SamplingParams(), on_event=on_event)
+        return done, rec
+
+    def wait(done):
+        if not done.wait(args.timeout):
+            raise SystemExit(f"error: a request did not finish within --timeout {args.timeout} s")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    rows = []
+    for L in args.lengths:
+        doc = tokens(L - args.question_tokens)
+        first = ask(doc + tokens(args.question_tokens), 2)  # a new document: prefill
+        wait(first[0])
+        follow = ask(doc + tokens(args.question_tokens), 2)  # another question on it: cached
+        wait(follow[0])
+        ttft = lambda r: r["times"][0] - r["t0"]  # noqa: E731
+        row = {"length": L, "ttft_uncached_s": ttft(first[1]), "ttft_cached_s": ttft(follow[1]),
+               "cached_tokens": follow[1]["cached"], "concurrency": []}
+        row["cached_over_uncached"] = row["ttft_cached_s"] / row["ttft_uncached_s"]
+        for n in args.concurrency:
+            sync()
+            reqs = [ask(doc + tokens(args.question_tokens), args.decode_tokens) for _ in range(n)]
+            for d, _ in reqs:
+                wait(d)
+            recs = [r for _, r in reqs]
+            # Steady state: from the moment every request has its first token to the last token.
+            start = max(r["times"][0] for r in recs)
+            end = max(r["times"][-1] for r in recs)
+            decoded = sum(sum(1 for t in r["times"] if t > start) for r in recs)
+            steps = [b - a for r in recs for a, b in zip(r["times"], r["times"][1:]) if a >= start]
+            row["concurrency"].append({"questions": n, "decode_tokens_per_second": decoded / (end - start),
+                                       "step_seconds_median": statistics.median(steps) if steps else None,
+                                       "all_cached": all(r["cached"] > 0 for r in recs)})
+        one = row["concurrency"][0]["decode_tokens_per_second"]
+        for c in row["concurrency"]:
+            c["speedup_vs_first"] = c["decode_tokens_per_second"] / one
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    stats = svc.stats()
+    svc.shutdown()
+    result = {"kind": "serve", "device": device_name(device), "gpus": 1, "date": datetime.date.today().isoformat(),
+              "commit": commit(), "args": vars(args), "inputs": "random token ids" + (
+                  f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
+              "results": rows, "engine_stats": stats}
+    write(args.out, result)
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -395,7 +484,7 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None, help="star: block size")
     p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
-    from starshard.parallel.context import add_apb_arguments
+    from starshard.cli import add_apb_arguments
 
     add_apb_arguments(p.add_argument_group("APB (--cp-strategy apb)"))
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
@@ -411,6 +500,19 @@ def parse_args(argv=None):
     p = sub.add_parser("hf", help="Hugging Face transformers prefill (SDPA), the single-GPU peer")
     common(p)
     p.add_argument("--random-weights", default="llama-3.1-8b", help="preset name")
+    p = sub.add_parser("serve", help="the service engine: cached vs uncached time to first token, concurrent decode")
+    p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny); default: --model")
+    p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2 when no --random-weights)")
+    p.add_argument("--lengths", type=ints, default=[32768, 131072], help="document + question lengths in tokens")
+    p.add_argument("--question-tokens", type=int, default=64, help="tokens of each question after the document")
+    p.add_argument("--concurrency", type=ints, default=[1, 4, 16], help="concurrent questions on one document")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens each concurrent question generates")
+    p.add_argument("--cache-gib", type=float, default=40.0, help="context cache budget")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds any one request may take")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="compute dtype on CUDA (CPU runs float32)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--out", default=None, help="write the JSON here (also printed)")
     p = sub.add_parser("plot", help="latency vs length from result JSON files")
     p.add_argument("files", nargs="+")
     p.add_argument("--out", required=True, help="PNG path")
@@ -423,7 +525,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    {"prefill": cmd_prefill, "attention": cmd_attention, "hf": cmd_hf, "plot": cmd_plot}[args.cmd](args)
+    {"prefill": cmd_prefill, "attention": cmd_attention, "hf": cmd_hf, "serve": cmd_serve, "plot": cmd_plot}[args.cmd](args)
     if dist.is_initialized():
         dist.destroy_process_group()
 

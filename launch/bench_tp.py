@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from starshard import LLM
     from starshard.config import ParallelConfig, SamplingConfig
-    from starshard.engine.generate import Prompt
+    from starshard.runtime.prompt import Prompt
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers, timeout_s=args.dist_timeout)
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
 
 
 def _stages(cfg, parallel):
-    from starshard.parallel.pipeline import partition_layers
+    from starshard.layout import partition_layers
 
     return partition_layers(cfg.num_layers, parallel.pp, parallel.pp_layers)
 

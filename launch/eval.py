@@ -89,7 +89,7 @@ def parse_args(argv=None):
                    help="star: context blocks (default --cp); with --cp 1, one device runs what N hosts would")
     e.add_argument("--anchor-size", type=int, default=None, help="star/apb: anchor size")
     e.add_argument("--query-rank", type=int, default=None, help="CP rank that owns the query (default: last)")
-    from starshard.parallel.context import add_apb_arguments, apb_cli_error
+    from starshard.cli import add_apb_arguments, apb_cli_error
 
     add_apb_arguments(ap.add_argument_group("APB (--cp-strategy apb; see launch/infer.py --help)"))
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

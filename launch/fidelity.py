@@ -256,7 +256,8 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 def load(args):
     """(model, tokenizer or None, model label)."""
-    from starshard.checkpoints.load import load_model, random_model
+    from starshard.checkpoints.load import load_model
+    from starshard.checkpoints.sources import random_model
 
     dtype = DTYPES[args.dtype]
     if args.random_weights is not None:
@@ -271,7 +272,7 @@ def load(args):
         return (random_model(cfg, dtype=dtype, device=args.device, seed=args.weights_seed), None,
                 f"random:{args.random_weights}:seed{args.weights_seed}")
     from starshard.checkpoints.default import default_checkpoint
-    from starshard.engine.generate import load_tokenizer
+    from starshard.runtime.prompt import load_tokenizer
 
     path = Path(args.model) if args.model is not None else default_checkpoint()
     if not path.exists():
@@ -284,7 +285,7 @@ def load(args):
 
 def build_input(args, tok, vocab: int):
     """(token ids, context_len, description)."""
-    from starshard.engine.generate import build_prompt
+    from starshard.runtime.prompt import build_prompt
 
     files = [f for f in (args.prompt_file, args.context_file) if f is not None]
     if len(files) > 1:

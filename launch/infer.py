@@ -21,11 +21,13 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from starshard.cli import (add_layout_arguments, add_sparse_arguments, default_strategy, layout_error,  # noqa: E402
+                           parallel_config, sparse_config)
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 log = logging.getLogger("starshard.infer")
@@ -65,54 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="run the prompt through the model this many tokens at a time (bounds activation memory)")
-    par = ap.add_argument_group(
-        "parallel layout (launch tp*pp*cp processes: torchrun --nproc-per-node N, or srun --ntasks N in a Slurm "
-        "allocation; CUDA runs NCCL on cuda:LOCAL_RANK, CPU runs gloo)")
-    par.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel size: heads and MLP columns split over this many ranks (must divide the "
-                     "attention heads; the error lists the valid sizes)")
-    par.add_argument("--pp", type=int, default=1,
-                     help="pipeline-parallel stages: layers split over this many ranks, prefill pipelined in chunks")
-    par.add_argument("--pp-layers", type=lambda s: [int(x) for x in s.split(",")], default=None, metavar="N,N,..",
-                     help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
-                     "remainder); must match a converted checkpoint's split")
-    par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
-    par.add_argument("--cp-strategy", choices=["dense", "ring", "ulysses", "usp", "star", "apb"], default=None,
-                     help="how the CP group splits the sequence: ring / ulysses / usp (exact), star / apb (approximate); "
-                     "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
-    par.add_argument("--ulysses-degree", type=int, default=None,
-                     help="usp: Ulysses ranks inside each ring rank (must divide --cp; default --cp, i.e. plain "
-                     "Ulysses); keep them on one node, the all-to-alls are the bandwidth-hungry part")
-    par.add_argument("--block-size", type=int, default=None,
-                     help="star: context tokens per block (default: context / cp)")
-    par.add_argument("--num-blocks", type=int, default=None,
-                     help="star: cut the context into this many blocks instead of giving --block-size (default: "
-                     "--cp); with --cp 1 this runs on one device exactly what that many hosts would")
-    par.add_argument("--anchor-size", type=int, default=None,
-                     help="star: anchor tokens (the context's first tokens) before each block (default: block size); "
-                     "apb: anchor tokens per host (default: the paper's table, context/hosts/4 capped at 8192; 0 = none)")
-    par.add_argument("--query-rank", type=int, default=None,
-                     help="CP rank that owns the query and the generated tokens' KV (default: the last)")
-    from starshard.parallel.context import add_apb_arguments, apb_cli_error
-
-    add_apb_arguments(ap.add_argument_group("APB (--cp-strategy apb: anchors with the embedded query, compressed "
-                                            "passing blocks; paper ablations: --anchor-size 0, --passing-size 0, "
-                                            "--compressor random, --no-embed-query)"))
-    sp = ap.add_argument_group("sparse prefill (approximate; decode stays dense)")
-    sp.add_argument("--sparse", choices=["minference", "anchor"], default=None,
-                    help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
-                    "Vertical-Slash / Block-Sparse patterns; anchor = AnchorAttention stripes (keys whose score is "
-                    "within --anchor-theta of the block's anchor); composes with dense, ulysses, star and apb, "
-                    "not ring/usp")
-    sp.add_argument("--sparse-config", default=None, metavar="FILE",
-                    help="per-layer, per-head patterns (JSON from `python -m starshard.kernels.minference_search`, "
-                    "or MInference's published per-model config); default: Vertical-Slash (1000, 6096) on every head")
-    sp.add_argument("--anchor-theta", type=float, default=12.0,
-                    help="--sparse anchor: keep keys scoring within this of the anchor (paper: 12; lower = sparser)")
-    sp.add_argument("--anchor-block-q", type=int, default=128,
-                    help="--sparse anchor: query rows pooled per block (small models at a few K tokens: 16)")
-    sp.add_argument("--anchor-step", type=int, default=16,
-                    help="--sparse anchor: query blocks sharing one stripe selection (small models: 1)")
+    add_layout_arguments(ap)
+    add_sparse_arguments(ap)
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
@@ -160,11 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--prompt-len replaces the prompt: drop --prompt / --prompt-file / --context-file")
     if args.prompt_len is not None and args.prompt_len < 1:
         ap.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    if args.sparse_config is not None and args.sparse is None:
-        ap.error("--sparse-config needs --sparse minference")
     if args.random_weights and args.prompt_len is None:
         ap.error("--random-weights has no tokenizer: give --prompt-len N (random token ids)")
-    bad = apb_cli_error(args, args.cp_strategy, args.cp)
+    bad = layout_error(args)
     if bad:
         ap.error(bad)
     return args
@@ -197,7 +151,7 @@ def prompt_kwargs(args) -> dict:
 
 def model_config(args, lead: bool):
     """(model config, checkpoint path or None) from the config alone: no weights are read."""
-    from starshard.parallel.runner import read_config, weight_source
+    from starshard.checkpoints.sources import read_config, weight_source
 
     if args.random_weights is not None:
         from starshard.presets import preset_config
@@ -222,7 +176,7 @@ def prompt_lengths(args, path, kw) -> tuple[int, int]:
     """(prompt tokens, context tokens) as generate() will see them (the tokenizer only; cheap)."""
     if args.prompt_len is not None:
         return args.prompt_len, args.prompt_len
-    from starshard.engine.generate import build_prompt, load_tokenizer
+    from starshard.runtime.prompt import build_prompt, load_tokenizer
 
     try:
         p = build_prompt(load_tokenizer(path), **kw, raw=args.raw)
@@ -232,10 +186,12 @@ def prompt_lengths(args, path, kw) -> tuple[int, int]:
 
 
 def check_window(cfg, n_prompt: int, max_new: int) -> None:
-    if n_prompt + max_new > cfg.max_position_embeddings:
-        w = cfg.max_position_embeddings
-        raise Abort(f"prompt of {n_prompt} tokens + {max_new} new tokens exceeds the model window of {w} tokens; "
-                    f"shorten the prompt to at most {w - max_new} tokens or lower --max-new-tokens")
+    from starshard.runtime.prompt import check_window as check
+
+    try:
+        check(cfg, n_prompt, max_new)
+    except ValueError as e:
+        raise Abort(str(e).replace("lower max_new_tokens", "lower --max-new-tokens")) from None
 
 
 def memory_limit(args, device: str, local_rank: int) -> int | None:
@@ -268,7 +224,7 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
     """(plan, smallest fitting plan or None); Abort on an impossible layout."""
     from starshard.planner import Layout, Workload, plan_memory, smallest_layout
 
-    strategy = args.cp_strategy or ("dense" if args.cp == 1 else "ring")
+    strategy = default_strategy(args)
     try:
         lay = Layout(args.tp, args.pp, args.cp, strategy, tuple(args.pp_layers) if args.pp_layers else None,
                      args.block_size, args.anchor_size, args.query_rank)
@@ -307,92 +263,6 @@ def refusal(plan, limit, best) -> str:
     return (msg + f"The smallest layout that fits: {b.describe()} ({b.world} ranks, {gib(best.peak_bytes)} per rank): "
             f"run with --tp {b.tp} --pp {b.pp} --cp {b.cp}" + (f" --cp-strategy {b.strategy}" if b.cp > 1 else "")
             + f" on {b.world} processes")
-
-
-class Watchdog(threading.Thread):
-    """Ends this rank when it makes no progress (no layer forward, no decode step) for `limit_s`.
-
-    Collectives give up after --dist-timeout, so a rank waiting on a dead peer fails by itself; a rank
-    stuck outside a collective (or whose peers all left) would not, and across nodes no launcher ends
-    it. The limit is 2 x --dist-timeout + 10 s: well past any single layer's legitimate time."""
-
-    def __init__(self, limit_s: float, rank: int):
-        super().__init__(daemon=True, name="starshard-watchdog")
-        self.limit_s, self.rank = limit_s, rank
-        self.last = time.monotonic()
-        self.done = threading.Event()
-
-    def beat(self, *_) -> None:
-        self.last = time.monotonic()
-
-    def run(self) -> None:
-        while not self.done.wait(min(5.0, self.limit_s / 4)):
-            idle = time.monotonic() - self.last
-            if idle > self.limit_s:
-                sys.stderr.write(f"error: rank {self.rank}: no progress for {idle:.0f} s (over 2 x --dist-timeout + "
-                                 "10 s): this rank is stuck or its peers are gone; ending it\n")
-                sys.stderr.flush()
-                os._exit(1)
-
-
-class RunMonitor:
-    """Rank 0's progress messages, the watchdog's heartbeat and the fault-injection test hook,
-    attached around the runner's prefill / next_token and the model's forward (one forward = one
-    prefill chunk or CP segment) and its layers."""
-
-    def __init__(self, llm, prompt_tokens: int, max_new: int, rank: int, watchdog: Watchdog | None = None):
-        from starshard.parallel.topology import FaultInjection
-
-        self.watchdog = watchdog
-        self.fault = FaultInjection.from_env()
-        self.rank, self.total, self.max_new = rank, prompt_tokens, max_new
-        self.in_prefill, self.forwards, self.rows, self.step = False, 0, 0, 0
-        self.every = max(1, max_new // 10)
-        self.t_decode = None
-        runner = llm.runner
-        prefill, next_token = runner.prefill, runner.next_token
-
-        def wrapped_prefill(*a, **k):
-            self.fire(0)
-            self.in_prefill = True
-            try:
-                return prefill(*a, **k)
-            finally:
-                self.in_prefill = False
-                log.info("prefill: done, %d forward(s), %d rows on this rank (prompt %d tokens)", self.forwards,
-                         self.rows, self.total)
-                self.t_decode = time.perf_counter()
-
-        def wrapped_next(*a, **k):
-            if self.in_prefill:  # a runner's prefill may run through its own next_token
-                return next_token(*a, **k)
-            self.step += 1
-            if self.watchdog is not None:
-                self.watchdog.beat()
-            self.fire(self.step)
-            out = next_token(*a, **k)
-            if self.step % self.every == 0:
-                dt = time.perf_counter() - self.t_decode
-                log.info("decode: %d/%d tokens, %.1f tok/s", self.step + 1, self.max_new, self.step / dt if dt else 0.0)
-            return out
-
-        runner.prefill, runner.next_token = wrapped_prefill, wrapped_next
-        llm.model.register_forward_pre_hook(self.on_forward)
-        if watchdog is not None:
-            for layer in llm.model.layers:
-                layer.register_forward_pre_hook(watchdog.beat)
-
-    def on_forward(self, module, args):
-        if self.in_prefill and args:
-            self.forwards += 1
-            n = args[0].shape[1]
-            self.rows += n
-            log.info("prefill: forward %d, %d rows (%d rows so far on this rank; prompt %d tokens)",
-                     self.forwards, n, self.rows, self.total)
-
-    def fire(self, step: int) -> None:
-        if self.fault is not None:
-            self.fault.maybe_fire(self.rank, step)
 
 
 def timing_summary(t: dict[str, float], m: dict) -> str:
@@ -448,20 +318,11 @@ def run(args, launch, lead: bool, t_start: float) -> int:
 
     from starshard import LLM
     from starshard.checkpoints.load import CheckpointError
-    from starshard.config import ParallelConfig
-    from starshard.kernels.sparse import SparseConfig
-    from starshard.parallel.context import APB_OPTIONS
     from starshard.parallel.topology import LayoutError, collective_failure
+    from starshard.runtime.monitor import RunMonitor, Watchdog
 
     try:
-        parallel = ParallelConfig(
-            tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=args.cp_strategy or ("dense" if args.cp == 1 else "ring"),
-            pp_layers=args.pp_layers, block_size=args.block_size, anchor_size=args.anchor_size, num_blocks=args.num_blocks,
-            query_rank=args.query_rank, ulysses_degree=args.ulysses_degree, timeout_s=args.dist_timeout,
-            **{k: getattr(args, k) for k in APB_OPTIONS},
-        )
-        sparse = (SparseConfig(args.sparse, args.sparse_config, args.anchor_theta, args.anchor_block_q, args.anchor_step)
-                  if args.sparse else None)
+        parallel, sparse = parallel_config(args), sparse_config(args)
     except ValueError as e:
         raise Abort(str(e)) from None
     t0 = time.perf_counter()
@@ -480,10 +341,10 @@ def run(args, launch, lead: bool, t_start: float) -> int:
         if launch.world_size > 1:
             watchdog = Watchdog(2 * args.dist_timeout + 10, launch.rank)
             watchdog.start()
-        RunMonitor(llm, n_prompt, args.max_new_tokens, launch.rank, watchdog)
+        monitor = RunMonitor(llm.model, args.max_new_tokens, launch.rank, watchdog)
         out = llm.generate(
             **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk, callbacks=monitor,
         )
         if watchdog is not None:
             watchdog.done.set()

@@ -1,4 +1,15 @@
-"""starshard: tensor x pipeline x context parallel inference for long-context LLMs."""
+"""starshard: tensor x pipeline x context parallel inference for long-context LLMs.
+
+Layers, each importing only those below it (tests/test_layering.py holds the rule):
+    config, layout, presets, planner     pure configuration and layout arithmetic
+    kernels                              attention kernels and their dispatcher
+    engine                               the model, its KV cache, sampling (one device, no process groups)
+    parallel, checkpoints                topology, tensor / pipeline / context parallelism; weight sources
+    runtime                              runners, CUDA-graph decode, the generation loop, the service scheduler
+    llm                                  LLM: the one place a runner is chosen
+    cli, evaluation, server              flags -> configs, the accuracy harness, the HTTP server
+    tools                                offline tools (MInference pattern search)
+"""
 from __future__ import annotations
 
 __version__ = "0.1.0"
@@ -6,11 +17,11 @@ __all__ = ["LLM", "Output", "load_model", "__version__"]
 
 
 def __getattr__(name):
-    # Lazy: `import starshard` stays cheap (no transformers import) for launchers and workers.
+    # Lazy: `import starshard` stays cheap (no torch / transformers import) for launchers and workers.
     if name in ("LLM", "Output"):
-        from starshard.engine import generate
+        from starshard import llm
 
-        return getattr(generate, name)
+        return getattr(llm, name)
     if name == "load_model":
         from starshard.checkpoints.load import load_model
 

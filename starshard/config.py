@@ -134,7 +134,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_strategy: str = "dense"  # dense | ring | ulysses | usp | star
+    cp_strategy: str = "dense"  # dense | ring | ulysses | usp | star | apb
     pp_layers: list[int] | None = None  # layers per pipeline stage; None = even split
     block_size: int | None = None  # star: context block per forward (default ceil(context / cp))
     anchor_size: int | None = None  # star: anchor tokens before each block (default = block size)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from starshard.config import ModelConfig
+from starshard.layout import apb_bounds, apb_default_sizes, check_tp, partition_layers, star_blocks, star_sizes, valid_tp_sizes
 
 GiB = 1 << 30
 STRATEGIES = ("dense", "ring", "ulysses", "usp", "star", "apb")
@@ -145,18 +146,6 @@ def gib(n: int) -> str:
 
 
 # ---------------------------------------------------------------------------- pieces
-def split_layers(num_layers: int, pp: int, pp_layers=None) -> list[int]:
-    """Layers per stage: as given, or even with the remainder on the earlier stages (as the runtime)."""
-    if pp_layers is not None:
-        if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
-            raise ValueError(f"pp_layers {list(pp_layers)} must give {pp} stages of >= 1 layer summing to {num_layers}")
-        return list(pp_layers)
-    if pp > num_layers:
-        raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers")
-    base, extra = divmod(num_layers, pp)
-    return [base + (i < extra) for i in range(pp)]
-
-
 def _heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
     """(query heads, KV heads, MLP columns, vocab rows) on one tensor-parallel rank."""
     return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.intermediate_size // tp, -(-cfg.vocab_size // tp)
@@ -173,20 +162,6 @@ def weight_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, last: b
     if last:
         n += h + (0 if cfg.tie_word_embeddings and first else vrows * h)
     return n
-
-
-def _star_blocks(context: int, block: int, cp: int) -> list[list[tuple[int, int]]]:
-    """Context blocks [start, end) per CP rank: contiguous runs of blocks (as star.star_blocks)."""
-    n = math.ceil(context / block)
-    per: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
-    for i in range(n):
-        per[i * cp // n].append((i * block, min(context, (i + 1) * block)))
-    return per
-
-
-def _apb_sizes(block: int) -> tuple[int, int]:
-    """(anchor, passing) defaults of apb.apb_default_sizes (paper Table 5, capped at 8K)."""
-    return min(8192, max(block // 4, min(block, 64))), min(8192, max(block // 8, min(block, 32)))
 
 
 def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int, int, int]:
@@ -207,17 +182,17 @@ def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int,
         return rows + N, rows, 0  # the all-to-all buffers are counted as activations (full-sequence qkv / cp)
     C, Q = w.context, L - w.context
     if lay.strategy == "star":
-        block = lay.block_size or max(1, math.ceil(C / cp))
-        anchor = lay.anchor_size or block
-        blocks = _star_blocks(max(C, 1), block, cp)
+        block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size)
+        blocks = star_blocks(max(C, 1), block, cp)
         kept = [sum(e - s for s, e in blocks[r]) + (Q + N if r == q_rank else 0) for r in range(cp)]
         # one forward per block, behind the anchor (the first block has none); then the query phase
         rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
         return max(kept), rows, 0
     # apb: even split; block rows behind an anchor (+ the embedded query); passing blocks gathered per layer
-    per = [C * (r + 1) // cp - C * r // cp for r in range(cp)]
+    bounds = apb_bounds(C, cp)
+    per = [bounds[r + 1] - bounds[r] for r in range(cp)]
     block = max(per)
-    anchor, passing = _apb_sizes(block)
+    anchor, passing = apb_default_sizes(block)
     if lay.anchor_size is not None:
         anchor = lay.anchor_size
     kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)]
@@ -244,10 +219,8 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
 
 
 def plan_memory(cfg: ModelConfig, layout: Layout, workload: Workload) -> MemoryPlan:
-    from starshard.checkpoints.hf import check_tp
-
     check_tp(cfg, layout.tp)
-    counts = split_layers(cfg.num_layers, layout.pp, layout.pp_layers)
+    counts = [len(s) for s in partition_layers(cfg.num_layers, layout.pp, layout.pp_layers)]
     plan = MemoryPlan(layout, workload)
     plan.stages = [stage_memory(cfg, layout, workload, i, n) for i, n in enumerate(counts)]
     return plan
@@ -258,8 +231,6 @@ def smallest_layout(cfg: ModelConfig, workload: Workload, strategy: str, limit_b
                     allow: Callable[[int, int, int], bool] = lambda tp, pp, cp: True) -> MemoryPlan | None:
     """The fitting layout with the fewest ranks (ties: the lowest peak), keeping `strategy` (dense searches
     tp x pp only; a CP strategy also cp); `allow(tp, pp, cp)` filters out layouts the runtime refuses."""
-    from starshard.checkpoints.hf import valid_tp_sizes
-
     tps = valid_tp_sizes(cfg, max_tp)
     for world in range(1, max_world + 1):
         best = None

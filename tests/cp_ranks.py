@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from starshard.checkpoints.load import load_model
 from starshard.config import SamplingConfig
-from starshard.parallel.context.runner import ContextParallelRunner
+from starshard.runtime.context_parallel import ContextParallelRunner
 
 
 def strategy_rank(rank, world, path, ids, context_len, make_strategy, steps):

@@ -10,7 +10,7 @@ from starshard.engine.kv_cache import KVCache
 def masked_attend(visible: torch.Tensor):
     """AttendFn for a full sequence with a boolean [L, L] visibility matrix (row = query)."""
 
-    def attend(q, k, v, pos, cache):
+    def attend(q, k, v, pos, cache, sparse=None):
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
         s = (q.double() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -60,7 +60,7 @@ def masked_attend_layers(visibles):
     visibility differs per KV head (shared by the head's GQA group)."""
     calls = [0]
 
-    def attend(q, k, v, pos, cache):
+    def attend(q, k, v, pos, cache, sparse=None):
         vis = visibles[calls[0]]
         calls[0] += 1
         g = q.shape[1] // k.shape[1]

@@ -10,6 +10,7 @@ import torch
 from hf_models import make_hf_model
 from masked_reference import apb_unrolled, run_masked_layers
 from starshard.checkpoints.load import load_model
+from starshard.layout import apb_bounds, apb_default_sizes
 from starshard.parallel.context.apb import (
     APBAttention,
     Compressor,
@@ -18,10 +19,8 @@ from starshard.parallel.context.apb import (
     RetainingHeads,
     ScoreInput,
     _rotate,
-    apb_bounds,
-    apb_default_sizes,
 )
-from starshard.parallel.context.runner import ContextParallelRunner
+from starshard.runtime.context_parallel import ContextParallelRunner
 
 STEPS = 4
 

@@ -10,10 +10,10 @@ import torch
 
 from hf_models import make_hf_model
 from starshard.config import ParallelConfig
-from starshard.engine.generate import Prompt, build_prompt
+from starshard.runtime.prompt import Prompt, build_prompt
 from starshard.parallel.context import apb_options, make_strategy
 from starshard.parallel.context.apb import APBAttention, RandomCompressor
-from starshard.parallel.context.runner import ContextParallelRunner
+from starshard.runtime.context_parallel import ContextParallelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smol_tok():
     from starshard.checkpoints.default import default_checkpoint
-    from starshard.engine.generate import load_tokenizer
+    from starshard.runtime.prompt import load_tokenizer
 
     try:
         tok = load_tokenizer(default_checkpoint(progress=False))

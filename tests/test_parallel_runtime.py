@@ -16,7 +16,7 @@ from mp_harness import run_ranks
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.load import CheckpointError, load_model
 from starshard.config import ParallelConfig, SamplingConfig
-from starshard.engine.generate import LLM
+from starshard.llm import LLM
 from starshard.parallel.tensor import VocabShard, vocab_parallel_sample
 from starshard.parallel.topology import LayoutError, _first_slurm_host, check_layout, megatron_coords, read_launch_env
 

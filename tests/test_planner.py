@@ -155,9 +155,9 @@ def test_weights_match_the_shards_the_runtime_builds(preset):
     (plan_shard's specs, read without building anything)."""
     import math
 
-    from starshard.checkpoints.hf import TPLayout, plan_shard, valid_tp_sizes
-    from starshard.parallel.pipeline import partition_layers
-    from starshard.parallel.runner import RandomSource
+    from starshard.checkpoints.hf import plan_shard
+    from starshard.layout import TPLayout, partition_layers, valid_tp_sizes
+    from starshard.checkpoints.sources import RandomSource
 
     cfg = preset_config(preset)
     src = RandomSource(cfg, 0, None, "cpu")  # only has() is used: which tensors exist
@@ -175,8 +175,9 @@ def test_kv_cache_matches_the_runtime_allocation():
     import torch
 
     from starshard.config import ParallelConfig
-    from starshard.engine.generate import LocalRunner
-    from starshard.parallel.runner import build_rank_model, plan_parallel, weight_source
+    from starshard.runtime.local import LocalRunner
+    from starshard.checkpoints.sources import weight_source
+    from starshard.runtime.build import build_rank_model, plan_parallel
 
     cfg = preset_config("tiny")
     src = weight_source(None, random_seed=0)

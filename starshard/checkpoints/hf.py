@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 import torch
 
 from starshard.config import ModelConfig
+from starshard.layout import TPLayout
 
 
 class TensorSource(Protocol):
@@ -57,64 +58,6 @@ class StateDictSource:
         if name not in self.sd:
             raise KeyError(f"tensor {name!r} missing from the checkpoint")
         return self.sd[name]
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """Which heads / rows one tensor-parallel rank holds."""
-
-    cfg: ModelConfig
-    tp: int
-    rank: int
-
-    def __post_init__(self):
-        check_tp(self.cfg, self.tp)
-
-    @property
-    def heads(self) -> int:
-        return self.cfg.num_heads // self.tp
-
-    @property
-    def kv_heads(self) -> int:
-        return max(1, self.cfg.num_kv_heads // self.tp)
-
-    @property
-    def kv_head_start(self) -> int:
-        # With fewer KV heads than ranks, each KV head is replicated on tp / Hkv neighbouring ranks.
-        if self.cfg.num_kv_heads >= self.tp:
-            return self.rank * self.kv_heads
-        return self.rank // (self.tp // self.cfg.num_kv_heads)
-
-    @property
-    def padded_vocab(self) -> int:
-        return -(-self.cfg.vocab_size // self.tp) * self.tp
-
-    @property
-    def vocab_slice(self) -> slice:
-        n = self.padded_vocab // self.tp
-        return slice(self.rank * n, (self.rank + 1) * n)
-
-    @property
-    def ffn_slice(self) -> slice:
-        n = self.cfg.intermediate_size // self.tp
-        return slice(self.rank * n, (self.rank + 1) * n)
-
-
-def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    out = []
-    for t in range(1, limit + 1):
-        kv_ok = cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0
-        if cfg.num_heads % t == 0 and kv_ok and cfg.intermediate_size % t == 0:
-            out.append(t)
-    return out
-
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    if tp < 1 or tp not in valid_tp_sizes(cfg, max(tp, 1)):
-        raise ValueError(
-            f"tp={tp} does not divide this model ({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
-            f"intermediate {cfg.intermediate_size}); valid tp sizes: {valid_tp_sizes(cfg)}"
-        )
 
 
 def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.convert import DTYPES, MANIFEST, _gguf_to_hf, tensor_bytes
+from starshard.checkpoints.convert import DTYPES, MANIFEST, gguf_to_hf, tensor_bytes
 from starshard.checkpoints.hf import (
     SafetensorsSource,
     StateDictSource,
-    TPLayout,
     merge_tp_shards,
     plan_shard,
     read_hf_config,
 )
 from starshard.config import ModelConfig
 from starshard.engine.model import Transformer, rope_inv_freq
+from starshard.layout import TPLayout
 
 
 class CheckpointError(RuntimeError):
@@ -98,7 +98,7 @@ def read_weights(path: str | Path, verify: bool = True) -> tuple[ModelConfig, di
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not .gguf; pass a .gguf file, a HF model dir or a starshard checkpoint dir")
-        hf_cfg, sd, _ = _gguf_to_hf(path)
+        hf_cfg, sd, _ = gguf_to_hf(path)
         cfg = ModelConfig.from_hf(hf_cfg)
         return cfg, _full_state_from_source(cfg, StateDictSource(sd))
     if (path / MANIFEST).is_file():
@@ -128,16 +128,4 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="
     cfg, state = read_weights(path, verify=verify)
     with torch.device("meta"):
         model = Transformer(cfg)
-    return materialize(model, state, dtype, device)
-
-
-def random_model(cfg: ModelConfig, *, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> Transformer:
-    """A model with random weights (std 0.02, norms 1) for benchmarks; no checkpoint needed."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for name, p in model.named_parameters():
-        t = torch.empty(p.shape, dtype=dtype, device=device)
-        state[name] = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, 0.02, generator=gen)
     return materialize(model, state, dtype, device)

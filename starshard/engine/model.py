@@ -1,15 +1,15 @@
 """The decoder, written once for one device: Llama / Mistral / Qwen2.
 
-Parallelism is applied to this model from `starshard/parallel/` (tensor-parallel linears swapped in,
-layers split into pipeline stages, a context strategy handed to each attention layer); nothing here
-knows about process groups. Layout kept Megatron-friendly: fused QKV (`wqkv`: q heads, then k
+Parallelism is applied to this model from outside (runtime/build.py and the runners, using
+parallel/: tensor-parallel linears swapped in, layers split into pipeline stages, a context
+strategy's hook handed to each attention layer); nothing here knows about process groups. Layout kept Megatron-friendly: fused QKV (`wqkv`: q heads, then k
 heads, then v heads) and fused gate/up (`w13`: gate rows, then up rows) so that a column-parallel
 split of each is one contiguous slice per part.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,11 +65,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-# Attention function a context strategy provides: (q, k, v, q_pos, cache_layer) -> out.
-# q: [B, Hq, L, D] after RoPE; k, v: this step's new keys/values [B, Hkv, L, D]; the strategy
-# decides which keys each query sees and what enters the cache.
-# (q, k, v, pos, cache) -> out; called with sparse=LayerSparse as well when the layer has a sparse method
-AttendFn = Callable[..., torch.Tensor]
+class AttendFn(Protocol):
+    """The attention a layer runs, provided by a context strategy (dense_attend by default).
+
+    q: [B, Hq, L, D] after RoPE; k, v: this step's new keys / values [B, Hkv, L, D]; pos: their global
+    positions; cache: the layer's KV (None when the hook holds its own); sparse: the layer's
+    LayerSparse (kernels/sparse.py) or None. The hook decides which keys each query sees and what
+    enters the cache; it returns out [B, Hq, L, D].
+    """
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                 cache: LayerKV | None, sparse=None) -> torch.Tensor: ...
 
 
 def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
@@ -105,8 +111,7 @@ class Attention(nn.Module):
         k = k.view(B, L, self.n_kv_heads, d).transpose(1, 2)
         v = v.view(B, L, self.n_kv_heads, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Hooks take `sparse` only when the layer has a method, so plain hooks need not know of it.
-        out = self.attend(q, k, v, pos, cache) if self.sparse is None else self.attend(q, k, v, pos, cache, sparse=self.sparse)
+        out = self.attend(q, k, v, pos, cache, sparse=self.sparse)
         return self.wo(out.transpose(1, 2).reshape(B, L, self.n_heads * d))
 
 

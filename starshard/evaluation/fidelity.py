@@ -44,6 +44,19 @@ from typing import Callable
 
 import torch
 
+from starshard.engine.model import dense_attend
+from starshard.kernels.minference import (
+    MIN_SPARSE_ROWS,
+    Dense,
+    MInferenceConfig,
+    build_plan,
+    group_mask,
+    minference_attention,
+)
+from starshard.layout import star_blocks
+from starshard.parallel.context.apb import APBAttention, _rotate
+from starshard.parallel.context.star import StarAttention
+
 # float64 elements per [heads, rows, keys] score tile (several such tiles live at once): bounds memory.
 DEFAULT_TILE_ELEMENTS = 1 << 23
 _ROW_ALIGN = 64  # chunks start on multiples of this (MInference's row blocks)
@@ -143,7 +156,6 @@ class StarApproximation(Approximation):
                 "resolved": getattr(self, "_resolved", None)}
 
     def begin_layer(self, x: LayerInputs) -> None:
-        from starshard.parallel.context.star import StarAttention, star_blocks
 
         C = x.context_len
         strat = StarAttention(None, block_size=self.block_size or max(1, math.ceil(C / self.cp)),
@@ -179,8 +191,6 @@ class APBApproximation(Approximation):
     def __init__(self, cp: int = 4, *, anchor_size: int | None = None, passing_size: int | None = None,
                  compressor="query", embed_query: bool = True, prefix_len: int = 0, compressor_path=None,
                  seed: int = 0):
-        from starshard.parallel.context.apb import APBAttention
-
         if cp < 1:
             raise ValueError(f"apb: cp must be >= 1, got {cp}")
         self.cp = cp
@@ -208,8 +218,6 @@ class APBApproximation(Approximation):
         return {**self._cfg, "resolved": getattr(self, "_resolved", None)}
 
     def begin_layer(self, x: LayerInputs) -> None:
-        from starshard.parallel.context.apb import _rotate
-
         st, cp, C, L = self.strategy, self.cp, x.context_len, x.length
         Hkv, dev = x.k.shape[0], x.q.device
         q, k, v = x.q[None], x.k[None], x.v[None]
@@ -268,8 +276,6 @@ class MInferenceApproximation(Approximation):
     (`minference_attention`; Triton where it runs, else its torch path)."""
 
     def __init__(self, config, name: str | None = None, backend: str | None = None, kernel_output: bool = True):
-        from starshard.kernels.minference import MInferenceConfig
-
         if not isinstance(config, MInferenceConfig):
             raise TypeError("MInferenceApproximation needs a MInferenceConfig")
         self.mcfg, self.backend, self.kernel_output = config, backend, kernel_output
@@ -279,8 +285,6 @@ class MInferenceApproximation(Approximation):
         return {"kind": "minference", "config": self.mcfg.to_dict()}
 
     def begin_layer(self, x: LayerInputs) -> None:
-        from starshard.kernels.minference import MIN_SPARSE_ROWS, Dense, build_plan
-
         Hq, L, D = x.q.shape
         self._pattern = self.mcfg.pattern(x.layer, Hq)
         self._groups = None
@@ -288,8 +292,6 @@ class MInferenceApproximation(Approximation):
             self._groups = build_plan(x.q[None], x.k[None], self._pattern, offset=0, scale=D**-0.5)
 
     def keep_mask(self, x, r0, r1):
-        from starshard.kernels.minference import group_mask
-
         if self._groups is None:  # too short to sparsify, or all heads dense: MInference runs dense
             return torch.ones(1, r1 - r0, r1, dtype=torch.bool, device=x.q.device)
         Hq, L = x.q.shape[:2]
@@ -304,8 +306,6 @@ class MInferenceApproximation(Approximation):
     def output(self, x):
         if not self.kernel_output:
             return None
-        from starshard.kernels.minference import minference_attention
-
         pos = x.pos
         out, _ = minference_attention(x.q[None], x.k[None], x.v[None], q_pos=pos, k_pos=pos, pattern=self._pattern,
                                       backend=self.backend)
@@ -629,14 +629,12 @@ def capture_attention(model, ids: torch.Tensor,
     """Run the model densely over ids [L] (positions 0 .. L-1) calling on_layer(layer, q, k, v) with each
     layer's post-RoPE q [1, Hq, L, D], k, v [1, Hkv, L, D]; returns the logits. The model's hooks are
     restored afterwards."""
-    from starshard.engine.model import dense_attend
-
     saved = [layer.attention.attend for layer in model.layers]
 
     def hook(layer_id):
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             on_layer(layer_id, q, k, v)
-            return dense_attend(q, k, v, pos, cache)
+            return dense_attend(q, k, v, pos, cache, sparse=sparse)
 
         return attend
 

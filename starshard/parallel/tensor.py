@@ -6,7 +6,7 @@ communication), o_proj and down row-parallel (one all-reduce each), the embeddin
 (one all-reduce) and the LM head column-parallel over the (padded) vocabulary. The logits stay
 sharded: greedy decoding and sampling exchange a few numbers per row, never the full vocabulary.
 
-Shapes follow `checkpoints.hf.TPLayout`, so a rank's converter shard loads straight in. Inference
+Shapes follow `layout.TPLayout`, so a rank's converter shard loads straight in. Inference
 only: weights are frozen, megatron-core runs its frozen-weight path (no autograd bookkeeping).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from starshard.checkpoints.hf import TPLayout
+from starshard.layout import TPLayout
 from starshard.config import SamplingConfig
 
 

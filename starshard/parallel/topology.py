@@ -8,8 +8,8 @@ fails fast on every rank instead of hanging in a rendezvous.
 Failures: every collective (the default group and megatron-core's groups) gives up after
 `ParallelConfig.timeout_s`; NCCL's watchdog tears a process down on an error or a timeout
 (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) instead of leaving it hung. `collective_failure` turns what a
-broken collective raises into one line for the user. `FaultInjection` is the test hook that makes a
-rank die or hang on purpose (STARSHARD_FAULT_INJECT).
+broken collective raises into one line for the user. (The test hook that makes a rank die or hang on
+purpose, STARSHARD_FAULT_INJECT, is runtime/monitor.py's FaultInjection.)
 """
 from __future__ import annotations
 
@@ -66,45 +66,6 @@ def read_launch_env(env=None) -> LaunchEnv:
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                          host, port, "slurm")
     return LaunchEnv(0, 1, 0, "127.0.0.1", "29500", "single")
-
-
-FAULT_ENV = "STARSHARD_FAULT_INJECT"
-
-
-@dataclass(frozen=True)
-class FaultInjection:
-    """Test hook: STARSHARD_FAULT_INJECT=RANK:STEP[:MODE] makes global rank RANK die (MODE exit, the
-    default: os._exit(43), no clean-up, like a crash) or hang (MODE hang: sleeps forever) when it
-    reaches STEP: 0 is the start of the prefill, k the k-th decode step. launch/infer.py calls
-    `maybe_fire` at those points; nothing else reads the variable."""
-
-    rank: int
-    step: int
-    mode: str = "exit"
-
-    @classmethod
-    def from_env(cls, env=None) -> "FaultInjection | None":
-        raw = (os.environ if env is None else env).get(FAULT_ENV, "").strip()
-        if not raw:
-            return None
-        parts = raw.split(":")
-        try:
-            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("exit", "hang")):
-                raise ValueError
-            return cls(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "exit")
-        except ValueError:
-            raise ValueError(f"{FAULT_ENV}={raw!r}: expected RANK:STEP or RANK:STEP:exit|hang (a test hook; "
-                             f"unset it for normal runs)") from None
-
-    def maybe_fire(self, rank: int, step: int) -> None:
-        if (rank, step) != (self.rank, self.step):
-            return
-        sys.stderr.write(f"rank {rank}: {FAULT_ENV} fault injected at step {step}: {self.mode}\n")
-        sys.stderr.flush()
-        if self.mode == "exit":
-            os._exit(43)
-        while True:  # hang: the others must notice through their collective timeout
-            time.sleep(3600)
 
 
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl", "gloo",

@@ -1,6 +1,16 @@
 """Context strategies: how a CP group shares one sequence. All implement ContextStrategy (base.py)."""
 from __future__ import annotations
 
+import torch.distributed as dist
+
+from starshard.parallel.context.apb import APBAttention
+from starshard.parallel.context.base import ContextStrategy, group_size
+from starshard.parallel.context.dense import DenseContext
+from starshard.parallel.context.ring import RingAttention
+from starshard.parallel.context.star import StarAttention
+from starshard.parallel.context.ulysses import UlyssesAttention
+from starshard.parallel.context.usp import UspAttention, new_usp_groups
+
 STRATEGIES = ("dense", "ring", "ulysses", "usp", "star", "apb")
 
 # APB-only options: ParallelConfig field (= make_strategy keyword) -> the CLI flag that sets it.
@@ -9,12 +19,19 @@ APB_OPTIONS = {"passing_size": "--passing-size", "compressor": "--compressor", "
 
 
 def apb_options(parallel) -> dict:
-    """The APB keywords a ParallelConfig sets (None = the strategy's default), for make_strategy(**...)."""
+    """The APB keywords a ParallelConfig sets (None = the strategy's default)."""
     return {k: getattr(parallel, k) for k in APB_OPTIONS if getattr(parallel, k, None) is not None}
 
 
+def strategy_options(parallel) -> dict:
+    """make_strategy's keywords from a ParallelConfig: the sizes every strategy reads, plus the APB
+    options it sets."""
+    return dict(block_size=parallel.block_size, anchor_size=parallel.anchor_size, query_rank=parallel.query_rank,
+                ulysses_degree=parallel.ulysses_degree, num_blocks=parallel.num_blocks, **apb_options(parallel))
+
+
 def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, query_rank=None,
-                  ulysses_degree=None, cp_groups=None, num_blocks=None, tp_group=None, **apb):
+                  ulysses_degree=None, cp_groups=None, num_blocks=None, tp_group=None, **apb) -> ContextStrategy:
     """The strategy `name` over `group` (None = a single rank).
 
     apb: the APB_OPTIONS keywords (refused for other strategies) and `tp_group` (retaining heads);
@@ -30,23 +47,12 @@ def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, q
         flags = ", ".join(APB_OPTIONS[k] for k in apb)
         raise ValueError(f"{flags} only apply to --cp-strategy apb (got {name}); drop them or use --cp-strategy apb")
     if name == "dense":
-        from starshard.parallel.context.dense import DenseContext
-
         return DenseContext(group, query_rank)
     if name == "ring":
-        from starshard.parallel.context.ring import RingAttention
-
         return RingAttention(group, query_rank)
     if name == "ulysses":
-        from starshard.parallel.context.ulysses import UlyssesAttention
-
         return UlyssesAttention(group, query_rank)
     if name == "usp":
-        import torch.distributed as dist
-
-        from starshard.parallel.context.base import group_size
-        from starshard.parallel.context.usp import UspAttention, new_usp_groups
-
         cp = group_size(group)
         u = cp if ulysses_degree is None else ulysses_degree
         if u < 1 or cp % u:
@@ -56,13 +62,9 @@ def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, q
         ulysses_group, ring_group = new_usp_groups(cp_groups or [dist.get_process_group_ranks(group)], u)
         return UspAttention(group, u, ulysses_group, ring_group, query_rank)
     if name == "star":
-        from starshard.parallel.context.star import StarAttention
-
         return StarAttention(group, block_size=block_size, anchor_size=anchor_size, query_rank=query_rank,
                              num_blocks=num_blocks)
     if name == "apb":
-        from starshard.parallel.context.apb import APBAttention
-
         if block_size is not None:
             raise ValueError("--block-size is Star's; APB splits the context evenly over the hosts (--cp, or "
                              "--apb-hosts with --cp 1): drop --block-size")
@@ -76,49 +78,3 @@ def make_strategy(name: str, group=None, *, block_size=None, anchor_size=None, q
                             compressor_path=apb.get("compressor_path"), tp_group=tp_group,
                             num_blocks=hosts if hosts is not None else num_blocks)
     raise ValueError(f"unknown --cp-strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-
-
-def add_apb_arguments(group) -> None:
-    """APB's command-line flags (each dest is its ParallelConfig field; None = default), shared by
-    launch/infer.py and launch/eval.py."""
-    group.add_argument("--passing-size", type=int, default=None, metavar="N",
-                       help="apb: KV entries per KV head each host passes on per layer, picked by --compressor "
-                       "(default: the paper's table, context/hosts/8 capped at 8192, at least 32; 0 = no passing, "
-                       "the ablation)")
-    group.add_argument("--compressor", choices=["query", "retaining-heads", "random"], default=None,
-                       help="apb: how each host scores its block for the passing entries: query = attention of the "
-                       "embedded query's rows (training-free, default); retaining-heads = trained per-layer MLPs "
-                       "over [q, k, v] read from --compressor-path; random = uniform (ablation)")
-    group.add_argument("--compressor-path", default=None, metavar="FILE",
-                       help="apb: retaining-heads weights, safetensors or torch file with layers.<i>.fc1.weight "
-                       "[I, (Hq+2Hkv)*D] and layers.<i>.fc2.weight [Hkv, I] (biases optional); full format in "
-                       "starshard/parallel/context/apb.py, RetainingHeads")
-    group.add_argument("--no-embed-query", dest="embed_query", action="store_const", const=False, default=None,
-                       help="apb: do not embed the query in the anchors (ablation); the query compressor then "
-                       "scores each block with its own last rows")
-    group.add_argument("--prefix-len", type=int, default=None, metavar="N",
-                       help="apb: context tokens that stay before the embedded query in each anchor (default: the "
-                       "chat template's head when the template is applied, else 0)")
-    group.add_argument("--apb-hosts", type=int, default=None, metavar="N",
-                       help="apb with --cp 1: split the context into N blocks run one after another on this device, "
-                       "each handing its passing KV to the later ones; reproduces --cp N exactly (study mode). Without it, "
-                       "APB on one rank has nothing to pass and is exact causal attention")
-
-
-def apb_cli_error(args, cp_strategy: str | None, cp: int | None) -> str | None:
-    """What is wrong with the APB flags in `args` (None: nothing), checked before any model loads."""
-    given = [APB_OPTIONS[k] for k in APB_OPTIONS if getattr(args, k, None) is not None]
-    if given and cp_strategy != "apb":
-        return f"{', '.join(given)} only apply to --cp-strategy apb"
-    for flag in ("passing_size", "prefix_len"):
-        v = getattr(args, flag, None)
-        if v is not None and v < 0:
-            return f"{APB_OPTIONS[flag]} must be >= 0, got {v}"
-    hosts = getattr(args, "apb_hosts", None)
-    if hosts is not None and hosts < 1:
-        return f"--apb-hosts must be >= 1, got {hosts}"
-    if hosts is not None and (cp or 1) > 1 and hosts != cp:
-        return f"--apb-hosts simulates hosts on one device; with --cp {cp} the CP ranks are the hosts: drop --apb-hosts"
-    if (getattr(args, "compressor", None) == "retaining-heads") != (getattr(args, "compressor_path", None) is not None):
-        return "--compressor retaining-heads and --compressor-path FILE go together"
-    return None

@@ -68,26 +68,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from starshard.engine.model import apply_rope
 from starshard.kernels.attention import attention
 from starshard.kernels.sparse import pattern_for
+from starshard.layout import apb_bounds, apb_default_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.parallel.context.merge import merge_partials
 
 COMPRESSORS = ("query", "retaining-heads", "random")
-_CAP = 8192
-
-
-def apb_default_sizes(block: int) -> tuple[int, int]:
-    """(anchor, passing) for a per-rank block of `block` context tokens (paper Table 5, scaled down)."""
-    anchor = min(_CAP, max(block // 4, min(block, 64)))
-    passing = min(_CAP, max(block // 8, min(block, 32)))
-    return anchor, passing
-
-
-def apb_bounds(context_len: int, cp: int) -> list[int]:
-    """Block boundaries: rank r holds context [bounds[r], bounds[r+1]) (sizes differ by at most one)."""
-    return [context_len * r // cp for r in range(cp + 1)]
-
 
 # ----------------------------------------------------------------------------------------------
 # Compressors
@@ -123,8 +111,6 @@ class ScoreInput:
 
 
 def _rotate(x: torch.Tensor, delta, inv_freq: torch.Tensor) -> torch.Tensor:
-    from starshard.engine.model import apply_rope
-
     inv = inv_freq.to(x.device, torch.float32)
     d = torch.as_tensor(delta, device=x.device, dtype=torch.float32)
     freqs = d.reshape(-1, 1) * inv  # [1 | R, D/2]

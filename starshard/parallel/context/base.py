@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from starshard.engine.kv_cache import LayerKV
+from starshard.engine.model import AttendFn
 from starshard.kernels.attention import attention
+from starshard.parallel.context.group_merge import merge_over_group
 
 
 @dataclass
@@ -68,10 +70,23 @@ class ContextStrategy:
     def is_query_rank(self) -> bool:
         return self.rank == self.query_rank
 
+    # -- optional hooks: the runner calls each on every strategy; the defaults do nothing
+    def check_heads(self, heads: int, kv_heads: int) -> None:
+        """Refuse (ValueError) a head count this strategy cannot split; called on every rank before
+        any collective, with this rank's (tensor-parallel) head counts."""
+
+    def bind(self, model) -> None:
+        """Called once with the rank's model (APB reads its RoPE and layer ids)."""
+
+    def use_prompt_head(self, head_len: int) -> None:
+        """Called before each prefill with the chat template head's length in tokens (APB places
+        the embedded query after it)."""
+
+    # -- required
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         raise NotImplementedError
 
-    def prefill_attend(self, segment: Segment):
+    def prefill_attend(self, segment: Segment) -> AttendFn:
         raise NotImplementedError
 
     def last_token_rank(self, prompt_len: int, context_len: int) -> int:
@@ -90,7 +105,5 @@ class ContextStrategy:
         # A single new token follows every key of every shard: no mask needed.
         out, lse = attention(q, k_all, v_all, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1)
         if self.cp > 1:
-            from starshard.parallel.context.group_merge import merge_over_group
-
             out, lse = merge_over_group(out, lse, self.group)
         return out

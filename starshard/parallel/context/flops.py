@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from starshard.config import ModelConfig
+from starshard.layout import apb_bounds, star_blocks
 
 
 @dataclass
@@ -128,8 +129,6 @@ def star_flops(cfg: ModelConfig, context: int, cp: int, block: int | None = None
                query_len: int = 1) -> list[PrefillFlops]:
     """Star Attention: each block runs [anchor; block] causally (the first block has no anchor), then
     the query phase. Defaults as StarAttention: block = ceil(context / cp), anchor = block."""
-    from starshard.parallel.context.star import star_blocks
-
     _check(context, cp, query_len)
     block = block or -(-context // cp)
     anchor = block if anchor is None else anchor
@@ -149,8 +148,6 @@ def apb_flops(cfg: ModelConfig, context: int, cp: int, anchor: int, passing: int
               embed_query: bool = True, query_compressor: bool = True, kv_bytes: int = 2) -> list[PrefillFlops]:
     """APB (see the module docstring): anchor / passing as given (0 = ablated); query_compressor:
     the training-free scorer (its QK^T counted, rank 0 runs the score-only query rows)."""
-    from starshard.parallel.context.apb import apb_bounds
-
     _check(context, cp, query_len)
     if anchor < 0 or passing < 0:
         raise ValueError(f"anchor and passing must be >= 0, got {anchor}, {passing}")

@@ -8,23 +8,12 @@ token, attend each rank's local KV; partials merge by lse over the CP group (Con
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from starshard.kernels.attention import attention
 from starshard.kernels.sparse import pattern_for
+from starshard.layout import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
-
-
-def star_blocks(context_len: int, block_size: int, cp: int) -> list[list[tuple[int, int]]]:
-    """Context blocks [start, end) per CP rank: contiguous runs of blocks, as even as possible."""
-    n = math.ceil(context_len / block_size)
-    bounds = [(i * block_size, min(context_len, (i + 1) * block_size)) for i in range(n)]
-    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
-    for i, b in enumerate(bounds):
-        per_rank[i * cp // n].append(b)
-    return per_rank
 
 
 class StarAttention(ContextStrategy):
@@ -47,8 +36,7 @@ class StarAttention(ContextStrategy):
         """(block, anchor): block defaults to ceil(context / num_blocks), num_blocks to cp (so cp=1
         with num_blocks=N runs exactly what N hosts would, one block after another); anchor
         defaults to the block size."""
-        block = self.block_size or max(1, math.ceil(context_len / (self.num_blocks or self.cp)))
-        return block, self.anchor_size or block
+        return star_sizes(context_len, self.cp, self.block_size, self.anchor_size, self.num_blocks)
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         if context_len < 1:

@@ -10,15 +10,17 @@ import torch
 import torch.distributed as dist
 
 from starshard.config import SamplingConfig
-from starshard.engine.generate import LocalRunner, Prompt
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
 from starshard.parallel.context.base import ContextStrategy
+from starshard.runtime.cuda_graph import GraphDecoder
+from starshard.runtime.local import LocalRunner
+from starshard.runtime.prompt import Prompt
 
 
 class ContextParallelRunner(LocalRunner):
     """`sampler(last_row_logits, sampling, gen) -> token`: plain sampling by default; a
-    parallel.runner.VocabSampler when the model is tensor parallel (vocab-sharded logits)."""
+    runtime.model_parallel.VocabSampler when the model is tensor parallel (vocab-sharded logits)."""
 
     def __init__(self, model, strategy: ContextStrategy, sampler=None, link=None):
         super().__init__(model)
@@ -27,8 +29,7 @@ class ContextParallelRunner(LocalRunner):
         self.link = link  # pipeline.StageLink when pp > 1
         self.is_last = link is None or link.is_last
         self._eager_rest = False  # the query rank's cache filled up: no graphs until the generation ends
-        if hasattr(strategy, "bind"):  # strategies that need the model's RoPE / layer ids (APB)
-            strategy.bind(model)
+        strategy.bind(model)  # strategies that need the model's RoPE / layer ids (APB)
 
     def _set_attend(self, fn) -> None:
         for layer in self.model.layers:
@@ -83,8 +84,7 @@ class ContextParallelRunner(LocalRunner):
             raise ValueError("--prefill-chunk is not supported with a context strategy yet: each CP rank "
                              "already holds only its shard; drop --prefill-chunk")
         ids = torch.tensor(prompt.ids, device=cache.device)
-        if hasattr(self.strategy, "use_prompt_head"):  # APB embeds the query after the chat template's head
-            self.strategy.use_prompt_head(getattr(prompt, "head_len", 0))
+        self.strategy.use_prompt_head(prompt.head_len)  # APB embeds the query after the chat template's head
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
         context_len = min(prompt.context_len, len(prompt.ids) - 1)
         logits, owner = self.prefill_logits(ids, context_len, cache)
@@ -116,8 +116,6 @@ class ContextParallelRunner(LocalRunner):
         if self._eager_rest or not self._graphs_apply(ids, cache):
             return None
         if self._graph is None or self._graph.cache is not cache:
-            from starshard.engine.cuda_graph import GraphDecoder
-
             self._graph = GraphDecoder(self.model, cache, group=s.group, appends=s.is_query_rank)
         fits = torch.tensor([int(self._graph.fits())], device=cache.device)
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=s.group)

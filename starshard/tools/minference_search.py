@@ -1,6 +1,6 @@
 """Offline kernel-aware pattern search (MInference, Algorithm 1) -> per-head JSON config.
 
-    python -m starshard.kernels.minference_search --model M --out cfg.json [--length 2048]
+    python -m starshard.tools.minference_search --model M --out cfg.json [--length 2048]
 
 One sample prompt (a RULER-style multi-key retrieval task, sized in the model's tokens) runs through
 the model once; each layer's attention is intercepted (its `attend` function is wrapped, then put
@@ -26,7 +26,11 @@ from pathlib import Path
 
 import torch
 
+import starshard
+from starshard.checkpoints.default import default_checkpoint
+from starshard.evaluation.tasks import make_sample
 from starshard.kernels import minference as mi
+from starshard.runtime.prompt import build_prompt, load_tokenizer
 
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
@@ -164,8 +168,6 @@ def search_layer(q, k, **kwargs) -> list:
 
 def sample_ids(model_path, length: int, task: str, seed: int) -> list[int]:
     """Token ids of one synthetic long-context prompt of about `length` tokens."""
-    from starshard.engine.generate import build_prompt, load_tokenizer
-    from starshard.evaluation.tasks import make_sample
 
     tok = load_tokenizer(Path(model_path))
     if tok is None:
@@ -185,7 +187,7 @@ def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
     want = set(range(len(model.layers))) if layers is None else set(layers)
 
     def wrap(i, fn):
-        def attend(q, k, v, pos, cache):
+        def attend(q, k, v, pos, cache, sparse=None):
             if i in want:
                 t = time.time()
                 found[i] = dict(enumerate(search_layer(q, k, **kwargs)))
@@ -193,7 +195,7 @@ def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
                     kinds = [p.kind for p in found[i].values()]
                     summary = ", ".join(f"{kinds.count(x)} {x}" for x in sorted(set(kinds)))
                     print(f"layer {i}: {summary} ({time.time() - t:.1f}s)", file=sys.stderr)
-            return fn(q, k, v, pos, cache)
+            return fn(q, k, v, pos, cache, sparse=sparse)
 
         return attend
 
@@ -210,7 +212,7 @@ def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m starshard.kernels.minference_search", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m starshard.tools.minference_search", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir, HF dir or .gguf (default: the embedded default model)")
     p.add_argument("--out", required=True, help="output JSON (starshard MInference config)")
     p.add_argument("--length", type=int, default=2048, help="sample prompt length in tokens")
@@ -232,8 +234,6 @@ def main(argv=None) -> dict:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
-    import starshard
-    from starshard.checkpoints.default import default_checkpoint
 
     path = Path(args.model) if args.model else default_checkpoint(progress=not args.quiet)
     model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device)

@@ -8,7 +8,7 @@ forward pass of one token once and replaying it removes that overhead.
 What a replay must not bake in is handled on the device: the token, its position, the cache slot
 it writes (index_copy_ at a device index) and the number of valid keys (read by the split-KV
 kernel, decode.py `length=`). The cache's tensors must therefore not move: one graph serves one
-KVCache whose capacity covers the whole generation (LLM.generate sizes it so). Sampling stays
+KVCache whose capacity covers the whole generation (runtime/generate.py sizes it so). Sampling stays
 outside the graph.
 
 Sharded-KV decode (a CP group): every rank replays its own graph of the same step; each attends its

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One H200 (device tool, nvidia-h200), bf16, Llama-3.1-8B shape with random weights:
+#  1. the runtime-layer refactor re-measured against the committed numbers: dense prefill 8K / 32K,
+#     one-GPU decode at 128K (CUDA graph), the Vertical-Slash (1000, 6096) kernel at 128K;
+#  2. the service engine (launch/bench.py serve): time to first token uncached vs cached at 32K and
+#     128K, aggregate decode tokens/s with 1, 4 and 16 concurrent questions on one cached document.
+# Run from the repo root with the megatron-core wheel in .whl (carried): bash bench/results/<this dir>/run.sh
+LOG=run.log; source bench/gpu_env.sh
+T=150 step python3 launch/bench.py prefill $L8B --cp-strategy dense --lengths 8192,32768 --warmup 1 --repeats 3 --decode-steps 0 --out "$OUT/dense_prefill.json"
+T=150 step python3 launch/bench.py prefill $L8B --cp-strategy dense --lengths 131072 --warmup 0 --repeats 1 --decode-steps 32 --out "$OUT/dense_decode_128k.json"
+T=120 step python3 launch/bench_sparse.py --lengths 131072 --repeats 3 --out "$OUT/vs_128k.json"
+T=420 step python3 launch/bench.py serve $L8B --lengths 32768,131072 --concurrency 1,4,16 --decode-tokens 64 --cache-gib 60 --out "$OUT/serve_8b.json"
+grep -h "Traceback\|Error" "$LOG" | head

@@ -1,0 +1,131 @@
+"""Layout rules that need only the model config: which heads and rows a tensor-parallel rank holds,
+how layers split into pipeline stages, how Star cuts the context into blocks and APB's default
+anchor / passing sizes.
+
+Pure arithmetic, no torch and nothing above config: the memory planner and the runtime both read
+these, so the plan never re-implements a rule the runtime follows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from starshard.config import ModelConfig
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    out = []
+    for t in range(1, limit + 1):
+        kv_ok = cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0
+        if cfg.num_heads % t == 0 and kv_ok and cfg.intermediate_size % t == 0:
+            out.append(t)
+    return out
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    if tp < 1 or tp not in valid_tp_sizes(cfg, max(tp, 1)):
+        raise ValueError(
+            f"tp={tp} does not divide this model ({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
+            f"intermediate {cfg.intermediate_size}); valid tp sizes: {valid_tp_sizes(cfg)}"
+        )
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Which heads / rows one tensor-parallel rank holds."""
+
+    cfg: ModelConfig
+    tp: int
+    rank: int
+
+    def __post_init__(self):
+        check_tp(self.cfg, self.tp)
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.cfg.num_kv_heads // self.tp)
+
+    @property
+    def kv_head_start(self) -> int:
+        # With fewer KV heads than ranks, each KV head is replicated on tp / Hkv neighbouring ranks.
+        if self.cfg.num_kv_heads >= self.tp:
+            return self.rank * self.kv_heads
+        return self.rank // (self.tp // self.cfg.num_kv_heads)
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.cfg.vocab_size // self.tp) * self.tp
+
+    @property
+    def vocab_slice(self) -> slice:
+        n = self.padded_vocab // self.tp
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def ffn_slice(self) -> slice:
+        n = self.cfg.intermediate_size // self.tp
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+
+# ---------------------------------------------------------------------------- pipeline stages
+def partition_layers(num_layers: int, pp: int, pp_layers: list[int] | None = None) -> list[list[int]]:
+    """Global layer indices per stage: `pp_layers` counts if given, else an even split (earlier
+    stages take the remainder, since the last stage also runs the LM head)."""
+    if pp < 1:
+        raise ValueError(f"pp must be >= 1, got {pp}")
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} exceeds the model's {num_layers} layers; use pp <= {num_layers}")
+    if pp_layers is None:
+        base, extra = divmod(num_layers, pp)
+        pp_layers = [base + (1 if s < extra else 0) for s in range(pp)]
+    pp_layers = list(pp_layers)
+    if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+        raise ValueError(
+            f"--pp-layers {pp_layers} must give {pp} positive counts summing to the model's {num_layers} layers"
+        )
+    stages, start = [], 0
+    for n in pp_layers:
+        stages.append(list(range(start, start + n)))
+        start += n
+    return stages
+
+
+# ---------------------------------------------------------------------------- Star Attention
+def star_sizes(context_len: int, cp: int, block_size: int | None = None, anchor_size: int | None = None,
+               num_blocks: int | None = None) -> tuple[int, int]:
+    """(block, anchor): block defaults to ceil(context / num_blocks), num_blocks to cp (so cp=1 with
+    num_blocks=N runs exactly what N hosts would, one block after another); anchor defaults to the
+    block size."""
+    block = block_size or max(1, math.ceil(context_len / (num_blocks or cp)))
+    return block, anchor_size or block
+
+
+def star_blocks(context_len: int, block_size: int, cp: int) -> list[list[tuple[int, int]]]:
+    """Context blocks [start, end) per CP rank: contiguous runs of blocks, as even as possible."""
+    n = math.ceil(context_len / block_size)
+    bounds = [(i * block_size, min(context_len, (i + 1) * block_size)) for i in range(n)]
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    for i, b in enumerate(bounds):
+        per_rank[i * cp // n].append(b)
+    return per_rank
+
+
+# ---------------------------------------------------------------------------- APB
+APB_SIZE_CAP = 8192  # the paper's largest anchor / passing sizes (Table 5)
+
+
+def apb_default_sizes(block: int) -> tuple[int, int]:
+    """(anchor, passing) for a per-host block of `block` context tokens (paper Table 5, scaled down)."""
+    anchor = min(APB_SIZE_CAP, max(block // 4, min(block, 64)))
+    passing = min(APB_SIZE_CAP, max(block // 8, min(block, 32)))
+    return anchor, passing
+
+
+def apb_bounds(context_len: int, hosts: int) -> list[int]:
+    """Block boundaries: host h holds context [bounds[h], bounds[h+1]) (sizes differ by at most one)."""
+    return [context_len * r // hosts for r in range(hosts + 1)]

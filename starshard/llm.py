@@ -1,0 +1,167 @@
+"""LLM: a model over this process's ranks, and the one place a runner is chosen.
+
+    llm = LLM()                                    # embedded SmolLM2-135M-Instruct on the CPU
+    out = llm.generate(context=doc, question="Who wrote it?", max_new_tokens=64)
+
+The runner follows the layout: LocalRunner for one process, ParallelRunner for tensor x pipeline
+parallel, ContextParallelRunner whenever a context strategy runs (any cp, composing with tp and pp).
+Under torchrun / srun every rank builds an LLM with the same arguments and calls generate() in
+lockstep; every rank gets the same tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.load import load_model
+from starshard.checkpoints.sources import read_config, weight_source
+from starshard.config import ModelConfig, ParallelConfig, SamplingConfig
+from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
+from starshard.parallel.context import make_strategy, strategy_options
+from starshard.parallel.pipeline import StageLink
+from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
+from starshard.presets import preset_config
+from starshard.runtime.build import ParallelPlan, build_rank_model, check_context_heads, plan_parallel
+from starshard.runtime.context_parallel import ContextParallelRunner
+from starshard.runtime.generate import generate_tokens
+from starshard.runtime.local import LocalRunner
+from starshard.runtime.model_parallel import ParallelRunner, VocabSampler
+from starshard.runtime.monitor import RunCallbacks
+from starshard.runtime.prompt import Prompt, build_prompt, check_window, load_tokenizer
+
+
+@dataclass
+class Output:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "eos" | "length"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def choose_runner(model, topo: Topology, parallel: ParallelConfig, *, tp_pp: bool):
+    """The runner for this layout. A context strategy (cp > 1, or a strategy studied on one rank)
+    takes the CP runner, which also drives tensor and pipeline parallelism; tp / pp alone the
+    model-parallel runner; everything else the local one."""
+    p = parallel
+    if p.cp > 1 or p.cp_strategy != "dense":
+        strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None, cp_groups=topo.group_ranks("cp"),
+                                 tp_group=topo.tp_group if p.tp > 1 else None, **strategy_options(p))
+        attn = model.layers[0].attention
+        try:  # before any prefill collective: every rank raises alike
+            strategy.check_heads(attn.n_heads, attn.n_kv_heads)
+        except ValueError as e:
+            raise LayoutError(str(e)) from None
+        link = StageLink(topo.pp_group, topo.pp_ranks, topo.pp_rank) if p.pp > 1 else None
+        return ContextParallelRunner(model, strategy, VocabSampler(model, topo) if p.tp > 1 else None, link)
+    if tp_pp:
+        return ParallelRunner(model, topo)
+    return LocalRunner(model)
+
+
+class LLM:
+    """One model over this process's ranks.
+
+    path: starshard checkpoint dir, Hugging Face model dir, .gguf file, or None for the embedded
+    default (SmolLM2-135M-Instruct, converted once to the cache dir).
+    parallel: the layout. tp / pp > 1 (or a multi-process launch) runs the tensor x pipeline
+    parallel runner, each rank holding only its own weights; cp > 1 a context strategy.
+    random_weights: a preset name (starshard.presets) or a config.json path: random weights of
+    that shape, no checkpoint (benchmarks); prompts must then be token ids. The weights depend only
+    on (shape, weights_seed), not on the layout: a tp=2 run and a one-process run agree.
+    sparse: a kernels.sparse.SparseConfig (sparse prefill inside each shard).
+    """
+
+    def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
+                 parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
+                 weights_seed: int = 0, sparse: SparseConfig | None = None):
+        self.parallel = p = parallel or ParallelConfig()
+        launch = read_launch_env()
+        if random_weights is not None and path is not None:
+            raise ValueError("give either a model path or random_weights, not both")
+        if sparse is not None and p.cp_strategy in ("ring", "usp"):
+            try:
+                refuse_sparse(sparse, p.cp_strategy)
+            except ValueError as e:
+                raise LayoutError(str(e)) from None
+        tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
+        sliced = tp_pp or random_weights is not None or p.cp > 1  # each rank builds its own slices
+        if random_weights is not None:
+            self.path = None
+            src = weight_source(None, random_seed=weights_seed)
+            cfg = preset_config(random_weights)
+        else:
+            self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
+            src = weight_source(self.path, is_default=path is None)
+            cfg = read_config(src) if sliced else None
+        if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
+            if tp_pp:
+                plan = plan_parallel(cfg, p, src)
+            else:
+                check_context_heads(cfg, p)
+                plan = ParallelPlan(cfg, 1, 1, [list(range(cfg.num_layers))])
+        self.topology = topo = init_topology(p, str(device))
+        self.device = topo.device
+        if sliced:
+            model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
+        else:
+            model = load_model(self.path, dtype=dtype, device=self.device)
+        if sparse is not None:
+            heads = model.layers[0].attention.n_heads  # this rank's
+            install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
+        self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
+        self.config: ModelConfig = model.config
+        self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
+        eos = set(self.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    def encode(self, prompt=None, *, context=None, question=None, raw=False) -> Prompt:
+        return build_prompt(self.tokenizer, prompt=prompt, context=context, question=question, raw=raw)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        check_window(self.config, prompt_len, max_new_tokens)
+
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        context: str | None = None,
+        question: str | None = None,
+        raw: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        prefill_chunk: int | None = None,
+        callbacks: RunCallbacks | None = None,
+    ) -> Output:
+        sampling = SamplingConfig(temperature, top_p, top_k, seed)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        p = self.encode(prompt, context=context, question=question, raw=raw)
+        self.check_length(len(p.ids), max_new_tokens)
+        g = generate_tokens(self.runner, p, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids,
+                            prefill_chunk=prefill_chunk, callbacks=callbacks)
+        out = g.tokens
+        decode_steps = max(len(out) - 1, 0)  # the first token comes from the prefill
+        kept = [t for t in out if t not in self.eos_ids]
+        text = self.tokenizer.decode(kept, skip_special_tokens=True) if self.tokenizer is not None else ""
+        metrics = {
+            "prompt_tokens": len(p.ids),
+            "context_tokens": p.context_len,
+            "generated_tokens": len(out),
+            "prefill_seconds": g.prefill_seconds,
+            "decode_seconds": g.decode_seconds,
+            "decode_tokens_per_second": decode_steps / g.decode_seconds if g.decode_seconds > 0 and decode_steps else 0.0,
+        }
+        return Output(text, out, len(p.ids), g.finish_reason, metrics)

@@ -1,0 +1,92 @@
+"""Building one rank's model: the layout checks that need only the config (run before any
+collective), then this rank's pipeline stage with its tensor-parallel slice of every weight.
+
+    plan = plan_parallel(cfg, parallel, source)      # bad layouts raise LayoutError here
+    model = build_rank_model(cfg, source, plan, tp_rank, pp_rank, tp_group, dtype, device)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from starshard.checkpoints.load import CheckpointError, check_layout, materialize, read_manifest
+from starshard.checkpoints.sources import WeightSource, rank_state
+from starshard.config import ModelConfig, ParallelConfig
+from starshard.engine.model import Transformer
+from starshard.layout import TPLayout, check_tp, partition_layers
+from starshard.parallel.context.ulysses import check_ulysses_heads
+from starshard.parallel.tensor import apply_tensor_parallel
+from starshard.parallel.topology import LayoutError
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    cfg: ModelConfig
+    tp: int
+    pp: int
+    stages: list[list[int]]  # global layer ids per pipeline stage
+
+
+def plan_parallel(cfg: ModelConfig, parallel: ParallelConfig, src: WeightSource) -> ParallelPlan:
+    """Every check that needs only the config and the manifest: run before any collective."""
+    try:
+        check_tp(cfg, parallel.tp)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    try:
+        stages = partition_layers(cfg.num_layers, parallel.pp, parallel.pp_layers)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    if src.kind == "starshard":
+        manifest = read_manifest(src.path)
+        check_layout(manifest, src.path, parallel.tp, parallel.pp)
+        held = manifest.get("pp_layers")
+        if held is not None and held != [len(s) for s in stages]:
+            raise CheckpointError(
+                f"checkpoint {src.path} splits the layers over stages as {held}, this run as {[len(s) for s in stages]}; "
+                f"run with --pp-layers {','.join(map(str, held))} or convert again with the wanted --pp-layers"
+            )
+    check_context_heads(cfg, parallel)
+    return ParallelPlan(cfg, parallel.tp, parallel.pp, stages)
+
+
+def check_context_heads(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """Ulysses / USP split each tensor-parallel rank's heads over their all-to-all group: refuse a
+    head count that does not split, from the config alone (before any collective)."""
+    degree = {"ulysses": parallel.cp, "usp": parallel.ulysses_degree or parallel.cp}.get(parallel.cp_strategy)
+    if degree is None or degree == 1:
+        return
+    layout = TPLayout(cfg, parallel.tp, 0)
+    try:
+        check_ulysses_heads(layout.heads, layout.kv_heads, degree)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+
+
+def build_rank_model(cfg: ModelConfig, src: WeightSource, plan: ParallelPlan, tp_rank: int, pp_rank: int,
+                     tp_group, dtype: torch.dtype, device) -> Transformer:
+    """This rank's stage of the model with this rank's tensor-parallel part of each weight."""
+    layers = plan.stages[pp_rank]
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    layout = TPLayout(cfg, plan.tp, tp_rank)
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(cfg, num_layers=len(layers))).to(dtype)
+    model.config = cfg  # the whole model's config: eos ids, window, vocab
+    model.layer_ids = list(layers)
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm, model.output = None, None
+    if plan.tp > 1:
+        with torch.device("meta"):
+            apply_tensor_parallel(model, layout, tp_group)
+    local = {g: i for i, g in enumerate(layers)}
+    state = {}
+    for name, t in rank_state(src, cfg, layout, layers, first, last, pp_rank, dtype, device).items():
+        if name.startswith("layers."):
+            _, g, rest = name.split(".", 2)
+            name = f"layers.{local[int(g)]}.{rest}"
+        state[name] = t
+    return materialize(model, state, dtype, device)

@@ -1,0 +1,123 @@
+"""The context cache: prefilled prompts' KV kept resident (each rank its shard) so that a request
+beginning with the same tokens (another question on the same document, a follow-up turn) runs only
+the rest.
+
+An entry holds the KV of one prefilled token sequence. Keys carry their global positions, so an
+entry serves any prefix of itself: attention masks keys at positions >= the shared length. Entries
+are evicted least-recently-used within a byte budget, never while a request uses them. Every rank
+holds the same entries (the service executes the same steps on every rank), each with its own shard.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from starshard.engine.kv_cache import KVCache
+
+
+def kv_bytes(cache: KVCache) -> int:
+    """Bytes a KV cache holds allocated (capacity, not length: what the budget must cover)."""
+    return sum(kv.k.numel() * kv.k.element_size() * 2 + kv.pos.numel() * kv.pos.element_size()
+               for kv in cache.layers.values())
+
+
+@dataclass
+class CacheEntry:
+    id: int
+    ids: np.ndarray  # the token ids whose KV the entry holds, in prompt order
+    kv: KVCache | None  # this rank's shard; None on a rank that only plans (never)
+    nbytes: int
+    users: int = 0
+    last_used: int = 0
+    pinned: bool = False  # not for reuse (APB: its KV depends on the question); dropped when unused
+    hits: int = field(default=0)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class ContextCache:
+    """Entries by id, LRU eviction inside `budget_bytes`. The scheduler decides (on rank 0) and
+    every rank applies the same calls, so the entries agree across the group."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise ValueError(f"the context cache budget must be > 0 bytes, got {budget_bytes}")
+        self.budget = budget_bytes
+        self.entries: dict[int, CacheEntry] = {}
+        self._clock = itertools.count(1)
+        self._ids = itertools.count(1)
+        self.lookups = 0
+        self.hits = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def lookup(self, ids: np.ndarray, min_tokens: int = 1) -> tuple[CacheEntry | None, int]:
+        """The reusable entry sharing the longest prefix with `ids` and that length (0: none).
+        At least one prompt token is always left to run (its logits give the first new token)."""
+        self.lookups += 1
+        best, best_n = None, 0
+        for e in self.entries.values():
+            if e.pinned:
+                continue
+            n = min(common_prefix(e.ids, ids), len(ids) - 1)
+            if n > best_n:
+                best, best_n = e, n
+        if best is None or best_n < min_tokens:
+            return None, 0
+        self.hits += 1
+        return best, best_n
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, entry: CacheEntry) -> None:
+        self.entries[entry.id] = entry
+        self.touch(entry)
+
+    def touch(self, entry: CacheEntry) -> None:
+        entry.last_used = next(self._clock)
+
+    def acquire(self, entry: CacheEntry) -> None:
+        entry.users += 1
+        self.touch(entry)
+
+    def release(self, entry: CacheEntry) -> None:
+        entry.users -= 1
+        self.touch(entry)
+        if entry.users == 0 and entry.pinned:
+            self.entries.pop(entry.id, None)
+
+    def evictable(self) -> list[CacheEntry]:
+        """Unused entries, least recently used first."""
+        return sorted((e for e in self.entries.values() if e.users == 0), key=lambda e: e.last_used)
+
+    def plan_room(self, nbytes: int, other_bytes: int = 0) -> list[int] | None:
+        """Entry ids to evict (LRU first) so that `nbytes` more fit beside `other_bytes` of request
+        KV; None when even evicting every unused entry leaves too little room."""
+        free = self.budget - self.used_bytes - other_bytes
+        victims = []
+        for e in self.evictable():
+            if free >= nbytes:
+                break
+            victims.append(e.id)
+            free += e.nbytes
+        return victims if free >= nbytes else None
+
+    def evict(self, entry_ids: list[int]) -> None:
+        for i in entry_ids:
+            e = self.entries.pop(i, None)
+            if e is not None and e.users:
+                raise RuntimeError(f"context cache entry {i} evicted while {e.users} request(s) use it")

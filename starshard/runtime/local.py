@@ -1,0 +1,66 @@
+"""The runner for a whole model in one process (no process group): prefill, then one token a step,
+single-token steps replayed from a CUDA graph on a GPU."""
+from __future__ import annotations
+
+import torch
+
+from starshard.config import SamplingConfig
+from starshard.engine.kv_cache import KVCache
+from starshard.engine.model import dense_attend
+from starshard.engine.sampling import sample
+from starshard.runtime.cuda_graph import GraphDecoder
+from starshard.runtime.prompt import Prompt
+
+
+class LocalRunner:
+    """Runs a whole model in this process. The model-parallel and context-parallel runners (this package)
+    offer the same methods, so the generation loop (runtime/generate.py) is written once for every layout."""
+
+    def __init__(self, model, cuda_graphs: bool = True):
+        self.model = model
+        self.cuda_graphs = cuda_graphs  # replay single-token decode steps from a CUDA graph (cuda_graph.py)
+        self._graph = None
+
+    def new_cache(self, capacity: int) -> KVCache:
+        m = self.model
+        return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, capacity,
+                       m.layers[0].attention.wo.weight.dtype, m.layers[0].attention.wo.weight.device)
+
+    def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
+        """Run the whole prompt -> first new token."""
+        ids = torch.tensor([prompt.ids], device=cache.device)
+        return self.next_token(ids, cache, sampling, gen, chunk)
+
+    def _graphs_apply(self, ids, cache: KVCache) -> bool:
+        """Graphs are on, the cache is on the GPU and this step is one token."""
+        return self.cuda_graphs and cache.device.type == "cuda" and ids.shape == (1, 1)
+
+    def _graph_decoder(self, ids, cache: KVCache):
+        """The CUDA-graph decoder for this step, or None where a step must run eagerly."""
+        m = self.model
+        if not self._graphs_apply(ids, cache):
+            return None
+        if not self.decode_is_local():
+            return None
+        if self._graph is None or self._graph.cache is not cache:
+            self._graph = GraphDecoder(m, cache)  # a new generation: the old graph is released
+        return self._graph if self._graph.fits() else None
+
+    def end_generation(self) -> None:
+        """Release what a generation held (the CUDA graph keeps its KV cache alive)."""
+        self._graph = None
+
+    def decode_is_local(self) -> bool:
+        """A decode step is plain attention over this process's whole cache (what GraphDecoder
+        captures), not a strategy's hook."""
+        return all(layer.attention.attend is dense_attend for layer in self.model.layers)
+
+    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
+        """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""
+        graph = self._graph_decoder(ids, cache)
+        if graph is not None:
+            return sample(graph.step(ids)[:, -1], sampling, gen)
+        chunk = chunk or ids.shape[1]
+        for s in range(0, ids.shape[1], chunk):
+            logits = self.model(ids[:, s : s + chunk], cache=cache, last_only=True)
+        return sample(logits[:, -1], sampling, gen)

@@ -1,0 +1,86 @@
+"""Prometheus metrics of one app.
+
+Each app gets its own CollectorRegistry (not the process-global one), so several apps (tests, or
+two models in one process) do not collide. The engine's numbers are read from engine.stats() at
+scrape time; the server's own (requests, TTFT) are counted as requests pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("starshard.server")
+
+# Prefill of a long document can take minutes, so the buckets reach far.
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
+
+# stats() key -> (metric name, help, kind)
+_ENGINE_METRICS = {
+    "queue_depth": ("starshard_queue_depth", "Requests waiting in the scheduler queue", "gauge"),
+    "running": ("starshard_running_requests", "Requests in the running batch", "gauge"),
+    "cache_bytes": ("starshard_context_cache_bytes", "Bytes held by the context cache", "gauge"),
+    "cache_budget_bytes": ("starshard_context_cache_budget_bytes", "Byte budget of the context cache", "gauge"),
+    "cache_hits": ("starshard_context_cache_hits", "Context cache lookups that hit", "counter"),
+    "cache_lookups": ("starshard_context_cache_lookups", "Context cache lookups", "counter"),
+    "prefill_tokens_total": ("starshard_prefill_tokens", "Prompt tokens prefilled", "counter"),
+    "decode_tokens_total": ("starshard_decode_tokens", "Tokens decoded", "counter"),
+    "cached_tokens_total": ("starshard_cached_prompt_tokens", "Prompt tokens served from the context cache", "counter"),
+}
+
+
+class _EngineCollector:
+    """Turns one engine.stats() snapshot into metrics at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self):
+        try:
+            stats = self._stats()
+            up = 1
+        except Exception as e:  # noqa: BLE001 (a scrape must not fail because the engine is down)
+            log.warning("engine.stats() failed: %s", e)
+            stats, up = {}, 0
+        up_metric = GaugeMetricFamily("starshard_engine_up", "1 when engine.stats() answered")
+        up_metric.add_metric([], up)
+        yield up_metric
+        for key, (name, doc, kind) in _ENGINE_METRICS.items():
+            if key in stats:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                yield family(name, doc, value=float(stats[key]))
+        # The ratio since start; for a windowed rate use rate(hits) / rate(lookups).
+        hits, lookups = stats.get("cache_hits"), stats.get("cache_lookups")
+        if hits is not None and lookups is not None:
+            yield GaugeMetricFamily(
+                "starshard_context_cache_hit_rate",
+                "Context cache hits / lookups since start (0 before any lookup)",
+                value=float(hits) / lookups if lookups else 0.0,
+            )
+
+    def describe(self):
+        return []  # unknown until the first scrape; keeps registration from calling stats()
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "starshard_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "starshard_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(stats))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
