@@ -325,12 +325,6 @@ def masked() -> list[dict]:
     flops = 4 * 32 * pairs * 128
     variants = {"triton": lambda: flash_attention(q, k, v, q_pos=p, k_pos=p, causal=True),
                 "dispatcher": lambda: attention(q, k, v, q_pos=p, k_pos=p, causal=True)}
-    try:
-        from starshard.kernels.cuda import attention_cuda  # the previous path: efficient SDPA + bias
-
-        variants["efficient-sdpa+bias (previous)"] = lambda: attention_cuda(q, k, v, q_pos=p, k_pos=p, causal=True)
-    except ImportError:
-        pass
     for name, fn in variants.items():
         try:
             ms = time_ms(fn)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 attn_mod = importlib.import_module("starshard.kernels.attention")  # the package re-exports the function
+ref_mod = importlib.import_module("starshard.kernels.reference")  # attention_math and its score budget
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_math, cuda_backend, mask_mode  # noqa: E402
 from starshard.kernels.decode import decode_attention, merge_partials  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
@@ -235,7 +236,7 @@ def test_attention_dispatch_cpu(case, dtype):
 
 def test_attention_math_chunked(monkeypatch):
     # A small score budget forces several row chunks; float64 in, float64 exactness out.
-    monkeypatch.setattr(attn_mod, "_MATH_SCORE_BUDGET", 6 * 101 * 5)
+    monkeypatch.setattr(ref_mod, "_MATH_SCORE_BUDGET", 6 * 101 * 5)
     q, k, v = qkv(1, 6, 2, 37, 101, 16, torch.float64, seed=12)
     qp, kp = torch.arange(37) - 5, torch.arange(101)
     out, lse = attention_math(q, k, v, q_pos=qp, k_pos=kp)

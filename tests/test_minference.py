@@ -177,15 +177,15 @@ _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from starshard.kernels import minference as mi
-fn = mi._minference_fwd
+from starshard.kernels.minference import kernel as mk
+fn = mk._minference_fwd
 ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "IDX", "CNT", "CFULL"}
 for dt, modes in (("bf16", (0, 1, 2)), ("fp32", (1,))):
     sig = {n: "*i32" if n in ints else ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     sig.update({n: "*" + dt for n in ("Q", "K", "V", "O")}, LSE="*fp32")
     sig.update({n: "constexpr" for n in ("MODE", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE")})
     for mode in modes:
-        warps, stages = mi.default_launch(128)
+        warps, stages = mk.default_launch(128)
         consts = dict(MODE=mode, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, IEEE=dt == "fp32")
         k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages})
@@ -437,7 +437,7 @@ def test_load_published_sample():
 
 
 def test_search_layer_picks_vertical_slash_for_scattered_columns():
-    from starshard.kernels.minference_search import LayerSearch
+    from starshard.tools.minference_search import LayerSearch
 
     g = torch.Generator().manual_seed(11)
     L, D = 256, 32
@@ -471,7 +471,7 @@ def _default_checkpoint():
 def test_search_cli_and_attend_restore(tmp_path):
     import starshard
     from starshard.engine.model import dense_attend
-    from starshard.kernels import minference_search as ms
+    from starshard.tools import minference_search as ms
 
     ckpt = _default_checkpoint()
     out, pub = tmp_path / "cfg.json", tmp_path / "published.json"

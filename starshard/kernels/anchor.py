@@ -4,9 +4,9 @@
     out, lse = anchor_attention(q, k, v, q_pos=..., k_pos=..., config=cfg)   # entry point
     out, lse = cfg.attention(q, k, v, q_pos=..., k_pos=...)                   # the `sparse=` hook form
 
-Same contract as `attention` (DESIGN.md): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA, K/V never
+Same contract as `attention` (docs/design.md): q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] (GQA, K/V never
 repeated), causal by global position, out in q.dtype, lse float32 (natural log), rows that see no key
-get out = 0 and lse = -inf. Position layouts as MInference (`minference.query_offset`): query row i
+get out = 0 and lse = -inf. Position layouts as MInference (`common.query_offset`): query row i
 sits at key index i + off and sees key j iff j <= i + off.
 
 The method (AnchorAttention paper, Algorithms 1-3), in key-index space. Query rows are cut into
@@ -37,23 +37,17 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from starshard.kernels.attention import check_shapes
-from starshard.kernels.minference import MIN_SPARSE_ROWS, _is_triton_interpreted, query_offset
+from starshard.kernels.attention import attention
+from starshard.kernels.common import MIN_SPARSE_ROWS, cdiv, check_shapes, query_offset, triton_interpreted
+from starshard.kernels.online_softmax import LOG2E, key_chunk, key_span, softmax_finish, softmax_init
 
 try:
     import triton
     import triton.language as tl
-
-    from starshard.kernels.minference import _chunk, _span  # shared streaming-softmax steps
 except ImportError:  # non-Linux CPU installs: torch path only
     triton = None
 
-_LOG2E = 1.4426950408889634
 _SCORE_BUDGET = 1 << 24  # elements of a float32 score tile on the torch paths
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pow2(x: int) -> bool:
@@ -120,14 +114,14 @@ class StripeIndex:
 
 def window_starts(cfg: AnchorConfig, *, Lq: int, offset: int, device=None) -> torch.Tensor:
     """ws_g per group g: [G] int64."""
-    G = _cdiv(_cdiv(Lq, cfg.block_q), cfg.step)
+    G = cdiv(cdiv(Lq, cfg.block_q), cfg.step)
     gb = torch.arange(G, device=device) * (cfg.step * cfg.block_q) + offset
     return (gb - cfg.local_window).clamp(min=0)
 
 
 def index_capacity(cfg: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> int:
     """Most candidates any group has (host arithmetic, no sync): the last group's."""
-    G = _cdiv(_cdiv(Lq, cfg.block_q), cfg.step)
+    G = cdiv(cdiv(Lq, cfg.block_q), cfg.step)
     ws = max(0, (G - 1) * cfg.step * cfg.block_q + offset - cfg.local_window)
     return max(0, min(ws, Lk) - cfg.init_tokens)
 
@@ -159,7 +153,7 @@ def pool_blocks(q: torch.Tensor, xa: torch.Tensor, block_q: int):
     """Block means of query rows [B, Hq, nM, D] and of anchors [B, Hq, nM] (float32, float64 for float64);
     the last block averages only its real rows."""
     B, Hq, Lq, D = q.shape
-    nM = _cdiv(Lq, block_q)
+    nM = cdiv(Lq, block_q)
     pad = nM * block_q - Lq
     acc = _accum(q)
     qs = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).view(B, Hq, nM, block_q, D).sum(3)
@@ -197,7 +191,7 @@ def _identify_torch(q, k, xa, cfg, *, offset, scale):
     g = Hq // Hkv
     qbar, xbar = pool_blocks(q, xa, cfg.block_q)  # [B, Hq, nM, D], [B, Hq, nM]
     nM = qbar.shape[2]
-    G = _cdiv(nM, cfg.step)
+    G = cdiv(nM, cfg.step)
     KI = index_capacity(cfg, Lq=Lq, Lk=Lk, offset=offset)
     ws = window_starts(cfg, Lq=Lq, offset=offset).tolist()
     idx = torch.zeros(B, Hq, G, KI, dtype=torch.int32, device=q.device)
@@ -375,9 +369,7 @@ if triton is not None:
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
         v_base = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_d[None, :] * s_vd
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
 
         # anchor region: initial tokens (every row sees them when apart from the window), then the
         # window up to the diagonal; keys <= base need no causal mask
@@ -385,12 +377,12 @@ if triton is not None:
         sep = ws > init_tokens
         zero = base - base
         i_hi = tl.where(sep, tl.minimum(init_tokens, Lk), zero)
-        m_i, l_i, acc = _span(q, m_i, l_i, acc, kt_base, v_base, s_kn, s_vn, offs_n, d_ok, q_idx,
-                              zero, i_hi, zero, i_hi, zero, zero, qk_scale, BLOCK_N, False, EVEN_D, IEEE)
+        m_i, l_i, acc = key_span(q, m_i, l_i, acc, kt_base, v_base, s_kn, s_vn, offs_n, d_ok, q_idx,
+                                 zero, i_hi, zero, i_hi, zero, zero, qk_scale, BLOCK_N, False, EVEN_D, IEEE)
         w_lo = tl.where(sep, ws, zero)
-        m_i, l_i, acc = _span(q, m_i, l_i, acc, kt_base, v_base, s_kn, s_vn, offs_n, d_ok, q_idx,
-                              w_lo, hi, w_lo, tl.minimum(hi, base + 1), zero, zero, qk_scale, BLOCK_N, False,
-                              EVEN_D, IEEE)
+        m_i, l_i, acc = key_span(q, m_i, l_i, acc, kt_base, v_base, s_kn, s_vn, offs_n, d_ok, q_idx,
+                                 w_lo, hi, w_lo, tl.minimum(hi, base + 1), zero, zero, qk_scale, BLOCK_N, False,
+                                 EVEN_D, IEEE)
         # stripes: the group's selected keys (all before ws, so visible to every row), by index
         grp = pid.to(tl.int64) * n_groups + gi
         n_sel = tl.load(CNT + grp)
@@ -398,17 +390,15 @@ if triton is not None:
         n_full = (n_sel // BLOCK_N) * BLOCK_N
         for c in range(0, n_full, BLOCK_N):
             cols = tl.load(idx_ptr + c + offs_n)
-            m_i, l_i, acc = _chunk(q, m_i, l_i, acc, kt_base, v_base, cols, cols >= 0, s_kn, s_vn, d_ok, q_idx,
-                                   0, 0, qk_scale, False, False, EVEN_D, IEEE)
+            m_i, l_i, acc = key_chunk(q, m_i, l_i, acc, kt_base, v_base, cols, cols >= 0, s_kn, s_vn, d_ok, q_idx,
+                                      0, 0, qk_scale, False, False, EVEN_D, IEEE)
         if n_full < n_sel:
             ok = (n_full + offs_n) < n_sel
             cols = tl.load(idx_ptr + n_full + offs_n, mask=ok, other=0)
-            m_i, l_i, acc = _chunk(q, m_i, l_i, acc, kt_base, v_base, cols, ok, s_kn, s_vn, d_ok, q_idx,
-                                   0, 0, qk_scale, True, False, EVEN_D, IEEE)
+            m_i, l_i, acc = key_chunk(q, m_i, l_i, acc, kt_base, v_base, cols, ok, s_kn, s_vn, d_ok, q_idx,
+                                      0, 0, qk_scale, True, False, EVEN_D, IEEE)
 
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        out, lse = softmax_finish(m_i, l_i, acc, False)
         o_ptrs = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE + pid.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
@@ -420,7 +410,7 @@ def triton_available(q: torch.Tensor) -> bool:
         return False
     if q.is_cuda:
         return True
-    return q.device.type == "cpu" and _is_triton_interpreted(_anchor_sparse_fwd)
+    return q.device.type == "cpu" and triton_interpreted(_anchor_sparse_fwd)
 
 
 def default_launch(head_dim: int, block_q: int) -> tuple[int, int]:
@@ -461,7 +451,7 @@ def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backen
         return _anchor_max_torch(q, k, config, offset=offset, scale=scale)
     xa = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     BM = config.block_q
-    grid = (_cdiv(Lq, BM), B * Hq)
+    grid = (cdiv(Lq, BM), B * Hq)
     _anchor_max_fwd[grid](
         q, k, xa, float(scale), *q.stride(), *k.stride(),
         Hq, Hq // Hkv, Lq, Lk, offset, config.init_tokens, config.local_window, BM * config.step,
@@ -482,7 +472,7 @@ def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None,
         return _identify_torch(q, k, xa, config, offset=offset, scale=scale)
     qbar, xbar = pool_blocks(q, xa, config.block_q)
     nM = qbar.shape[2]
-    G = _cdiv(nM, config.step)
+    G = cdiv(nM, config.step)
     KI = index_capacity(config, Lq=Lq, Lk=Lk, offset=offset)
     idx = torch.empty(B, Hq, G, max(KI, 1), dtype=torch.int32, device=q.device)
     count = torch.empty(B, Hq, G, dtype=torch.int32, device=q.device)
@@ -503,7 +493,7 @@ def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offse
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
-    G = _cdiv(_cdiv(Lq, config.block_q), config.step)
+    G = cdiv(cdiv(Lq, config.block_q), config.step)
     if index.count.shape != (B, Hq, G):
         raise ValueError(f"stripe index count has shape {tuple(index.count.shape)}, expected {(B, Hq, G)} for this call")
     if not _use_triton(q, backend):
@@ -513,10 +503,10 @@ def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offse
     idx = index.idx if index.idx.shape[-1] else index.count.unsqueeze(-1)  # never read when empty
     idx = idx if idx.is_contiguous() and idx.stride(2) == idx.shape[3] else idx.contiguous()
     BM = config.block_q
-    nM = _cdiv(Lq, BM)
+    nM = cdiv(Lq, BM)
     warps, stages = launch or default_launch(_block_d(D), BM)
     _anchor_sparse_fwd[(nM, B * Hq)](
-        q, k, v, out, lse, idx, index.count, scale * _LOG2E,
+        q, k, v, out, lse, idx, index.count, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Hq, Hq // Hkv, Lq, Lk, offset, nM, G, idx.shape[-1], config.init_tokens, config.local_window,
         BM * config.step,
@@ -536,8 +526,6 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
                      launch=None):
     """AnchorAttention sparse prefill with lse. backend: None (Triton where it runs, else torch),
     "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense."""
-    from starshard.kernels.attention import attention
-
     if isinstance(config, dict):
         config = AnchorConfig.from_dict(config)
     if not isinstance(config, AnchorConfig):

@@ -1,4 +1,4 @@
-"""Attention dispatcher. Every entry point returns (out, lse) per the DESIGN.md contract.
+"""Attention dispatcher. Every entry point returns (out, lse) per the docs/design.md contract.
 
     out, lse = attention(q, k, v, q_pos=..., k_pos=..., causal=True, scale=None, sparse=None)
     q: [B, Hq, Lq, D]   k, v: [B, Hkv, Lk, D]   q_pos: [Lq] or [B, Lq]   k_pos: [Lk] or [B, Lk]
@@ -8,64 +8,23 @@ Causality is by global position (key visible iff k_pos <= q_pos), so a query blo
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
 
 Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
-torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference below on CPU.
+torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU.
+The backends import only common.py (checks, positions, sizes) and online_softmax.py, never this module.
 """
 from __future__ import annotations
 
 import torch
 
-# Query rows per chunk on the math path: bounds the [Hq, rows, Lk] float32 score buffer.
-_MATH_SCORE_BUDGET = 1 << 26  # elements (256 MiB in float32)
+from starshard.kernels.common import DECODE_MAX_ROWS, as_positions, check_shapes, sm_count
+from starshard.kernels.cpu import attention_cpu
+from starshard.kernels.decode import decode_attention
+from starshard.kernels.flash import flash_attention
+from starshard.kernels.reference import attention_math
 
-
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"attention expects 4-D [B, H, L, D] tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"batch/head_dim mismatch: q{tuple(q.shape)} k{tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq={q.shape[1]} Hkv={k.shape[1]}")
-
-
-def as_positions(pos: torch.Tensor, B: int, L: int, name: str, device: torch.device) -> torch.Tensor:
-    """[L], [1, L] or [B, L] integer positions -> contiguous [P, L] with P in {1, B} on `device`."""
-    if pos.dtype.is_floating_point or pos.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {pos.dtype}")
-    p = pos if pos.dim() == 2 else pos.unsqueeze(0)
-    if p.dim() != 2 or p.shape[1] != L or p.shape[0] not in (1, B):
-        raise ValueError(f"{name} must have shape [{L}] or [{B}, {L}], got {tuple(pos.shape)}")
-    return p.to(device).contiguous()
-
-
-def attention_math(q, k, v, *, q_pos, k_pos, causal=True, scale=None):
-    """Reference path in float32 (float64 if given float64): plain torch, any device."""
-    check_shapes(q, k, v)
-    B, Hq, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    scale = D**-0.5 if scale is None else scale
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kf, vf = k.to(acc), v.to(acc)
-    out = torch.empty(B, Hq, Lq, D, dtype=acc, device=q.device)
-    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
-    rows = max(1, _MATH_SCORE_BUDGET // max(1, Hq * Lk))
-    q_pos = q_pos if q_pos.dim() == 2 else q_pos.unsqueeze(0)  # [1|B, Lq]
-    k_pos = k_pos if k_pos.dim() == 2 else k_pos.unsqueeze(0)  # [1|B, Lk]
-    for s in range(0, Lq, rows):
-        e = min(Lq, s + rows)
-        qc = q[:, :, s:e].to(acc).view(B, Hkv, g, e - s, D)
-        scores = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) * scale
-        if causal:
-            visible = k_pos[:, None, :] <= q_pos[:, s:e, None]  # [1|B, rows, Lk]
-            scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-        m = torch.logsumexp(scores, dim=-1, keepdim=True)
-        p = torch.exp(scores - m.nan_to_num(neginf=0.0))  # exp(-inf) = 0 keeps empty rows at 0
-        p = torch.where(torch.isneginf(m), torch.zeros_like(p), p)
-        out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", p, vf).reshape(B, Hq, e - s, D)
-        lse[:, :, s:e] = m.squeeze(-1).reshape(B, Hq, e - s).float()
-    return out.to(q.dtype), lse
+__all__ = [
+    "attention", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
+    "SHORT_QUERY_ROWS", "sm_count",
+]
 
 
 def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
@@ -91,22 +50,11 @@ def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
     return "masked"
 
 
-# Query rows at or below which calls take the split-KV decode kernel (CUDA) or the math path (CPU),
-# without classifying the mask: too few rows to fill a GPU one program per (head, row block).
-DECODE_MAX_ROWS = 16
-# Longer query blocks with a plain mask go to cuDNN; up to this many rows to flash SDPA, because
-# cuDNN builds an execution plan per new shape and short blocks (query phases) change shape often.
+# Query blocks longer than DECODE_MAX_ROWS (common.py) with a plain mask go to cuDNN; up to this many
+# rows to flash SDPA, because cuDNN builds an execution plan per new shape and short blocks (query
+# phases) change shape often.
 SHORT_QUERY_ROWS = 256
 _FLASH_BLOCK_M = 128  # flash.py's query rows per program at head_dim <= 128
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def cuda_backend(q: torch.Tensor, Lk: int, mode: str | None, sms: int) -> str:
@@ -173,13 +121,9 @@ def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale):
     mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
     backend = cuda_backend(q, k.shape[2], mode, sm_count(q.device))
     if backend == "decode":
-        from starshard.kernels.decode import decode_attention
-
         return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     if backend in ("cudnn", "flash-sdpa"):
         return _fused(q, k, v, causal=mode == "causal", scale=scale, op="cudnn" if backend == "cudnn" else "flash")
-    from starshard.kernels.flash import flash_attention
-
     return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale)
 
 
@@ -199,7 +143,5 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None):
     # On CPU the fused kernel's mask and K/V copies cost more than they save for a few query rows.
     fused_cpu = q.dtype in (torch.float32, torch.bfloat16) and q_pos.dim() == 1 and k_pos.dim() == 1
     if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS:
-        from starshard.kernels.cpu import attention_cpu
-
         return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)

@@ -2,7 +2,7 @@
 
     out, lse = decode_attention(q, k, v, q_pos=..., k_pos=..., causal=True, scale=None)
 
-Same contract as `attention` (DESIGN.md). A few query rows cannot fill a GPU one program per head,
+Same contract as `attention` (docs/design.md). A few query rows cannot fill a GPU one program per head,
 so the keys are cut into `num_splits` chunks that run in parallel; each writes a partial (out, lse)
 and a second kernel merges them by lse. The g query heads of a KV head (and all their rows) share
 one program, so every K/V byte is read once. On CPU the same split-and-merge runs in torch.
@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.attention import as_positions, attention_math, check_shapes, sm_count
-
-_LOG2E = 1.4426950408889634
-_MIN_CHUNK = 256  # keys per split: below this the merge costs more than the parallelism buys
+from starshard.kernels.common import as_positions, check_kernel_inputs, check_shapes, sm_count
+from starshard.kernels.online_softmax import LOG2E, qk_dot, row_lse, softmax_finish, softmax_init, softmax_update
+from starshard.kernels.reference import attention_math
 
 try:
     import triton
     import triton.language as tl
-
-    from starshard.kernels.flash import check_kernel_inputs
 except ImportError:  # installs without triton (non-Linux CPU) keep the torch path
     triton = None
+
+_MIN_CHUNK = 256  # keys per split: below this the merge costs more than the parallelism buys
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,39 +83,21 @@ if triton is not None:
         kt_ptrs = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
         v_ptrs = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, Lk)
         for start in range(lo, hi, BLOCK_N):
             col_ok = (start + offs_n) < hi
             kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs + start * s_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                qk = tl.dot(q, kt, input_precision="ieee")
-            else:
-                qk = tl.dot(q, kt)
+            qk = qk_dot(q, kt, IEEE)
             visible = col_ok[None, :]
             if CAUSAL:
                 k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: keep p = 0, not NaN
-            p = tl.math.exp2(qk - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
 
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        # Partial lse in log2 units; the merge kernel converts once.
-        lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        out, lse2 = softmax_finish(m_i, l_i, acc, True)  # partial lse in log2 units; the merge converts once
         part = ((b * Hq + hq).to(tl.int64) * Lq + qi) * n_splits + split
         tl.store(OP + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LP + part, lse2, mask=row_ok)
@@ -151,9 +132,8 @@ if triton is not None:
             den += w
             acc += tl.sum(w[:, None] * o, 0)
         total = tl.sum(den, 0)
-        empty = total == 0.0
-        out = acc / tl.where(empty, 1.0, total)
-        lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+        out = acc / tl.where(total == 0.0, 1.0, total)
+        lse = row_lse(m_use, total, False)
         o_ptrs = O + b.to(tl.int64) * s_ob + hq.to(tl.int64) * s_oh + qi * s_om + offs_d * s_od
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=d_ok)
         tl.store(LSE + row, lse)
@@ -210,7 +190,7 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     l_part = torch.empty(B, Hq, Lq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_splits, row_blocks, B * Hkv)](
         q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
-        scale * _LOG2E,
+        scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(),
         s_pb * Lq, s_pb * Lk,
         Hkv, G, Lq, Lk, chunk, num_splits,

@@ -1,4 +1,4 @@
-"""Triton flash-attention forward with log-sum-exp and a position-causal mask (DESIGN.md contract).
+"""Triton flash-attention forward with log-sum-exp and a position-causal mask (docs/design.md contract).
 
     out, lse = flash_attention(q, k, v, q_pos=..., k_pos=..., causal=True, scale=None)
 
@@ -14,138 +14,110 @@ skips every invisible block; for arbitrary positions it stays exact, just masks 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from starshard.kernels.attention import as_positions, check_shapes
+from starshard.kernels.common import as_positions, cdiv, check_kernel_inputs, check_shapes
+from starshard.kernels.online_softmax import LOG2E, softmax_finish, softmax_init, softmax_step
 
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _online_softmax_step(q, kt, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """One key block of the streaming softmax; scores are kept in log2 units (qk_scale has log2 e)."""
-    if IEEE:
-        qk = tl.dot(q, kt, input_precision="ieee")
-    else:
-        qk = tl.dot(q, kt)
-    if MASKED:
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_use[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        m_use = m_new
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p, v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_new, l_i, acc
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # installs without triton (non-Linux CPU): the dispatcher never routes here
+    triton = None
 
 
-@triton.jit
-def _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, col_ok, d_ok,
-             MASK_COLS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of key block `start`; masked entries are 0.
+if triton is not None:
 
-    With USE_TMA, K and V are descriptors over the contiguous [B * Hkv * Lk, D] rows: a tail block
-    reads the next head's rows (finite data, later weighted by exactly 0) or zero fill at the end."""
-    if USE_TMA:
-        kt = K.load([kv_row + start, 0]).T
-        v = V.load([kv_row + start, 0])
-    elif MASK_COLS:
-        kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs + start * s_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
-        kt = tl.load(kt_ptrs + start * s_kn)
-        v = tl.load(v_ptrs + start * s_vn)
-    else:
-        kt = tl.load(kt_ptrs + start * s_kn, mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs + start * s_vn, mask=d_ok[None, :], other=0.0)
-    return kt, v
+    @triton.jit
+    def _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, col_ok, d_ok,
+                 MASK_COLS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+        """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of key block `start`; masked entries are 0.
 
+        With USE_TMA, K and V are descriptors over the contiguous [B * Hkv * Lk, D] rows: a tail block
+        reads the next head's rows (finite data, later weighted by exactly 0) or zero fill at the end."""
+        if USE_TMA:
+            kt = K.load([kv_row + start, 0]).T
+            v = V.load([kv_row + start, 0])
+        elif MASK_COLS:
+            kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + start * s_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            kt = tl.load(kt_ptrs + start * s_kn)
+            v = tl.load(v_ptrs + start * s_vn)
+        else:
+            kt = tl.load(kt_ptrs + start * s_kn, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + start * s_vn, mask=d_ok[None, :], other=0.0)
+        return kt, v
 
-# Lengths change every call: don't compile a variant per divisibility of Lq/Lk.
-@triton.jit(do_not_specialize=["Lq", "Lk", "n_qblocks"])
-def _flash_fwd_kernel(
-    Q, K, V, O, LSE, QPOS, KPOS, RANGES,
-    qk_scale,
-    s_qb, s_qh, s_qm, s_qd,
-    s_kb, s_kh, s_kn, s_kd,
-    s_vb, s_vh, s_vn, s_vd,
-    s_ob, s_oh, s_om, s_od,
-    s_qpb, s_kpb, s_rb,
-    H, G, Lq, Lk, n_qblocks,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
-):
-    # Heaviest query blocks (latest positions, most keys) first: shortens the tail of a causal grid.
-    pid_m = n_qblocks - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    kvh = h // G
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    # Lengths change every call: don't compile a variant per divisibility of Lq/Lk.
+    @triton.jit(do_not_specialize=["Lq", "Lk", "n_qblocks"])
+    def _flash_fwd_kernel(
+        Q, K, V, O, LSE, QPOS, KPOS, RANGES,
+        qk_scale,
+        s_qb, s_qh, s_qm, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_ob, s_oh, s_om, s_od,
+        s_qpb, s_kpb, s_rb,
+        H, G, Lq, Lk, n_qblocks,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
+    ):
+        # Heaviest query blocks (latest positions, most keys) first: shortens the tail of a causal grid.
+        pid_m = n_qblocks - 1 - tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        kvh = h // G
+        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < Lq
-    d_ok = offs_d < HEAD_DIM
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = offs_m < Lq
+        d_ok = offs_d < HEAD_DIM
 
-    q_ptrs = Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    kv_row = (b * (H // G) + kvh) * Lk  # first row of this (batch, KV head) in the TMA view
-    if USE_TMA:
-        kt_ptrs = K
-        v_ptrs = V
-    else:
-        kt_ptrs = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
-        v_ptrs = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+        q_ptrs = Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        kv_row = (b * (H // G) + kvh) * Lk  # first row of this (batch, KV head) in the TMA view
+        if USE_TMA:
+            kt_ptrs = K
+            v_ptrs = V
+        else:
+            kt_ptrs = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
+            v_ptrs = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
 
-    if CAUSAL:
-        n_full = tl.load(RANGES + b * s_rb + pid_m * 2)
-        n_blocks = tl.load(RANGES + b * s_rb + pid_m * 2 + 1)
-        q_pos = tl.load(QPOS + b * s_qpb + offs_m, mask=row_ok, other=0)
-    else:
-        n_full = Lk // BLOCK_N
-        n_blocks = tl.cdiv(Lk, BLOCK_N)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # Key blocks every row sees in full: no mask arithmetic.
-    for j in range(0, n_full):
-        start = j * BLOCK_N
-        kt, v = _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, None, d_ok, False, EVEN_D, USE_TMA)
-        m_i, l_i, acc = _online_softmax_step(q, kt, v, m_i, l_i, acc, None, qk_scale, False, IEEE)
-
-    # Blocks on the causal boundary and the key tail: masked by position and length.
-    for j in range(n_full, n_blocks):
-        start = j * BLOCK_N
-        col_ok = (start + offs_n) < Lk
-        kt, v = _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, col_ok, d_ok, True, EVEN_D, USE_TMA)
-        visible = col_ok[None, :]
         if CAUSAL:
-            k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _online_softmax_step(q, kt, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
+            n_full = tl.load(RANGES + b * s_rb + pid_m * 2)
+            n_blocks = tl.load(RANGES + b * s_rb + pid_m * 2 + 1)
+            q_pos = tl.load(QPOS + b * s_qpb + offs_m, mask=row_ok, other=0)
+        else:
+            n_full = Lk // BLOCK_N
+            n_blocks = tl.cdiv(Lk, BLOCK_N)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    # log2 units back to natural log (x ln 2).
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
+        m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
+
+        # Key blocks every row sees in full: no mask arithmetic.
+        for j in range(0, n_full):
+            start = j * BLOCK_N
+            kt, v = _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, None, d_ok, False, EVEN_D, USE_TMA)
+            m_i, l_i, acc = softmax_step(q, kt, v, m_i, l_i, acc, None, qk_scale, False, IEEE)
+
+        # Blocks on the causal boundary and the key tail: masked by position and length.
+        for j in range(n_full, n_blocks):
+            start = j * BLOCK_N
+            col_ok = (start + offs_n) < Lk
+            kt, v = _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, col_ok, d_ok, True, EVEN_D, USE_TMA)
+            visible = col_ok[None, :]
+            if CAUSAL:
+                k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = softmax_step(q, kt, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
+
+        out, lse = softmax_finish(m_i, l_i, acc, False)
+        o_ptrs = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
 
 
 def default_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -168,7 +140,7 @@ def block_ranges(q_pos: torch.Tensor, k_pos: torch.Tensor, block_m: int, block_n
     P, Lq = q_pos.shape
     Lk = k_pos.shape[1]
     big = 1 << 62  # beyond any position; pad() takes its fill value as a double, so not int64 max
-    nqb, nkb = triton.cdiv(Lq, block_m), triton.cdiv(Lk, block_n)
+    nqb, nkb = cdiv(Lq, block_m), cdiv(Lk, block_n)
     qp, kp = q_pos.to(torch.int64), k_pos.to(torch.int64)
     pad_q, pad_k = nqb * block_m - Lq, nkb * block_n - Lk
     q_min = torch.nn.functional.pad(qp, (0, pad_q), value=big).view(P, nqb, block_m).amin(-1)
@@ -180,15 +152,6 @@ def block_ranges(q_pos: torch.Tensor, k_pos: torch.Tensor, block_m: int, block_n
     n_full = torch.searchsorted(prefix_max, q_min, right=True)
     n_blocks = torch.maximum(torch.searchsorted(suffix_min, q_max, right=True), n_full)
     return torch.stack([n_full, n_blocks], -1).to(torch.int32).contiguous()
-
-
-def check_kernel_inputs(q, k, v, name: str) -> None:
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{name}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{name} supports float16/bfloat16/float32, got {q.dtype}")
-    if q.shape[-1] > 256:
-        raise ValueError(f"{name} supports head_dim <= 256, got {q.shape[-1]}")
 
 
 def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
@@ -206,6 +169,8 @@ def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=No
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     check_kernel_inputs(q, k, v, "flash_attention")
+    if triton is None:
+        raise RuntimeError("flash_attention: the Triton kernel needs the triton package")
     scale = D**-0.5 if scale is None else scale
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
@@ -237,7 +202,7 @@ def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=No
     grid = (n_qblocks, B * Hq)
     _flash_fwd_kernel[grid](
         q, k_arg, v_arg, out, lse, qp, kp, ranges,
-        scale * _LOG2E,
+        scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         s_qpb, s_kpb, s_rb,
         Hq, Hq // Hkv, Lq, Lk, n_qblocks,

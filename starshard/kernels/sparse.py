@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from starshard.kernels.anchor import AnchorConfig
+from starshard.kernels.common import DECODE_MAX_ROWS
+from starshard.kernels.minference import MInferenceConfig
+
 SPARSE_METHODS = ("minference", "anchor")
 
 
@@ -44,7 +48,7 @@ class SparseConfig:
             raise ValueError("--sparse-config is for --sparse minference; AnchorAttention takes --anchor-theta")
         if self.config_path is not None and not Path(self.config_path).is_file():
             raise ValueError(f"--sparse-config {self.config_path} does not exist; write one with "
-                             "`python -m starshard.kernels.minference_search --out FILE` or drop the flag")
+                             "`python -m starshard.tools.minference_search --out FILE` or drop the flag")
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,7 @@ class UniformSparse:
 
 def load_sparse_method(cfg: SparseConfig) -> SparseMethod:
     if cfg.method == "anchor":
-        from starshard.kernels.anchor import AnchorConfig
-
         return UniformSparse(AnchorConfig(theta=cfg.anchor_theta, block_q=cfg.anchor_block_q, step=cfg.anchor_step))
-    from starshard.kernels.minference import MInferenceConfig
-
     # No file: every head uses the default Vertical-Slash (1000 columns, 6096 diagonals).
     return MInferenceConfig.load(cfg.config_path) if cfg.config_path else MInferenceConfig()
 
@@ -83,9 +83,7 @@ class LayerSparse:
 
 def pattern_for(sparse: LayerSparse | None, q, offset: int = 0):
     """The `sparse=` argument of one attention call over q [B, H, L, D] (None: dense). Decode-sized
-    calls stay dense; the method itself runs short blocks dense too (minference.MIN_SPARSE_ROWS)."""
-    from starshard.kernels.attention import DECODE_MAX_ROWS
-
+    calls stay dense; the method itself runs short blocks dense too (common.MIN_SPARSE_ROWS)."""
     if sparse is None or q.shape[2] <= DECODE_MAX_ROWS:
         return None
     return sparse.heads(q.shape[1], offset)

@@ -9,5 +9,7 @@ LOG=run.log; source bench/gpu_env.sh
 T=150 step python3 launch/bench.py prefill $L8B --cp-strategy dense --lengths 8192,32768 --warmup 1 --repeats 3 --decode-steps 0 --out "$OUT/dense_prefill.json"
 T=150 step python3 launch/bench.py prefill $L8B --cp-strategy dense --lengths 131072 --warmup 0 --repeats 1 --decode-steps 32 --out "$OUT/dense_decode_128k.json"
 T=120 step python3 launch/bench_sparse.py --lengths 131072 --repeats 3 --out "$OUT/vs_128k.json"
-T=420 step python3 launch/bench.py serve $L8B --lengths 32768,131072 --concurrency 1,4,16 --decode-tokens 64 --cache-gib 60 --out "$OUT/serve_8b.json"
 grep -h "Traceback\|Error" "$LOG" | head
+# (serve_8b.json / run.log: the first call, before bench.py serve had its warm-up document: its 32K cached
+# time includes the Triton compile of the extend kernels. serve_8b_warm.json / run2.log: this line.)
+T=420 step python3 launch/bench.py serve $L8B --lengths 32768,131072 --concurrency 1,4,16 --decode-tokens 64 --cache-gib 60 --out "$OUT/serve_8b_warm.json"

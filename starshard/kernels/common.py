@@ -1,0 +1,115 @@
+"""Input checks, position layouts and sizes shared by the dispatcher (attention.py) and every kernel.
+
+A leaf: plain torch, no Triton, no other kernels module, so each kernel and the dispatcher import it
+without importing one another.
+"""
+from __future__ import annotations
+
+import torch
+
+# Query rows at or below which calls take the split-KV decode kernel (CUDA) or the math path (CPU),
+# without classifying the mask: too few rows to fill a GPU one program per (head, row block).
+DECODE_MAX_ROWS = 16
+# Query blocks shorter than this (decode steps) run the sparse prefill methods dense: no sparse
+# estimate is meaningful.
+MIN_SPARSE_ROWS = DECODE_MAX_ROWS + 1
+INT32_MAX = 2**31 - 1  # index sentinels and "covers every key" budgets of the int32 kernel arguments
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention expects 4-D [B, H, L, D] tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"batch/head_dim mismatch: q{tuple(q.shape)} k{tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq={q.shape[1]} Hkv={k.shape[1]}")
+
+
+def check_kernel_inputs(q, k, v, name: str) -> None:
+    """What the dense Triton kernels (flash.py, decode.py) take."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{name}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name} supports float16/bfloat16/float32, got {q.dtype}")
+    if q.shape[-1] > 256:
+        raise ValueError(f"{name} supports head_dim <= 256, got {q.shape[-1]}")
+
+
+def as_positions(pos: torch.Tensor, B: int, L: int, name: str, device: torch.device) -> torch.Tensor:
+    """[L], [1, L] or [B, L] integer positions -> contiguous [P, L] with P in {1, B} on `device`."""
+    if pos.dtype.is_floating_point or pos.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {pos.dtype}")
+    p = pos if pos.dim() == 2 else pos.unsqueeze(0)
+    if p.dim() != 2 or p.shape[1] != L or p.shape[0] not in (1, B):
+        raise ValueError(f"{name} must have shape [{L}] or [{B}, {L}], got {tuple(pos.shape)}")
+    return p.to(device).contiguous()
+
+
+def query_offset(q_pos: torch.Tensor, k_pos: torch.Tensor, Lq: int, Lk: int) -> int:
+    """Query block offset in key-index space, the layout of the sparse prefill methods (MInference,
+    AnchorAttention), one device-to-host sync: row i sits at key index i + off. Accepted layouts,
+    positions shared by the batch:
+    - q_pos and k_pos runs of consecutive positions, q_pos[0] >= k_pos[0]: off = q_pos[0] - k_pos[0];
+    - k_pos strictly increasing and q_pos equal to its last Lq entries (a query block that is the
+      tail of its keys, gaps allowed: Star's [anchor; block], a zigzag shard's own block): off = Lk - Lq.
+    Key j is visible to row i iff j <= i + off, which is causality by position in both cases.
+    ValueError for anything else."""
+
+    def flat(p, L, name):
+        if p.dtype.is_floating_point or p.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {p.dtype}")
+        if p.dim() == 2:
+            if p.shape[1] != L:
+                raise ValueError(f"{name} must have {L} positions per row, got {tuple(p.shape)}")
+            return p[0], (p != p[:1]).any()
+        if p.dim() != 1 or p.shape[0] != L:
+            raise ValueError(f"{name} must have shape [{L}] or [B, {L}], got {tuple(p.shape)}")
+        return p, torch.zeros((), dtype=torch.bool, device=p.device)
+
+    qp, q_rows_differ = flat(q_pos, Lq, "q_pos")
+    kp, k_rows_differ = flat(k_pos, Lk, "k_pos")
+    qp, kp = qp.long(), kp.long().to(qp.device)
+    zero = qp.new_zeros(())
+    tail = (qp != kp[Lk - Lq :]).any().long() if Lq <= Lk else qp.new_ones(())
+    stats = torch.stack([
+        qp[0], kp[0],
+        (qp.diff() != 1).any().long() if Lq > 1 else zero,
+        (kp.diff() != 1).any().long() if Lk > 1 else zero,
+        (kp.diff() <= 0).any().long() if Lk > 1 else zero,
+        tail,
+        q_rows_differ.long().to(qp.device), k_rows_differ.long().to(qp.device),
+    ]).tolist()
+    q0, k0, q_gap, k_gap, k_unsorted, not_tail, q_diff, k_diff = stats
+    if q_diff or k_diff:
+        raise ValueError("sparse (MInference) attention needs the same positions for every batch row; use dense attention")
+    if not q_gap and not k_gap:
+        if q0 < k0:
+            raise ValueError(f"sparse (MInference) attention needs the query block to start at or after the first key "
+                             f"(q_pos[0]={q0} < k_pos[0]={k0}); use dense attention for this layout")
+        return int(q0 - k0)
+    if not k_unsorted and not not_tail:
+        return Lk - Lq
+    raise ValueError("sparse (MInference) attention needs q_pos and k_pos to be runs of consecutive positions "
+                     "(a contiguous causal block, or a query block at or after the start of its keys), or q_pos "
+                     "to be the last entries of strictly increasing k_pos; use dense attention for other layouts")
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def triton_interpreted(fn) -> bool:
+    """Whether a @triton.jit function was decorated under TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    return type(fn).__name__ == "InterpretedFunction"

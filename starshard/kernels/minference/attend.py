@@ -1,0 +1,90 @@
+"""One sparse attention call: its `sparse=` spec (SparsePattern, whose hook the dispatcher calls) and
+the entry points. Short or non-causal calls fall back to the dense dispatcher."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from starshard.kernels.attention import attention
+from starshard.kernels.common import MIN_SPARSE_ROWS, check_shapes, query_offset
+from starshard.kernels.minference.kernel import attention_triton, triton_available
+from starshard.kernels.minference.patterns import AShape, BlockSparse, Dense, VerticalSlash, head_pattern
+from starshard.kernels.minference.plan import build_plan
+from starshard.kernels.minference.torch_path import attention_torch
+
+
+@dataclass(frozen=True)
+class SparsePattern:
+    """The `sparse=` spec of one attention call: one pattern per query head of this call (a single
+    pattern is broadcast to every head), plus the index parameters shared by all heads."""
+
+    heads: tuple
+    block_size: int = 64
+    last_q: int = 64
+    force_sink: int = 30
+    force_local: int = 100
+    vertical_aware: bool = True  # slash estimates leave out the chosen columns (False: MInference's)
+
+    def __post_init__(self):
+        heads = self.heads
+        if isinstance(heads, (AShape, VerticalSlash, BlockSparse, Dense, dict)):
+            heads = (heads,)
+        object.__setattr__(self, "heads", tuple(head_pattern(h) for h in heads))
+        if not self.heads:
+            raise ValueError("SparsePattern needs at least one head pattern")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if self.last_q < 1:
+            raise ValueError(f"last_q must be >= 1, got {self.last_q}")
+
+    def for_heads(self, num_heads: int) -> tuple:
+        if len(self.heads) == 1:
+            return self.heads * num_heads
+        if len(self.heads) != num_heads:
+            raise ValueError(f"sparse pattern has {len(self.heads)} head patterns but the call has {num_heads} query heads")
+        return self.heads
+
+    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None):
+        """The hook `attention(..., sparse=pattern)` calls."""
+        return minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=self, scale=scale, causal=causal)
+
+
+def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=True, backend=None, launch=None):
+    """Sparse prefill attention with lse. `pattern`: a SparsePattern (or anything `SparsePattern(...)`
+    accepts: one HeadPattern, a sequence of them). backend: None (Triton on CUDA, else torch),
+    "triton" or "torch". Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
+    exact dense attention."""
+    # A whole model's method (MInferenceConfig, config.py, which builds on this module) answers
+    # pattern(layer, num_heads); one call takes that answer.
+    if not isinstance(pattern, SparsePattern) and callable(getattr(pattern, "pattern", None)):
+        raise TypeError("pass config.pattern(layer, num_heads) (one layer's SparsePattern), not the whole MInferenceConfig")
+    if not isinstance(pattern, SparsePattern):
+        pattern = SparsePattern(pattern if isinstance(pattern, (list, tuple)) else (pattern,))
+    check_shapes(q, k, v)
+    B, Hq, Lq, D = q.shape
+    Lk = k.shape[2]
+    heads = pattern.for_heads(Hq)
+    if not causal or Lq < MIN_SPARSE_ROWS or all(isinstance(p, Dense) for p in heads):
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+    if Lk == 0:
+        return torch.zeros_like(q), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
+    offset = query_offset(q_pos, k_pos, Lq, Lk)
+    scale = D**-0.5 if scale is None else scale
+    groups = build_plan(q, k, pattern, offset=offset, scale=scale)
+    return attention_from_plan(q, k, v, groups, offset=offset, scale=scale, block_size=pattern.block_size,
+                               backend=backend, launch=launch)
+
+
+def attention_from_plan(q, k, v, groups, *, offset: int, scale=None, block_size: int = 64, backend=None, launch=None):
+    """The attention step alone, from `build_plan`'s groups (benchmarks time the two apart; tests feed
+    hand-made indices). backend / launch as in `minference_attention`."""
+    check_shapes(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # Default: Triton on CUDA; on CPU the torch path (the interpreter is for tests, which ask for it).
+    use_triton = q.is_cuda and triton_available(q) if backend is None else backend == "triton"
+    if use_triton:
+        if not triton_available(q):
+            raise RuntimeError("the Triton MInference kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU) and float16/bfloat16/float32")
+        return attention_triton(q, k, v, groups, offset=offset, scale=scale, block_size=block_size, launch=launch)
+    return attention_torch(q, k, v, groups, offset=offset, scale=scale, block_size=block_size)
