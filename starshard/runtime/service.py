@@ -36,7 +36,6 @@ from starshard.engine.sampling import sample
 from starshard.runtime.cascade import CascadeAttention, OwnKV, SharedGroup, run_cascade
 from starshard.runtime.context_cache import CacheEntry, ContextCache, kv_bytes
 from starshard.runtime.context_parallel import ContextParallelRunner
-from starshard.runtime.model_parallel import ParallelRunner
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
 
 log = logging.getLogger("starshard.serve")
@@ -101,6 +100,9 @@ class Executor:
         self.cp = 1 if self.group is None else strategy.cp
         self.query_rank = 0 if self.group is None else strategy.query_rank
         self.is_query_rank = self.group is None or strategy.is_query_rank
+        # Last-row logits -> token: plain sampling, or vocab-parallel over the TP group (every TP rank
+        # gets the same token).
+        self.sampler = runner.sample if isinstance(runner, ContextParallelRunner) else getattr(runner, "sampler", sample)
         self.rows: list[Row] = []
         self.pool: OwnKV | None = None  # the batch's own KV, rebuilt when rows join or leave
         attn = self.model.layers[0].attention
@@ -150,7 +152,7 @@ class Executor:
         toks = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
         if self.is_query_rank:
             for b, r in enumerate(rows):
-                toks[b] = sample(logits[b : b + 1], r.sampling, r.gen)[0]
+                toks[b] = self.sampler(logits[b : b + 1], r.sampling, r.gen)[0]
         if self.group is not None:
             dist.broadcast(toks, src=dist.get_global_rank(self.group, self.query_rank), group=self.group)
         return toks.tolist()
@@ -281,11 +283,9 @@ class Service:
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
                  max_extend: int = 4096, model_name: str = "starshard"):
         runner = llm.runner
-        if isinstance(runner, ParallelRunner):
-            raise ValueError("the service runs one process or a context-parallel group (--cp N with any strategy); "
-                             "tensor / pipeline parallel serving is not built yet: launch with --tp 1 --pp 1")
-        if isinstance(runner, ContextParallelRunner) and runner.link is not None:
-            raise ValueError("the service does not run pipeline stages yet: launch with --pp 1")
+        if getattr(runner, "link", None) is not None:
+            raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
+                             "model with --tp and the document with --cp")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} / {max_queue}")
         self.llm, self.config = llm, llm.config
