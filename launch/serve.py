@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--max-batch", type=int, default=16, help="requests decoding together (one forward per step)")
     eng.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting beyond the batch; more are answered 429")
+    eng.add_argument("--no-cuda-graphs", action="store_true",
+                     help="run every batched decode step eagerly (default on CUDA: once the batch keeps its rows for a "
+                     "step, later steps replay a captured CUDA graph until a request joins or leaves)")
     eng.add_argument("--max-extend", type=int, default=4096,
                      help="a prompt that shares a cached prefix runs the rest on the cache when the rest is at most "
                      "this many tokens; a longer rest is prefilled anew (and cached)")
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")
         service = Service(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
-                          max_extend=args.max_extend, model_name=name)
+                          max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs)
     except (LayoutError, CheckpointError, ValueError) as e:
         if lead:
             print(f"error: {e}", file=sys.stderr)

@@ -35,6 +35,8 @@ class OwnKV:
         self.v = {i: torch.zeros_like(self.k[i]) for i in layer_ids}
         self.pos = {i: torch.full((batch, capacity), _NO_KEY, dtype=torch.long, device=device) for i in layer_ids}
         self.lengths = [0] * batch
+        self._lengths = torch.zeros(batch, dtype=torch.long, device=device)  # the same, read by captured steps
+        self._rows = torch.arange(batch, device=device)
         self.capacity = capacity
 
     @property
@@ -47,9 +49,8 @@ class OwnKV:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """k, v [B, Hkv, L, D], pos [B, L]: row b's L new entries go after its filled slots."""
         L = k.shape[2]
-        start = torch.tensor(self.lengths, device=k.device)
-        slots = start[:, None] + torch.arange(L, device=k.device)  # [B, L]
-        rows = torch.arange(self.batch, device=k.device)[:, None].expand_as(slots)
+        slots = self._lengths[:, None] + torch.arange(L, device=k.device)  # [B, L], on the device: no sync
+        rows = self._rows[:, None].expand_as(slots)
         self.k[layer][rows, :, slots] = k.transpose(1, 2)
         self.v[layer][rows, :, slots] = v.transpose(1, 2)
         self.pos[layer][rows, slots] = pos
@@ -57,6 +58,7 @@ class OwnKV:
     def advance(self, n: int) -> None:
         """After every layer appended: each row holds n more entries."""
         self.lengths = [x + n for x in self.lengths]
+        self._lengths += n
 
     @staticmethod
     def gather(parts: list[tuple["OwnKV", int]], extra: int, layer_ids, n_kv_heads, head_dim, dtype, device) -> "OwnKV":
@@ -67,6 +69,7 @@ class OwnKV:
         for b, (p, r) in enumerate(parts):
             n = p.lengths[r]
             out.lengths[b] = n
+            out._lengths[b] = n
             if n:
                 for i in layer_ids:
                     out.k[i][b, :, :n] = p.k[i][r, :, :n]
@@ -91,8 +94,12 @@ class CascadeAttention:
     scheduler): shared partials per cache entry, the own partial on the query rank, merged by lse,
     then over the CP group."""
 
-    def __init__(self, groups: list[SharedGroup], own: OwnKV | None, group=None):
+    def __init__(self, groups: list[SharedGroup], own: OwnKV | None, group=None, device=None):
         self.groups, self.own, self.group = groups, own, group
+        # Row indices and query positions per group, made once on the device: a captured step
+        # replays them, and attend() copies nothing from the host.
+        self._rows = [torch.tensor(g.rows, device=device) for g in groups]
+        self._last = [torch.tensor(g.prefix, device=device) - 1 for g in groups]  # keys at positions < prefix
 
     def hook(self, layer: int):
         return functools.partial(self.attend, layer)
@@ -101,14 +108,12 @@ class CascadeAttention:
         B, Hq, L, D = q.shape
         out = q.new_zeros(B, Hq, L, D)
         lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
-        for g in self.groups:
+        for g, rows, last in zip(self.groups, self._rows, self._last):
             kv = g.kv.layer(layer)
             if kv.length == 0:  # this rank holds none of the entry (a short prompt on a CP group)
                 continue
             ks, vs, kpos = kv.view()
-            rows = torch.tensor(g.rows, device=q.device)
             qg = q[rows].transpose(0, 1).reshape(1, Hq, len(g.rows) * L, D)  # rows as one query block
-            last = torch.tensor(g.prefix, device=q.device) - 1  # keys at positions < prefix are shared
             qpos = last[:, None].expand(len(g.rows), L).reshape(1, -1)
             causal = any(p < g.full for p in g.prefix)
             o, s = attention(qg, ks, vs, q_pos=qpos, k_pos=kpos, causal=causal)
@@ -123,9 +128,7 @@ class CascadeAttention:
         return out
 
 
-def run_cascade(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
-    """One forward of tokens [B, L] at positions [B, L] with every layer attending through
-    `cascade` -> last-row logits [B, V] (float32). The model's own hooks are restored after."""
+def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
     saved = [layer.attention.attend for layer in model.layers]
     try:
         for i, layer in zip(model.layer_ids, model.layers):
@@ -134,6 +137,51 @@ def run_cascade(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: C
     finally:
         for layer, fn in zip(model.layers, saved):
             layer.attention.attend = fn
+    return logits[:, -1]
+
+
+def run_cascade(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
+    """One forward of tokens [B, L] at positions [B, L] with every layer attending through
+    `cascade` -> last-row logits [B, V] (float32). The model's own hooks are restored after."""
+    logits = _forward(model, tokens, positions, cascade)
     if cascade.own is not None:
         cascade.own.advance(tokens.shape[1])
-    return logits[:, -1]
+    return logits
+
+
+class CascadeGraph:
+    """The batch's one-token decode step replayed from a CUDA graph (decode is host-bound: one
+    forward is hundreds of small launches). One graph serves one batch composition: the cascade's
+    groups and own-KV pool are fixed, the tokens and positions are copied into static buffers, and
+    each row's next own-KV slot is read on the device. `capture=False` runs the same step eagerly
+    through the same buffers (what the CPU tests check). Every rank of a CP group captures and
+    replays together (the lse merge's all-reduces are inside)."""
+
+    def __init__(self, model, cascade: CascadeAttention, batch: int, device, capture: bool = True):
+        self.model, self.cascade, self.capture = model, cascade, capture
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.graph, self.logits = None, None
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tok.copy_(tokens)
+        self.pos.copy_(positions)
+        if not self.capture:
+            self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
+        elif self.graph is None:
+            # Warm-up off the capture stream runs the step for real (Triton compiles); the capture
+            # records it; the replay runs it again, writing the same own-KV slots with the same values.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _forward(self.model, self.tok, self.pos, self.cascade)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
+            self.graph.replay()
+        else:
+            self.graph.replay()
+        if self.cascade.own is not None:
+            self.cascade.own.advance(1)
+        return self.logits

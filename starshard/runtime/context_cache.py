@@ -117,7 +117,8 @@ class ContextCache:
         return victims if free >= nbytes else None
 
     def evict(self, entry_ids: list[int]) -> None:
+        busy = [i for i in entry_ids if i in self.entries and self.entries[i].users]
+        if busy:
+            raise RuntimeError(f"context cache entries {busy} cannot be evicted while requests use them")
         for i in entry_ids:
-            e = self.entries.pop(i, None)
-            if e is not None and e.users:
-                raise RuntimeError(f"context cache entry {i} evicted while {e.users} request(s) use it")
+            self.entries.pop(i, None)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from starshard.config import ModelConfig, SamplingConfig
 from starshard.engine.sampling import sample
-from starshard.runtime.cascade import CascadeAttention, OwnKV, SharedGroup, run_cascade
+from starshard.kernels.common import DECODE_MAX_ROWS
+from starshard.runtime.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.runtime.context_cache import CacheEntry, ContextCache, kv_bytes
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
@@ -91,7 +92,7 @@ class Executor:
     """Runs the scheduler's operations on this rank. The same instance state on every rank: the
     scheduler's decisions (rank 0) arrive as plain lists of dicts."""
 
-    def __init__(self, runner, cache: ContextCache):
+    def __init__(self, runner, cache: ContextCache, cuda_graphs: bool = True):
         self.runner = runner
         self.model = runner.model
         self.cache = cache
@@ -108,7 +109,12 @@ class Executor:
         attn = self.model.layers[0].attention
         self.kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
         self.dtype, self.device = attn.wo.weight.dtype, attn.wo.weight.device
-        runner.cuda_graphs = False  # steps are batched over changing rows: eager
+        runner.cuda_graphs = False  # the runner's own graphs serve one request; the batch has its own (below)
+        # A decode step replays a CUDA graph once the batch has kept its rows for one step (a join or a
+        # leave changes the graph's shapes); every rank decides alike from the same operations.
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graph: CascadeGraph | None = None
+        self._steady = 0  # decode steps since the rows last changed
 
     # -- sizes the scheduler plans with
     def token_bytes(self) -> int:
@@ -160,6 +166,7 @@ class Executor:
     def _join(self, row: Row) -> None:
         self.rows.append(row)
         self._rebuild_pool()
+        self._graph, self._steady = None, 0
 
     def _rebuild_pool(self) -> None:
         if not self.is_query_rank:
@@ -202,7 +209,7 @@ class Executor:
         pool = None
         if self.is_query_rank:
             pool = OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, len(ids) - m, self.dtype, self.device)
-        cascade = CascadeAttention([SharedGroup(entry.kv, [0], [m], len(entry))], pool, self.group)
+        cascade = CascadeAttention([SharedGroup(entry.kv, [0], [m], len(entry))], pool, self.group, self.device)
         logits = run_cascade(self.model, suffix, pos, cascade)
         row = self._new_row(op, entry, m, pool, 0, self._gen(op["sampling"][3]))
         row.last_token = self._sample(logits, [row])[0]
@@ -218,8 +225,16 @@ class Executor:
             g.prefix.append(r.prefix)
         toks = torch.tensor([[r.last_token] for r in rows], device=self.device)
         pos = torch.tensor([[r.next_pos] for r in rows], device=self.device)
-        cascade = CascadeAttention(list(by_entry.values()), self.pool, self.group)
-        logits = run_cascade(self.model, toks, pos, cascade)
+        if self._graph is not None:
+            logits = self._graph.step(toks, pos)
+        else:
+            cascade = CascadeAttention(list(by_entry.values()), self.pool, self.group, self.device)
+            if self.cuda_graphs and self._steady >= 1 and len(rows) <= DECODE_MAX_ROWS:
+                self._graph = CascadeGraph(self.model, cascade, len(rows), self.device)
+                logits = self._graph.step(toks, pos)
+            else:
+                logits = run_cascade(self.model, toks, pos, cascade)
+        self._steady += 1
         out = {}
         for r, t in zip(rows, self._sample(logits, rows)):
             r.last_token, r.next_pos, r.remaining = t, r.next_pos + 1, r.remaining - 1
@@ -232,6 +247,7 @@ class Executor:
             if r.rid in gone:
                 self.cache.release(r.entry)
         self.rows = [r for r in self.rows if r.rid not in gone]
+        self._graph, self._steady = None, 0
         if self.rows:
             self._rebuild_pool()
         else:
@@ -281,7 +297,7 @@ class Service:
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
-                 max_extend: int = 4096, model_name: str = "starshard"):
+                 max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
             raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
@@ -294,7 +310,7 @@ class Service:
         self.max_model_len = self.config.max_position_embeddings
         self.max_batch, self.max_queue, self.max_extend = max_batch, max_queue, max_extend
         self.cache = ContextCache(cache_bytes)
-        self.executor = Executor(runner, self.cache)
+        self.executor = Executor(runner, self.cache, cuda_graphs)
         strategy = getattr(runner, "strategy", None)
         self.reuse = strategy is None or strategy.name != "apb"  # APB's KV depends on the question
         self.control = control_group()

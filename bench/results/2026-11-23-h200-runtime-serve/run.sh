@@ -13,3 +13,8 @@ grep -h "Traceback\|Error" "$LOG" | head
 # (serve_8b.json / run.log: the first call, before bench.py serve had its warm-up document: its 32K cached
 # time includes the Triton compile of the extend kernels. serve_8b_warm.json / run2.log: this line.)
 T=420 step python3 launch/bench.py serve $L8B --lengths 32768,131072 --concurrency 1,4,16 --decode-tokens 64 --cache-gib 60 --out "$OUT/serve_8b_warm.json"
+# Third call (LOG=run3.log): the service's batched decode steps replaying CUDA graphs (default) vs eager,
+# and whether they produce the same tokens (bench/results/<this dir>/compare_graphs.py).
+T=300 step python3 launch/bench.py serve $L8B --lengths 32768,131072 --concurrency 1,4,16 --decode-tokens 64 --cache-gib 60 --out "$OUT/serve_8b_graphs.json"
+T=300 step python3 launch/bench.py serve $L8B --lengths 32768,131072 --concurrency 1,4,16 --decode-tokens 64 --cache-gib 60 --no-cuda-graphs --out "$OUT/serve_8b_eager.json"
+python3 bench/results/2026-11-23-h200-runtime-serve/compare_graphs.py "$OUT/serve_8b_graphs.json" "$OUT/serve_8b_eager.json"
