@@ -172,17 +172,21 @@ def model_config(args, lead: bool):
         raise Abort(str(e)) from None
 
 
-def prompt_lengths(args, path, kw) -> tuple[int, int]:
-    """(prompt tokens, context tokens) as generate() will see them (the tokenizer only; cheap)."""
-    if args.prompt_len is not None:
-        return args.prompt_len, args.prompt_len
-    from starshard.runtime.prompt import build_prompt, load_tokenizer
+def encode_prompt(args, path, kw, vocab_size: int):
+    """The prompt's token ids and context / query split, tokenized once (the tokenizer only; the
+    memory plan needs the lengths before any weights load, generate() takes the same Prompt)."""
+    from starshard.runtime.prompt import Prompt, build_prompt, load_tokenizer
 
+    if args.prompt_len is not None:
+        import torch
+
+        gen = torch.Generator().manual_seed(args.seed or 0)  # the same ids on every rank
+        ids = torch.randint(0, vocab_size, (args.prompt_len,), generator=gen).tolist()
+        return Prompt(ids, len(ids))
     try:
-        p = build_prompt(load_tokenizer(path), **kw, raw=args.raw)
+        return build_prompt(load_tokenizer(path), **kw, raw=args.raw)
     except ValueError as e:
         raise Abort(str(e)) from None
-    return len(p.ids), p.context_len
 
 
 def check_window(cfg, n_prompt: int, max_new: int) -> None:
@@ -300,7 +304,8 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     kw = prompt_kwargs(args)
     # Everything below up to LLM() reads configs only: a bad input fails here, before any collective.
     cfg, path = model_config(args, lead)
-    n_prompt, n_context = prompt_lengths(args, path, kw)
+    prompt = encode_prompt(args, path, kw, cfg.vocab_size)
+    n_prompt, n_context = len(prompt.ids), prompt.context_len
     check_window(cfg, n_prompt, args.max_new_tokens)
     limit = memory_limit(args, device, launch.local_rank)
     plan, best = make_plan(args, cfg, n_prompt, n_context, DTYPE_BYTES[dtype_name], limit)
@@ -333,9 +338,6 @@ def run(args, launch, lead: bool, t_start: float) -> int:
         except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
             raise Abort(str(e)) from None
         times["setup"] = time.perf_counter() - t0
-        if args.prompt_len is not None:
-            gen = torch.Generator().manual_seed(args.seed or 0)  # same ids on every rank
-            kw = dict(prompt=torch.randint(0, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist())
         llm.runner.cuda_graphs = not args.no_cuda_graphs
         watchdog = None
         if launch.world_size > 1:
@@ -343,7 +345,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
             watchdog.start()
         monitor = RunMonitor(llm.model, args.max_new_tokens, launch.rank, watchdog)
         out = llm.generate(
-            **kw, raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk, callbacks=monitor,
         )
         if watchdog is not None:

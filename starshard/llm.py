@@ -132,7 +132,7 @@ class LLM:
 
     def generate(
         self,
-        prompt: str | list[int] | None = None,
+        prompt: str | list[int] | Prompt | None = None,
         *,
         context: str | None = None,
         question: str | None = None,
@@ -148,7 +148,8 @@ class LLM:
         sampling = SamplingConfig(temperature, top_p, top_k, seed)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        p = self.encode(prompt, context=context, question=question, raw=raw)
+        # A Prompt (already tokenized, its context / query split found) is used as it is.
+        p = prompt if isinstance(prompt, Prompt) else self.encode(prompt, context=context, question=question, raw=raw)
         self.check_length(len(p.ids), max_new_tokens)
         g = generate_tokens(self.runner, p, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids,
                             prefill_chunk=prefill_chunk, callbacks=callbacks)
