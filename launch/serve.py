@@ -77,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="run every batched decode step eagerly (default on CUDA: once the batch keeps its rows for a "
                      "step, later steps replay a captured CUDA graph until a request joins or leaves)")
     eng.add_argument("--max-extend", type=int, default=4096,
-                     help="a prompt that shares a cached prefix runs the rest on the cache when the rest is at most "
-                     "this many tokens; a longer rest is prefilled anew (and cached)")
+                     help="a prompt that shares a cached prefix runs only the rest when the rest is at most this many "
+                     "tokens and no longer than the shared part; otherwise the whole prompt is prefilled and cached")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     rt = ap.add_argument_group("runtime")

@@ -165,3 +165,23 @@ def test_cascade_graph_buffers_step_like_the_eager_forward(tiny):
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert pools[0].lengths == pools[1].lengths == [2, 2]
     assert torch.equal(pools[0].k[0], pools[1].k[0])
+
+
+def test_a_new_document_behind_a_shared_header_is_prefilled_and_cached(tiny):
+    """Chat prompts share the template's header: a new document after it must become its own entry
+    (not run as a long 'rest' on the first document), so its next question finds it."""
+    rng = np.random.default_rng(1)
+    header = [7, 8, 9, 10, 11]
+    doc_a, doc_b = ([int(x) for x in rng.integers(20, 500, 200)] for _ in range(2))
+    svc = Service(tiny, cache_bytes=2**26, max_batch=2)
+    svc.start()
+    try:
+        for ids, cached in [(header + doc_a + [1, 2], 0), (header + doc_b + [3, 4], 0),
+                            (header + doc_b + [5, 6], len(header) + len(doc_b))]:
+            events, done = _ask(svc, ids, 3)
+            assert done.wait(60)
+            assert events[-1].cached_tokens == cached, ids[-2:]
+            assert _tokens(events) == tiny.generate(ids, max_new_tokens=3).token_ids
+        assert svc.stats()["cache_entries"] == 2
+    finally:
+        svc.shutdown()

@@ -457,7 +457,10 @@ class Service:
         entry, m = self.cache.lookup(ids) if self.reuse else (None, 0)
         base = {"rid": req.rid, "ids": req.prompt.ids, "max_tokens": req.max_tokens,
                 "sampling": (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.sampling.seed)}
-        if entry is not None and len(ids) - m <= self.max_extend:
+        rest = len(ids) - m
+        # Run only the rest when the cache holds most of the prompt and the rest is short. A prompt that
+        # shares just a chat template's header with an entry is a new document: prefill it, cache it.
+        if entry is not None and rest <= self.max_extend and rest <= m:
             own = self._own_bytes(len(ids) - m + req.max_tokens)
             victims = self._room_sparing(own, own_running, keep=entry.id)
             if victims is None:
