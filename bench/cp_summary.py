@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Summarise a CP benchmark run (bench/run_gpu9.sh): measured prefill per strategy and length next to
-its FLOP model, read at the rate dense reaches on one GPU, and the model's prediction where a run was
-not made (longer lengths, cp=4). Writes summary.json, summary.md and prefill_cp.png into the run's
-directory.
+"""Summarise a CP benchmark run (bench/results/2026-11-23-h200x2-cp, its run_gpu9.sh and run_gpu11.sh):
+measured prefill per strategy and length next to its FLOP model, read at the rate dense reaches on one
+GPU, and the model's prediction where a run was not made (longer lengths, cp=4). Writes summary.json,
+summary.md and prefill_cp.png into the run's directory.
 
     python bench/cp_summary.py bench/results/2026-11-23-h200x2-cp
 

@@ -8,7 +8,7 @@ Layers, each importing only those below it (tests/test_layering.py holds the rul
     runtime                              runners, CUDA-graph decode, the generation loop, the service scheduler
     llm                                  LLM: the one place a runner is chosen
     cli, evaluation, server              flags -> configs, the accuracy harness, the HTTP server
-    tools                                offline tools (MInference pattern search)
+    tools, benchmarks                    offline tools (MInference pattern search); the benchmark programs behind launch/bench.py
 """
 from __future__ import annotations
 

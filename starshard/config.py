@@ -3,17 +3,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entry -> our family name. The decoder in engine/model.py covers all three.
+# HF `architectures` entry -> our family name. The decoder in engine/model.py covers all of them:
+# Llama / Mistral / Qwen2 share one layout; Qwen3 adds a per-head RMSNorm of q and k before RoPE;
+# Phi-3 fuses qkv_proj and gate_up_proj, which the loader splits into the same fused layout.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# RoPE types whose frequencies depend on the run's length (Transformer.set_rope_length).
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -22,18 +30,125 @@ class UnsupportedArchitectureError(ValueError):
 
 @dataclass
 class RopeScaling:
-    """RoPE frequency scaling. `type` is one of: default, linear, llama3."""
+    """RoPE frequency scaling, mirroring transformers' `rope_parameters` (modeling_rope_utils.py).
+
+    `type`: default | linear | llama3 | yarn | dynamic | longrope. Every default left open in the
+    HF config is resolved by `ModelConfig.from_hf` (factor, original window, attention factor), so the
+    engine reads numbers only.
+    - linear: inv_freq / factor.
+    - llama3: low_freq_factor, high_freq_factor, original_max_position_embeddings (Llama 3.1).
+    - yarn: factor, original_max_position_embeddings, beta_fast, beta_slow, truncate; the ramp
+      between interpolated and original frequencies; cos / sin scaled by `attention_factor` (from
+      mscale / mscale_all_dim when the config does not give it).
+    - dynamic (NTK): the base grows with the run's length past `original_max_position_embeddings`
+      (HF's max_position_embeddings for this type).
+    - longrope (Phi-3): `long_factor` when the run's length exceeds
+      `original_max_position_embeddings`, else `short_factor`; cos / sin scaled by `attention_factor`.
+    `partial_rotary_factor`: the share of each head's dimensions RoPE rotates (the rest pass).
+    """
 
     type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn, longrope)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def length_dependent(self) -> bool:
+        """True when the frequencies depend on the run's length (dynamic, longrope): the runtime must
+        tell every rank's model that length (`Transformer.set_rope_length`), and KV computed under one
+        length is only valid for runs with the same frequencies."""
+        return self.type in LENGTH_DEPENDENT_ROPE
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_from_hf(hf: dict[str, Any], arch: str, head_dim: int) -> tuple[float, RopeScaling, int]:
+    """(rope_theta, RopeScaling, window) from a HF config, resolving defaults as transformers 5 does
+    (`standardize_rope_params` and the `_compute_*_parameters` functions). `window` is the longest
+    sequence the model runs: HF's max_position_embeddings, extended to factor x original for yarn and
+    to factor x max_position_embeddings for dynamic (what the scaling is for; vLLM derives the same)."""
+    params = dict(hf.get("rope_parameters") or {})
+    src = dict(hf.get("rope_scaling") or params)  # transformers: rope_scaling wins when both are given
+    theta = src.get("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rtype = src.get("rope_type", src.get("type", "default")) if src else "default"
+    if arch == "phi3" and rtype in ("su", "yarn"):  # Phi3Config's backward-compatible names for longrope
+        rtype = "longrope"
+    if rtype not in ROPE_TYPES:
+        raise UnsupportedArchitectureError(
+            f"unsupported rope scaling type {rtype!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    max_pos = int(hf.get("max_position_embeddings", 8192))
+    partial = src.get("partial_rotary_factor", params.get("partial_rotary_factor", hf.get("partial_rotary_factor")))
+    rs = RopeScaling(type=rtype, partial_rotary_factor=float(1.0 if partial is None else partial))
+    window = max_pos
+    if rtype in ("llama3", "yarn", "longrope"):
+        # A top-level original_max_position_embeddings (Phi-3 keeps it there; Phi3Config defaults it to
+        # 4096) takes priority over the nested one, as in transformers' standardize_rope_params.
+        if "original_max_position_embeddings" in hf:
+            orig = hf["original_max_position_embeddings"]
+        elif arch == "phi3":
+            orig = 4096
+        else:
+            orig = src.get("original_max_position_embeddings", max_pos)
+        rs.original_max_position_embeddings = int(orig)
+    if rtype in ("linear", "llama3"):
+        rs.factor = float(src.get("factor", 1.0))
+    elif rtype == "dynamic":
+        if src.get("factor") is None:
+            raise UnsupportedArchitectureError("rope scaling 'dynamic' needs a `factor` in the config")
+        rs.factor = float(src["factor"])
+    if rtype == "llama3":
+        rs.low_freq_factor = float(src["low_freq_factor"])
+        rs.high_freq_factor = float(src["high_freq_factor"])
+    elif rtype == "dynamic":
+        rs.original_max_position_embeddings = max_pos  # the NTK base grows past HF's max_position_embeddings
+        window = max(max_pos, int(rs.factor * max_pos))
+    elif rtype == "yarn":
+        orig = rs.original_max_position_embeddings
+        factor = src.get("factor")
+        rs.factor = float(max_pos / orig if factor is None else factor)
+        af, mscale, mscale_all = src.get("attention_factor"), src.get("mscale"), src.get("mscale_all_dim")
+        if af is None:
+            if mscale and mscale_all:
+                af = _yarn_mscale(rs.factor, mscale) / _yarn_mscale(rs.factor, mscale_all)
+            else:
+                af = _yarn_mscale(rs.factor)
+        rs.attention_factor = float(af)
+        rs.beta_fast = float(src.get("beta_fast") or 32)
+        rs.beta_slow = float(src.get("beta_slow") or 1)
+        rs.truncate = bool(src.get("truncate", True))
+        window = max(max_pos, int(rs.factor * orig))
+    elif rtype == "longrope":
+        orig = rs.original_max_position_embeddings
+        dim = int(head_dim * rs.partial_rotary_factor)
+        for key in ("short_factor", "long_factor"):
+            vals = src.get(key)
+            if not isinstance(vals, list) or len(vals) != (dim + 1) // 2:
+                raise UnsupportedArchitectureError(
+                    f"longrope needs `{key}` with {(dim + 1) // 2} numbers (one per rotated frequency), got {vals!r}")
+            setattr(rs, key, [float(x) for x in vals])
+        factor = src.get("factor")
+        rs.factor = float(max_pos / orig if factor is None else factor)
+        af = src.get("attention_factor")
+        if af is None:
+            af = 1.0 if rs.factor <= 1.0 else math.sqrt(1 + math.log(rs.factor) / math.log(orig))
+        rs.attention_factor = float(af)
+    return float(theta), rs, window
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | qwen2
+    arch: str  # llama | mistral | qwen2 | qwen3 | phi3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,9 +159,12 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # The longest sequence the model runs (every window check reads it): HF's max_position_embeddings,
+    # extended by yarn (factor x original window) and dynamic (factor x HF's value); see _rope_from_hf.
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim weights) before RoPE
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -58,6 +176,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (all unless partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.rope_scaling.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -72,29 +195,21 @@ class ModelConfig:
                 f"(model_type={hf.get('model_type')!r}); starshard supports "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedArchitectureError(
+                f"unsupported MLP activation hidden_act={act!r} ({arch}); starshard's MLP is SwiGLU (silu)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        # transformers >= 5 nests theta and scaling under rope_parameters; older configs keep them flat.
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling_src = hf.get("rope_scaling") or rope
-        rtype = scaling_src.get("rope_type", scaling_src.get("type", "default")) if scaling_src else "default"
-        if rtype not in ("default", "linear", "llama3"):
+        theta, scaling, window = _rope_from_hf(hf, arch, head_dim)
+        if arch == "qwen3" and hf.get("attention_bias", False):
             raise UnsupportedArchitectureError(
-                f"unsupported rope scaling type {rtype!r}; supported: default, linear, llama3"
-            )
-        scaling = RopeScaling(type=rtype)
-        if rtype != "default":
-            scaling.factor = float(scaling_src.get("factor", 1.0))
-        if rtype == "llama3":
-            scaling.low_freq_factor = float(scaling_src["low_freq_factor"])
-            scaling.high_freq_factor = float(scaling_src["high_freq_factor"])
-            scaling.original_max_position_embeddings = int(scaling_src["original_max_position_embeddings"])
+                "Qwen3 with attention_bias=True (an o_proj bias) is not supported; starshard's o_proj has no bias")
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        window = hf.get("sliding_window")
-        if arch == "qwen2" and not hf.get("use_sliding_window", False):
-            window = None
+        window_sw = hf.get("sliding_window")
+        if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            window_sw = None
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -105,12 +220,13 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            max_position_embeddings=window,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=(arch == "qwen2") or bool(hf.get("attention_bias", False)),
-            sliding_window=window,
+            qkv_bias=(arch == "qwen2") or (arch != "phi3" and bool(hf.get("attention_bias", False))),
+            qk_norm=arch == "qwen3",
+            sliding_window=window_sw,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -156,6 +156,7 @@ def weight_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, last: b
     hq, hkv, ffn, vrows = _heads(cfg, tp)
     qkv = (hq + 2 * hkv) * d
     per_layer = 2 * h + qkv * h + (qkv if cfg.qkv_bias else 0) + h * hq * d + 2 * ffn * h + h * ffn
+    per_layer += 2 * d if cfg.qk_norm else 0  # Qwen3's q / k norms, whole on every TP rank
     n = layers * per_layer
     if first:
         n += vrows * h

@@ -32,6 +32,13 @@ PRESETS: dict[str, dict] = {
         rope_theta=1000000.0, max_position_embeddings=1048576, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_id=151645,
     ),
+    "qwen3-8b": dict(  # Qwen3-8B with the YaRN x4 scaling Qwen documents for contexts past 32K (window 128K+)
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=1048576, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768),
+        bos_token_id=151643, eos_token_id=151645,
+    ),
     "smollm2-135m": dict(  # the embedded default's shape (9 heads, 3 KV heads: tp 1 or 3)
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,

@@ -22,6 +22,15 @@ def make_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
     elif arch == "mistral":
         kw.update(overrides)
         cfg, cls = transformers.MistralConfig(**kw), transformers.MistralForCausalLM
+    elif arch == "qwen3":  # q/k RMSNorm per head; Qwen3Config's head_dim defaults to 128, not hidden / heads
+        kw.update(tie_word_embeddings=True)
+        kw.update(overrides)
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+        cfg, cls = transformers.Qwen3Config(**kw), transformers.Qwen3ForCausalLM
+    elif arch == "phi3":  # fused qkv_proj / gate_up_proj; Phi3Config's token ids default past this vocabulary
+        kw.update(bos_token_id=1, eos_token_id=2, pad_token_id=None)
+        kw.update(overrides)
+        cfg, cls = transformers.Phi3Config(**kw), transformers.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     model = cls(cfg).eval()

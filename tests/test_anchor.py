@@ -309,12 +309,12 @@ def test_kernel_compiles_for_sm90(tmp_path):
 
 
 def test_bench_script_runs_on_cpu(tmp_path):
-    """launch/bench_anchor.py end to end at a tiny size (interpreted Triton)."""
+    """launch/bench.py anchor end to end at a tiny size (interpreted Triton)."""
     out = tmp_path / "anchor.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / "launch" / "bench_anchor.py"), "--device", "cpu", "--quick", "--lengths", "128",
-           "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dtype", "float32", "--block-q", "16",
-           "--block-k", "16", "--init-tokens", "16", "--step", "2", "--thetas", "3", "--vs", "8,32",
+    cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "anchor", "--device", "cpu", "--quick",
+           "--lengths", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dtype", "float32",
+           "--block-q", "16", "--block-k", "16", "--init-tokens", "16", "--step", "2", "--thetas", "3", "--vs", "8,32",
            "--vs-block-size", "16", "--repeats", "1", "--warmup", "0", "--recall-blocks", "2", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

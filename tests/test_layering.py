@@ -18,7 +18,9 @@ LAYERS = [
     {"runtime"},
     {"llm"},
     {"cli", "evaluation", "server"},
-    {"tools"},  # offline tools (MInference pattern search) run the harness's tasks through the model
+    # offline tools (MInference pattern search) run the harness's tasks through the model; the benchmark
+    # programs behind launch/bench.py build models and runners through llm and cli
+    {"tools", "benchmarks"},
 ]
 LEVEL = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -493,7 +493,7 @@ def test_search_cli_and_attend_restore(tmp_path):
 def test_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # torch path: fast on CPU
-    subprocess.run([sys.executable, str(ROOT / "launch" / "bench_sparse.py"), "--device", "cpu", "--lengths", "256",
+    subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "sparse", "--device", "cpu", "--lengths", "256",
                     "--heads", "2", "--head-dim", "32", "--dtype", "float32", "--repeats", "1", "--warmup", "0",
                     "--patterns", "vs:30,64;vs_mi:30,64;ashape:16,64;bs:3", "--block-size", "16", "--out", str(out)],
                    check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)

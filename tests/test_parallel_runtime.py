@@ -277,8 +277,8 @@ def test_cli_help_and_clear_refusal():
 @pytest.mark.slow
 def test_bench_tp_runs_on_cpu(tmp_path):
     out = tmp_path / "b.json"
-    p = _run("bench_tp.py", ["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--tp", "2",
-                             "--lengths", "48,80", "--decode-steps", "3", "--repeats", "2", "--out", str(out)], nproc=2)
+    p = _run("bench.py", ["tp", "--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--tp", "2",
+                          "--lengths", "48,80", "--decode-steps", "3", "--repeats", "2", "--out", str(out)], nproc=2)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert (r["tp"], r["pp"], r["world_size"]) == (2, 1, 2)

@@ -1,7 +1,11 @@
 """Hugging Face -> starshard tensor names, and how each tensor splits over tensor-parallel ranks.
 
-Llama, Mistral and Qwen2 share one HF naming scheme; Qwen2 adds q/k/v biases. Our fused tensors:
-`wqkv` = [q heads; k heads; v heads] of this TP rank, `w13` = [gate rows; up rows] of this rank.
+Llama, Mistral, Qwen2 and Qwen3 share one HF naming scheme; Qwen2 adds q/k/v biases, Qwen3 a q/k
+RMSNorm per head (`self_attn.q_norm` / `k_norm`, head_dim weights, the same on every TP rank).
+Phi-3 fuses `self_attn.qkv_proj` ([q; k; v] rows) and `mlp.gate_up_proj` ([gate; up] rows):
+`FusedHFView` reads them under the unfused names, so they are split and re-fused per TP rank like
+every other family. Our fused tensors: `wqkv` = [q heads; k heads; v heads] of this TP rank,
+`w13` = [gate rows; up rows] of this rank.
 """
 from __future__ import annotations
 
@@ -60,6 +64,51 @@ class StateDictSource:
         return self.sd[name]
 
 
+class FusedHFView:
+    """A source with Phi-3's fused `qkv_proj` / `gate_up_proj` read under the unfused HF names
+    (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`), each the fused tensor's row range.
+    Names the source has as they are pass through (random weights, Llama-layout checkpoints). The last
+    fused tensor read is kept, so q, k and v (or gate and up) cost one read of it."""
+
+    def __init__(self, cfg: ModelConfig, src: TensorSource):
+        q, kv, f = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.src = src
+        # unfused part -> (fused tensor, its rows in the fused one, the fused tensor's row count)
+        self.parts = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q), q + 2 * kv),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv), q + 2 * kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv), q + 2 * kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, f), 2 * f),
+            "mlp.up_proj": ("mlp.gate_up_proj", slice(f, 2 * f), 2 * f),
+        }
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def _fused(self, name: str) -> tuple[str, slice, int] | None:
+        head, _, kind = name.rpartition(".")
+        for part, (fused, rows, total) in self.parts.items():
+            if head.endswith("." + part):
+                return f"{head[: -len(part)]}{fused}.{kind}", rows, total
+        return None
+
+    def has(self, name: str) -> bool:
+        if self.src.has(name):
+            return True
+        where = self._fused(name)
+        return where is not None and self.src.has(where[0])
+
+    def get(self, name: str) -> torch.Tensor:
+        where = None if self.src.has(name) else self._fused(name)
+        if where is None:
+            return self.src.get(name)
+        fused, rows, total = where
+        if self._last is None or self._last[0] != fused:
+            self._last = (fused, self.src.get(fused))
+        t = self._last[1]
+        if t.shape[0] != total:
+            raise ValueError(f"{fused} has {t.shape[0]} rows, but the config's heads and MLP width give {total}")
+        return t[rows]
+
+
 def _rows(t: torch.Tensor, s: slice) -> torch.Tensor:
     return t[s]
 
@@ -83,6 +132,8 @@ def plan_shard(
     """Every tensor one (tp rank, pipeline stage) holds, in write order, built lazily from `src`."""
     d, H = cfg.head_dim, cfg.hidden_size
     lo = layout
+    if cfg.arch == "phi3":
+        src = FusedHFView(cfg, src)
     q_rows = slice(lo.rank * lo.heads * d, (lo.rank + 1) * lo.heads * d)
     kv_rows = slice(lo.kv_head_start * d, (lo.kv_head_start + lo.kv_heads) * d)
     specs: list[TensorSpec] = []
@@ -114,6 +165,9 @@ def plan_shard(
         add(o + "attention.wqkv.weight", (qkv_rows, H), qkv("weight"))
         if cfg.qkv_bias:
             add(o + "attention.wqkv.bias", (qkv_rows,), qkv("bias"))
+        if cfg.qk_norm:
+            add(o + "attention.q_norm.weight", (d,), lambda p=p: src.get(p + "self_attn.q_norm.weight"))
+            add(o + "attention.k_norm.weight", (d,), lambda p=p: src.get(p + "self_attn.k_norm.weight"))
         add(o + "attention.wo.weight", (H, lo.heads * d), lambda p=p: src.get(p + "self_attn.o_proj.weight")[:, q_rows])
         add(o + "ffn_norm.weight", (H,), lambda p=p: src.get(p + "post_attention_layernorm.weight"))
         add(

@@ -117,7 +117,8 @@ def materialize(model: Transformer, state: dict[str, torch.Tensor], dtype: torch
         raise CheckpointError(f"weights do not fit the model: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
     if tied and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
-    model.inv_freq = rope_inv_freq(model.config).to(device)  # buffers made on meta hold no data
+    # Buffers made on meta hold no data; the frequencies follow the model's RoPE length (None: its window).
+    model.inv_freq = rope_inv_freq(model.config, getattr(model, "rope_length", None)).to(device)
     return model.eval().requires_grad_(False)
 
 

@@ -76,6 +76,8 @@ class RandomSource:
         tail = name.split(".")
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (c.vocab_size, c.hidden_size)
+        if name.endswith(("q_norm.weight", "k_norm.weight")):  # Qwen3: per head
+            return (c.head_dim,)
         if name.endswith("norm.weight"):
             return (c.hidden_size,)
         proj, kind = tail[-2], tail[-1]
@@ -133,6 +135,7 @@ class StarshardAsHF:
             "self_attn.k_proj": ("attention.wqkv", slice(q, q + kv)),
             "self_attn.v_proj": ("attention.wqkv", slice(q + kv, q + 2 * kv)),
             "self_attn.o_proj": ("attention.wo", None),
+            "self_attn.q_norm": ("attention.q_norm", None), "self_attn.k_norm": ("attention.k_norm", None),
             "mlp.gate_proj": ("feed_forward.w13", slice(0, f)), "mlp.up_proj": ("feed_forward.w13", slice(f, 2 * f)),
             "mlp.down_proj": ("feed_forward.w2", None),
         }

@@ -1,4 +1,4 @@
-"""The decoder, written once for one device: Llama / Mistral / Qwen2.
+"""The decoder, written once for one device: Llama / Mistral / Qwen2 / Qwen3 / Phi-3.
 
 Parallelism is applied to this model from outside (runtime/build.py and the runners, using
 parallel/: tensor-parallel linears swapped in, layers split into pipeline stages, a context
@@ -35,11 +35,18 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with linear or Llama-3.1 ("llama3") scaling."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+def rope_inv_freq(cfg: ModelConfig, length: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2] of the model's RoPE scaling (transformers' formulas).
+
+    `length` matters only for the length-dependent types (dynamic, longrope): it is the run's RoPE
+    length (see `Transformer.set_rope_length`); None means the model's window
+    (cfg.max_position_embeddings). Every other type ignores it.
+    """
+    d = cfg.rope_dim
+    exps = torch.arange(0, d, 2, dtype=torch.float64) / d
+    inv = 1.0 / (cfg.rope_theta ** exps)
     rs = cfg.rope_scaling
+    n = cfg.max_position_embeddings if length is None else int(length)
     if rs.type == "linear":
         inv = inv / rs.factor
     elif rs.type == "llama3":
@@ -53,16 +60,53 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    elif rs.type == "yarn":
+        # Dimensions that turn more than beta_fast times over the original window keep their
+        # frequency (extrapolate), those under beta_slow turns are divided by `factor`
+        # (interpolate), a linear ramp between. The attention factor scales cos / sin (Transformer.rope).
+        def correction_dim(rotations: float) -> float:
+            return d * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(cfg.rope_theta))
+
+        low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+        if rs.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # as transformers: no zero-width ramp
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp
+        inv = (inv / rs.factor) * (1 - extrapolate) + inv * extrapolate
+    elif rs.type == "dynamic":
+        # NTK-aware: the base grows so that `n` positions span what the original window did.
+        m = rs.original_max_position_embeddings
+        n = max(n, m)
+        base = cfg.rope_theta * ((rs.factor * n / m) - (rs.factor - 1)) ** (d / (d - 2))
+        inv = 1.0 / (base ** exps)
+    elif rs.type == "longrope":
+        ext = rs.long_factor if n > rs.original_max_position_embeddings else rs.short_factor
+        inv = inv / torch.tensor(ext, dtype=torch.float64)
     return inv.float()
 
 
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (yarn, longrope; 1 otherwise): it scales
+    q and k, so attention logits by its square."""
+    return float(cfg.rope_scaling.attention_factor)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, L, D]; cos/sin: [L, D/2] (or [B, L, D/2]) in x's dtype (angles are computed in
-    float32 first). Rotate-half convention (HF layout)."""
+    """x: [B, H, L, D]; cos/sin: [L, R/2] (or [B, L, R/2]) in x's dtype (angles are computed in
+    float32 first). Rotate-half convention (HF layout) over the first R dimensions of each head
+    (R = D, or less with a partial rotary factor); the rest pass unchanged."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    r = cos.shape[-1]
+    if 2 * r == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2, rest = x[..., :r], x[..., r : 2 * r], x[..., 2 * r :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class AttendFn(Protocol):
@@ -99,6 +143,9 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.num_kv_heads
         self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # Qwen3: RMSNorm over each head's q and k (weights of head_dim, the same on every TP rank).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attend: AttendFn = dense_attend
         self.sparse = None  # LayerSparse when a sparse prefill method is on (kernels/sparse.py)
 
@@ -107,8 +154,11 @@ class Attention(nn.Module):
         d = self.head_dim
         qkv = self.wqkv(x)
         q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
-        q = q.view(B, L, self.n_heads, d).transpose(1, 2)
-        k = k.view(B, L, self.n_kv_heads, d).transpose(1, 2)
+        q = q.view(B, L, self.n_heads, d)
+        k = k.view(B, L, self.n_kv_heads, d)
+        if self.q_norm is not None:  # before RoPE, per head
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, L, self.n_kv_heads, d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, pos, cache, sparse=self.sparse)
@@ -141,7 +191,17 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """Decoder stack. `layers` may hold a contiguous slice of the model (a pipeline stage):
-    `tok_embeddings` is None except on the first stage, `norm`/`output` None except on the last."""
+    `tok_embeddings` is None except on the first stage, `norm`/`output` None except on the last.
+
+    RoPE length. For dynamic and longrope scaling the frequencies depend on a sequence length;
+    transformers reads it from each forward's positions, which no CP shard can do (a shard sees part
+    of the sequence; padding rows carry positions past the prompt). Here it is a setting of the run:
+    `set_rope_length(n)` fixes the frequencies for every token of the run, prefill and decode, on
+    every rank and stage alike, so cached keys and new tokens always share one rotation and every
+    context strategy gives each token what one device gives it. The runtime sets n = prompt tokens +
+    max new tokens (the longest sequence the run can reach) before the prefill; unset (None) means
+    the model's window (cfg.max_position_embeddings). The other scaling types ignore it.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -153,11 +213,29 @@ class Transformer(nn.Module):
         self.output: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.rope_length: int | None = None
+        self.rope_scale = rope_attention_factor(cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def set_rope_length(self, length: int | None) -> None:
+        """Fix the RoPE frequencies for a run of up to `length` positions (None: the model's window).
+        Only dynamic and longrope scaling depend on it. The buffer is updated in place, so whoever
+        holds it (a bound context strategy, a captured CUDA graph) sees the new values."""
+        self.rope_length = None if length is None else int(length)
+        if not self.config.rope_scaling.length_dependent:
+            return
+        inv = rope_inv_freq(self.config, self.rope_length)
+        if self.inv_freq.is_meta:
+            self.inv_freq = inv
+        else:
+            self.inv_freq.copy_(inv)
 
     def rope(self, pos: torch.Tensor):
         freqs = pos.to(self.inv_freq.device).float()[..., None] * self.inv_freq
-        return freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_scale != 1.0:  # yarn / longrope attention factor, applied to cos and sin as transformers does
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos, sin
 
     def forward(
         self,

@@ -122,7 +122,7 @@ if triton is not None:
 
 def default_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim: common Hopper choices, not
-    yet tuned here (launch/bench_kernels.py sweeps them)."""
+    yet tuned here (launch/bench.py kernels sweeps them)."""
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
@@ -164,7 +164,7 @@ def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=No
     """Triton forward. q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides `default_config` (tests, tuning).
     `tma=True` loads K/V through tensor descriptors (Hopper's copy engine) when K/V are contiguous;
-    off by default until launch/bench_kernels.py has measured it against plain loads on a GPU."""
+    off by default until launch/bench.py kernels has measured it against plain loads on a GPU."""
     check_shapes(q, k, v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]

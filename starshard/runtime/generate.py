@@ -31,6 +31,9 @@ def generate_tokens(runner, prompt: Prompt, *, max_new_tokens: int, sampling: Sa
     """Run `prompt` through `runner` and sample up to `max_new_tokens` tokens (the EOS token, when
     sampled, is the last one returned)."""
     cb = callbacks or RunCallbacks()
+    # dynamic-NTK / longrope frequencies depend on the run's length: one length for every token of
+    # the run, on every rank (a no-op for the other RoPE types).
+    runner.model.set_rope_length(len(prompt.ids) + max_new_tokens)
     cache = runner.new_cache(len(prompt.ids) + max_new_tokens)
     gen = None
     if sampling.seed is not None:

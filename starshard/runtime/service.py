@@ -110,6 +110,9 @@ class Executor:
         self.kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
         self.dtype, self.device = attn.wo.weight.dtype, attn.wo.weight.device
         runner.cuda_graphs = False  # the runner's own graphs serve one request; the batch has its own (below)
+        # Length-dependent RoPE (dynamic NTK, longrope) at the window's length for every request: cached
+        # entries and batched rows then share one rotation.
+        self.model.set_rope_length(None)
         # A decode step replays a CUDA graph once the batch has kept its rows for one step (a join or a
         # leave changes the graph's shapes); every rank decides alike from the same operations.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"

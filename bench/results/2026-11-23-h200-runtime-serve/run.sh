@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (As run, at commit 9a9fee0, before the benchmark programs became `launch/bench.py` subcommands:
+# launch/bench_sparse.py is now `launch/bench.py sparse`.)
 # One H200 (device tool, nvidia-h200), bf16, Llama-3.1-8B shape with random weights:
 #  1. the runtime-layer refactor re-measured against the committed numbers: dense prefill 8K / 32K,
 #     one-GPU decode at 128K (CUDA graph), the Vertical-Slash (1000, 6096) kernel at 128K;

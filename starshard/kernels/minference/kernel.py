@@ -126,7 +126,7 @@ def triton_available(q: torch.Tensor) -> bool:
 
 def default_launch(head_dim: int) -> tuple[int, int]:
     """(num_warps, num_stages) for a 64-row block. Chosen so that ptxas (sm_90a) reports no register
-    spills; not yet timed on a GPU (launch/bench_sparse.py --launch W,S compares)."""
+    spills; not yet timed on a GPU (launch/bench.py sparse --launch W,S compares)."""
     if head_dim <= 64:
         return 4, 2
     return (8, 2) if head_dim <= 128 else (8, 1)

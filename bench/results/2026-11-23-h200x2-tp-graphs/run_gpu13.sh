@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu13.sh as of commit b8e7a35, before the benchmark programs became `launch/bench.py`
+# subcommands: launch/bench_tp.py is now `launch/bench.py tp`.
 # 2 x H200: CUDA-graph decode with tensor parallelism (tp=2): tokens vs eager and step time, and
 # bench_tp.py's tp=1 vs tp=2 decode per step.
 LOG=run13.log; source bench/gpu_env.sh

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu9.sh with the code at commit bda6775; run it from the repo root (it sources bench/gpu_env.sh).
 # 2 x H200 (NVLink): the CP strategies end to end, Llama-3.1-8B shape, random bf16 weights (issues 4, 6,
 # 7): dense on one GPU (the rate the FLOP models are read against), ring and Ulysses, Star (block =
 # anchor = 32K) and APB (anchor 4K, passing 2K; and passing 0, whose difference bounds the exposed

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """AnchorAttention vs cuDNN dense attention and MInference Vertical-Slash -> JSON.
 
-    python launch/bench_anchor.py --out bench/results/anchor_h100.json         # 1 GPU, 32 x d128 bf16, 32K-128K
-    python launch/bench_anchor.py --quick --out /tmp/a.json                    # small sizes
-    TRITON_INTERPRET=1 python launch/bench_anchor.py --device cpu --quick --out /tmp/a.json   # code path check
+    python launch/bench.py anchor --out bench/results/anchor_h100.json        # 1 GPU, 32 x d128 bf16, 32K-128K
+    python launch/bench.py anchor --quick --out /tmp/a.json                    # small sizes
+    TRITON_INTERPRET=1 python launch/bench.py anchor --device cpu --quick --out /tmp/a.json   # code path check
 
 Per length: dense causal attention (torch's cuDNN kernel, aten._scaled_dot_product_cudnn_attention, on
 GPU; torch SDPA on CPU). Per theta (--thetas): identification (anchor scores + stripe lists), the
@@ -14,24 +13,22 @@ reference, both on --recall-blocks query blocks spread over the sequence (last i
 Vertical-Slash budget (--vs): the same numbers for MInference's kernel, and for each theta the
 fastest VS budget whose recall is at least AnchorAttention's ("vs_at_matched_recall").
 
-Inputs: launch/bench_sparse.py's "structured" (local bands, planted columns, sinks) or "random".
+Inputs: `launch/bench.py sparse`'s "structured" (local bands, planted columns, sinks) or "random".
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
+from starshard.benchmarks.common import DTYPES, commit, device_name, timed_median, utc_now, write
+from starshard.benchmarks.sparse import make_inputs, quality
+from starshard.kernels import anchor as an
+from starshard.kernels import minference as mi
 
-from bench_sparse import DTYPES, commit, make_inputs, quality, timed, write_result  # noqa: E402
-from starshard.kernels import anchor as an  # noqa: E402
-from starshard.kernels import minference as mi  # noqa: E402
+HELP = "AnchorAttention vs dense attention and MInference Vertical-Slash"
+DEFAULTS_IN_HELP = True  # its flags' help shows their defaults
 
 
 def anchor_quality(q, k, v, out, index, cfg, *, rows: torch.Tensor, scale: float):
@@ -61,9 +58,7 @@ def anchor_quality(q, k, v, out, index, cfg, *, rows: torch.Tensor, scale: float
     return sum(recalls) / len(recalls), (num / max(den, 1e-30)) ** 0.5
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_arguments(p) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 32768,65536,131072)")
     p.add_argument("--quick", action="store_true", help="small sizes: default lengths 4096,8192 on GPU (256 on CPU), at most 2 repeats and 1 warm-up")
@@ -87,8 +82,9 @@ def main(argv=None) -> dict:
     p.add_argument("--launch", default=None, help="num_warps,num_stages of the sparse kernel (default: built-in)")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--out", default=None, help="JSON output path (also printed)")
-    args = p.parse_args(argv)
 
+
+def run(args) -> dict:
     dev = torch.device(args.device)
     if args.quick:
         args.lengths = args.lengths or ("4096,8192" if dev.type == "cuda" else "256")
@@ -104,8 +100,8 @@ def main(argv=None) -> dict:
     backend = "triton" if an.triton_available(probe) else "torch"
     result = {
         "kind": "anchor_attention",
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(dev),
+        "date": utc_now(),
         "commit": commit(),
         "torch": torch.__version__,
         "config": {"heads": H, "kv_heads": Hkv, "head_dim": D, "dtype": args.dtype, "block_q": args.block_q,
@@ -124,11 +120,11 @@ def main(argv=None) -> dict:
             def dense():
                 return torch.ops.aten._scaled_dot_product_cudnn_attention(q, kd, vd, None, False, 0.0, True, False,
                                                                           scale=scale)
-            row["dense_cudnn_ms"] = timed(dense, dev, args.repeats, args.warmup) * 1e3
+            row["dense_cudnn_ms"] = timed_median(dense, dev, args.repeats, args.warmup) * 1e3
         else:
             def dense():
                 return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True)
-            row["dense_sdpa_cpu_ms"] = timed(dense, dev, args.repeats, args.warmup) * 1e3
+            row["dense_sdpa_cpu_ms"] = timed_median(dense, dev, args.repeats, args.warmup) * 1e3
         dense_ms = row.get("dense_cudnn_ms", row.get("dense_sdpa_cpu_ms"))
 
         # ---- Vertical-Slash at several budgets ----
@@ -140,14 +136,14 @@ def main(argv=None) -> dict:
             sp = mi.SparsePattern((mi.VerticalSlash(vert, slash),), block_size=args.vs_block_size)
             groups = mi.build_plan(q, k, sp, offset=0, scale=scale)
             entry = {"vertical": vert, "slash": slash}
-            entry["index_ms"] = timed(lambda: mi.build_plan(q, k, sp, offset=0, scale=scale), dev, args.repeats,
-                                      args.warmup) * 1e3
+            entry["index_ms"] = timed_median(lambda: mi.build_plan(q, k, sp, offset=0, scale=scale), dev,
+                                             args.repeats, args.warmup) * 1e3
             kernel = lambda: mi.attention_from_plan(q, k, v, groups, offset=0, scale=scale,  # noqa: E731
                                                     block_size=args.vs_block_size, backend=backend)
-            entry["kernel_ms"] = timed(kernel, dev, args.repeats, args.warmup) * 1e3
-            entry["total_ms"] = timed(lambda: mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=sp,
-                                                                      backend=backend), dev, args.repeats,
-                                      args.warmup) * 1e3
+            entry["kernel_ms"] = timed_median(kernel, dev, args.repeats, args.warmup) * 1e3
+            total = lambda: mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=sp,  # noqa: E731
+                                                    backend=backend)
+            entry["total_ms"] = timed_median(total, dev, args.repeats, args.warmup) * 1e3
             entry["speedup_vs_dense"] = dense_ms / entry["total_ms"]
             cost = sum(int(mi.kernel_cost(gp, B=1, Lq=L, Lk=L, offset=0, block_size=args.vs_block_size).sum())
                        for gp in groups)
@@ -170,13 +166,13 @@ def main(argv=None) -> dict:
             ident = lambda: an.build_index(q, k, cfg, offset=0, scale=scale, backend=backend)  # noqa: E731
             index = ident()
             entry = {"theta": theta, "config": cfg.to_dict()}
-            entry["identify_ms"] = timed(ident, dev, args.repeats, args.warmup) * 1e3
+            entry["identify_ms"] = timed_median(ident, dev, args.repeats, args.warmup) * 1e3
             kernel = lambda: an.sparse_attention(q, k, v, index, cfg, offset=0, scale=scale,  # noqa: E731
                                                  backend=backend, launch=launch)
-            entry["kernel_ms"] = timed(kernel, dev, args.repeats, args.warmup) * 1e3
-            entry["total_ms"] = timed(lambda: an.anchor_attention(q, k, v, q_pos=pos, k_pos=pos, config=cfg,
-                                                                  scale=scale, backend=backend, launch=launch),
-                                      dev, args.repeats, args.warmup) * 1e3
+            entry["kernel_ms"] = timed_median(kernel, dev, args.repeats, args.warmup) * 1e3
+            total = lambda: an.anchor_attention(q, k, v, q_pos=pos, k_pos=pos, config=cfg,  # noqa: E731
+                                                scale=scale, backend=backend, launch=launch)
+            entry["total_ms"] = timed_median(total, dev, args.repeats, args.warmup) * 1e3
             entry["speedup_vs_dense"] = dense_ms / entry["total_ms"]
             entry["density"] = an.density(index, cfg, Lq=L, Lk=L, offset=0)
             entry["sparsity"] = 1.0 - entry["density"]
@@ -194,9 +190,7 @@ def main(argv=None) -> dict:
         del q, k, v, kd, vd
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    write_result(result, args.out)
+    write(args.out, result)
     return result
 
 
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu8.sh as of commit 4028806, before the benchmark programs became `launch/bench.py`
+# subcommands: launch/bench_tp.py is now `launch/bench.py tp`.
 # 2 x H200 (NVLink): tensor parallel tp=1 vs tp=2, Llama-3.1-8B shape, random bf16 weights: prefill
 # at 8K / 32K and decode tokens/s (issue 3), plus greedy tokens of tp=2 vs tp=1 under NCCL.
 LOG=run8.log; source bench/gpu_env.sh

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """MInference sparse prefill kernels vs dense attention -> JSON.
 
-    python launch/bench_sparse.py --out bench/results/sparse_h200.json            # 1 GPU, 32 x d128 bf16
-    python launch/bench_sparse.py --device cpu --lengths 256 --out /tmp/s.json     # code path check
+    python launch/bench.py sparse --out bench/results/sparse_h200.json            # 1 GPU, 32 x d128 bf16
+    python launch/bench.py sparse --device cpu --lengths 256 --out /tmp/s.json     # code path check
 
 Per length: torch's cuDNN SDPA (causal, under sdpa_kernel(CUDNN_ATTENTION)) and starshard's Triton
 flash kernel as dense references; per pattern (--patterns, e.g. "vs:1000,6096;ashape:1024,4096;bs:100";
@@ -21,60 +20,17 @@ scattered, near-random lines, a worst case for the kernels).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from starshard.benchmarks.common import DTYPES, commit, device_name, timed_median, utc_now, write
+from starshard.kernels import minference as mi
+from starshard.kernels.flash import flash_attention
 
-from starshard.kernels import minference as mi  # noqa: E402
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def write_result(result: dict, out: str | None) -> None:
-    """Print the run's JSON, and write it to `out` when given."""
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
-
-
-def timed(fn, device, repeats: int, warmup: int) -> float:
-    """Median seconds per call of fn() after warm-up; CUDA events on GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+HELP = "MInference sparse prefill kernels vs dense attention"
 
 
 def parse_patterns(spec: str) -> list[tuple[str, mi.HeadPattern]]:
@@ -171,8 +127,7 @@ def quality(q, k, v, out, groups, *, block_size: int, blocks: torch.Tensor, scal
     return statistics.mean(recalls), (num / max(den, 1e-30)) ** 0.5
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--lengths", default="32768,65536,131072")
     p.add_argument("--heads", type=int, default=32)
@@ -190,8 +145,9 @@ def main(argv=None) -> dict:
     p.add_argument("--no-flash", action="store_true", help="skip the Triton flash dense reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
 
+
+def run(args) -> dict:
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     H, D = args.heads, args.head_dim
@@ -201,8 +157,8 @@ def main(argv=None) -> dict:
     backend = "triton" if mi.triton_available(torch.empty(0, dtype=dtype, device=dev)) else "torch"
     result = {
         "kind": "sparse_attention",
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(dev),
+        "date": utc_now(),
         "commit": commit(),
         "torch": torch.__version__,
         "triton": getattr(mi.triton, "__version__", None),
@@ -224,17 +180,15 @@ def main(argv=None) -> dict:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True)
 
-            row["dense_cudnn_ms"] = timed(dense, dev, args.repeats, args.warmup) * 1e3
+            row["dense_cudnn_ms"] = timed_median(dense, dev, args.repeats, args.warmup) * 1e3
             if not args.no_flash:
-                from starshard.kernels.flash import flash_attention
-
-                row["dense_flash_triton_ms"] = timed(lambda: flash_attention(q, k, v, q_pos=pos, k_pos=pos),
-                                                     dev, args.repeats, args.warmup) * 1e3
+                flash = lambda: flash_attention(q, k, v, q_pos=pos, k_pos=pos)  # noqa: E731
+                row["dense_flash_triton_ms"] = timed_median(flash, dev, args.repeats, args.warmup) * 1e3
         else:
             def dense():
                 return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True)
 
-            row["dense_sdpa_cpu_ms"] = timed(dense, dev, args.repeats, args.warmup) * 1e3
+            row["dense_sdpa_cpu_ms"] = timed_median(dense, dev, args.repeats, args.warmup) * 1e3
         dense_ms = row.get("dense_cudnn_ms", row.get("dense_sdpa_cpu_ms"))
         dcost = mi.dense_cost(Lq=L, Lk=L, offset=0, block_size=args.block_size)
         nM = mi._cdiv(L, args.block_size)
@@ -249,9 +203,9 @@ def main(argv=None) -> dict:
             total = lambda: mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=sp,  # noqa: E731
                                                     backend=backend, launch=launch)
             entry = {"name": name, "pattern": hp.to_dict()}
-            entry["index_ms"] = timed(plan, dev, args.repeats, args.warmup) * 1e3
-            entry["kernel_ms"] = timed(kernel, dev, args.repeats, args.warmup) * 1e3
-            entry["total_ms"] = timed(total, dev, args.repeats, args.warmup) * 1e3
+            entry["index_ms"] = timed_median(plan, dev, args.repeats, args.warmup) * 1e3
+            entry["kernel_ms"] = timed_median(kernel, dev, args.repeats, args.warmup) * 1e3
+            entry["total_ms"] = timed_median(total, dev, args.repeats, args.warmup) * 1e3
             entry["speedup_vs_dense"] = dense_ms / entry["total_ms"]
             entry["kernel_speedup_vs_dense"] = dense_ms / entry["kernel_ms"]
             cost = sum(int(mi.kernel_cost(gp, B=1, Lq=L, Lk=L, offset=0, block_size=args.block_size).sum()) for gp in groups)
@@ -270,9 +224,7 @@ def main(argv=None) -> dict:
         del q, k, v, kd, vd
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    write_result(result, args.out)
+    write(args.out, result)
     return result
 
 
-if __name__ == "__main__":
-    main()

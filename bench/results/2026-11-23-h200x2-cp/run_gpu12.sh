@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu12.sh with the code at commit bf86642; run it from the repo root (it sources bench/gpu_env.sh).
 # 2 x H200: CUDA-graph decode over a CP group (sharded KV, merge inside the graph) vs eager: tokens
 # and step time (ring and Star, cp=2), and ring cp=2 decode at 128K in the bench tool.
 LOG=run12.log; source bench/gpu_env.sh

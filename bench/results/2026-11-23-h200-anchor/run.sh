@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu10.sh as of commit 7e24a21, before the benchmark programs became `launch/bench.py`
+# subcommands: launch/bench_anchor.py is now `launch/bench.py anchor`.
 # One H200: AnchorAttention vs cuDNN dense and Vertical-Slash at 32K-128K (issue 9), with a theta sweep
 # (density / recall / time trade-off) and the 128K point the earlier run lost to an out-of-memory.
 LOG=run10.log; source bench/gpu_env.sh

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu2.sh with the code at commit 53d4bfe; run it from the repo root (it sources bench/gpu_env.sh).
 # Second 2 x H200 call: dense 1-GPU prefill/decode after the decode/elementwise fixes, the HF peer
 # re-measured in the same run, Star at 128K with 32K blocks, exact CP decode; results under $OUT.
 LOG=run2.log; source bench/gpu_env.sh

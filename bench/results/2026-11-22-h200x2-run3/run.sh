@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu3.sh with the code at commit 3c424b5; run it from the repo root (it sources bench/gpu_env.sh).
 # Third 2 x H200 call: decode after routing short query blocks to the flash kernel.
 LOG=run3.log; source bench/gpu_env.sh
 T=100 step python3 launch/gpu_check.py

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu6.sh as of commits 5b7defd / 3dc8974, before the benchmark programs became `launch/bench.py`
+# subcommands: launch/bench_anchor.py is now `launch/bench.py anchor`.
 # One H200: APB accuracy and the paper's ablations on the embedded default (bench/apb_ablation.sh,
 # one device runs what 4 hosts would), reusing the dense and Star runs of bench/run_gpu5.sh (same
 # prompts); then (phase B) AnchorAttention's kernel benchmark, attention fidelity at 8K, cold start.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu5.sh with the code at commit 0d553cd; run it from the repo root (it sources bench/gpu_env.sh).
 # One H200: the accuracy tables on the embedded default (SmolLM2-135M-Instruct, bf16) for dense,
 # Star (4 blocks on one device = what 4 hosts run), MInference (searched per-head config, and the
 # published default Vertical-Slash 1000/6096), plus a dispatcher overhead probe.

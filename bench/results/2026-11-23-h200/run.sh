@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu4.sh as of commit 4800ea2, before the benchmark programs became `launch/bench.py`
+# subcommands: launch/bench_kernels.py is now `launch/bench.py kernels`, launch/bench_sparse.py `launch/bench.py sparse`.
 # One H200: first GPU runs of the Triton flash / split-KV decode kernels and the MInference kernel,
 # and an end-to-end dense prefill to check the new dispatcher against the earlier numbers.
 LOG=run4.log; source bench/gpu_env.sh

@@ -1,11 +1,11 @@
-#!/usr/bin/env python
 """Tensor x pipeline parallel benchmark: prefill time per prompt length and decode tokens/s for the
-layout this job was launched with; one JSON object (rank 0 writes it).
+layout this job was launched with, the model and runner built by starshard.LLM; one JSON object
+(rank 0 writes it).
 
-    torchrun --nproc-per-node 1 launch/bench_tp.py --random-weights llama-3.1-8b --out tp1.json
-    torchrun --nproc-per-node 2 launch/bench_tp.py --tp 2 --random-weights llama-3.1-8b --out tp2.json
-    torchrun --nproc-per-node 4 launch/bench_tp.py --tp 2 --pp 2 --random-weights llama-3.1-8b --out tp2pp2.json
-    python launch/bench_tp.py --random-weights tiny --device cpu --dtype float32 --lengths 64,128 --decode-steps 4
+    torchrun --nproc-per-node 1 launch/bench.py tp --random-weights llama-3.1-8b --out tp1.json
+    torchrun --nproc-per-node 2 launch/bench.py tp --tp 2 --random-weights llama-3.1-8b --out tp2.json
+    torchrun --nproc-per-node 4 launch/bench.py tp --tp 2 --pp 2 --random-weights llama-3.1-8b --out tp2pp2.json
+    python launch/bench.py tp --random-weights tiny --device cpu --dtype float32 --lengths 64,128 --decode-steps 4
 
 Timing: warm-up runs first, then the median of --repeats runs; CUDA events on GPU (perf_counter on
 CPU), every rank starting together after a barrier. Prefill = the whole prompt to the first token
@@ -13,50 +13,20 @@ CPU), every rank starting together after a barrier. Prefill = the whole prompt t
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from starshard.benchmarks.common import commit, device_name, ints, save_json, timed, today
+from starshard.config import ParallelConfig, SamplingConfig
+from starshard.layout import partition_layers
+from starshard.llm import LLM
+from starshard.runtime.prompt import Prompt
 
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def timed(fn, topo, repeats: int, warmup: int) -> list[float]:
-    """Seconds per fn() call: `warmup` untimed calls, then `repeats` timed ones, all ranks in step."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        topo.barrier()
-        if topo.device.type == "cuda":
-            torch.cuda.synchronize(topo.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return out
+HELP = "tensor x pipeline parallel prefill and decode tokens/s (launch tp*pp ranks)"
 
 
 def peak_memory_gib(topo) -> float | None:
@@ -69,12 +39,7 @@ def peak_memory_gib(topo) -> float | None:
     return float(peak)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def ints(s):
-        return [int(x) for x in s.split(",")]
-
+def add_arguments(ap) -> None:
     ap.add_argument("--random-weights", default="llama-3.1-8b", metavar="CONFIG",
                     help="preset name (starshard/presets.py) or HF config.json: random weights of that shape")
     ap.add_argument("--model", default=None, help="a real checkpoint instead of --random-weights")
@@ -91,15 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--dist-timeout", type=float, default=1800.0, help="collective timeout in seconds")
     ap.add_argument("--out", default=None, help="write the JSON here too (rank 0; rewritten after every length)")
-    return ap.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from starshard import LLM
-    from starshard.config import ParallelConfig, SamplingConfig
-    from starshard.runtime.prompt import Prompt
-
+def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers, timeout_s=args.dist_timeout)
     llm = LLM(args.model, dtype=getattr(torch, args.dtype), device=device, parallel=parallel, progress=False,
@@ -108,11 +67,12 @@ def main(argv=None) -> int:
     lead = topo.rank == 0
     greedy = SamplingConfig()
     result = {
-        "kind": "tp_pp", "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
+        "kind": "tp_pp", "device": device_name(topo.device),
         "gpus": topo.world_size if topo.device.type == "cuda" else 0, "world_size": topo.world_size,
-        "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "pp_layers": [len(s) for s in _stages(cfg, parallel)],
+        "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+        "pp_layers": [len(s) for s in partition_layers(cfg.num_layers, parallel.pp, parallel.pp_layers)],
         "model": args.model or args.random_weights, "dtype": args.dtype,
-        "date": datetime.date.today().isoformat(), "commit": commit(), "args": vars(args), "results": [],
+        "date": today(), "commit": commit(), "args": vars(args), "results": [],
     }
     for L in args.lengths:
         ids = torch.randint(0, cfg.vocab_size, (L,), generator=torch.Generator().manual_seed(L)).tolist()
@@ -134,12 +94,12 @@ def main(argv=None) -> int:
 
         if topo.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(topo.device)
-        times = timed(prefill, topo, args.repeats, args.warmup)
+        times = timed(prefill, topo.device, args.repeats, args.warmup, barrier=topo.barrier)
         chunk = args.prefill_chunk or (runner.default_chunk(L) if hasattr(runner, "default_chunk") else None)
         row = {"length": L, "prefill_chunk": chunk, "prefill_seconds": statistics.median(times),
                "prefill_all_seconds": times, "prefill_tokens_per_second": L / statistics.median(times)}
         if args.decode_steps:
-            dtimes = timed(decode, topo, args.repeats, warmup=1)
+            dtimes = timed(decode, topo.device, args.repeats, warmup=1, barrier=topo.barrier)
             t = statistics.median(dtimes)
             row.update(decode_steps=args.decode_steps, decode_seconds=t, decode_all_seconds=dtimes,
                        decode_tokens_per_second=args.decode_steps / t, decode_step_ms=1e3 * t / args.decode_steps)
@@ -148,8 +108,7 @@ def main(argv=None) -> int:
         if lead:
             print(json.dumps(row), file=sys.stderr, flush=True)
             if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(result, indent=1))
+                save_json(args.out, result)
         state.clear()
         runner.end_generation()  # drop the decode graph (it holds the cache and captured collectives)
     if lead:
@@ -158,14 +117,3 @@ def main(argv=None) -> int:
         topo.barrier()
         dist.destroy_process_group()
     return 0
-
-
-def _stages(cfg, parallel):
-    from starshard.layout import partition_layers
-
-    return partition_layers(cfg.num_layers, parallel.pp, parallel.pp_layers)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu11.sh with the code at commit 85526d0; run it from the repo root (it sources bench/gpu_env.sh).
 # 2 x H200: the long points run_gpu9.sh had no time for: Star (block = anchor = 32K) at 1M and ring at
 # 512K, each process warmed by a 128K prefill first (its row dropped by bench/cp_summary.py).
 LOG=run11.log; source bench/gpu_env.sh

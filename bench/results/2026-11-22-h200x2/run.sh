@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as bench/run_gpu.sh with the code at commit a3057bf; run it from the repo root (it sources bench/gpu_env.sh).
 # One device call on 2 x H200: GPU correctness checks, then the benchmarks; results under $OUT.
 # Usage (device tool, carry .whl with the megatron-core wheel): bash bench/run_gpu.sh
 LOG=run.log; source bench/gpu_env.sh

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Attention kernels on one GPU: correctness against float64, probes of torch's fused kernels, and
 speed (TFLOP/s for prefill, µs and GB/s for decode). Prints and writes one JSON document.
 
-    python launch/bench_kernels.py --out bench/results/kernels_h200_<date>.json [--commit SHA] [--quick]
+    python launch/bench.py kernels --out bench/results/kernels_h200_<date>.json [--commit SHA] [--quick]
 
 Sections: "correctness" (flash.py, decode.py, the dispatcher; bf16/fp16/fp32), "probes" (cuDNN and
 flash SDPA: native GQA, causal alignment when Lq != Lk, lse layout, first-call cost of a new shape),
@@ -14,24 +13,24 @@ decode at 128K/1M; no probes, masked or query-block sections.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import subprocess
-import sys
 import time
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from starshard.benchmarks.common import commit, save_json, today
+from starshard.kernels.attention import DECODE_MAX_ROWS, attention, cuda_backend, mask_mode, sm_count
+from starshard.kernels.decode import decode_attention
+from starshard.kernels.flash import default_config, flash_attention
 
-from starshard.kernels.attention import DECODE_MAX_ROWS, attention, cuda_backend, mask_mode, sm_count  # noqa: E402
-from starshard.kernels.decode import decode_attention  # noqa: E402
-from starshard.kernels.flash import default_config, flash_attention  # noqa: E402
+try:
+    import triton
+    from triton.testing import do_bench
+except ImportError:  # installs without triton: `launch/bench.py kernels` refuses to run
+    triton = do_bench = None
+
+HELP = "attention kernels on one GPU: correctness, probes of torch's fused kernels, speed"
 
 DEV = torch.device("cuda")
 BOUND = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
@@ -388,23 +387,20 @@ def query_block() -> list[dict]:
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default=None, help="git commit of the tree (default: git rev-parse HEAD)")
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+def add_arguments(p) -> None:
+    p.add_argument("--out", required=True, help="JSON path (rewritten after every section)")
+    p.add_argument("--commit", default=None, help="git commit of the tree (default: git rev-parse HEAD)")
+    p.add_argument("--quick", action="store_true", help="the short set (see above): for a short device lease")
+
+
+def run(args) -> None:
+    if triton is None or not torch.cuda.is_available():
+        raise SystemExit("error: the kernels benchmark needs a CUDA GPU and the triton package")
     doc = {
         "kind": "kernels",
         "device": torch.cuda.get_device_name(),
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
+        "date": today(),
+        "commit": args.commit or commit(short=False),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                      "cudnn": torch.backends.cudnn.version()},
         "config": {"dtype": "bfloat16", "head_dim": 128, "batch": 1, "timing": "triton.testing.do_bench median, warmup 25 ms, rep 200 ms",
@@ -413,8 +409,7 @@ def main():
     }
 
     def save():
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        save_json(args.out, doc)
 
     def section(name, fn):
         t0 = time.perf_counter()
@@ -445,5 +440,3 @@ def main():
     print(json.dumps({"prefill_tflops": summary}, indent=None))
 
 
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,93 @@
+"""What every benchmark shares: timing, the commit and device recorded with a result, JSON writing."""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def commit(short: bool = True) -> str:
+    """The checkout's git commit (short by default), or "unknown" where there is no git."""
+    cmd = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "unknown"
+    return out or "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def timed(fn, device: torch.device, repeats: int, warmup: int = 1, barrier=None) -> list[float]:
+    """Seconds per call of fn(): `warmup` untimed calls, then `repeats` timed ones, each synchronised
+    (CUDA events on GPU, perf_counter on CPU). barrier: called before each timed call, so that every
+    rank of a parallel job starts together."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def timed_median(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    """The median of timed(): seconds per call."""
+    return statistics.median(timed(fn, device, repeats, warmup))
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def ints(s: str) -> list[int]:
+    """A comma-separated list of integers (argparse type)."""
+    return [int(x) for x in s.split(",")]
+
+
+def save_json(path: str | Path, result: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def write(out: str | None, result: dict) -> None:
+    """Print the run's JSON, and write it to `out` when given."""
+    print(json.dumps(result, indent=1))
+    if out:
+        save_json(out, result)
+
+
+def header(kind: str, device: torch.device, gpus: int, args, **extra) -> dict:
+    """The fields every result of launch/bench.py's model benchmarks opens with."""
+    return {"kind": kind, "device": device_name(device), "gpus": gpus, "date": today(), "commit": commit(),
+            **extra, "args": vars(args)}

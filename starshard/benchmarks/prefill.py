@@ -1,0 +1,177 @@
+"""End-to-end prefill (+ decode steps) of one context strategy, the model and runner built by
+starshard.LLM (the runner chosen in llm.choose_runner, random weights seeded in checkpoints/sources.py).
+
+    python launch/bench.py prefill --random-weights llama-3.1-8b --cp-strategy dense --lengths 8192,32768 --out r.json
+    torchrun --nproc-per-node 2 launch/bench.py prefill --cp 2 --cp-strategy ring --random-weights llama-3.1-8b ...
+
+Per length: the prefill (--warmup untimed, then the median of --repeats; the local runner runs the model
+on the whole prompt, logits for the last token only; a context strategy's runner its prefill_logits with
+the last --query-tokens as the query), then --decode-steps single-token steps as LLM.generate runs them
+(runner.next_token, from a CUDA graph unless --no-cuda-graphs). MFU is against a bf16 matmul peak
+measured in the same process; model_seconds is the strategy's FLOP model at that peak.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from starshard.benchmarks.common import header, ints, median, timed, write
+from starshard.cli import add_apb_arguments, add_sparse_arguments, layout_error, parallel_config, sparse_config
+from starshard.config import SamplingConfig
+from starshard.llm import LLM
+from starshard.parallel.context import STRATEGIES, flops
+from starshard.parallel.topology import LayoutError
+from starshard.runtime.context_parallel import ContextParallelRunner
+
+HELP = "end-to-end prefill (+ decode steps) of one strategy"
+
+
+def matmul_peak(device, dtype=torch.bfloat16, n: int = 8192) -> float:
+    """Measured dense matmul FLOP/s (the MFU denominator)."""
+    if device.type != "cuda":
+        n = 1024
+        dtype = torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    t = statistics.median(timed(lambda: a @ b, device, 10, 3))
+    return 2 * n**3 / t
+
+
+def prefill_flops(cfg, L: int) -> dict[str, float]:
+    """Model FLOPs of a causal prefill of L tokens (logits for the last token only)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer_params = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    linear = 2 * L * per_layer_params * cfg.num_layers + 2 * h * cfg.vocab_size
+    attn = 4 * cfg.num_heads * d * L * L / 2 * cfg.num_layers  # QK^T and PV, causal half
+    return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
+
+
+def model_seconds(cfg, strategy, L: int, context: int, peak: float) -> float | None:
+    """The strategy's FLOP-model prefill time at the measured matmul peak (parallel/context/flops.py):
+    the slowest rank, or the sum over hosts when one device runs them in turn (study mode).
+    strategy None: the whole model on one rank (dense)."""
+    q = L - context
+    name, cp = (strategy.name, strategy.cp) if strategy is not None else ("dense", 1)
+    if name == "dense":
+        ranks = flops.dense_flops(cfg, L)
+    elif name in ("ring", "ulysses", "usp"):  # exact strategies split the same work evenly
+        ranks = flops.ring_flops(cfg, L, cp)
+    elif name == "star":
+        block, anchor = strategy.resolved_sizes(context)
+        ranks = flops.star_flops(cfg, context, cp, block, anchor, query_len=q)
+    elif name == "apb":
+        anchor, passing = strategy.resolved_sizes(context)
+        ranks = flops.apb_flops(cfg, context, strategy.hosts, anchor, passing, query_len=q,
+                                embed_query=strategy.embed_query)
+    else:
+        return None
+    return flops.predicted_seconds(ranks, peak, serial=cp == 1 and len(ranks) > 1)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--lengths", type=ints, default=[8192], help="comma-separated prompt lengths in tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="compute dtype")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--out", default=None, help="write the JSON here (also printed)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (launch that many ranks)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed prefills per length before the timed ones (0 at long lengths: list a short "
+                        "length first to warm the process up instead)")
+    p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny) or config.json")
+    p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
+    p.add_argument("--cp-strategy", default="ring", choices=STRATEGIES,
+                   help="context strategy (default ring, at --cp 1 too)")
+    p.add_argument("--num-blocks", type=int, default=None, help="star / apb: hosts simulated on one device (cp 1)")
+    p.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
+    p.add_argument("--block-size", type=int, default=None, help="star: block size")
+    p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
+    p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
+    add_sparse_arguments(p)
+    add_apb_arguments(p.add_argument_group("APB (--cp-strategy apb)"))
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="time decode steps eagerly (default: replay a CUDA graph on one rank)")
+
+
+def check(args) -> str | None:
+    if not (args.random_weights or args.model):
+        return "prefill needs --random-weights NAME or --model PATH"
+    return layout_error(args)
+
+
+def run(args) -> None:
+    # The layout fields parallel_config reads that prefill leaves at their defaults (tensor / pipeline
+    # parallel runs: `launch/bench.py tp`).
+    layout = argparse.Namespace(**vars(args), tp=1, pp=1, pp_layers=None, query_rank=None)
+    try:
+        parallel, sparse = parallel_config(layout), sparse_config(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    dtype = getattr(torch, args.dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        llm = LLM(None if args.random_weights else args.model, dtype=dtype, device=device, parallel=parallel,
+                  progress=False, random_weights=args.random_weights, sparse=sparse)
+    except LayoutError as e:  # a layout this model or strategy refuses: the message says what to change
+        raise SystemExit(f"error: {e}") from None
+    topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
+    cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
+    strategy = runner.strategy if cp_runner else None
+    runner.cuda_graphs = not args.no_cuda_graphs
+    peak = matmul_peak(topo.device)
+    rows = []
+    for L in args.lengths:
+        gen = torch.Generator(device="cpu").manual_seed(L)
+        ids = torch.randint(0, cfg.vocab_size, (L,), generator=gen).to(topo.device)
+        context_len = L - args.query_tokens
+        state = {}
+
+        def prefill():
+            state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8)
+            with torch.inference_mode():
+                if cp_runner:
+                    state["logits"], state["owner"] = runner.prefill_logits(ids, context_len, cache)
+                else:
+                    state["logits"] = model(ids[None], cache=cache, last_only=True)
+
+        try:
+            if topo.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(topo.device)
+            times = timed(prefill, topo.device, args.repeats, warmup=args.warmup)
+            mem = torch.cuda.max_memory_allocated(topo.device) / 2**30 if topo.device.type == "cuda" else None
+            decode = None
+            if args.decode_steps:
+                tok = torch.zeros(1, 1, dtype=torch.long, device=topo.device)
+
+                def step():  # one generated token, as LLM.generate runs it (CUDA graphs on one GPU)
+                    with torch.inference_mode():
+                        runner.next_token(tok, state["cache"], SamplingConfig(), None)
+
+                step_times = timed(step, topo.device, args.decode_steps, warmup=2)
+                decode = {"step_seconds": median(step_times), "tokens_per_second": 1 / median(step_times)}
+            t = median(times)
+            fl = prefill_flops(cfg, L)
+            row = {"length": L, "prefill_seconds": t, "all_seconds": times, "peak_memory_gib": mem,
+                   "model_tflops": fl["total"] / 1e12, "achieved_tflops_per_gpu": fl["total"] / t / topo.world_size / 1e12,
+                   "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode}
+            context = context_len if strategy is not None and strategy.query_phase else L
+            model_t = model_seconds(cfg, strategy, L, context, peak)
+            if model_t:  # the FLOP model at the matmul peak: what a strategy that wastes nothing takes
+                row.update(model_seconds=model_t, measured_over_model=t / model_t)
+        except torch.OutOfMemoryError as e:
+            row = {"length": L, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            state.clear()
+            torch.cuda.empty_cache()
+        rows.append(row)
+        runner.end_generation()  # drop the decode graph with this length's cache
+        if topo.rank == 0:
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    result = header("prefill", topo.device, topo.world_size, args)
+    result.update(strategy=parallel.cp_strategy, cp=args.cp, matmul_peak_tflops=peak / 1e12, results=rows)
+    if topo.rank == 0:
+        write(args.out, result)
