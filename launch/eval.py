@@ -24,11 +24,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from starshard.cli import add_layout_arguments, add_sparse_arguments, apb_cli_error, sparse_config  # noqa: E402
 from starshard.evaluation.tasks import TASKS  # noqa: E402
 
-# Engine flags passed on to LLM(...) only when given; the engine decides what it supports.
-ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "block_size", "num_blocks", "anchor_size", "query_rank", "ulysses_degree",
-                "sparse", "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len", "apb_hosts")
+# Engine flags passed on to LLM(...) only when given (not at their defaults); the engine decides what
+# it supports.
+ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "pp_layers", "block_size", "num_blocks", "anchor_size", "query_rank",
+                "ulysses_degree", "sparse", "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len",
+                "apb_hosts")
+
+
+def _flag_defaults() -> dict:
+    ap = argparse.ArgumentParser()
+    add_layout_arguments(ap)
+    add_sparse_arguments(ap)
+    return {k: ap.get_default(k) for k in ENGINE_FLAGS}
 
 
 def _ints(s: str) -> list[int]:
@@ -71,27 +81,9 @@ def parse_args(argv=None):
                    help="no model run: print the strategy-vs-dense table (accuracy and ratio to the run labelled "
                         "dense, else the first) of these run directories, paired on their common samples")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    e = ap.add_argument_group("engine (passed on to LLM(...) only when given)")
-    e.add_argument("--cp", type=int, default=None, help="context-parallel size: ranks sharing the sequence (torchrun)")
-    e.add_argument("--cp-strategy", default=None, help="context strategy: dense, ring, ulysses, usp, star, apb")
-    e.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
-    e.add_argument("--pp", type=int, default=None, help="pipeline-parallel size")
-    e.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
-    e.add_argument("--sparse", default=None, choices=["minference", "anchor"],
-                   help="sparse prefill inside each shard (see launch/infer.py --help)")
-    e.add_argument("--sparse-config", default=None, metavar="FILE",
-                   help="--sparse minference: per-head patterns JSON (default: Vertical-Slash 1000/6096 everywhere)")
-    e.add_argument("--anchor-theta", type=float, default=12.0, help="--sparse anchor: score threshold (paper: 12)")
-    e.add_argument("--anchor-block-q", type=int, default=128, help="--sparse anchor: query rows pooled per block")
-    e.add_argument("--anchor-step", type=int, default=16, help="--sparse anchor: query blocks per stripe selection")
-    e.add_argument("--block-size", type=int, default=None, help="star: context block size")
-    e.add_argument("--num-blocks", type=int, default=None,
-                   help="star: context blocks (default --cp); with --cp 1, one device runs what N hosts would")
-    e.add_argument("--anchor-size", type=int, default=None, help="star/apb: anchor size")
-    e.add_argument("--query-rank", type=int, default=None, help="CP rank that owns the query (default: last)")
-    from starshard.cli import add_apb_arguments, apb_cli_error
-
-    add_apb_arguments(ap.add_argument_group("APB (--cp-strategy apb; see launch/infer.py --help)"))
+    add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
+    add_sparse_arguments(ap)
+    e = ap.add_argument_group("engine")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: bfloat16 on cuda, float32 on cpu)")
@@ -100,7 +92,7 @@ def parse_args(argv=None):
         return args
     if args.out is None:
         ap.error("--out DIR is required (or --compare DIR ...)")
-    bad = apb_cli_error(args, args.cp_strategy, args.cp)
+    bad = apb_cli_error(args, args.cp_strategy, args.cp)  # --sparse-config without --sparse: build_llm says so
     if bad:
         ap.error(bad)
     args.tasks = [x for x in args.tasks.split(",") if x]
@@ -119,15 +111,13 @@ def parse_args(argv=None):
 
 
 def engine_flags(args) -> dict:
-    flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    defaults = _flag_defaults()
+    flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) != defaults[k]}
     if getattr(args, "sparse_config", None) is not None and "sparse" not in flags:
         raise SystemExit("error: --sparse-config needs --sparse minference")
     if "sparse" in flags:
-        from starshard.kernels.sparse import SparseConfig
-
         try:
-            flags["sparse"] = SparseConfig(flags["sparse"], args.sparse_config, args.anchor_theta, args.anchor_block_q,
-                                           args.anchor_step)
+            flags["sparse"] = sparse_config(args)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     return flags
