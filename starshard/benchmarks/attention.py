@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from starshard.benchmarks.common import header, ints, median, timed, write
+from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
 from starshard.config import ParallelConfig
 from starshard.kernels.attention import attention
 from starshard.parallel.context import make_strategy
@@ -23,12 +23,7 @@ HELP = "one attention layer per strategy (and torch's context_parallel)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lengths", type=ints, default=[8192], help="comma-separated prompt lengths in tokens")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="compute dtype")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--out", default=None, help="write the JSON here (also printed)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (launch that many ranks)")
+    add_common_arguments(p)
     p.add_argument("--strategies", type=lambda s: s.split(","), default=["dense", "ring", "ulysses"],
                    help="dense, sdpa-cudnn (1 GPU), ring, ulysses, torch-cp, torch-cp-flash (CP group)")
     p.add_argument("--heads", type=int, default=32, help="query heads")

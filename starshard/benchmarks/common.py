@@ -74,6 +74,16 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
 
+def add_common_arguments(p) -> None:
+    """The flags of the model-level benchmarks (prefill, attention, hf)."""
+    p.add_argument("--lengths", type=ints, default=[8192], help="comma-separated prompt lengths in tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="compute dtype")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--out", default=None, help="write the JSON here (also printed)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (launch that many ranks)")
+
+
 def save_json(path: str | Path, result: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

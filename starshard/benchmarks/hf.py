@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from starshard.benchmarks.common import commit, device_name, ints, median, timed, today, write
+from starshard.benchmarks.common import add_common_arguments, commit, device_name, median, timed, today, write
 from starshard.benchmarks.prefill import matmul_peak, prefill_flops
 from starshard.presets import PRESETS, preset_config
 
@@ -18,12 +18,7 @@ HELP = "Hugging Face transformers prefill (SDPA), the single-GPU peer"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lengths", type=ints, default=[8192], help="comma-separated prompt lengths in tokens")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="compute dtype")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--out", default=None, help="write the JSON here (also printed)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (launch that many ranks)")
+    add_common_arguments(p)
     p.add_argument("--random-weights", default="llama-3.1-8b", help="preset name")
 
 

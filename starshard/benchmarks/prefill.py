@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from starshard.benchmarks.common import header, ints, median, timed, write
+from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
 from starshard.cli import add_apb_arguments, add_sparse_arguments, layout_error, parallel_config, sparse_config
 from starshard.config import SamplingConfig
 from starshard.llm import LLM
@@ -73,12 +73,7 @@ def model_seconds(cfg, strategy, L: int, context: int, peak: float) -> float | N
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lengths", type=ints, default=[8192], help="comma-separated prompt lengths in tokens")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median reported)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="compute dtype")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--out", default=None, help="write the JSON here (also printed)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (launch that many ranks)")
+    add_common_arguments(p)
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed prefills per length before the timed ones (0 at long lengths: list a short "
                         "length first to warm the process up instead)")
