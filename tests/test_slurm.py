@@ -229,10 +229,14 @@ def test_bench_and_eval_sbatch(slurm, tmp_path):
     rc, text, state = slurm.sbatch(_script("eval.sbatch"), ["--nodes=1", "--ntasks-per-node=1", "--time=10"],
                                    ["--help"], JOB_ENV)
     assert rc == 0 and "usage: eval.py" in text and "launch/eval.py --help" in text, f"{state}\n{text}"
+    # serve.sbatch reaches launch/serve.py the same way
+    rc, text, state = slurm.sbatch(_script("serve.sbatch"), ["--nodes=1", "--ntasks-per-node=1", "--time=10"],
+                                   ["--help"], JOB_ENV)
+    assert rc == 0 and "usage: serve.py" in text and "launch/serve.py --help" in text, f"{state}\n{text}"
 
 
 def test_sbatch_scripts_refuse_to_run_outside_slurm():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for name in ("infer.sbatch", "bench.sbatch", "eval.sbatch"):
+    for name in ("infer.sbatch", "bench.sbatch", "eval.sbatch", "serve.sbatch"):
         p = subprocess.run(["bash", _script(name), "--help"], capture_output=True, text=True, env=env, timeout=30)
         assert p.returncode == 2 and "run this with sbatch" in p.stderr, (name, p.stderr)
