@@ -2,8 +2,8 @@
 
 Rank 0 runs the scheduler (`Service`): a bounded queue, admission within the context cache's
 budget, and one step at a time. Each step is a list of operations that every rank executes
-(`Executor`, runtime/executor.py), broadcast from rank 0 over a CPU control group, so the ranks' KV shards, cache entries
-and batch stay identical in shape:
+(`Executor`, runtime/executor.py), broadcast from rank 0 over a CPU control group, so the ranks'
+KV shards, cache entries and batch stay identical in shape:
 
     prefill  a prompt with no usable cache entry runs through the runner (any context strategy);
              its KV becomes a cache entry, and the request decodes on it
