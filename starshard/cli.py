@@ -52,7 +52,10 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
                     "Vertical-Slash / Block-Sparse patterns; anchor = AnchorAttention stripes (keys whose score is "
                     "within --anchor-theta of the block's anchor); composes with dense, ulysses, star and apb, "
-                    "not ring/usp")
+                    "not ring/usp. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
+                    "without estimating (--sparse-min-length), and after the estimate every head whose sparse kernel "
+                    "would not beat the dense kernel (rates measured on one H200) runs dense; `launch/bench.py "
+                    "prefill` reports what ran (sparse_report)")
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
                     help="per-layer, per-head patterns (JSON from `python -m starshard.tools.minference_search`, "
                     "or MInference's published per-model config); default: Vertical-Slash (1000, 6096) on every head")
@@ -62,6 +65,12 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     help="--sparse anchor: query rows pooled per block (small models at a few K tokens: 16)")
     sp.add_argument("--anchor-step", type=int, default=16,
                     help="--sparse anchor: query blocks sharing one stripe selection (small models: 1)")
+    sp.add_argument("--sparse-min-length", type=int, default=None, metavar="N",
+                    help="prefill calls over fewer than N keys run dense, nothing estimated (default: more than 64K "
+                    "keys on CUDA, the measured crossover; 0 on CPU; 0 = always estimate, e.g. accuracy studies)")
+    sp.add_argument("--sparse-no-fallback", action="store_true",
+                    help="run every head's sparse pattern even where the dense kernel is faster (kernel and accuracy "
+                    "studies; with --sparse-min-length 0 this reproduces runs from before the fallback)")
 
 
 def add_apb_arguments(group) -> None:
@@ -114,6 +123,9 @@ def layout_error(args) -> str | None:
     """What is wrong with the layout / sparse flags in `args` (None: nothing), before any model loads."""
     if getattr(args, "sparse_config", None) is not None and getattr(args, "sparse", None) is None:
         return "--sparse-config needs --sparse minference"
+    if getattr(args, "sparse", None) is None and (getattr(args, "sparse_min_length", None) is not None
+                                                   or getattr(args, "sparse_no_fallback", False)):
+        return "--sparse-min-length and --sparse-no-fallback need --sparse minference or --sparse anchor"
     return apb_cli_error(args, args.cp_strategy, args.cp)
 
 
@@ -137,4 +149,5 @@ def sparse_config(args) -> SparseConfig | None:
     """The SparseConfig --sparse asks for, or None (ValueError names a bad value)."""
     if args.sparse is None:
         return None
-    return SparseConfig(args.sparse, args.sparse_config, args.anchor_theta, args.anchor_block_q, args.anchor_step)
+    return SparseConfig(args.sparse, args.sparse_config, args.anchor_theta, args.anchor_block_q, args.anchor_step,
+                        min_length=args.sparse_min_length, fallback=False if args.sparse_no_fallback else None)

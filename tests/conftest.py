@@ -9,3 +9,19 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _starshard_logging_restored():
+    """CLI mains run in-process (launch/infer.py's setup_logging) give the "starshard" logger their own
+    stderr handler and stop propagation; put it back after each test so later tests' caplog sees
+    records and no handler writes to a captured stream that is gone."""
+    log = logging.getLogger("starshard")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]

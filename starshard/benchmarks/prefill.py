@@ -8,7 +8,10 @@ Per length: the prefill (--warmup untimed, then the median of --repeats; the loc
 on the whole prompt, logits for the last token only; a context strategy's runner its prefill_logits with
 the last --query-tokens as the query), then --decode-steps single-token steps as LLM.generate runs them
 (runner.next_token, from a CUDA graph unless --no-cuda-graphs). MFU is against a bf16 matmul peak
-measured in the same process; model_seconds is the strategy's FLOP model at that peak.
+measured in the same process; model_seconds is the strategy's FLOP model at that peak. With --sparse,
+`sparse_report` is what the method ran in the last timed prefill (kernels.sparse.SparseReport: heads
+run sparse and the density they kept, heads the cost model sent to the dense kernel, heads of calls
+below the minimum length).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
 from starshard.cli import add_apb_arguments, add_sparse_arguments, layout_error, parallel_config, sparse_config
 from starshard.config import SamplingConfig
+from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
 from starshard.parallel.context import STRATEGIES, flops
 from starshard.parallel.topology import LayoutError
@@ -127,6 +131,7 @@ def run(args) -> None:
         state = {}
 
         def prefill():
+            sparse_report(model, reset=True)  # count this prefill alone
             state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8)
             with torch.inference_mode():
                 if cp_runner:
@@ -138,6 +143,7 @@ def run(args) -> None:
             if topo.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(topo.device)
             times = timed(prefill, topo.device, args.repeats, warmup=args.warmup)
+            report = sparse_report(model)  # the last timed prefill's (None without --sparse)
             mem = torch.cuda.max_memory_allocated(topo.device) / 2**30 if topo.device.type == "cuda" else None
             decode = None
             if args.decode_steps:
@@ -154,6 +160,8 @@ def run(args) -> None:
             row = {"length": L, "prefill_seconds": t, "all_seconds": times, "peak_memory_gib": mem,
                    "model_tflops": fl["total"] / 1e12, "achieved_tflops_per_gpu": fl["total"] / t / topo.world_size / 1e12,
                    "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode}
+            if report is not None:
+                row["sparse_report"] = report
             context = context_len if strategy is not None and strategy.query_phase else L
             model_t = model_seconds(cfg, strategy, L, context, peak)
             if model_t:  # the FLOP model at the matmul peak: what a strategy that wastes nothing takes

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from starshard.kernels.attention import attention
+from starshard.kernels.attention import attention, head_subset
 from starshard.kernels.common import MIN_SPARSE_ROWS, cdiv, check_shapes, query_offset, triton_interpreted
 from starshard.kernels.online_softmax import LOG2E, key_chunk, key_span, softmax_finish, softmax_init
 
@@ -93,9 +93,30 @@ class AnchorConfig:
             raise ValueError(f"unknown AnchorConfig keys {sorted(extra)}; known: {sorted(known)}")
         return cls(**{k: (float(v) if k == "theta" else int(v)) for k, v in d.items()})
 
-    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None):
-        """The hook `attention(..., sparse=config)` calls."""
-        return anchor_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, config=self, scale=scale, causal=causal)
+    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None, rates=None, report=None):
+        """The hook `attention(..., sparse=config)` calls (rates / report: see `anchor_attention`)."""
+        return anchor_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, config=self, scale=scale, causal=causal,
+                                rates=rates, report=report)
+
+
+@dataclass(frozen=True)
+class AnchorRates:
+    """The dense-or-sparse choice after identification: the stripe kernel's speed per (row, key) pair it
+    computes, as a fraction of the dense kernel's (cuDNN SDPA) per causal pair. A head runs sparse iff
+    its density (`head_density`) is below it; identification is spent by then."""
+
+    kernel: float
+
+    def sparse_wins(self, density: float) -> bool:
+        return density < self.kernel
+
+
+# One H200, bf16, 32 heads x d128, the paper's pooling (128-row blocks, step 16), structured inputs:
+# bench/results/2026-11-23-h200-anchor/anchor.json (`launch/bench.py anchor`, 7e24a21). density *
+# dense_cudnn_ms / kernel_ms over theta 4 / 8 / 12 at 32K, 64K, 128K lies in 0.319-0.468, lowest
+# where the stripes keep most keys (theta 12: 0.319 at 32K, 0.340 at 64K, 0.344 at 128K); the
+# smallest is taken, so a head goes sparse only where it wins at every measured point.
+H200_ANCHOR_RATES = AnchorRates(kernel=0.319)
 
 
 @dataclass
@@ -523,9 +544,13 @@ def build_index(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=
 
 
 def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None, causal=True, backend=None,
-                     launch=None):
+                     launch=None, rates: AnchorRates | None = None, report=None):
     """AnchorAttention sparse prefill with lse. backend: None (Triton where it runs, else torch),
-    "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense."""
+    "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense.
+
+    rates (e.g. H200_ANCHOR_RATES): after identification, heads whose stripes keep so many keys that
+    the stripe kernel would not beat the dense kernel run the dense dispatcher instead (exactly dense
+    attention's (out, lse) for them). report: anything with record(sparse_densities, dense_heads)."""
     if isinstance(config, dict):
         config = AnchorConfig.from_dict(config)
     if not isinstance(config, AnchorConfig):
@@ -542,7 +567,47 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     except ValueError as e:  # same layouts as MInference; say which method refused
         raise ValueError(f"AnchorAttention: {e}") from None
     index = build_index(q, k, config, offset=offset, scale=scale, backend=backend)
-    return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
+    if rates is None and report is None:
+        return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
+    dens = head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0).tolist()  # the sync
+    sparse = [h for h in range(Hq) if rates is None or rates.sparse_wins(dens[h])]
+    dense = [h for h in range(Hq) if h not in set(sparse)]
+    if report is not None:
+        report.record([dens[h] for h in sparse], len(dense))
+    if not sparse:
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    if not dense:
+        return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
+    sp = torch.tensor(sparse, dtype=torch.long, device=q.device)
+    sub = StripeIndex(index.idx.index_select(1, sp), index.count.index_select(1, sp))
+    o_s, l_s = sparse_attention(*head_subset(q, k, v, sparse), sub, config, offset=offset, scale=scale,
+                                backend=backend, launch=launch)
+    o_d, l_d = attention(*head_subset(q, k, v, dense), q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    dn = torch.tensor(dense, dtype=torch.long, device=q.device)
+    out.index_copy_(1, sp, o_s)
+    out.index_copy_(1, dn, o_d)
+    lse.index_copy_(1, sp, l_s)
+    lse.index_copy_(1, dn, l_d)
+    return out, lse
+
+
+def head_density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> torch.Tensor:
+    """Per (batch row, head), the share of the causal (row, key) pairs the sparse step computes (anchor
+    region + the group's stripes): [B, Hq] float64, counted in closed form per row (no [rows, keys]
+    mask). Its mean is `density`."""
+    dev = index.count.device
+    rows = torch.arange(Lq, device=dev)
+    rpg = config.block_q * config.step
+    hi = (rows + offset + 1).clamp(max=Lk)  # keys j < hi are causal for the row
+    ws = window_starts(config, Lq=Lq, offset=offset, device=dev)[rows // rpg]
+    init = config.init_tokens
+    region = hi.clamp(max=init) + (hi - ws.clamp(min=init)).clamp(min=0)
+    G = index.count.shape[2]
+    per_group = torch.clamp(torch.arange(1, G + 1, device=dev) * rpg, max=Lq) - torch.arange(G, device=dev) * rpg
+    stripes = (index.count.double() * per_group.double()).sum(-1)  # [B, Hq]
+    return (region.double().sum() + stripes) / hi.double().sum()
 
 
 def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> float:
@@ -558,5 +623,5 @@ def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offse
 __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
-    "triton_available", "default_launch",
+    "head_density", "AnchorRates", "H200_ANCHOR_RATES", "triton_available", "default_launch",
 ]

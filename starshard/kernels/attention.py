@@ -23,7 +23,7 @@ from starshard.kernels.reference import attention_math
 
 __all__ = [
     "attention", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
-    "SHORT_QUERY_ROWS", "sm_count",
+    "SHORT_QUERY_ROWS", "sm_count", "head_subset",
 ]
 
 
@@ -145,3 +145,24 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None):
     if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS:
         return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+
+
+def head_subset(q, k, v, heads):
+    """(q, k, v) of the query heads `heads` (ascending ids) of one call, for running part of a call's
+    heads through one kernel (the sparse methods' dense fallback). GQA stays GQA (the KV heads of
+    `heads`, a view when they are consecutive) when `heads` are whole KV groups; otherwise each query
+    head gets its own copy of its KV head."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    g = Hq // Hkv
+    heads = [int(h) for h in heads]
+
+    def take(x, ids):
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            return x[:, ids[0] : ids[0] + len(ids)]
+        return x.index_select(1, torch.tensor(ids, dtype=torch.long, device=x.device))
+
+    kvs = sorted({h // g for h in heads})
+    if heads == [kv * g + i for kv in kvs for i in range(g)]:
+        return take(q, heads), take(k, kvs), take(v, kvs)
+    own = [h // g for h in heads]
+    return take(q, heads), take(k, own), take(v, own)

@@ -8,6 +8,13 @@ the heads it is about to attend (Ulysses: a slice of the local heads) and passes
 
 Strategies that split a row's keys over ranks (ring, USP) refuse a sparse method: the patterns are
 estimated from the whole key range of a row, which no ring step sees.
+
+Never slower than dense (`load_sparse_method` wraps the method in `FallbackSparse`): a call with
+fewer keys than `SparseConfig.min_length` runs the dense kernel without estimating anything (the
+measured crossover, `MIN_LENGTH`); a longer one estimates its pattern, and every head whose sparse
+kernel would not beat the dense kernel by the measured rates (minference.H200_RATES,
+anchor.H200_ANCHOR_RATES) runs the dense kernel, so its (out, lse) are exactly dense attention's.
+`SparseReport` (the method's `report`, `sparse_report(model)`) counts what ran.
 """
 from __future__ import annotations
 
@@ -15,11 +22,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from starshard.kernels.anchor import AnchorConfig
-from starshard.kernels.common import DECODE_MAX_ROWS
-from starshard.kernels.minference import MInferenceConfig
+import torch
+
+from starshard.kernels.anchor import H200_ANCHOR_RATES, AnchorConfig
+from starshard.kernels.attention import attention
+from starshard.kernels.common import DECODE_MAX_ROWS, MIN_SPARSE_ROWS
+from starshard.kernels.minference import H200_RATES, MInferenceConfig
 
 SPARSE_METHODS = ("minference", "anchor")
+
+# The fewest keys (k.shape[2] of the attention call) at which a call estimates a pattern on CUDA:
+# more than 64K. Below it the dense kernel runs, nothing estimated. Measured on one H200 (bf16):
+# - sparse starts to pay above 64K: MInference Vertical-Slash (1000, 6096), index included, 0.48x
+#   cuDNN dense at 32K, 0.98x / 1.06x at 64K, 2.0x at 128K (32 x d128, structured inputs;
+#   bench/results/2026-11-23-h200/sparse.json, anchor_bench_32k_64k.jsonl); on the 8B shape at 64K
+#   the call with the fallback ties dense on structured inputs (57.7 vs 57.7 ms) and loses 13% on
+#   random ones (66.0 vs 58.2 ms: the estimate, then dense); at 128K it takes 0.57x / 1.07x of the
+#   dense time (bench/results/2026-11-23-h200-sparse-fallback/index_split.json);
+# - AnchorAttention's identification, spent before it can tell dense-like stripes, is 2.7 / 5.5 /
+#   14 ms per layer at 32K / 64K / 128K against 13 / 57 / 239 ms of dense attention
+#   (2026-11-23-h200-anchor/anchor.json): about 6 / 5 / 4% of an 8B prefill when the stripes then
+#   turn out dense; kept at the same bound (its wins at 32K need min_length 0).
+# Other devices: nothing measured, default 0 (CPU runs are tests and accuracy studies).
+MIN_LENGTH = 65536 + 1
 
 
 class SparseMethod(Protocol):
@@ -33,15 +58,26 @@ class SparseConfig:
 
     minference: per-head patterns from FILE (default Vertical-Slash 1000/6096 everywhere).
     anchor: AnchorAttention with one threshold for every head (paper: theta 12, 128-row blocks
-    pooled, one stripe selection per 16 blocks; small models at a few K tokens need finer pooling)."""
+    pooled, one stripe selection per 16 blocks; small models at a few K tokens need finer pooling).
+
+    min_length: calls over fewer keys run dense, nothing estimated (None: MIN_LENGTH, i.e. more than
+    64K keys, on CUDA, 0 elsewhere; 0 estimates at every length). fallback: after the estimate,
+    heads whose sparse kernel would not beat the dense kernel run dense (None: on CUDA only, where
+    the rates were measured; True: everywhere, with the H200 rates; False: never, every head runs
+    its pattern)."""
 
     method: str
     config_path: str | None = None
     anchor_theta: float = 12.0
     anchor_block_q: int = 128
     anchor_step: int = 16
+    min_length: int | None = None
+    fallback: bool | None = None
 
     def __post_init__(self):
+        if self.min_length is not None and (type(self.min_length) is not int or self.min_length < 0):
+            raise ValueError(f"sparse min_length must be a whole number of keys >= 0 (0: always estimate), "
+                             f"got {self.min_length!r}")
         if self.method not in SPARSE_METHODS:
             raise ValueError(f"unknown --sparse {self.method!r}; choose one of {', '.join(SPARSE_METHODS)}")
         if self.method == "anchor" and self.config_path is not None:
@@ -61,11 +97,103 @@ class UniformSparse:
         return self.spec
 
 
-def load_sparse_method(cfg: SparseConfig) -> SparseMethod:
+@dataclass
+class SparseReport:
+    """What an installed method ran since its last reset, per (attention call, query head):
+    heads_sparse ran the sparse kernel, keeping `mean_density` of the causal work on average
+    (MInference: score entries its kernel computes / a dense causal kernel's; AnchorAttention: kept
+    (row, key) pairs / causal pairs); heads_dense were estimated and then sent to the dense kernel by
+    the cost model (or are Dense in the config); heads_skipped belong to calls shorter than
+    min_length (dense, nothing estimated). Decode steps are not counted (they never reach the method)."""
+
+    calls: int = 0
+    heads_sparse: int = 0
+    heads_dense: int = 0
+    heads_skipped: int = 0
+    kept: float = 0.0
+
+    def record(self, sparse_densities, dense_heads: int) -> None:
+        """One estimated call: the densities of its sparse heads, how many heads ran dense."""
+        self.calls += 1
+        self.heads_sparse += len(sparse_densities)
+        self.kept += float(sum(sparse_densities))
+        self.heads_dense += int(dense_heads)
+
+    def skip(self, heads: int) -> None:
+        self.calls += 1
+        self.heads_skipped += int(heads)
+
+    def reset(self) -> None:
+        self.calls = self.heads_sparse = self.heads_dense = self.heads_skipped = 0
+        self.kept = 0.0
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "heads_sparse": self.heads_sparse, "heads_dense": self.heads_dense,
+                "heads_skipped": self.heads_skipped,
+                "mean_density": self.kept / self.heads_sparse if self.heads_sparse else None}
+
+
+class FallbackSparse:
+    """A sparse method as installed: its patterns, guarded so that it is never slower than dense (the
+    module docstring), and its `report`."""
+
+    def __init__(self, method: SparseMethod, cfg: SparseConfig):
+        self.method = method
+        self.config = cfg
+        self.report = SparseReport()
+
+    def pattern(self, layer: int, num_heads: int, head_offset: int = 0):
+        return GuardedPattern(self.method.pattern(layer, num_heads, head_offset), self)
+
+    def min_length(self, device: torch.device) -> int:
+        if self.config.min_length is not None:
+            return self.config.min_length
+        return MIN_LENGTH if device.type == "cuda" else 0
+
+    def rates(self, device: torch.device):
+        on = self.config.fallback if self.config.fallback is not None else device.type == "cuda"
+        if not on:
+            return None
+        return H200_ANCHOR_RATES if self.config.method == "anchor" else H200_RATES
+
+
+@dataclass(frozen=True)
+class GuardedPattern:
+    """One call's `sparse=` spec under FallbackSparse: below min_length the dense dispatcher, else the
+    method's spec with the cost model and the report."""
+
+    spec: object
+    owner: FallbackSparse
+
+    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None):
+        own = self.owner
+        if causal and q.shape[2] >= MIN_SPARSE_ROWS and k.shape[2] < own.min_length(q.device):
+            own.report.skip(q.shape[1])
+            return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+        return self.spec.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale,
+                                   rates=own.rates(q.device), report=own.report)
+
+
+def load_sparse_method(cfg: SparseConfig) -> FallbackSparse:
     if cfg.method == "anchor":
-        return UniformSparse(AnchorConfig(theta=cfg.anchor_theta, block_q=cfg.anchor_block_q, step=cfg.anchor_step))
-    # No file: every head uses the default Vertical-Slash (1000 columns, 6096 diagonals).
-    return MInferenceConfig.load(cfg.config_path) if cfg.config_path else MInferenceConfig()
+        method = UniformSparse(AnchorConfig(theta=cfg.anchor_theta, block_q=cfg.anchor_block_q, step=cfg.anchor_step))
+    else:  # no file: every head uses the default Vertical-Slash (1000 columns, 6096 diagonals)
+        method = MInferenceConfig.load(cfg.config_path) if cfg.config_path else MInferenceConfig()
+    return FallbackSparse(method, cfg)
+
+
+def sparse_report(model, reset: bool = False) -> dict | None:
+    """The installed method's SparseReport as a dict (None without one, or for a method installed
+    without `load_sparse_method`); reset=True zeroes it afterwards."""
+    for block in getattr(model, "layers", []):
+        sp = getattr(block.attention, "sparse", None)
+        rep = getattr(getattr(sp, "method", None), "report", None)
+        if isinstance(rep, SparseReport):
+            out = rep.as_dict()
+            if reset:
+                rep.reset()
+            return out
+    return None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ The modules, in the order a call runs through them:
   layer and head, and their file formats.
 - attend.py: SparsePattern (one call's `sparse=` spec) and the entry points.
 - index.py: Vertical-Slash / Block-Sparse index building (torch, shared by both backends);
-  plan.py: heads grouped by kind with their indices, visibility masks and kernel cost.
+  plan.py: heads grouped by kind with their indices, visibility masks and kernel cost, and the cost
+  model (measured kernel rates, `plan_with_fallback`) that sends heads whose sparse kernel would not
+  beat the dense one to the dense dispatcher.
 - kernel.py: the Triton kernel (one program per (query block, batch x head), heaviest blocks first)
   on CUDA or under TRITON_INTERPRET=1; torch_path.py: otherwise, the very same visibility as a mask
   (torch's fused CPU flash kernel with an additive bias for float32/bfloat16 on CPU, float32 math
@@ -29,7 +31,7 @@ The modules, in the order a call runs through them:
 """
 from starshard.kernels.common import MIN_SPARSE_ROWS, query_offset
 from starshard.kernels.common import cdiv as _cdiv  # noqa: F401  (the pattern search and benchmarks use mi._cdiv)
-from starshard.kernels.minference.attend import SparsePattern, attention_from_plan, minference_attention
+from starshard.kernels.minference.attend import SparsePattern, attention_from_plan, attention_with_fallback, minference_attention
 from starshard.kernels.minference.config import MInferenceConfig
 from starshard.kernels.minference.index import (
     BSIndex, VSIndex, bs_select, pick_slash, pick_vertical, vs_estimate, vs_index, vs_pick, vs_scores, vs_segments,
@@ -40,12 +42,16 @@ from starshard.kernels.minference.kernel import triton  # noqa: F401  (None with
 from starshard.kernels.minference.patterns import (
     PUBLISHED_BLOCK_TOPK, AShape, BlockSparse, Dense, HeadPattern, VerticalSlash, head_pattern,
 )
-from starshard.kernels.minference.plan import HeadGroup, build_plan, dense_cost, group_mask, kernel_cost
+from starshard.kernels.minference.plan import (
+    H200_RATES, FallbackPlan, HeadGroup, KernelRates, block_sparse_cost, build_plan, column_cost, dense_cost, group_mask,
+    kernel_cost, plan_with_fallback, slash_cost,
+)
 
 __all__ = [
     "AShape", "VerticalSlash", "BlockSparse", "Dense", "HeadPattern", "PUBLISHED_BLOCK_TOPK", "head_pattern",
     "SparsePattern", "MInferenceConfig", "minference_attention", "attention_from_plan", "query_offset",
     "MIN_SPARSE_ROWS", "vs_estimate", "vs_scores", "vs_pick", "pick_vertical", "pick_slash", "vs_select",
     "vs_segments", "vs_index", "bs_select", "VSIndex", "BSIndex", "HeadGroup", "build_plan", "group_mask",
-    "kernel_cost", "dense_cost", "default_launch", "triton_available",
+    "kernel_cost", "dense_cost", "default_launch", "triton_available", "KernelRates", "H200_RATES", "FallbackPlan",
+    "plan_with_fallback", "attention_with_fallback", "slash_cost", "column_cost", "block_sparse_cost",
 ]

@@ -1,16 +1,17 @@
 """One sparse attention call: its `sparse=` spec (SparsePattern, whose hook the dispatcher calls) and
-the entry points. Short or non-causal calls fall back to the dense dispatcher."""
+the entry points. Short or non-causal calls fall back to the dense dispatcher; with `rates` (a
+plan.KernelRates), so does every head whose sparse kernel would not beat the dense one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from starshard.kernels.attention import attention
+from starshard.kernels.attention import attention, head_subset
 from starshard.kernels.common import MIN_SPARSE_ROWS, check_shapes, query_offset
 from starshard.kernels.minference.kernel import attention_triton, triton_available
 from starshard.kernels.minference.patterns import AShape, BlockSparse, Dense, VerticalSlash, head_pattern
-from starshard.kernels.minference.plan import build_plan
+from starshard.kernels.minference.plan import FallbackPlan, KernelRates, build_plan, plan_with_fallback
 from starshard.kernels.minference.torch_path import attention_torch
 
 
@@ -45,16 +46,23 @@ class SparsePattern:
             raise ValueError(f"sparse pattern has {len(self.heads)} head patterns but the call has {num_heads} query heads")
         return self.heads
 
-    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None):
-        """The hook `attention(..., sparse=pattern)` calls."""
-        return minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=self, scale=scale, causal=causal)
+    def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None, rates=None, report=None):
+        """The hook `attention(..., sparse=pattern)` calls (rates / report: see `minference_attention`)."""
+        return minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=self, scale=scale, causal=causal,
+                                    rates=rates, report=report)
 
 
-def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=True, backend=None, launch=None):
+def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=True, backend=None, launch=None,
+                         rates: KernelRates | None = None, report=None):
     """Sparse prefill attention with lse. `pattern`: a SparsePattern (or anything `SparsePattern(...)`
     accepts: one HeadPattern, a sequence of them). backend: None (Triton on CUDA, else torch),
     "triton" or "torch". Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
-    exact dense attention."""
+    exact dense attention.
+
+    rates: the cost model (plan.KernelRates, e.g. plan.H200_RATES): heads whose sparse kernel would not
+    beat the dense kernel run the dense dispatcher instead (`plan_with_fallback`), so their (out, lse)
+    are exactly dense attention's. report: anything with record(sparse_densities, dense_heads) (the
+    installed method's counter, kernels/sparse.py), told what each call ran."""
     # A whole model's method (MInferenceConfig, config.py, which builds on this module) answers
     # pattern(layer, num_heads); one call takes that answer.
     if not isinstance(pattern, SparsePattern) and callable(getattr(pattern, "pattern", None)):
@@ -65,15 +73,43 @@ def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=T
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     heads = pattern.for_heads(Hq)
-    if not causal or Lq < MIN_SPARSE_ROWS or all(isinstance(p, Dense) for p in heads):
+    if not causal or Lq < MIN_SPARSE_ROWS:
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+    if all(isinstance(p, Dense) for p in heads):
+        if report is not None:
+            report.record([], Hq)
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     if Lk == 0:
         return torch.zeros_like(q), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
     offset = query_offset(q_pos, k_pos, Lq, Lk)
-    scale = D**-0.5 if scale is None else scale
-    groups = build_plan(q, k, pattern, offset=offset, scale=scale)
-    return attention_from_plan(q, k, v, groups, offset=offset, scale=scale, block_size=pattern.block_size,
-                               backend=backend, launch=launch)
+    sm_scale = D**-0.5 if scale is None else scale
+    if rates is None and report is None:
+        groups = build_plan(q, k, pattern, offset=offset, scale=sm_scale)
+        return attention_from_plan(q, k, v, groups, offset=offset, scale=sm_scale, block_size=pattern.block_size,
+                                   backend=backend, launch=launch)
+    plan = plan_with_fallback(q, k, pattern, offset=offset, scale=sm_scale, rates=rates)
+    if report is not None:
+        sparse = sorted(h for grp in plan.groups for h in grp.heads)
+        report.record([plan.density[h] for h in sparse], len(plan.dense))
+    return attention_with_fallback(q, k, v, plan, q_pos=q_pos, k_pos=k_pos, offset=offset, scale=scale,
+                                   block_size=pattern.block_size, backend=backend, launch=launch)
+
+
+def attention_with_fallback(q, k, v, plan: FallbackPlan, *, q_pos, k_pos, offset: int, scale=None, block_size: int = 64,
+                            backend=None, launch=None):
+    """Run a FallbackPlan: its sparse groups through the sparse kernel, its dense heads through the
+    dense dispatcher (the whole call when every head is dense, so nothing but dense attention runs)."""
+    if not plan.groups:
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    sm_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = attention_from_plan(q, k, v, plan.groups, offset=offset, scale=sm_scale, block_size=block_size,
+                                   backend=backend, launch=launch)
+    if plan.dense:
+        o, m = attention(*head_subset(q, k, v, plan.dense), q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+        idx = torch.tensor(plan.dense, dtype=torch.long, device=q.device)
+        out.index_copy_(1, idx, o)
+        lse.index_copy_(1, idx, m)
+    return out, lse
 
 
 def attention_from_plan(q, k, v, groups, *, offset: int, scale=None, block_size: int = 64, backend=None, launch=None):

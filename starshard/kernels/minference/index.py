@@ -19,6 +19,11 @@ import torch
 from starshard.kernels.common import INT32_MAX, cdiv
 
 _INDEX_BUDGET = 1 << 26  # elements of index temporaries: bounds memory per step
+# Elements of the estimate's float32 score rows per step (vs_estimate; 1 GiB, about 2.5 GiB of
+# temporaries with the product and the softmax). Whole KV groups go through together: at 128K keys
+# and 64 rows, 7 of the 8B shape's 8 KV groups in the first step (1 at 1 << 26), so its ~30 kernels
+# and 2 top-k selections per step run twice per layer instead of 8 times.
+_ESTIMATE_BUDGET = 1 << 28
 
 
 def _per_head(x, n: int) -> list[int]:
@@ -109,7 +114,7 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
     d_ok, c_sel = d_all[c_ok], c_of_d[c_ok]
     needed = torch.zeros(Hkv, dtype=torch.bool)
     needed[torch.tensor(heads, dtype=torch.long) // g] = True
-    step = max(1, _INDEX_BUDGET // max(1, B * g * R * W))
+    step = max(1, _ESTIMATE_BUDGET // max(1, B * g * R * W))
     qg = q.view(B, Hkv, g, Lq, D)
     fs = min(force_sink, Lk)
     for c0 in range(0, Hkv, step):

@@ -1,13 +1,15 @@
 """Plans: a call's heads grouped by pattern kind, each group with its index; the groups' visibility
-masks (torch path, tests, recall) and the score entries the kernel computes for them (cost)."""
+masks (torch path, tests, recall), the score entries the kernel computes for them (cost), and the
+cost model that sends a head to the dense kernel where its sparse kernel would not win
+(`KernelRates`, `plan_with_fallback`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from starshard.kernels.common import INT32_MAX, cdiv
-from starshard.kernels.minference.index import BSIndex, VSIndex, bs_select, vs_index, vs_select
+from starshard.kernels.minference.index import BSIndex, VSIndex, bs_select, vs_index, vs_segments, vs_select
 from starshard.kernels.minference.patterns import AShape, Dense
 
 
@@ -20,12 +22,8 @@ class HeadGroup:
     local: list = None
 
 
-def build_plan(q, k, pattern, *, offset: int, scale=None) -> list[HeadGroup]:
-    """Group the call's heads by kind and build each group's index (torch, on q's device).
-    `pattern`: a SparsePattern (its head patterns for q's heads and its index parameters)."""
-    Hq, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
-    heads = pattern.for_heads(Hq)
-    BM = pattern.block_size
+def _grouped(heads, *, Lq: int, Lk: int, offset: int) -> dict[str, HeadGroup]:
+    """The call's heads grouped by kind, without indices (A-shape / Dense heads with their windows)."""
     full = min(INT32_MAX // 4, Lk + Lq + offset + 1)  # a window that covers every key
     groups: dict[str, HeadGroup] = {}
     for h, p in enumerate(heads):
@@ -35,13 +33,26 @@ def build_plan(q, k, pattern, *, offset: int, scale=None) -> list[HeadGroup]:
         if kind == "a_shape":
             grp.sink = (grp.sink or []) + [0 if isinstance(p, Dense) else min(p.sink, full)]
             grp.local = (grp.local or []) + [full if isinstance(p, Dense) else min(p.local, full)]
+    return groups
+
+
+def _vs_pick(q, k, pattern, heads, grp_heads, *, offset, scale):
+    ps = [heads[h] for h in grp_heads]
+    return vs_select(q, k, offset=offset, vertical=[p.vertical for p in ps], slash=[p.slash for p in ps],
+                     last_q=pattern.last_q, force_sink=pattern.force_sink, force_local=pattern.force_local,
+                     scale=scale, heads=grp_heads, vertical_aware=pattern.vertical_aware)
+
+
+def build_plan(q, k, pattern, *, offset: int, scale=None) -> list[HeadGroup]:
+    """Group the call's heads by kind and build each group's index (torch, on q's device).
+    `pattern`: a SparsePattern (its head patterns for q's heads and its index parameters)."""
+    Hq, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
+    heads = pattern.for_heads(Hq)
+    BM = pattern.block_size
+    groups = _grouped(heads, Lq=Lq, Lk=Lk, offset=offset)
     if "vertical_slash" in groups:
         grp = groups["vertical_slash"]
-        ps = [heads[h] for h in grp.heads]
-        v_idx, s_idx = vs_select(q, k, offset=offset, vertical=[p.vertical for p in ps], slash=[p.slash for p in ps],
-                                 last_q=pattern.last_q, force_sink=pattern.force_sink,
-                                 force_local=pattern.force_local, scale=scale, heads=grp.heads,
-                                 vertical_aware=pattern.vertical_aware)
+        v_idx, s_idx = _vs_pick(q, k, pattern, heads, grp.heads, offset=offset, scale=scale)
         grp.index = vs_index(v_idx, s_idx, Lq=Lq, Lk=Lk, offset=offset, block_size=BM, heads=grp.heads)
     if "block_sparse" in groups:
         grp = groups["block_sparse"]
@@ -121,13 +132,8 @@ def kernel_cost(grp: HeadGroup, *, B: int, Lq: int, Lk: int, offset: int, block_
         return per_head[None].expand(B, -1).clone()
     if grp.kind == "vertical_slash":
         idx = grp.index
-        KS = idx.seg.shape[2]
-        used = torch.arange(KS, device=dev) < idx.seg_count[..., None].long()
-        lo = (base[None, None, :, None] - idx.seg[:, :, None, :, 1].long()).clamp(min=0)
-        hi = (base[None, None, :, None] + BM - idx.seg[:, :, None, :, 0].long()).clamp(max=Lk)
-        n = torch.where(used[:, :, None, :], chunks(lo, hi), 0).sum((-1, -2))
-        n = n + torch.div(idx.col_count.long() + BN - 1, BN, rounding_mode="floor").sum(-1)
-        return n * BM * BN
+        return slash_cost(idx.seg, idx.seg_count, Lq=Lq, Lk=Lk, offset=offset, block_size=BM) + column_cost(
+            idx.col_count, block_size=BM)
     return grp.index.count.long().sum(-1) * BM * BN
 
 
@@ -135,3 +141,187 @@ def dense_cost(*, Lq: int, Lk: int, offset: int, block_size: int) -> int:
     """Score entries a causal flash kernel with block_size x block_size tiles computes."""
     g = HeadGroup("a_shape", [0], sink=[0], local=[INT32_MAX // 4])
     return int(kernel_cost(g, B=1, Lq=Lq, Lk=Lk, offset=offset, block_size=block_size)[0, 0])
+
+
+def _ramp_sum(x0: torch.Tensor, x1: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """sum of clamp(t, 0, cap) over the integers t = x0 .. x1 (0 where x1 < x0), elementwise, int64."""
+
+    def upto(x):  # sum over t = 0 .. x (0 for x < 0)
+        x = x.clamp(min=-1)
+        low = torch.minimum(x, cap).clamp(min=0)
+        return torch.where(x < 0, 0, low * (low + 1) // 2 + (x - low).clamp(min=0) * cap)
+
+    return torch.where(x1 < x0, 0, upto(x1) - upto(x0 - 1))
+
+
+def slash_cost(seg: torch.Tensor, seg_count: torch.Tensor, *, Lq: int, Lk: int, offset: int, block_size: int) -> torch.Tensor:
+    """Score entries the kernel computes for a Vertical-Slash index's diagonal runs, per head: [B, nH]
+    int64, in closed form (O(runs), no [row blocks x runs] temporaries). Row block m (first key index
+    b = m*B + off) streams run (d_first, d_last) as [max(0, b - d_last), min(Lk, b + B - d_first)) in
+    B-wide chunks: max(0, m + ceil((off + B - d_first) / B)) chunks, capped at 1 + ceil((d_last -
+    d_first) / B), while b + B - d_first <= Lk; after that min(ceil(Lk / B), max(0, ceil((Lk + d_last -
+    off) / B) - m)). Both are clamped ramps in m, summed exactly."""
+    BM = block_size
+    nM = cdiv(Lq, BM)
+    a, b = seg[..., 0].long(), seg[..., 1].long()  # [B, nH, KS]
+    used = torch.arange(seg.shape[2], device=seg.device) < seg_count[..., None].long()
+    cap = 1 + torch.div(b - a + BM - 1, BM, rounding_mode="floor")
+    c0 = -torch.div(a - offset - BM, BM, rounding_mode="floor")  # ceil((off + BM - a) / BM)
+    m_c = (torch.div(Lk - offset - BM + a, BM, rounding_mode="floor") + 1).clamp(0, nM)  # first block hi clamps
+    k1 = -torch.div(offset - Lk - b, BM, rounding_mode="floor")  # ceil((Lk + b - off) / BM)
+    cl = torch.full_like(a, cdiv(Lk, BM))
+    head = _ramp_sum(c0, c0 + m_c - 1, cap)
+    tail = _ramp_sum(k1 - nM + 1, k1 - m_c, cl)
+    return torch.where(used, head + tail, 0).sum(-1) * BM * BM
+
+
+def column_cost(col_count: torch.Tensor, *, block_size: int) -> torch.Tensor:
+    """Score entries of a Vertical-Slash index's gathered columns (B at a time per row block): [B, nH]."""
+    BM = block_size
+    return torch.div(col_count.long() + BM - 1, BM, rounding_mode="floor").sum(-1) * BM * BM
+
+
+def block_sparse_cost(topk, *, Lq: int, Lk: int, offset: int, block_size: int) -> torch.Tensor:
+    """Score entries of Block-Sparse heads before their index exists (host, [nH] int64): row block m
+    takes min(topk, the key blocks its last row sees) blocks, whatever the scores (`bs_select`)."""
+    BM = block_size
+    m = torch.arange(cdiv(Lq, BM))
+    last = torch.clamp(m * BM + BM, max=Lq) - 1 + offset
+    visible = torch.clamp(torch.div(last, BM, rounding_mode="floor") + 1, 0, cdiv(Lk, BM))
+    topk = torch.tensor([int(t) for t in topk])[:, None]
+    return torch.minimum(topk, visible[None]).sum(-1) * BM * BM
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost model: sparse only where it beats the dense kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """Measured speeds for the dense-or-sparse choice. `dense`: score entries per second of the dense
+    kernel (cuDNN SDPA, causal; entries counted as `dense_cost` counts them); `a_shape`,
+    `vertical_slash`, `block_sparse`: each sparse kernel's speed per entry it computes (`kernel_cost`)
+    as a fraction of `dense`; `vs_index`, `bs_index`: seconds per (head x key) of the index work still
+    ahead when the choice is made (Vertical-Slash: its column lists, after the estimate; Block-Sparse:
+    its pooled selection, all of it, since its cost is known without scores).
+
+    A head runs sparse iff kernel entries / (fraction * dense) + index seconds < dense entries / dense,
+    i.e. (index aside) iff its density (kernel entries / dense entries) is below the fraction."""
+
+    dense: float
+    a_shape: float
+    vertical_slash: float
+    block_sparse: float
+    vs_index: float = 0.0
+    bs_index: float = 0.0
+
+    def fraction(self, kind: str) -> float:
+        return {"a_shape": self.a_shape, "vertical_slash": self.vertical_slash, "block_sparse": self.block_sparse}[kind]
+
+    def sparse_wins(self, kind: str, entries: float, dense_entries: float, index_s: float = 0.0) -> bool:
+        if dense_entries <= 0:
+            return False
+        return entries / (self.fraction(kind) * self.dense) + index_s < dense_entries / self.dense
+
+
+# One H200, bf16, 32 heads x d128, 64-row blocks, structured inputs (`launch/bench.py sparse`):
+# bench/results/2026-11-23-h200/sparse.json (32K and 128K, commit 4800ea2) and
+# bench/results/2026-11-23-h200-runtime-serve/vs_128k.json (128K again, 4c3b91b). Each fraction is
+# density * dense_cudnn_ms / kernel_ms, the smaller of the two lengths (a head goes sparse only where
+# it wins at both): Vertical-Slash 0.275 (32K) / 0.299 (128K), A-shape 0.312 / 0.368, Block-Sparse
+# 0.459 / 0.489. dense: dense_cost(L, L) * 32 / dense_cudnn_ms = 1.24e12 entries/s at 32K (1.09e12
+# at 128K; the larger makes index work weigh more). bs_index: index_ms / (32 * L) = 1.54e-9 (32K),
+# 1.74e-9 (128K) s per head-key, the larger. vs_index: the column lists alone (`vs_index` after
+# `vs_select`, Vertical-Slash 1000 / 6096), one layer of the 8B shape (32 / 8 heads):
+# column_index_ms / (32 * L) = 1.24e-9 to 1.65e-9 over 64K / 128K, random / structured inputs, two
+# runs; the largest (bench/results/2026-11-23-h200-sparse-fallback/index_split.json, run1/ too).
+H200_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275, block_sparse=0.459,
+                         vs_index=1.65e-9, bs_index=1.74e-9)
+
+
+def _take(index, pos: list[int], heads: list[int]):
+    """An index restricted to the heads at positions `pos` of its head dimension."""
+    p = torch.tensor(pos, dtype=torch.long, device=(index.seg if isinstance(index, VSIndex) else index.blocks).device)
+    if isinstance(index, VSIndex):
+        return VSIndex(heads, *(t.index_select(1, p) for t in (index.vertical, index.slash, index.seg, index.seg_count,
+                                                                  index.col, index.col_count, index.col_full)))
+    return BSIndex(heads, *(t.index_select(1, p) for t in (index.blocks, index.count, index.full)))
+
+
+@dataclass
+class FallbackPlan:
+    """`plan_with_fallback`'s answer: `groups` hold the heads that run the sparse kernel (indices
+    restricted to them), `dense` the heads the dense kernel runs, `density` per head of the call its
+    kernel entries / a dense causal kernel's (for a Vertical-Slash head sent to dense before its
+    column lists were built, the diagonal runs alone: a lower bound)."""
+
+    groups: list
+    dense: list
+    density: list = field(default_factory=list)
+
+
+def plan_with_fallback(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | None = None) -> FallbackPlan:
+    """`build_plan` with the cost model: each head's kernel cost from its pattern (A-shape, Dense and
+    Block-Sparse heads before any score is read; Vertical-Slash heads after the estimate, first from
+    their diagonal runs, which alone may already lose, then with their column lists), and the heads
+    whose sparse kernel would not beat the dense kernel (`rates`) moved to `dense`. rates=None keeps
+    every head sparse (the densities are still counted). One host sync (two when Vertical-Slash heads
+    survive their first check)."""
+    B, Hq, Lq = q.shape[0], q.shape[1], q.shape[2]
+    Lk = k.shape[2]
+    heads = pattern.for_heads(Hq)
+    BM = pattern.block_size
+    groups = _grouped(heads, Lq=Lq, Lk=Lk, offset=offset)
+    dense_e = float(B * dense_cost(Lq=Lq, Lk=Lk, offset=offset, block_size=BM))  # per head, all batch rows
+    density = [1.0] * Hq
+    dense: list[int] = []
+
+    def wins(kind, entries, index_s=0.0):
+        return rates is None or rates.sparse_wins(kind, entries, dense_e, index_s)
+
+    def split(grp, entries, index_s=0.0):  # positions in grp.heads that stay sparse; the rest -> dense
+        keep = []
+        for j, h in enumerate(grp.heads):
+            density[h] = entries[j] / dense_e if dense_e else 1.0
+            if wins(grp.kind, entries[j], index_s):
+                keep.append(j)
+            else:
+                dense.append(h)
+        return keep
+
+    out = []
+    if "a_shape" in groups:
+        grp = groups["a_shape"]
+        keep = split(grp, (kernel_cost(grp, B=1, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)[0] * B).tolist())
+        if keep:
+            out.append(HeadGroup("a_shape", [grp.heads[j] for j in keep], sink=[grp.sink[j] for j in keep],
+                                 local=[grp.local[j] for j in keep]))
+    if "block_sparse" in groups:
+        grp = groups["block_sparse"]
+        topk = [heads[h].topk for h in grp.heads]
+        cost = (block_sparse_cost(topk, Lq=Lq, Lk=Lk, offset=offset, block_size=BM) * B).tolist()
+        keep = split(grp, cost, 0.0 if rates is None else rates.bs_index * B * Lk)
+        if keep:
+            hs = [grp.heads[j] for j in keep]
+            out.append(HeadGroup("block_sparse", hs, index=bs_select(q, k, offset=offset, topk=[topk[j] for j in keep],
+                                                                      block_size=BM, scale=scale, heads=hs)))
+    if "vertical_slash" in groups:
+        grp = groups["vertical_slash"]
+        v_idx, s_idx = _vs_pick(q, k, pattern, heads, grp.heads, offset=offset, scale=scale)
+        seg, seg_count = vs_segments(s_idx, Lq + offset, BM)
+        runs = slash_cost(seg, seg_count, Lq=Lq, Lk=Lk, offset=offset, block_size=BM).sum(0)  # [nH]
+        lower = runs.tolist()  # the sync
+        keep = split(grp, lower, 0.0 if rates is None else rates.vs_index * B * Lk)
+        if keep:
+            hs = [grp.heads[j] for j in keep]
+            p = torch.tensor(keep, dtype=torch.long, device=v_idx.device)
+            index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
+                             block_size=BM, heads=hs)
+            exact = (runs.index_select(0, p) + column_cost(index.col_count, block_size=BM).sum(0)).tolist()
+            sub = HeadGroup("vertical_slash", hs, index=index)
+            keep2 = split(sub, exact)
+            if keep2:
+                out.append(HeadGroup("vertical_slash", [hs[j] for j in keep2],
+                                     index=index if len(keep2) == len(hs) else _take(index, keep2, [hs[j] for j in keep2])))
+    return FallbackPlan(out, sorted(set(dense)), density)
