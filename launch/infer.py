@@ -28,20 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from starshard.cli import (add_layout_arguments, add_sparse_arguments, default_strategy, layout_error,  # noqa: E402
                            parallel_config, sparse_config)
+from starshard.parallel.topology import read_launch_env  # noqa: E402
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 log = logging.getLogger("starshard.infer")
-
-
-def launch_rank() -> int:
-    """This process's global rank as topology.read_launch_env reads it (torchrun, then Slurm), without
-    importing torch: flag errors stay fast."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"])
-    return 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "given on the command line override it; relative paths are relative to the file (examples/)")
     from starshard.runconfig import parse_with_config
 
-    if launch_rank() != 0:  # every rank parses the same flags: only rank 0 says what is wrong
+    if read_launch_env().rank != 0:  # every rank parses the same flags: only rank 0 says what is wrong
         ap.error = lambda message: sys.exit(2)
     args = parse_with_config(ap, argv)
     given = [x for x in ("prompt", "prompt_file", "context_file") if getattr(args, x) is not None]
@@ -280,8 +270,6 @@ def timing_summary(t: dict[str, float], m: dict) -> str:
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
-    from starshard.parallel.topology import read_launch_env
-
     launch = read_launch_env()
     lead = launch.rank == 0  # every rank runs the model; one prints
     setup_logging(args.log_level, lead)

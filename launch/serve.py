@@ -25,17 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from starshard.cli import (add_layout_arguments, add_sparse_arguments, layout_error, parallel_config,  # noqa: E402
                            sparse_config)
+from starshard.parallel.topology import read_launch_env  # noqa: E402
 from starshard.runconfig import parse_with_config  # noqa: E402
 from starshard.server.settings import API_KEY_ENV  # noqa: E402
 
 log = logging.getLogger("starshard.serve")
-
-
-def launch_rank() -> int:
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"])
-    return int(env.get("SLURM_PROCID", 0)) if "SLURM_NTASKS" in env else 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "ends the server within about this long")
     ap.add_argument("--config", type=Path, default=None,
                     help="TOML run config whose keys are these flags' long names; command-line flags override it")
-    if launch_rank() != 0:
+    if read_launch_env().rank != 0:
         ap.error = lambda message: sys.exit(2)
     args = parse_with_config(ap, argv)
     if args.model and args.random_weights:
@@ -132,7 +126,7 @@ def main(argv=None) -> int:
 
     from starshard import LLM
     from starshard.checkpoints.load import CheckpointError
-    from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
+    from starshard.parallel.topology import LayoutError, collective_failure
     from starshard.runtime.service import Service
 
     launch = read_launch_env()

@@ -87,6 +87,7 @@ def test_context_cache_lookup_budget_and_lru():
     cache.release(a)
     cache.touch(b)
     assert cache.plan_room(50) == [a.id]  # least recently used first
+    assert cache.plan_room(50, keep=a.id) == [b.id]  # never the entry about to be reused
     cache.acquire(b)
     with pytest.raises(RuntimeError, match="while requests use them"):
         cache.evict([a.id, b.id])

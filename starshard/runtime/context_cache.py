@@ -104,12 +104,15 @@ class ContextCache:
         """Unused entries, least recently used first."""
         return sorted((e for e in self.entries.values() if e.users == 0), key=lambda e: e.last_used)
 
-    def plan_room(self, nbytes: int, other_bytes: int = 0) -> list[int] | None:
+    def plan_room(self, nbytes: int, other_bytes: int = 0, keep: int | None = None) -> list[int] | None:
         """Entry ids to evict (LRU first) so that `nbytes` more fit beside `other_bytes` of request
-        KV; None when even evicting every unused entry leaves too little room."""
+        KV, never entry `keep` (the one about to be reused); None when even evicting every other
+        unused entry leaves too little room."""
         free = self.budget - self.used_bytes - other_bytes
         victims = []
         for e in self.evictable():
+            if e.id == keep:
+                continue
             if free >= nbytes:
                 break
             victims.append(e.id)

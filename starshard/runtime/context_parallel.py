@@ -92,11 +92,11 @@ class ContextParallelRunner(LocalRunner):
         tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def cache_rows(self, tokens: int) -> int:
         """Each rank holds its shard, not the sequence: start at 1/cp of it plus room for decode
         on the query rank (a LayerKV grows if a strategy's shard needs more)."""
         cp = self.strategy.cp
-        return super().new_cache(capacity if cp == 1 else -(-capacity // cp) + 256)
+        return tokens if cp == 1 else -(-tokens // cp) + 256
 
     def decode_is_local(self) -> bool:
         # One rank: the sharded decode is plain attention over the whole local cache (Star / APB

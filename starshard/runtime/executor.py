@@ -44,7 +44,6 @@ class Executor:
         self.cache = cache
         strategy = getattr(runner, "strategy", None)
         self.group = strategy.group if strategy is not None and strategy.cp > 1 else None
-        self.cp = 1 if self.group is None else strategy.cp
         self.query_rank = 0 if self.group is None else strategy.query_rank
         self.is_query_rank = self.group is None or strategy.is_query_rank
         # Last-row logits -> token: plain sampling, or vocab-parallel over the TP group (every TP rank
@@ -68,13 +67,11 @@ class Executor:
     # -- sizes the scheduler plans with
     def token_bytes(self) -> int:
         """KV bytes of one token on one rank (k and v of every layer held, plus its position)."""
-        el = torch.empty((), dtype=self.dtype).element_size()
-        return len(self.model.layers) * (2 * self.kv_heads * self.head_dim * el + 8)
+        return len(self.model.layers) * (2 * self.kv_heads * self.head_dim * self.dtype.itemsize + 8)
 
     def entry_bytes(self, n_tokens: int) -> int:
         """What a prefilled entry of n tokens allocates on a rank (the runner's cache sizing)."""
-        cap = n_tokens if self.cp == 1 else -(-n_tokens // self.cp) + 256
-        return cap * self.token_bytes()
+        return self.runner.cache_rows(n_tokens) * self.token_bytes()
 
     # -- operations
     def run(self, ops: list[dict]) -> dict[int, int]:
@@ -165,24 +162,25 @@ class Executor:
         self._join(row)
         return row.last_token
 
-    def _decode(self) -> dict[int, int]:
-        rows = self.rows
+    def _batch_cascade(self) -> CascadeAttention:
+        """The batch's attention: one shared group per cache entry its rows use, and the own-KV pool."""
         by_entry: dict[int, SharedGroup] = {}
-        for b, r in enumerate(rows):
+        for b, r in enumerate(self.rows):
             g = by_entry.setdefault(r.entry.id, SharedGroup(r.entry.kv, [], [], len(r.entry)))
             g.rows.append(b)
             g.prefix.append(r.prefix)
+        return CascadeAttention(list(by_entry.values()), self.pool, self.group, self.device)
+
+    def _decode(self) -> dict[int, int]:
+        rows = self.rows
         toks = torch.tensor([[r.last_token] for r in rows], device=self.device)
         pos = torch.tensor([[r.next_pos] for r in rows], device=self.device)
-        if self._graph is not None:
+        if self._graph is None and self.cuda_graphs and self._steady >= 1 and len(rows) <= DECODE_MAX_ROWS:
+            self._graph = CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device)
+        if self._graph is not None:  # the rows kept since the capture: replay
             logits = self._graph.step(toks, pos)
         else:
-            cascade = CascadeAttention(list(by_entry.values()), self.pool, self.group, self.device)
-            if self.cuda_graphs and self._steady >= 1 and len(rows) <= DECODE_MAX_ROWS:
-                self._graph = CascadeGraph(self.model, cascade, len(rows), self.device)
-                logits = self._graph.step(toks, pos)
-            else:
-                logits = run_cascade(self.model, toks, pos, cascade)
+            logits = run_cascade(self.model, toks, pos, self._batch_cascade())
         self._steady += 1
         out = {}
         for r, t in zip(rows, self._sample(logits, rows)):

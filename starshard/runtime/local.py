@@ -21,9 +21,13 @@ class LocalRunner:
         self.cuda_graphs = cuda_graphs  # replay single-token decode steps from a CUDA graph (cuda_graph.py)
         self._graph = None
 
+    def cache_rows(self, tokens: int) -> int:
+        """KV rows this process allocates for a sequence of `tokens` (all of them, on one process)."""
+        return tokens
+
     def new_cache(self, capacity: int) -> KVCache:
         m = self.model
-        return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, capacity,
+        return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, self.cache_rows(capacity),
                        m.layers[0].attention.wo.weight.dtype, m.layers[0].attention.wo.weight.device)
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):

@@ -76,7 +76,8 @@ class Request:
     on_event: Callable[[TokenEvent], None]
     arrived: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    text_start: int = 0  # detokenization window: tokens [text_start, text_end) produced the last text sent
+    text_end: int = 0
     cached: int = 0
     cancelled: bool = False
     running: bool = False
@@ -271,7 +272,7 @@ class Service:
         # shares just a chat template's header with an entry is a new document: prefill it, cache it.
         if entry is not None and rest <= self.max_extend and rest <= m:
             own = self._own_bytes(len(ids) - m + req.max_tokens)
-            victims = self._room_sparing(own, own_running, keep=entry.id)
+            victims = self.cache.plan_room(own, own_running, keep=entry.id)
             if victims is None:
                 return None
             req.cached = m
@@ -286,17 +287,6 @@ class Service:
         return ([{"op": "evict", "entries": victims}] if victims else []) + [
             {"op": "prefill", "entry": self.cache.next_id(), "context_len": req.prompt.context_len,
              "head_len": req.prompt.head_len, "pinned": not self.reuse, **base}]
-
-    def _room_sparing(self, nbytes: int, other: int, keep: int) -> list[int] | None:
-        victims = self.cache.plan_room(nbytes, other)
-        if victims is not None and keep in victims:  # never evict the entry being reused
-            entry = self.cache.entries[keep]
-            self.cache.acquire(entry)
-            try:
-                victims = self.cache.plan_room(nbytes, other)
-            finally:
-                self.cache.release(entry)
-        return victims
 
     def _deliver(self, tokens: dict[int, int]) -> None:
         finished = []
@@ -329,16 +319,18 @@ class Service:
         self.executor.run(ops)
 
     def _detok(self, req: Request) -> str:
-        """The text the newest token adds; held back while it ends inside a multi-byte character."""
+        """The text the newest token adds; held back while it ends inside a multi-byte character.
+        Decodes a short window (from the last emitted piece on), not the whole answer each step: the
+        difference of two decodes from the same start keeps the tokenizer's spacing right."""
         if self.tokenizer is None:
             return ""
-        kept = [t for t in req.tokens if t not in self.llm.eos_ids]
-        full = self.tokenizer.decode(kept, skip_special_tokens=True)
-        if full.endswith("\ufffd") and len(req.tokens) < req.max_tokens:
+        toks = req.tokens  # called for non-EOS tokens only: EOS ends the request
+        before = self.tokenizer.decode(toks[req.text_start:req.text_end], skip_special_tokens=True)
+        after = self.tokenizer.decode(toks[req.text_start:], skip_special_tokens=True)
+        if after.endswith("\ufffd") and len(toks) < req.max_tokens:
             return ""
-        new = full[len(req.text):] if full.startswith(req.text) else full
-        req.text = full
-        return new
+        req.text_start, req.text_end = req.text_end, len(toks)
+        return after[len(before):]
 
     def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None) -> None:
         try:
