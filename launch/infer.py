@@ -183,9 +183,9 @@ def check_window(cfg, n_prompt: int, max_new: int) -> None:
     from starshard.runtime.prompt import check_window as check
 
     try:
-        check(cfg, n_prompt, max_new)
+        check(cfg, n_prompt, max_new, budget="--max-new-tokens")
     except ValueError as e:
-        raise Abort(str(e).replace("lower max_new_tokens", "lower --max-new-tokens")) from None
+        raise Abort(str(e)) from None
 
 
 def memory_limit(args, device: str, local_rank: int) -> int | None:

@@ -79,16 +79,20 @@ def _head_len(tokenizer, head_text: str, ids: list[int], use_template) -> int:
     return n
 
 
-def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
+def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget: str = "max_new_tokens") -> None:
     """Refuse a request the model cannot hold: prompt + new tokens over the window (or over a sliding
-    window, which is not supported). The message names the limit and what to change."""
+    window, which is not supported). The message names the limit and what to change; `budget` is what
+    the caller calls the new-token budget (a flag, an API field)."""
     window = cfg.max_position_embeddings
     if prompt_len == 0:
         raise ValueError("the prompt is empty")
+    if max_new_tokens >= window:
+        raise PromptTooLongError(f"{max_new_tokens} new tokens leave no room for a prompt: the budget exceeds the model "
+                                 f"window of {window} tokens; lower {budget} below {window}")
     if prompt_len + max_new_tokens > window:
         raise PromptTooLongError(
             f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the model window of "
-            f"{window} tokens; shorten the prompt to at most {window - max_new_tokens} tokens or lower max_new_tokens"
+            f"{window} tokens; shorten the prompt to at most {window - max_new_tokens} tokens or lower {budget}"
         )
     sw = cfg.sliding_window
     if sw is not None and prompt_len + max_new_tokens > sw:

@@ -143,7 +143,7 @@ class Service:
 
     def submit(self, prompt: Prompt, *, max_tokens: int, sampling: SamplingParams, stop=None,
                on_event: Callable[[TokenEvent], None]) -> Ticket:
-        check_window(self.config, len(prompt.ids), max_tokens)
+        check_window(self.config, len(prompt.ids), max_tokens, budget="max_tokens")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed)  # validates
