@@ -12,6 +12,7 @@ says what it measures and how it times it (the code: starshard/benchmarks/<subco
     python launch/bench.py anchor --lengths 32768,131072 --thetas 4,8,12     # AnchorAttention vs dense / VS
     python launch/bench.py kernels --quick --out kernels.json                  # attention kernels, one GPU
     python launch/bench.py fp8-attention --lengths 32768,131072                # cuDNN FP8 attention vs bf16
+    python launch/bench.py moe --random-weights qwen3-30b-a3b --out moe.json   # MoE prefill vs HF, decode vs bytes
     python launch/bench.py plot r1.json r2.json --out latency.png
 
 Timings: warm-up, then the median of --repeats runs, CUDA events on GPU (kernels: triton's do_bench).
@@ -28,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch.distributed as dist  # noqa: E402
 
-from starshard.benchmarks import anchor, attention, fp8_attention, hf, kernels, plot, prefill, serve, sparse, tp  # noqa: E402
+from starshard.benchmarks import anchor, attention, fp8_attention, hf, kernels, moe, plot, prefill, serve, sparse, tp  # noqa: E402
 
 SUBCOMMANDS = {"prefill": prefill, "attention": attention, "hf": hf, "tp": tp, "serve": serve, "sparse": sparse,
-               "anchor": anchor, "kernels": kernels, "fp8-attention": fp8_attention, "plot": plot}
+               "anchor": anchor, "kernels": kernels, "fp8-attention": fp8_attention, "moe": moe, "plot": plot}
 
 
 class _DescriptionAndDefaults(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -24,20 +24,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from starshard.cli import add_layout_arguments, add_sparse_arguments, apb_cli_error, sparse_config  # noqa: E402
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, apb_cli_error,  # noqa: E402
+                           fp8_config, sparse_config)
 from starshard.evaluation.tasks import TASKS  # noqa: E402
 
 # Engine flags passed on to LLM(...) only when given (not at their defaults); the engine decides what
 # it supports.
 ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "pp_layers", "block_size", "num_blocks", "anchor_size", "query_rank",
                 "ulysses_degree", "sparse", "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len",
-                "apb_hosts")
+                "apb_hosts", "fp8")
 
 
 def _flag_defaults() -> dict:
     ap = argparse.ArgumentParser()
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
+    add_fp8_arguments(ap)
     return {k: ap.get_default(k) for k in ENGINE_FLAGS}
 
 
@@ -83,6 +85,7 @@ def parse_args(argv=None):
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
     add_sparse_arguments(ap)
+    add_fp8_arguments(ap)
     e = ap.add_argument_group("engine")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -95,6 +98,10 @@ def parse_args(argv=None):
     bad = apb_cli_error(args, args.cp_strategy, args.cp)  # --sparse-config without --sparse: build_llm says so
     if bad:
         ap.error(bad)
+    try:
+        fp8_config(args)
+    except ValueError as e:
+        ap.error(str(e))
     args.tasks = [x for x in args.tasks.split(",") if x]
     bad = [x for x in args.tasks if x not in TASKS]
     if bad:
@@ -120,6 +127,8 @@ def engine_flags(args) -> dict:
             flags["sparse"] = sparse_config(args)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    if "fp8" in flags:
+        flags["fp8"] = fp8_config(args)
     return flags
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from starshard.cli import (add_layout_arguments, add_sparse_arguments, default_strategy, layout_error,  # noqa: E402
-                           parallel_config, sparse_config)
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,  # noqa: E402
+                           fp8_config, layout_error, parallel_config, sparse_config)
 from starshard.parallel.topology import read_launch_env  # noqa: E402
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="run the prompt through the model this many tokens at a time (bounds activation memory)")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
+    add_fp8_arguments(ap)
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
@@ -222,7 +223,9 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
     try:
         lay = Layout(args.tp, args.pp, args.cp, strategy, tuple(args.pp_layers) if args.pp_layers else None,
                      args.block_size, args.anchor_size, args.query_rank)
-        work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes)
+        fp8 = fp8_config(args)
+        work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
+                        fp8_kv=fp8.kv, fp8_linear=fp8.linear)
         plan = plan_memory(cfg, lay, work)
     except ValueError as e:
         raise Abort(str(e)) from None
@@ -322,7 +325,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     try:
         try:
             llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json and lead,
-                      random_weights=args.random_weights, sparse=sparse)
+                      random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args))
         except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
             raise Abort(str(e)) from None
         times["setup"] = time.perf_counter() - t0

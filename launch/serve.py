@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from starshard.cli import (add_layout_arguments, add_sparse_arguments, layout_error, parallel_config,  # noqa: E402
-                           sparse_config)
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,  # noqa: E402
+                           layout_error, parallel_config, sparse_config)
 from starshard.parallel.topology import read_launch_env  # noqa: E402
 from starshard.runconfig import parse_with_config  # noqa: E402
 from starshard.server.settings import API_KEY_ENV  # noqa: E402
@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "tokens and no longer than the shared part; otherwise the whole prompt is prefilled and cached")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
+    add_fp8_arguments(ap)
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -112,7 +113,7 @@ def default_cache_bytes(llm, args, device) -> int:
     if device.type != "cuda":
         return 2 * 2**30
     cfg, p = llm.config, llm.parallel
-    dtype = str(llm.model.layers[0].attention.wo.weight.dtype).removeprefix("torch.")
+    dtype = str(llm.model.layers[0].attention_norm.weight.dtype).removeprefix("torch.")
     window = cfg.max_position_embeddings
     plan = plan_memory(cfg, Layout(p.tp, p.pp, p.cp, p.cp_strategy), Workload(window, window, 0, None,
                                                                                DTYPE_BYTES[dtype]))
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     try:
         llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel_config(args), progress=lead,
-                  random_weights=args.random_weights, sparse=sparse_config(args))
+                  random_weights=args.random_weights, sparse=sparse_config(args), fp8=fp8_config(args))
         cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device)
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from starshard.config import ParallelConfig
+from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
 from starshard.parallel.context import APB_OPTIONS, STRATEGIES
 
@@ -57,10 +57,16 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     "would not beat the dense kernel (rates measured on one H200) runs dense; `launch/bench.py "
                     "prefill` reports what ran (sparse_report)")
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
-                    help="per-layer, per-head patterns (JSON from `python -m starshard.tools.minference_search`, "
-                    "or MInference's published per-model config); default: Vertical-Slash (1000, 6096) on every head")
+                    help="--sparse minference: per-layer, per-head patterns (JSON from `python -m "
+                    "starshard.tools.minference_search`, or MInference's published per-model config); default: "
+                    "Vertical-Slash (1000, 6096) on every head. --sparse anchor: per-layer, per-head thresholds and "
+                    "the pooling, calibrated for the model to a recall target (JSON from `python -m "
+                    "starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / --anchor-step")
     sp.add_argument("--anchor-theta", type=float, default=12.0,
-                    help="--sparse anchor: keep keys scoring within this of the anchor (paper: 12; lower = sparser)")
+                    help="--sparse anchor without --sparse-config: one threshold for every head, in natural-log units "
+                    "of the softmax weight: keep keys whose score stays within this of the anchor on average over "
+                    "a query block (paper: 12 for 8B models; lower = sparser; how much attention mass a given theta "
+                    "keeps depends on the model and head: calibrate with --sparse-config)")
     sp.add_argument("--anchor-block-q", type=int, default=128,
                     help="--sparse anchor: query rows pooled per block (small models at a few K tokens: 16)")
     sp.add_argument("--anchor-step", type=int, default=16,
@@ -71,6 +77,22 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
     sp.add_argument("--sparse-no-fallback", action="store_true",
                     help="run every head's sparse pattern even where the dense kernel is faster (kernel and accuracy "
                     "studies; with --sparse-min-length 0 this reproduces runs from before the fallback)")
+
+
+def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
+    """--fp8: what runs in FP8 e4m3 (GPUs of compute capability >= 8.9; the CPU runs a slow reference)."""
+    ap.add_argument("--fp8", default=None, metavar="LIST",
+                    help=f"comma-separated parts to run in FP8 e4m3, from {', '.join(FP8_ITEMS)} (default: none, the "
+                    "compute dtype): linear = decoder projections with e4m3 weights (one scale per output channel) and "
+                    "activations scaled per row (FP8 GEMM in prefill, weight-only kernel in decode); kv = the KV cache "
+                    "in e4m3 with one scale per (KV head, token), half the KV bytes (the memory plan counts it); "
+                    "attention = FP8 prefill attention (refused: measured ~10%% output error on Hopper). Needs an Ada / Hopper GPU (compute capability "
+                    ">= 8.9) and --dtype bfloat16 for linear. Usual choice: --fp8 linear,kv")
+
+
+def fp8_config(args) -> Fp8Config:
+    """The Fp8Config --fp8 asks for (ValueError names the valid items)."""
+    return Fp8Config.parse(getattr(args, "fp8", None))
 
 
 def add_apb_arguments(group) -> None:
@@ -120,9 +142,13 @@ def apb_cli_error(args, cp_strategy: str | None, cp: int | None) -> str | None:
 
 
 def layout_error(args) -> str | None:
-    """What is wrong with the layout / sparse flags in `args` (None: nothing), before any model loads."""
+    """What is wrong with the layout / sparse / fp8 flags in `args` (None: nothing), before any model loads."""
+    try:
+        fp8_config(args)
+    except ValueError as e:
+        return str(e)
     if getattr(args, "sparse_config", None) is not None and getattr(args, "sparse", None) is None:
-        return "--sparse-config needs --sparse minference"
+        return "--sparse-config needs --sparse minference or --sparse anchor"
     if getattr(args, "sparse", None) is None and (getattr(args, "sparse_min_length", None) is not None
                                                    or getattr(args, "sparse_no_fallback", False)):
         return "--sparse-min-length and --sparse-no-fallback need --sparse minference or --sparse anchor"

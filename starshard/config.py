@@ -17,8 +17,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+# Mixture-of-experts families (engine/moe.py): Qwen3-MoE (Qwen3's attention, `decoder_sparse_step` /
+# `mlp_only_layers` pick the sparse layers, `norm_topk_prob`) and Mixtral (Mistral's attention, every
+# layer sparse, top-k weights always renormalized). Neither has shared experts.
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # RoPE types whose frequencies depend on the run's length (Transformer.set_rope_length).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -146,9 +153,42 @@ def _rope_from_hf(hf: dict[str, Any], arch: str, head_dim: int) -> tuple[float, 
     return float(theta), rs, window
 
 
+_SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+
+
+def _moe_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's expert fields from a HF config (none for dense families). Qwen3-MoE's config.json
+    names the expert count `num_experts` (transformers 5 also writes `num_local_experts`), Mixtral's
+    `num_local_experts`; Mixtral's experts are `intermediate_size` wide and always renormalized."""
+    if arch not in MOE_ARCHS:
+        return {}
+    shared = [k for k in _SHARED_EXPERT_KEYS if hf.get(k)]
+    if shared:
+        raise UnsupportedArchitectureError(
+            f"{arch} with shared experts ({shared[0]}={hf[shared[0]]}) is not supported; starshard's MoE layer "
+            f"has routed experts only")
+    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    top_k = hf.get("num_experts_per_tok") or 0
+    if arch == "qwen3_moe" and experts == 0:
+        return {}  # transformers: every layer dense
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedArchitectureError(
+            f"{arch} needs 1 <= num_experts_per_tok <= experts; config.json has num_experts_per_tok={top_k}, "
+            f"experts={experts}")
+    if arch == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hf["intermediate_size"],
+                    norm_topk_prob=True)
+    step = hf.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise UnsupportedArchitectureError(f"qwen3_moe decoder_sparse_step must be an integer >= 1, got {step!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), decoder_sparse_step=step,
+                mlp_only_layers=sorted(int(i) for i in hf.get("mlp_only_layers") or []))
+
+
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | qwen2 | qwen3 | phi3
+    arch: str  # llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -168,6 +208,28 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (qwen3_moe, mixtral; num_experts 0 = every layer dense). A sparse layer
+    # (`is_moe_layer`) routes each token to `num_experts_per_tok` of `num_experts` SwiGLU experts of
+    # width `moe_intermediate_size`; the other layers keep the dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1 (Mixtral: always)
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has the expert MLP (transformers' Qwen3-MoE / Mixtral rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return len(self.moe_layers) < self.num_layers
 
     @property
     def q_size(self) -> int:
@@ -202,13 +264,13 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         theta, scaling, window = _rope_from_hf(hf, arch, head_dim)
-        if arch == "qwen3" and hf.get("attention_bias", False):
+        if arch in ("qwen3", "qwen3_moe") and hf.get("attention_bias", False):
             raise UnsupportedArchitectureError(
-                "Qwen3 with attention_bias=True (an o_proj bias) is not supported; starshard's o_proj has no bias")
+                f"{arch} with attention_bias=True (an o_proj bias) is not supported; starshard's o_proj has no bias")
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         window_sw = hf.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
             window_sw = None
         return cls(
             arch=arch,
@@ -225,10 +287,11 @@ class ModelConfig:
             max_position_embeddings=window,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=(arch == "qwen2") or (arch != "phi3" and bool(hf.get("attention_bias", False))),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             sliding_window=window_sw,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_from_hf(hf, arch),
         )
 
     @classmethod
@@ -281,6 +344,52 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+
+FP8_ITEMS = ("linear", "kv", "attention")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """What runs in FP8 (e4m3) on GPUs with FP8 tensor cores (compute capability >= 8.9); all off = bf16.
+
+    linear: the decoder's projections (wqkv, wo, w13, w2) hold e4m3 weights with one scale per output
+            channel; activations are scaled per row at run time (parallel/fp8.py, kernels/fp8.py).
+    kv:     the KV cache stores e4m3 keys / values with one scale per (KV head, token) (engine/kv_cache.py).
+    attention: FP8 prefill attention (cuDNN): measured and not kept (faster, ~10% output error on
+            Hopper: bench/results/2026-11-23-h200-fp8-attention); asking for it is an error that says so.
+    """
+
+    linear: bool = False
+    kv: bool = False
+    attention: bool = False
+
+    @classmethod
+    def parse(cls, items: "str | list[str] | tuple[str, ...] | Fp8Config | None") -> "Fp8Config":
+        """From "linear,kv", ["linear", "kv"], "none" / "" / None (bf16) or an Fp8Config."""
+        if isinstance(items, Fp8Config):
+            return items
+        if items is None:
+            return cls()
+        parts = items.split(",") if isinstance(items, str) else list(items)
+        names = [str(x).strip() for x in parts if str(x).strip()]
+        if names == ["none"]:
+            return cls()
+        bad = [x for x in names if x not in FP8_ITEMS]
+        if bad:
+            raise ValueError(f"--fp8: unknown item(s) {', '.join(map(repr, bad))}; valid: {', '.join(FP8_ITEMS)} "
+                             f"(comma separated, e.g. --fp8 linear,kv), or none for bf16")
+        return cls(**{x: True for x in names})
+
+    @property
+    def any(self) -> bool:
+        return self.linear or self.kv or self.attention
+
+    def items(self) -> list[str]:
+        return [x for x in FP8_ITEMS if getattr(self, x)]
+
+    def describe(self) -> str:
+        return ",".join(self.items()) or "none"
 
 
 @dataclass

@@ -18,7 +18,9 @@ def valid_tp_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
     out = []
     for t in range(1, limit + 1):
         kv_ok = cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0
-        if cfg.num_heads % t == 0 and kv_ok and cfg.intermediate_size % t == 0:
+        dense_ok = not cfg.has_dense_layers or cfg.intermediate_size % t == 0
+        experts_ok = not cfg.num_experts or cfg.moe_intermediate_size % t == 0
+        if cfg.num_heads % t == 0 and kv_ok and dense_ok and experts_ok:
             out.append(t)
     return out
 
@@ -27,7 +29,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     if tp < 1 or tp not in valid_tp_sizes(cfg, max(tp, 1)):
         raise ValueError(
             f"tp={tp} does not divide this model ({cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
-            f"intermediate {cfg.intermediate_size}); valid tp sizes: {valid_tp_sizes(cfg)}"
+            f"intermediate {cfg.intermediate_size}"
+            + (f", expert intermediate {cfg.moe_intermediate_size}" if cfg.num_experts else "")
+            + f"); valid tp sizes: {valid_tp_sizes(cfg)}"
         )
 
 
@@ -69,6 +73,13 @@ class TPLayout:
     @property
     def ffn_slice(self) -> slice:
         n = self.cfg.intermediate_size // self.tp
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def expert_slice(self) -> slice:
+        """This rank's columns of every expert's width (MoE layers: each expert split like the dense MLP;
+        every rank holds all experts and the router)."""
+        n = self.cfg.moe_intermediate_size // self.tp
         return slice(self.rank * n, (self.rank + 1) * n)
 
 

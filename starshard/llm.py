@@ -18,9 +18,11 @@ import torch
 from starshard.checkpoints.default import default_checkpoint
 from starshard.checkpoints.load import load_model
 from starshard.checkpoints.sources import read_config, weight_source
-from starshard.config import ModelConfig, ParallelConfig, SamplingConfig
+from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
+from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
 from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
 from starshard.parallel.context import make_strategy, strategy_options
+from starshard.parallel.fp8 import quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
 from starshard.presets import preset_config
@@ -62,6 +64,27 @@ def choose_runner(model, topo: Topology, parallel: ParallelConfig, *, tp_pp: boo
     return LocalRunner(model)
 
 
+def check_fp8(fp8: Fp8Config, device, dtype) -> None:
+    """Refuse an FP8 setting this device cannot run (LayoutError naming what is missing), before any
+    collective; on the CPU say once that the reference path runs."""
+    if not fp8.any:
+        return
+    if fp8.attention:
+        raise LayoutError("--fp8 attention is not offered: cuDNN's FP8 attention measured 1.6-1.75x faster than bf16 "
+                         "on an H200 but ~10% off in its output with a peaked softmax (Hopper writes the output in "
+                         "e4m3; bench/results/2026-11-23-h200-fp8-attention); use --fp8 linear, kv or linear,kv")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        warn_cpu_reference()
+        return
+    err = fp8_support_error(dev)
+    if err is not None:
+        raise LayoutError(err)
+    if fp8.linear and dtype != torch.bfloat16:
+        raise LayoutError(f"--fp8 linear on the GPU computes in bfloat16 (FP8 GEMM outputs); got dtype {dtype}: "
+                         f"run with --dtype bfloat16")
+
+
 class LLM:
     """One model over this process's ranks.
 
@@ -73,12 +96,18 @@ class LLM:
     that shape, no checkpoint (benchmarks); prompts must then be token ids. The weights depend only
     on (shape, weights_seed), not on the layout: a tp=2 run and a one-process run agree.
     sparse: a kernels.sparse.SparseConfig (sparse prefill inside each shard).
+    fp8: what runs in FP8 e4m3 (config.Fp8Config, or "linear,kv" / ["linear", "kv"]; default none =
+    the compute dtype): `linear` the decoder's projections (parallel/fp8.py), `kv` the KV cache
+    (engine/kv_cache.py). Needs a GPU of compute capability >= 8.9 (and bfloat16 for `linear`); on
+    the CPU a slow reference path runs (tests).
     """
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
                  parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
-                 weights_seed: int = 0, sparse: SparseConfig | None = None):
+                 weights_seed: int = 0, sparse: SparseConfig | None = None, fp8: Fp8Config | str | None = None):
         self.parallel = p = parallel or ParallelConfig()
+        self.fp8 = fp8 = Fp8Config.parse(fp8)
+        check_fp8(fp8, device, dtype)
         launch = read_launch_env()
         if random_weights is not None and path is not None:
             raise ValueError("give either a model path or random_weights, not both")
@@ -109,10 +138,13 @@ class LLM:
             model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
         else:
             model = load_model(self.path, dtype=dtype, device=self.device)
+        if fp8.linear:
+            quantize_linears(model, topo.tp_group if p.tp > 1 else None)
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
+        self.runner.kv_fp8 = fp8.kv
         self.config: ModelConfig = model.config
         self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
         eos = set(self.config.eos_token_ids)

@@ -6,8 +6,10 @@
 
 Counted per rank (the worst pipeline stage and the worst CP rank):
   weights      this (tp, pp) rank's slices: heads, KV heads (replicated when tp > KV heads), MLP
-               columns; the vocabulary padded to a multiple of tp, the embedding on the first stage, the
+               columns; MoE layers: the router and every expert (1/tp of each one's width); the
+               vocabulary padded to a multiple of tp, the embedding on the first stage, the
                final norm + LM head on the last (a tied head shares the embedding when both are here).
+               What a decode step reads (active experts only) is `decode_read_elements`.
   kv_cache     K and V of the rank's layers for the tokens it keeps, plus one int64 position per token
                and layer (the cache stores positions). dense: prompt + decode budget; ring / usp
                (zigzag shards) and ulysses: the rank's sequence shard; star / apb: the rank's context
@@ -17,8 +19,9 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                attention part: the layer input, normed input, qkv, rotated q and k, attention output,
                its [rows, heads*d] copy and the o-proj output, plus the residual (4h + (hq+2hkv)d +
                (3hq+hkv)d per row); MLP part: input, residual, normed, gate/up, silu(gate)*up and either
-               silu(gate) or the down-proj output (max(3h + 4f, 4h + 3f) per row); the larger of the
-               two. Plus the strategy's in-flight KV (ring send/recv blocks, ulysses all-to-all, apb
+               silu(gate) or the down-proj output (max(3h + 4f, 4h + 3f) per row); MoE: k expert rows
+               per token (gathered input, gate/up, silu(gate)*up, output, unsorted copy, the float32
+               weighted sum: 4h + k(3h + 3f) + 2kh per row); the larger of the parts. Plus the strategy's in-flight KV (ring send/recv blocks, ulysses all-to-all, apb
                passing blocks) and the last token's logits in float32 on the last stage. Attention
                itself is assumed fused (flash): no [rows x keys] score matrix.
 """
@@ -75,6 +78,8 @@ class Workload:
     prefill_chunk: int | None = None  # rows per prefill forward (None: the whole prompt; pp > 1 picks chunks)
     dtype_bytes: int = 2
     batch: int = 1
+    fp8_kv: bool = False  # --fp8 kv: e4m3 k / v plus a float32 scale per (KV head, token)
+    fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
 
     def __post_init__(self):
         if self.prompt_tokens < 1:
@@ -128,7 +133,7 @@ class MemoryPlan:
     def table(self, limit_bytes: int | None = None) -> str:
         w = self.workload
         lines = [f"memory plan: {self.layout.describe()}, {self.layout.world} ranks; prompt {w.prompt_tokens} tokens "
-                 f"+ {w.max_new_tokens} new, {w.dtype_bytes}-byte weights/KV, batch {w.batch}",
+                 f"+ {w.max_new_tokens} new, {w.dtype_bytes}-byte weights/KV{_fp8_note(w)}, batch {w.batch}",
                  f"{'stage':>5} {'layers':>6} {'weights':>10} {'kv cache':>10} {'activations':>11} {'total':>10}"
                  f" {'kv tokens':>10} {'rows':>7}"]
         for s in self.stages:
@@ -141,6 +146,11 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _fp8_note(w: Workload) -> str:
+    parts = [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on]
+    return f" (fp8: {','.join(parts)})" if parts else ""
+
+
 def gib(n: int) -> str:
     return f"{n / GiB:.3f} GiB"
 
@@ -151,18 +161,74 @@ def _heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
     return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.intermediate_size // tp, -(-cfg.vocab_size // tp)
 
 
-def weight_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
+def active_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Experts of one MoE layer that `tokens` tokens touch, expected under uniform routing (each token
+    picks k of E): E (1 - (1 - k/E)^tokens); k for one token, all E for long prefills."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    if tokens <= 1:
+        return float(k)
+    return E * (1.0 - (1.0 - k / E) ** tokens)
+
+
+def layer_elements(cfg: ModelConfig, tp: int, layer: int, experts: float | None = None) -> float:
+    """Weight elements of one layer on one TP rank. An MoE layer counts its router (whole on every rank)
+    and `experts` experts (default all; a decode step reads `active_experts`), each 1/tp of its width."""
     h, d = cfg.hidden_size, cfg.head_dim
-    hq, hkv, ffn, vrows = _heads(cfg, tp)
+    hq, hkv, ffn, _ = _heads(cfg, tp)
     qkv = (hq + 2 * hkv) * d
-    per_layer = 2 * h + qkv * h + (qkv if cfg.qkv_bias else 0) + h * hq * d + 2 * ffn * h + h * ffn
-    per_layer += 2 * d if cfg.qk_norm else 0  # Qwen3's q / k norms, whole on every TP rank
-    n = layers * per_layer
+    n = 2 * h + qkv * h + (qkv if cfg.qkv_bias else 0) + h * hq * d
+    n += 2 * d if cfg.qk_norm else 0  # Qwen3's q / k norms, whole on every TP rank
+    if cfg.is_moe_layer(layer):
+        fe = cfg.moe_intermediate_size // tp
+        return n + cfg.num_experts * h + (cfg.num_experts if experts is None else experts) * 3 * fe * h
+    return n + 3 * ffn * h
+
+
+def weight_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, last: bool,
+                    layer_ids: list[int] | None = None) -> int:
+    """Weight elements one (tp rank, stage) holds; `layer_ids`: the stage's global layers (default
+    0..layers-1; they matter only where dense and MoE layers mix)."""
+    h = cfg.hidden_size
+    vrows = _heads(cfg, tp)[3]
+    ids = range(layers) if layer_ids is None else layer_ids
+    n = sum(int(layer_elements(cfg, tp, i)) for i in ids)
     if first:
         n += vrows * h
     if last:
         n += h + (0 if cfg.tie_word_embeddings and first else vrows * h)
     return n
+
+
+def decode_read_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, last: bool, tokens: int = 1,
+                         layer_ids: list[int] | None = None) -> float:
+    """Weight elements one decode step of `tokens` tokens (the batch) reads on one rank: attention and
+    norms, each MoE layer's router and its active experts only (`active_experts`), dense MLPs, the
+    tokens' embedding rows, the final norm and the LM head. The KV cache read comes on top."""
+    h = cfg.hidden_size
+    ids = range(layers) if layer_ids is None else layer_ids
+    active = active_experts(cfg, tokens) if cfg.num_experts else None
+    n = sum(layer_elements(cfg, tp, i, active) for i in ids)
+    if first:
+        n += tokens * h
+    if last:
+        n += h + _heads(cfg, tp)[3] * h
+    return n
+
+
+def projection_sizes(cfg: ModelConfig, tp: int, layers: int) -> tuple[int, int]:
+    """(weight elements, output channels) of the decoder projections (wqkv, wo, w13, w2) on one TP rank:
+    what --fp8 linear stores in e4m3, with one float32 scale per output channel."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    hq, hkv, ffn, _ = _heads(cfg, tp)
+    qkv = (hq + 2 * hkv) * d
+    return layers * (qkv * h + h * hq * d + 2 * ffn * h + h * ffn), layers * (qkv + h + 2 * ffn + h)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, tp: int, w: Workload) -> int:
+    """KV bytes of one token in one layer on one TP rank (k, v and the position)."""
+    hkv, d = _heads(cfg, tp)[1], cfg.head_dim
+    per_head = d + 4 if w.fp8_kv else d * w.dtype_bytes  # e4m3 bytes + float32 scale (engine/kv_cache.py)
+    return w.batch * 2 * hkv * per_head + POS_BYTES
 
 
 def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int, int, int]:
@@ -200,17 +266,27 @@ def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int,
     return max(kept), block + anchor + Q, cp * min(passing, block)
 
 
-def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layers: int) -> StageMemory:
+def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layers: int,
+                 layer_ids: list[int] | None = None) -> StageMemory:
     first, last = pp_rank == 0, pp_rank == lay.pp - 1
     b, B = w.dtype_bytes, w.batch
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv, ffn, vrows = _heads(cfg, lay.tp)
-    weights = weight_elements(cfg, lay.tp, layers, first, last) * b
+    ids = list(range(layers)) if layer_ids is None else layer_ids
+    weights = weight_elements(cfg, lay.tp, layers, first, last, ids) * b
+    if w.fp8_linear:  # steady state; loading still holds the compute-dtype weights before quantizing them
+        elems, channels = projection_sizes(cfg, lay.tp, layers)
+        weights += elems * (1 - b) + channels * 4
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
-    kv = layers * kv_tok * (B * 2 * hkv * d * b + POS_BYTES)
+    kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
     attn_part = 4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d
     mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
+    if any(cfg.is_moe_layer(i) for i in ids):  # engine/moe.py: k gathered rows per token, in expert order
+        k, fe = cfg.num_experts_per_tok, cfg.moe_intermediate_size // lay.tp
+        mlp_part = max(mlp_part, 4 * h + k * (3 * h + 3 * fe) + 2 * k * h)  # + the float32 weighted sum
     act = B * rows * b * max(attn_part, mlp_part)
+    if w.fp8_linear:  # the e4m3 copy of a GEMM's input rows
+        act += B * rows * max(h, ffn)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
         act += B * rows * b * ((hq + 2 * hkv) * d + hq * d)
     act += B * flight * 2 * hkv * d * b
@@ -221,9 +297,9 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
 
 def plan_memory(cfg: ModelConfig, layout: Layout, workload: Workload) -> MemoryPlan:
     check_tp(cfg, layout.tp)
-    counts = [len(s) for s in partition_layers(cfg.num_layers, layout.pp, layout.pp_layers)]
+    stages = partition_layers(cfg.num_layers, layout.pp, layout.pp_layers)
     plan = MemoryPlan(layout, workload)
-    plan.stages = [stage_memory(cfg, layout, workload, i, n) for i, n in enumerate(counts)]
+    plan.stages = [stage_memory(cfg, layout, workload, i, len(s), s) for i, s in enumerate(stages)]
     return plan
 
 

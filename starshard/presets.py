@@ -39,6 +39,19 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768),
         bos_token_id=151643, eos_token_id=151645,
     ),
+    "qwen3-30b-a3b": dict(  # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, every layer sparse
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "mixtral-8x7b": dict(  # Mixtral-8x7B: 8 experts of width 14336, 2 per token
+        architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=1048576,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
     "smollm2-135m": dict(  # the embedded default's shape (9 heads, 3 KV heads: tp 1 or 3)
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
@@ -48,6 +61,12 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(  # CPU smoke runs of the benchmark code paths (tp 1, 2 or 4; pp up to 2)
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20,
+    ),
+    "tiny-moe": dict(  # CPU smoke runs of the MoE benchmark (Qwen3-MoE layout; tp 1 or 2)
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1 << 20,
     ),
 }
 

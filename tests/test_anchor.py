@@ -274,7 +274,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from starshard.kernels import anchor as an
 ptrs = {"_anchor_max_fwd": {"Q": "q", "K": "q", "XA": "fp32"},
-        "_identify_fwd": {"QP": "fp32", "XP": "fp32", "K": "q", "IDX": "i32", "CNT": "i32"},
+        "_identify_fwd": {"QP": "fp32", "XP": "fp32", "K": "q", "IDX": "i32", "CNT": "i32", "TH": "fp32"},
         "_anchor_sparse_fwd": {"Q": "q", "K": "q", "V": "q", "O": "q", "LSE": "fp32", "IDX": "i32", "CNT": "i32"}}
 floats = {"qk_scale", "theta"}
 consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 64, "STEP_P": 16, "IEEE": False}

@@ -272,9 +272,9 @@ def test_bad_configs_are_refused_with_what_is_supported(families, tmp_path):
     supported = r"supported: default, linear, llama3, yarn, dynamic, longrope"
     with pytest.raises(UnsupportedArchitectureError, match=r"unsupported rope scaling type 'proportional'; " + supported):
         ModelConfig.from_hf(_hf_dict(rope_scaling=dict(rope_type="proportional", factor=2.0)))
-    with pytest.raises(UnsupportedArchitectureError, match=r"architectures=\['Qwen3MoeForCausalLM'\].*"
+    with pytest.raises(UnsupportedArchitectureError, match=r"architectures=\['Qwen2MoeForCausalLM'\].*"
                                                           r"'Phi3ForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'"):
-        ModelConfig.from_hf(_hf_dict(architectures=["Qwen3MoeForCausalLM"]))
+        ModelConfig.from_hf(_hf_dict(architectures=["Qwen2MoeForCausalLM"]))
     with pytest.raises(UnsupportedArchitectureError, match=r"longrope needs `short_factor` with 4 numbers"):
         ModelConfig.from_hf(_hf_dict(architectures=["Phi3ForCausalLM"], original_max_position_embeddings=64,
                                      rope_scaling=dict(rope_type="longrope", short_factor=[1.0], long_factor=[1.0] * 4)))

@@ -12,18 +12,29 @@ measured in the same process; model_seconds is the strategy's FLOP model at that
 `sparse_report` is what the method ran in the last timed prefill (kernels.sparse.SparseReport: heads
 run sparse and the density they kept, heads the cost model sent to the dense kernel, heads of calls
 below the minimum length).
+
+Inputs: random token ids by default; `--prompt-file PATH` instead tokenizes a natural-text file with
+the model's tokenizer and repeats it (a blank line between copies) or truncates it to each length; the
+JSON names the file and, per length, whether it was repeated. Random weights (and random token ids)
+are fine for dense and context-parallel speed, whose work does not depend on the values, but never
+for sparse speed: a sparse method's work is set by the attention pattern, and random weights have
+none (every head is dense-like and falls back), so measure --sparse with --model real weights and
+--prompt-file natural text. `bench/make_essay.py` writes the harness's essay-like filler to a file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
-from starshard.cli import add_apb_arguments, add_sparse_arguments, layout_error, parallel_config, sparse_config
+from starshard.cli import (add_apb_arguments, add_fp8_arguments, add_sparse_arguments, fp8_config, layout_error,
+                           parallel_config, sparse_config)
 from starshard.config import SamplingConfig
 from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
@@ -48,8 +59,7 @@ def matmul_peak(device, dtype=torch.bfloat16, n: int = 8192) -> float:
 def prefill_flops(cfg, L: int) -> dict[str, float]:
     """Model FLOPs of a causal prefill of L tokens (logits for the last token only)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    per_layer_params = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
-    linear = 2 * L * per_layer_params * cfg.num_layers + 2 * h * cfg.vocab_size
+    linear = L * flops.linear_flops_per_token(cfg) + 2 * h * cfg.vocab_size  # MoE: the active experts
     attn = 4 * cfg.num_heads * d * L * L / 2 * cfg.num_layers  # QK^T and PV, causal half
     return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
 
@@ -81,8 +91,15 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed prefills per length before the timed ones (0 at long lengths: list a short "
                         "length first to warm the process up instead)")
-    p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny) or config.json")
+    p.add_argument("--random-weights", default=None,
+                   help="preset name (llama-3.1-8b, tiny) or config.json: fine for dense and CP speed, never for "
+                   "sparse speed (no attention structure: every head is dense-like; use --model and --prompt-file)")
     p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
+    p.add_argument("--prompt-file", default=None, metavar="PATH",
+                   help="natural text, tokenized with --model's tokenizer and repeated (blank line between copies) or "
+                   "truncated to each length; the JSON names the file and whether it was repeated (default: random "
+                   "token ids). Sparse speed needs natural text; `python bench/make_essay.py --out FILE` writes the "
+                   "harness's essay-like filler")
     p.add_argument("--cp-strategy", default="ring", choices=STRATEGIES,
                    help="context strategy (default ring, at --cp 1 too)")
     p.add_argument("--num-blocks", type=int, default=None, help="star / apb: hosts simulated on one device (cp 1)")
@@ -91,6 +108,7 @@ def add_arguments(p) -> None:
     p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
     add_sparse_arguments(p)
+    add_fp8_arguments(p)
     add_apb_arguments(p.add_argument_group("APB (--cp-strategy apb)"))
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -100,7 +118,30 @@ def add_arguments(p) -> None:
 def check(args) -> str | None:
     if not (args.random_weights or args.model):
         return "prefill needs --random-weights NAME or --model PATH"
+    if args.prompt_file is not None and not args.model:
+        return "--prompt-file needs --model PATH (its tokenizer reads the text)"
+    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+        return f"--prompt-file {args.prompt_file} does not exist"
     return layout_error(args)
+
+
+def text_ids(tokenizer, path: str) -> list[int]:
+    """Token ids of one copy of the text, the blank line that separates copies included."""
+    if tokenizer is None:
+        raise SystemExit("error: --prompt-file needs a tokenizer, and the checkpoint has none")
+    text = Path(path).read_text(encoding="utf-8").strip()
+    ids = tokenizer.encode(text + "\n\n", add_special_tokens=False)
+    if not text or not ids:
+        raise SystemExit(f"error: --prompt-file {path} holds no text")
+    return ids
+
+
+def prompt_ids(L: int, vocab_size: int, text: list[int] | None) -> list[int] | torch.Tensor:
+    """The benchmark's L prompt tokens: the text repeated or truncated, else random ids seeded by L."""
+    if text is not None:
+        return (text * math.ceil(L / len(text)))[:L]
+    gen = torch.Generator(device="cpu").manual_seed(L)
+    return torch.randint(0, vocab_size, (L,), generator=gen)
 
 
 def run(args) -> None:
@@ -115,7 +156,7 @@ def run(args) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         llm = LLM(None if args.random_weights else args.model, dtype=dtype, device=device, parallel=parallel,
-                  progress=False, random_weights=args.random_weights, sparse=sparse)
+                  progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args))
     except LayoutError as e:  # a layout this model or strategy refuses: the message says what to change
         raise SystemExit(f"error: {e}") from None
     topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
@@ -123,10 +164,13 @@ def run(args) -> None:
     strategy = runner.strategy if cp_runner else None
     runner.cuda_graphs = not args.no_cuda_graphs
     peak = matmul_peak(topo.device)
+    text = text_ids(llm.tokenizer, args.prompt_file) if args.prompt_file else None
+    if args.sparse and (args.random_weights or text is None) and topo.rank == 0:
+        print("note: --sparse on random weights or random token ids measures the fallback, not sparse speed "
+              "(use --model real weights and --prompt-file natural text)", file=sys.stderr)
     rows = []
     for L in args.lengths:
-        gen = torch.Generator(device="cpu").manual_seed(L)
-        ids = torch.randint(0, cfg.vocab_size, (L,), generator=gen).to(topo.device)
+        ids = torch.as_tensor(prompt_ids(L, cfg.vocab_size, text)).to(topo.device)
         context_len = L - args.query_tokens
         state = {}
 
@@ -162,6 +206,8 @@ def run(args) -> None:
                    "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode}
             if report is not None:
                 row["sparse_report"] = report
+            if text is not None:
+                row["prompt_repeated"] = L > len(text)
             context = context_len if strategy is not None and strategy.query_phase else L
             model_t = model_seconds(cfg, strategy, L, context, peak)
             if model_t:  # the FLOP model at the matmul peak: what a strategy that wastes nothing takes
@@ -175,6 +221,10 @@ def run(args) -> None:
         if topo.rank == 0:
             print(json.dumps(row), file=sys.stderr, flush=True)
     result = header("prefill", topo.device, topo.world_size, args)
-    result.update(strategy=parallel.cp_strategy, cp=args.cp, matmul_peak_tflops=peak / 1e12, results=rows)
+    result["prompt"] = ({"kind": "text file", "file": args.prompt_file, "file_tokens": len(text),
+                         "repeated_at": [L for L in args.lengths if L > len(text)]} if text is not None else
+                        {"kind": "random token ids", "seed": "the length"})
+    result["weights"] = "random" if args.random_weights else "real"
+    result.update(strategy=parallel.cp_strategy, cp=args.cp, fp8=llm.fp8.describe(), matmul_peak_tflops=peak / 1e12, results=rows)
     if topo.rank == 0:
         write(args.out, result)

@@ -27,7 +27,7 @@ from starshard.checkpoints.hf import (
     plan_shard,
     read_hf_config,
 )
-from starshard.config import ModelConfig
+from starshard.config import ModelConfig, UnsupportedArchitectureError
 from starshard.layout import TPLayout, partition_layers
 
 FORMAT_VERSION = 1
@@ -85,7 +85,10 @@ def gguf_to_hf(gguf_path: Path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     kw = dict(gguf_file=gguf_path.name)
     hf_cfg = AutoConfig.from_pretrained(gguf_path.parent, **kw).to_dict()
-    ModelConfig.from_hf(hf_cfg)  # refuse unsupported architectures before the slow load
+    if ModelConfig.from_hf(hf_cfg).num_experts:  # refuse unsupported models before the slow load
+        raise UnsupportedArchitectureError(
+            f"{gguf_path.name}: GGUF files of mixture-of-experts models ({hf_cfg.get('model_type')}) are not supported; "
+            "convert the model's Hugging Face safetensors directory instead (--hf DIR)")
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, torch_dtype=torch.float32, **kw)
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
     hf_cfg.pop("quantization_config", None)

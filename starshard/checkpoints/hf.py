@@ -5,7 +5,8 @@ RMSNorm per head (`self_attn.q_norm` / `k_norm`, head_dim weights, the same on e
 Phi-3 fuses `self_attn.qkv_proj` ([q; k; v] rows) and `mlp.gate_up_proj` ([gate; up] rows):
 `FusedHFView` reads them under the unfused names, so they are split and re-fused per TP rank like
 every other family. Our fused tensors: `wqkv` = [q heads; k heads; v heads] of this TP rank,
-`w13` = [gate rows; up rows] of this rank.
+`w13` = [gate rows; up rows] of this rank. Qwen3-MoE / Mixtral: `moe_layer` stacks each MoE layer's
+experts into `experts.w13` [E, 2f, H] / `experts.w2` [E, H, f], this rank's f columns of every expert.
 """
 from __future__ import annotations
 
@@ -170,6 +171,10 @@ def plan_shard(
             add(o + "attention.k_norm.weight", (d,), lambda p=p: src.get(p + "self_attn.k_norm.weight"))
         add(o + "attention.wo.weight", (H, lo.heads * d), lambda p=p: src.get(p + "self_attn.o_proj.weight")[:, q_rows])
         add(o + "ffn_norm.weight", (H,), lambda p=p: src.get(p + "post_attention_layernorm.weight"))
+        if cfg.is_moe_layer(i):
+            for name, shape, build in moe_layer(cfg, src, lo, p):
+                add(o + name, shape, build)
+            continue
         add(
             o + "feed_forward.w13.weight",
             (2 * ffn, H),
@@ -188,6 +193,57 @@ def plan_shard(
     return specs
 
 
+# One MoE layer under HF names: per family, the block's prefix and each expert's (gate, up, down)
+# projections, as transformers 5's save_pretrained writes them (one tensor per expert, the original
+# names: `mlp.experts.{e}.gate_proj` / `block_sparse_moe.experts.{e}.w1`, ...). Also read: the stacked
+# tensors of transformers 5's in-memory modules, `mlp.experts.gate_up_proj` [E, 2F, H] (gate rows,
+# then up rows) and `mlp.experts.down_proj` [E, H, F] (a state dict, e.g. a GGUF dequantized by
+# transformers; random weights).
+EXPERT_NAMES = {
+    "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+}
+
+
+def moe_layer(cfg: ModelConfig, src: TensorSource, lo: TPLayout, p: str) -> list[tuple[str, tuple, Callable]]:
+    """(starshard name, shape, build) of one MoE layer's router and this rank's part of its experts:
+    every expert, the rank's `expert_slice` of each one's width (gate and up rows, down columns)."""
+    E, H, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    cols = lo.expert_slice
+    up_cols = slice(F + cols.start, F + cols.stop)
+    block, (gate, up, down) = EXPERT_NAMES[cfg.arch]
+    router = next((n for n in (f"{p}{block}gate.weight", f"{p}mlp.gate.weight") if src.has(n)),
+                  f"{p}{block}gate.weight")
+    stacked_up, stacked_down = f"{p}mlp.experts.gate_up_proj", f"{p}mlp.experts.down_proj"
+
+    def checked(name, shape):
+        t = src.get(name)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, but the config's experts give {shape}")
+        return t
+
+    def expert(e, proj):
+        return src.get(f"{p}{block}experts.{e}.{proj}.weight")
+
+    if src.has(stacked_up):
+        def w13():
+            t = checked(stacked_up, (E, 2 * F, H))
+            return torch.cat([t[:, cols], t[:, up_cols]], dim=1)
+
+        def w2():
+            return checked(stacked_down, (E, H, F))[:, :, cols]
+    else:
+        def w13():
+            return torch.stack([torch.cat([expert(e, gate)[cols], expert(e, up)[cols]]) for e in range(E)])
+
+        def w2():
+            return torch.stack([expert(e, down)[:, cols] for e in range(E)])
+    n = cols.stop - cols.start
+    return [("feed_forward.router.weight", (E, H), lambda: src.get(router)),
+            ("feed_forward.experts.w13", (E, 2 * n, H), w13),
+            ("feed_forward.experts.w2", (E, H, n), w2)]
+
+
 def merge_tp_shards(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Inverse of the TP split: full (tp=1) tensors from the shards of every TP rank, in rank order."""
     tp = len(shards)
@@ -196,8 +252,13 @@ def merge_tp_shards(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]]) -> 
     merged: dict[str, torch.Tensor] = {}
     for name in shards[0]:
         parts = [s[name] for s in shards]
-        if name.endswith(("norm.weight",)):
+        if name.endswith(("norm.weight", "router.weight")):  # whole on every rank
             merged[name] = parts[0]
+        elif name.endswith("experts.w13"):  # [E, 2f, H] per rank: its gate columns, then its up columns
+            gates, ups = zip(*(t.chunk(2, dim=1) for t in parts))
+            merged[name] = torch.cat(list(gates) + list(ups), dim=1)
+        elif name.endswith("experts.w2"):
+            merged[name] = torch.cat(parts, dim=2)
         elif name in ("tok_embeddings.weight", "output.weight"):
             merged[name] = torch.cat(parts)[: cfg.vocab_size]
         elif "wqkv" in name:

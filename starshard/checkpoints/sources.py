@@ -80,7 +80,15 @@ class RandomSource:
             return (c.head_dim,)
         if name.endswith("norm.weight"):
             return (c.hidden_size,)
+        # MoE layers: the stacked experts of transformers 5's modules (hf.moe_layer reads these when a
+        # source has them) and the router
+        if name.endswith("experts.gate_up_proj"):
+            return (c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
+        if name.endswith("experts.down_proj"):
+            return (c.num_experts, c.hidden_size, c.moe_intermediate_size)
         proj, kind = tail[-2], tail[-1]
+        if proj == "gate":
+            return (c.num_experts, c.hidden_size)
         out = {"q_proj": c.q_size, "k_proj": c.kv_size, "v_proj": c.kv_size, "o_proj": c.hidden_size,
                "gate_proj": c.intermediate_size, "up_proj": c.intermediate_size, "down_proj": c.hidden_size}[proj]
         if kind == "bias":

@@ -1,4 +1,5 @@
-"""The decoder, written once for one device: Llama / Mistral / Qwen2 / Qwen3 / Phi-3.
+"""The decoder, written once for one device: Llama / Mistral / Qwen2 / Qwen3 / Phi-3, and the
+mixture-of-experts Qwen3-MoE / Mixtral (engine/moe.py: the same attention, expert MLPs).
 
 Parallelism is applied to this model from outside (runtime/build.py and the runners, using
 parallel/: tensor-parallel linears swapped in, layers split into pipeline stages, a context
@@ -17,7 +18,8 @@ from torch import nn
 
 from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
-from starshard.kernels.attention import attention
+from starshard.engine.moe import MoEFeedForward
+from starshard.kernels.attention import DECODE_MAX_ROWS, attention
 from starshard.kernels.sparse import pattern_for
 
 
@@ -125,12 +127,17 @@ class AttendFn(Protocol):
 def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
     """Single-device causal attention over the cache (if any) plus this step's keys; `sparse`: the
     layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks."""
-    if cache is not None:
+    scales = {}
+    if cache is not None and q.shape[2] <= DECODE_MAX_ROWS:  # decode: attend the cache as stored (FP8 too)
+        cache.store(k, v, pos)
+        s = cache.stored()
+        k, v, k_pos, scales = s.k, s.v, s.pos, dict(k_scale=s.k_scale, v_scale=s.v_scale)
+    elif cache is not None:
         k, v, k_pos = cache.append(k, v, pos)
     else:
         k_pos = pos
     # One new token follows everything cached: no mask (saves the mask check in every decode step).
-    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern_for(sparse, q))
+    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern_for(sparse, q), **scales)
     return out
 
 
@@ -177,12 +184,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        # Qwen3-MoE / Mixtral: the expert MLP on the config's sparse layers (global index), dense elsewhere.
+        self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
 
     def forward(self, x, cos, sin, pos, cache: LayerKV | None):
         h = x + self.attention(self.attention_norm(x), cos, sin, pos, cache)
@@ -203,12 +211,13 @@ class Transformer(nn.Module):
     the model's window (cfg.max_position_embeddings). The other scaling types ignore it.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_ids: list[int] | None = None):
         super().__init__()
         self.config = cfg
         self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
-        self.layer_ids = list(range(cfg.num_layers))  # global index of each held layer
+        # global index of each held layer (a pipeline stage holds a slice; MoE layers are picked by it)
+        self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in self.layer_ids)
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -17,8 +17,12 @@ blocks form a group g, whose first row sits at key index gb_g. For group g:
 - stage 1, anchor: x_a[i] = max over the anchor region of q_i . k_j * scale (no score matrix kept).
 - stage 2, stripe identification: the block means qbar_m (of q rows) and xbar_m (of x_a) of every block
   m in g; candidates are the keys init_tokens <= j < ws_g (each visible to every row of the group);
-  key j is selected iff xbar_m - qbar_m . k_j * scale <= theta for some block m of the group (the
-  paper's `step` union). No sorting: selected keys are written, ascending, into a compact per-group
+  key j is selected iff xbar_m - qbar_m . k_j * scale <= theta_h for some block m of the group (the
+  paper's `step` union). By linearity xbar_m - qbar_m . k_j * scale is the block's mean of
+  x_a[i] - s_ij: how far, in natural-log units of the softmax weight, key j's score stays below the
+  row's anchor on average. theta is one number for every head, or one per head (`AnchorConfig.theta`
+  a tuple; per-head thresholds calibrated offline by `starshard.tools.anchor_calibrate` and kept per
+  layer in an `AnchorModelConfig` file). No sorting: selected keys are written, ascending, into a compact per-group
   list (idx [B, Hq, G, KI] int32, count [B, Hq, G]).
 - stage 3, sparse compute: per query block, a flash loop over its anchor region (contiguous spans)
   and then over the group's selected keys, loaded by index `block_k` at a time (stripes: one key
@@ -54,10 +58,15 @@ def _pow2(x: int) -> bool:
     return x >= 16 and not x & (x - 1)
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
 @dataclass(frozen=True)
 class AnchorConfig:
     """AnchorAttention parameters. theta: score-difference threshold (natural-log units of the scaled
-    score; the paper uses 12); block_q: query rows per pooled block and per kernel program; block_k:
+    score; the paper uses 12), one float for every head or a tuple with one per query head of the call
+    (what `AnchorModelConfig.pattern` builds from a calibrated file); block_q: query rows per pooled block and per kernel program; block_k:
     keys per load in the kernels; init_tokens: initial keys always attended (and part of the anchor);
     local_window: keys before a group's first row that belong to its window (besides the group itself);
     step: query blocks sharing one stripe selection (the paper's `step`). Defaults are the paper's
@@ -73,7 +82,12 @@ class AnchorConfig:
     step: int = 16
 
     def __post_init__(self):
-        if not isinstance(self.theta, (int, float)) or math.isnan(self.theta):
+        if isinstance(self.theta, (list, tuple)):
+            if not self.theta or not all(_number(t) for t in self.theta):
+                raise ValueError(f"AnchorConfig.theta per head must be a non-empty list of numbers (inf: that head "
+                                 f"keeps every key), got {self.theta!r}")
+            object.__setattr__(self, "theta", tuple(float(t) for t in self.theta))
+        elif not _number(self.theta):
             raise ValueError(f"AnchorConfig.theta must be a number (or inf for dense), got {self.theta!r}")
         if not _pow2(self.block_q) or not _pow2(self.block_k):
             raise ValueError(f"AnchorConfig block_q and block_k must be powers of two >= 16, got {self.block_q}, {self.block_k}")
@@ -82,8 +96,20 @@ class AnchorConfig:
         if self.step < 1:
             raise ValueError(f"AnchorConfig.step must be >= 1, got {self.step}")
 
+    def head_thetas(self, num_heads: int, device=None) -> torch.Tensor:
+        """theta per query head of a call over `num_heads` heads: [num_heads] float32."""
+        if isinstance(self.theta, tuple):
+            if len(self.theta) != num_heads:
+                raise ValueError(f"AnchorConfig has {len(self.theta)} per-head thetas but the call has {num_heads} "
+                                 "query heads; build the config with AnchorModelConfig.pattern(layer, num_heads, offset)")
+            return torch.tensor(self.theta, dtype=torch.float32, device=device)
+        return torch.full((num_heads,), float(self.theta), dtype=torch.float32, device=device)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if isinstance(self.theta, tuple):
+            d["theta"] = list(self.theta)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "AnchorConfig":
@@ -91,7 +117,12 @@ class AnchorConfig:
         extra = set(d) - known
         if extra:
             raise ValueError(f"unknown AnchorConfig keys {sorted(extra)}; known: {sorted(known)}")
-        return cls(**{k: (float(v) if k == "theta" else int(v)) for k, v in d.items()})
+        def value(k, v):
+            if k != "theta":
+                return int(v)
+            return tuple(float(t) for t in v) if isinstance(v, (list, tuple)) else float(v)
+
+        return cls(**{k: value(k, v) for k, v in d.items()})
 
     def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None, rates=None, report=None):
         """The hook `attention(..., sparse=config)` calls (rates / report: see `anchor_attention`)."""
@@ -218,6 +249,7 @@ def _identify_torch(q, k, xa, cfg, *, offset, scale):
     idx = torch.zeros(B, Hq, G, KI, dtype=torch.int32, device=q.device)
     count = torch.zeros(B, Hq, G, dtype=torch.int32, device=q.device)
     kf = k.to(qbar.dtype)
+    theta = cfg.head_thetas(Hq, q.device).to(qbar.dtype)[None, :, None, None]
     for gi in range(G):
         lo, hi = cfg.init_tokens, min(ws[gi], Lk)
         if hi <= lo:
@@ -225,7 +257,7 @@ def _identify_torch(q, k, xa, cfg, *, offset, scale):
         m0, m1 = gi * cfg.step, min(nM, (gi + 1) * cfg.step)
         qb = qbar[:, :, m0:m1].reshape(B, Hkv, g, m1 - m0, D)
         s = torch.einsum("bhgmd,bhkd->bhgmk", qb, kf[:, :, lo:hi]).reshape(B, Hq, m1 - m0, hi - lo) * scale
-        hit = ((xbar[:, :, m0:m1, None] - s) <= cfg.theta).any(2)  # [B, Hq, n]
+        hit = ((xbar[:, :, m0:m1, None] - s) <= theta).any(2)  # [B, Hq, n]
         pos = hit.long().cumsum(-1) - 1  # compaction without sorting
         cols = torch.arange(lo, hi, device=q.device, dtype=torch.int32).expand_as(hit)
         dest = torch.where(hit, pos, KI)  # misses land in a spare slot
@@ -318,7 +350,7 @@ if triton is not None:
 
     @triton.jit
     def _identify_fwd(
-        QP, XP, K, IDX, CNT, qk_scale, theta,
+        QP, XP, K, IDX, CNT, TH, qk_scale,
         s_kb, s_kh, s_kn, s_kd,
         Hq, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STEP_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -339,6 +371,7 @@ if triton is not None:
         qp = tl.load(QP + (pid.to(tl.int64) * nM + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         xp = tl.load(XP + pid.to(tl.int64) * nM + offs_s, mask=s_ok, other=0.0)
+        theta = tl.load(TH + h)  # this head's threshold
         # score >= xbar - theta  <=>  xbar - score <= theta; padded blocks never hit
         thr = tl.where(s_ok, xp - theta, float("inf"))
         kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
@@ -498,7 +531,8 @@ def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None,
     idx = torch.empty(B, Hq, G, max(KI, 1), dtype=torch.int32, device=q.device)
     count = torch.empty(B, Hq, G, dtype=torch.int32, device=q.device)
     _identify_fwd[(G, B * Hq)](
-        qbar.contiguous(), xbar.contiguous(), k, idx, count, float(scale), float(config.theta), *k.stride(),
+        qbar.contiguous(), xbar.contiguous(), k, idx, count, config.head_thetas(Hq, q.device), float(scale),
+        *k.stride(),
         Hq, Hq // Hkv, nM, G, max(KI, 1), config.step, config.init_tokens, Lk, offset, config.local_window,
         config.block_q * config.step,
         HEAD_DIM=D, BLOCK_D=_block_d(D), STEP_P=max(16, triton.next_power_of_2(config.step)),

@@ -18,6 +18,7 @@ import torch
 from starshard.kernels.common import DECODE_MAX_ROWS, as_positions, check_shapes, sm_count
 from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
+from starshard.kernels.fp8 import dequantize
 from starshard.kernels.flash import flash_attention
 from starshard.kernels.reference import attention_math
 
@@ -127,14 +128,24 @@ def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale):
     return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale)
 
 
-def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None):
+def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_scale=None, v_scale=None):
     """Exact (or `sparse`-approximate) attention with log-sum-exp. See the module docstring.
 
     CUDA (see `cuda_backend`): decode-sized calls and short query blocks over long caches ->
     split-KV Triton kernel; plain masks (none, or index-causal) -> cuDNN (flash SDPA for short
     blocks); any other position mask -> Triton flash kernel. CPU: torch's fused flash kernel with a
     position bias (float32/bfloat16, shared 1-D positions, more than DECODE_MAX_ROWS query rows),
-    else the float32 math path."""
+    else the float32 math path.
+
+    k_scale, v_scale: k, v are e4m3 (an FP8 KV cache) with float32 scales [B, Hkv, Lk], one per (KV
+    head, key). Decode-sized calls on CUDA read the e4m3 bytes in the split-KV kernel; every other call
+    dequantizes to q's dtype first and runs as above."""
+    if k_scale is not None:
+        if q.device.type == "cuda" and q.shape[2] <= DECODE_MAX_ROWS and sparse is None:
+            check_shapes(q, k, v)
+            return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale,
+                                    k_scale=k_scale, v_scale=v_scale)
+        k, v = dequantize(k, k_scale[:, :, : k.shape[2]], q.dtype), dequantize(v, v_scale[:, :, : v.shape[2]], q.dtype)
     if sparse is not None:  # a sparse method's pattern for these heads (kernels/sparse.py)
         return sparse.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     check_shapes(q, k, v)

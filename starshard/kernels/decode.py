@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from starshard.kernels.common import as_positions, check_kernel_inputs, check_shapes, sm_count
-from starshard.kernels.online_softmax import LOG2E, qk_dot, row_lse, softmax_finish, softmax_init, softmax_update
+from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softmax_finish, softmax_init, softmax_update,
+                                              softmax_update_scaled_v)
 from starshard.kernels.reference import attention_math
 
 try:
@@ -32,6 +33,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
+    """The split-and-merge in torch (CPU, and the reference of the kernel); k, v dequantized already."""
     Lk = k.shape[2]
     chunk = -(-Lk // num_splits)
     parts = [
@@ -48,15 +50,15 @@ if triton is not None:
     # Cache lengths change every step: no variant per divisibility of the sizes.
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_kernel(
-        Q, K, V, OP, LP, QPOS, KPOS, LK_PTR,
+        Q, K, V, OP, LP, QPOS, KPOS, LK_PTR, KS, VS,
         qk_scale,
         s_qb, s_qh, s_qm, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
-        s_qpb, s_kpb,
+        s_qpb, s_kpb, s_sb, s_sh,
         Hkv, G, Lq, Lk, chunk, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, IEEE: tl.constexpr, HAS_LK: tl.constexpr,
+        CAUSAL: tl.constexpr, IEEE: tl.constexpr, HAS_LK: tl.constexpr, FP8: tl.constexpr,
     ):
         split = tl.program_id(0)
         if HAS_LK:  # valid keys read on the device (CUDA-graph decode: the cache length changes per replay)
@@ -82,6 +84,7 @@ if triton is not None:
             q_pos = tl.load(QPOS + b * s_qpb + qi, mask=row_ok, other=0)
         kt_ptrs = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
         v_ptrs = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
+        s_off = b.to(tl.int64) * s_sb + kvh.to(tl.int64) * s_sh  # FP8: scales [B, Hkv, cap] of k and v
 
         m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
         lo = split * chunk
@@ -90,12 +93,20 @@ if triton is not None:
             col_ok = (start + offs_n) < hi
             kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs + start * s_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-            qk = qk_dot(q, kt, IEEE)
+            if FP8:  # e4m3 -> q's dtype is exact; the per-key scales go on the float32 scores and probabilities
+                ks = tl.load(KS + s_off + start + offs_n, mask=col_ok, other=0.0)
+                vs = tl.load(VS + s_off + start + offs_n, mask=col_ok, other=0.0)
+                qk = qk_dot(q, kt.to(q.dtype), IEEE) * ks[None, :]
+            else:
+                qk = qk_dot(q, kt, IEEE)
             visible = col_ok[None, :]
             if CAUSAL:
                 k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
+            if FP8:
+                m_i, l_i, acc = softmax_update_scaled_v(qk, v.to(q.dtype), vs, m_i, l_i, acc, visible, qk_scale, IEEE)
+            else:
+                m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
 
         out, lse2 = softmax_finish(m_i, l_i, acc, True)  # partial lse in log2 units; the merge converts once
         part = ((b * Hq + hq).to(tl.int64) * Lq + qi) * n_splits + split
@@ -147,13 +158,17 @@ def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:
 
 
 def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None,
-                     length: torch.Tensor | None = None):
+                     length: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None):
     """q [B, Hq, Lq, D] (Lq small), k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU);
     `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning).
     `length`: int32 tensor [1] on q's device, the number of valid leading keys (the rest of k / v is
     ignored); read by the kernel, so a captured CUDA graph stays right as the cache grows. The
-    torch path reads it on the host."""
+    torch path reads it on the host.
+    `k_scale`, `v_scale`: with e4m3 k, v (an FP8 KV cache), float32 scales [B, Hkv, >= Lk], one per
+    (KV head, key) (kernels/fp8.py quantize_rows): the kernel reads the e4m3 bytes and dequantizes in
+    registers; the torch path dequantizes first."""
     check_shapes(q, k, v)
     use_triton = q.device.type == "cuda" if use_triton is None else use_triton
     if length is not None and not use_triton:
@@ -167,11 +182,17 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     kp = as_positions(k_pos, B, Lk, "k_pos", q.device)
     if Lq == 0 or Lk == 0 or B * Hq == 0:
         return q.new_zeros(q.shape), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
+    fp8 = k_scale is not None
+    if fp8 and not use_triton:
+        k = (k.float() * k_scale[:, :, :Lk, None]).to(q.dtype)
+        v = (v.float() * v_scale[:, :, :Lk, None]).to(q.dtype)
     if not use_triton:
         return _torch_decode(q, k, v, qp, kp, causal, scale, num_splits or _num_splits(q.device, B * Hkv, Lk))
     if triton is None:
         raise RuntimeError("decode_attention: the Triton kernel needs the triton package")
-    check_kernel_inputs(q, k, v, "decode_attention")
+    check_kernel_inputs(q, q if fp8 else k, q if fp8 else v, "decode_attention")
+    if fp8 and (k_scale.stride(2) != 1 or v_scale.stride() != k_scale.stride()):
+        raise ValueError("decode_attention: k_scale and v_scale must be [B, Hkv, L] with unit stride along L and equal strides")
     G = Hq // Hkv
     rows = G * Lq  # a KV head's query heads x query rows, one program's rows
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
@@ -179,7 +200,9 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     if num_splits is None:
         num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk)
     block_d = max(16, triton.next_power_of_2(D))
-    block_n, warps, stages = config or ((64, 4, 3) if block_d <= 128 else (32, 4, 2))
+    # e4m3 keys / values: twice the keys per tile for the same bytes in flight (first guess; bench/fp8_tune.py)
+    default = ((128 if fp8 else 64), 4, 3) if block_d <= 128 else (32, 4, 2)
+    block_n, warps, stages = config or default
     per_split = -(-Lk // num_splits)
     chunk = -(-per_split // block_n) * block_n  # whole key blocks per split
     num_splits = -(-Lk // chunk)
@@ -190,12 +213,13 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     l_part = torch.empty(B, Hq, Lq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_splits, row_blocks, B * Hkv)](
         q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
+        k_scale if fp8 else o_part, v_scale if fp8 else o_part,
         scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(),
-        s_pb * Lq, s_pb * Lk,
+        s_pb * Lq, s_pb * Lk, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         Hkv, G, Lq, Lk, chunk, num_splits,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None,
+        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None, FP8=fp8,
         num_warps=warps, num_stages=stages,
     )
     out = torch.empty_like(q)

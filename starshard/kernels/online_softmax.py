@@ -77,6 +77,25 @@ def softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr
 
 
 @_jit
+def softmax_update_scaled_v(qk, v, v_scale, m_i, l_i, acc, visible, qk_scale, IEEE: tl.constexpr):
+    """`softmax_update` (masked) for values stored as v * v_scale[:, None] with one scale per key
+    (an e4m3 cache): the scale goes on the probabilities [M, N] before the product, not on v [N, D]."""
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    pv = p * v_scale[None, :]
+    if IEEE:
+        acc = tl.dot(pv, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(pv.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@_jit
 def softmax_step(q, kt, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """One key block: scores q . kt, then `softmax_update`."""
     return softmax_update(qk_dot(q, kt, IEEE), v, m_i, l_i, acc, visible, qk_scale, MASKED, IEEE)

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from starshard.kernels.anchor import H200_ANCHOR_RATES, AnchorConfig
+from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.kernels.attention import attention
 from starshard.kernels.common import DECODE_MAX_ROWS, MIN_SPARSE_ROWS
 from starshard.kernels.minference import H200_RATES, MInferenceConfig
@@ -57,8 +58,10 @@ class SparseConfig:
     """--sparse METHOD [--sparse-config FILE] [--anchor-theta T --anchor-block-q N --anchor-step S].
 
     minference: per-head patterns from FILE (default Vertical-Slash 1000/6096 everywhere).
-    anchor: AnchorAttention with one threshold for every head (paper: theta 12, 128-row blocks
-    pooled, one stripe selection per 16 blocks; small models at a few K tokens need finer pooling).
+    anchor: AnchorAttention with per-head thresholds and the pooling from FILE (calibrated per model
+    by `starshard.tools.anchor_calibrate`), or without FILE one threshold for every head (paper:
+    theta 12, 128-row blocks pooled, one stripe selection per 16 blocks; small models at a few K
+    tokens need finer pooling).
 
     min_length: calls over fewer keys run dense, nothing estimated (None: MIN_LENGTH, i.e. more than
     64K keys, on CUDA, 0 elsewhere; 0 estimates at every length). fallback: after the estimate,
@@ -80,11 +83,17 @@ class SparseConfig:
                              f"got {self.min_length!r}")
         if self.method not in SPARSE_METHODS:
             raise ValueError(f"unknown --sparse {self.method!r}; choose one of {', '.join(SPARSE_METHODS)}")
-        if self.method == "anchor" and self.config_path is not None:
-            raise ValueError("--sparse-config is for --sparse minference; AnchorAttention takes --anchor-theta")
+        if self.method == "anchor" and self.config_path is not None and (
+                (self.anchor_theta, self.anchor_block_q, self.anchor_step) != ANCHOR_FLAG_DEFAULTS):
+            raise ValueError("--sparse-config fixes AnchorAttention's thresholds and pooling: drop --anchor-theta / "
+                             "--anchor-block-q / --anchor-step, or drop --sparse-config")
         if self.config_path is not None and not Path(self.config_path).is_file():
+            tool = "anchor_calibrate" if self.method == "anchor" else "minference_search"
             raise ValueError(f"--sparse-config {self.config_path} does not exist; write one with "
-                             "`python -m starshard.tools.minference_search --out FILE` or drop the flag")
+                             f"`python -m starshard.tools.{tool} --out FILE` or drop the flag")
+
+
+ANCHOR_FLAG_DEFAULTS = (SparseConfig.anchor_theta, SparseConfig.anchor_block_q, SparseConfig.anchor_step)
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,9 @@ class GuardedPattern:
 
 
 def load_sparse_method(cfg: SparseConfig) -> FallbackSparse:
-    if cfg.method == "anchor":
+    if cfg.method == "anchor" and cfg.config_path:  # calibrated: thetas per layer and head
+        method = AnchorModelConfig.load(cfg.config_path)
+    elif cfg.method == "anchor":
         method = UniformSparse(AnchorConfig(theta=cfg.anchor_theta, block_q=cfg.anchor_block_q, step=cfg.anchor_step))
     else:  # no file: every head uses the default Vertical-Slash (1000 columns, 6096 diagonals)
         method = MInferenceConfig.load(cfg.config_path) if cfg.config_path else MInferenceConfig()

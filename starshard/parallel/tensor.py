@@ -2,7 +2,8 @@
 
 `apply_tensor_parallel` swaps the model's linears for megatron-core's tensor-parallel layers:
 fused QKV and gate/up column-parallel (each rank computes its own heads / MLP columns, no
-communication), o_proj and down row-parallel (one all-reduce each), the embedding vocab-parallel
+communication), o_proj and down row-parallel (one all-reduce each; an MoE layer's experts are split
+the same way, by columns of every expert, with one all-reduce), the embedding vocab-parallel
 (one all-reduce) and the LM head column-parallel over the (padded) vocabulary. The logits stay
 sharded: greedy decoding and sampling exchange a few numbers per row, never the full vocabulary.
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from starshard.layout import TPLayout
 from starshard.config import SamplingConfig
+from starshard.engine.moe import GroupedExperts, MoEFeedForward
 
 
 def _mp_config(tp: int, dtype: torch.dtype):
@@ -59,6 +61,11 @@ def _megatron_layers():
     return ColumnParallel, RowParallel, VocabParallelEmbedding
 
 
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(x, group=group)
+    return x
+
+
 def apply_tensor_parallel(model: nn.Module, layout: TPLayout, group) -> nn.Module:
     """Swap a (meta-device) Transformer's modules for tensor-parallel ones holding this rank's part.
 
@@ -81,6 +88,19 @@ def apply_tensor_parallel(model: nn.Module, layout: TPLayout, group) -> nn.Modul
         att.n_heads, att.n_kv_heads = layout.heads, layout.kv_heads
         att.wqkv = ColumnParallel(H, qkv_rows * tp, bias=cfg.qkv_bias, gather_output=False, **kw)
         att.wo = RowParallel(cfg.q_size, H, bias=False, input_is_parallel=True, skip_bias_add=False, **kw)
+        if isinstance(ff, MoEFeedForward):
+            # Experts are tensor-parallel, not expert-parallel: each expert's width is split like the
+            # dense MLP (gate/up rows column-parallel, down columns row-parallel, TPLayout.expert_slice),
+            # the router replicated, so every rank routes alike and computes its part of every chosen
+            # expert; one all-reduce per layer, as the dense MLP. Why: each rank does exactly 1/tp of
+            # every token's expert work and reads 1/tp of each active expert's weights whatever the
+            # router picks (expert parallelism's load follows routing skew: a decode step's 8 of 128
+            # experts land on few ranks), and it needs no all-to-all dispatch / combine of k x tokens.
+            # Its cost, narrower expert GEMMs (Qwen3-30B-A3B: 768 / tp columns), matters at large tp
+            # (across nodes expert parallelism would win; not built).
+            ff.experts = GroupedExperts(cfg.num_experts, H, cfg.moe_intermediate_size // tp)
+            ff.combine = functools.partial(_all_reduce, group=group)
+            continue
         # w13 local rows are [gate part; up part] (TPLayout), which FeedForward's chunk(2) splits.
         ff.w13 = ColumnParallel(H, 2 * ffn * tp, bias=False, gather_output=False, **kw)
         ff.w2 = RowParallel(cfg.intermediate_size, H, bias=False, input_is_parallel=True, skip_bias_add=False, **kw)

@@ -72,7 +72,7 @@ def build_rank_model(cfg: ModelConfig, src: WeightSource, plan: ParallelPlan, tp
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
     layout = TPLayout(cfg, plan.tp, tp_rank)
     with torch.device("meta"):
-        model = Transformer(dataclasses.replace(cfg, num_layers=len(layers))).to(dtype)
+        model = Transformer(dataclasses.replace(cfg, num_layers=len(layers)), layer_ids=layers).to(dtype)
     model.config = cfg  # the whole model's config: eos ids, window, vocab
     model.layer_ids = list(layers)
     if not first:

@@ -27,7 +27,8 @@ _NO_KEY = 2**62  # position of an empty pool slot: after every query, so causali
 
 class OwnKV:
     """The batch's own-token KV: per layer k, v [B, Hkv, cap, D] and positions [B, cap]; row b's
-    first lengths[b] slots are filled."""
+    first lengths[b] slots are filled. Kept in the compute dtype also with an FP8 KV cache: it holds a
+    question and the generated tokens, a few hundred entries per request."""
 
     def __init__(self, layer_ids, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device):
         self.layer_ids = list(layer_ids)
@@ -112,13 +113,13 @@ class CascadeAttention:
             kv = g.kv.layer(layer)
             if kv.length == 0:  # this rank holds none of the entry (a short prompt on a CP group)
                 continue
-            ks, vs, kpos = kv.view()
+            s = kv.stored()  # an FP8 entry stays e4m3 (dequantized by attention where its kernel cannot read it)
             qg = q[rows].transpose(0, 1).reshape(1, Hq, len(g.rows) * L, D)  # rows as one query block
             qpos = last[:, None].expand(len(g.rows), L).reshape(1, -1)
             causal = any(p < g.full for p in g.prefix)
-            o, s = attention(qg, ks, vs, q_pos=qpos, k_pos=kpos, causal=causal)
+            o, ls = attention(qg, s.k, s.v, q_pos=qpos, k_pos=s.pos, causal=causal, k_scale=s.k_scale, v_scale=s.v_scale)
             out[rows] = o.reshape(Hq, len(g.rows), L, D).transpose(0, 1).to(out.dtype)
-            lse[rows] = s.reshape(Hq, len(g.rows), L).transpose(0, 1)
+            lse[rows] = ls.reshape(Hq, len(g.rows), L).transpose(0, 1)
         if self.own is not None:
             self.own.append(layer, k, v, pos)
             o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer], causal=True)

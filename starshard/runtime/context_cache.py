@@ -19,8 +19,7 @@ from starshard.engine.kv_cache import KVCache
 
 def kv_bytes(cache: KVCache) -> int:
     """Bytes a KV cache holds allocated (capacity, not length: what the budget must cover)."""
-    return sum(kv.k.numel() * kv.k.element_size() * 2 + kv.pos.numel() * kv.pos.element_size()
-               for kv in cache.layers.values())
+    return sum(kv.nbytes() for kv in cache.layers.values())
 
 
 @dataclass

@@ -52,10 +52,10 @@ class GraphDecoder:
 
     def _attend(self, kv: LayerKV, q, k, v, pos, cache=None, sparse=None):  # decode is dense: sparse unused
         if self.appends:
-            kv.k.index_copy_(2, self.slot, k)
-            kv.v.index_copy_(2, self.slot, v)
-            kv.pos.index_copy_(0, self.slot, pos)
-        out, lse = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=False, length=self.length)
+            kv.write_slot(self.slot, k, v, pos)
+        # The whole preallocated cache (FP8: e4m3 with its scales); `length` says how much is valid.
+        out, lse = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=False, length=self.length,
+                                    k_scale=kv.k_scale, v_scale=kv.v_scale)
         if self.group is not None:
             out, _ = merge_over_group(out, lse, self.group)
         return out

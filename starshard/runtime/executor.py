@@ -53,7 +53,9 @@ class Executor:
         self.pool: OwnKV | None = None  # the batch's own KV, rebuilt when rows join or leave
         attn = self.model.layers[0].attention
         self.kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
-        self.dtype, self.device = attn.wo.weight.dtype, attn.wo.weight.device
+        norm = self.model.layers[0].attention_norm.weight  # the compute dtype (projections may hold FP8)
+        self.dtype, self.device = norm.dtype, norm.device
+        self.kv_fp8 = runner.kv_fp8
         runner.cuda_graphs = False  # the runner's own graphs serve one request; the batch has its own (below)
         # Length-dependent RoPE (dynamic NTK, longrope) at the window's length for every request: cached
         # entries and batched rows then share one rotation.
@@ -67,6 +69,8 @@ class Executor:
     # -- sizes the scheduler plans with
     def token_bytes(self) -> int:
         """KV bytes of one token on one rank (k and v of every layer held, plus its position)."""
+        if self.kv_fp8:  # e4m3 k and v plus one float32 scale each per head (engine/kv_cache.py)
+            return len(self.model.layers) * (2 * self.kv_heads * (self.head_dim + 4) + 8)
         return len(self.model.layers) * (2 * self.kv_heads * self.head_dim * self.dtype.itemsize + 8)
 
     def entry_bytes(self, n_tokens: int) -> int:

@@ -19,6 +19,7 @@ class LocalRunner:
     def __init__(self, model, cuda_graphs: bool = True):
         self.model = model
         self.cuda_graphs = cuda_graphs  # replay single-token decode steps from a CUDA graph (cuda_graph.py)
+        self.kv_fp8 = False  # new caches store e4m3 keys / values with per-(head, token) scales (--fp8 kv)
         self._graph = None
 
     def cache_rows(self, tokens: int) -> int:
@@ -27,8 +28,9 @@ class LocalRunner:
 
     def new_cache(self, capacity: int) -> KVCache:
         m = self.model
+        norm = m.layers[0].attention_norm.weight  # the compute dtype and device (wo may hold FP8 weights)
         return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, self.cache_rows(capacity),
-                       m.layers[0].attention.wo.weight.dtype, m.layers[0].attention.wo.weight.device)
+                       norm.dtype, norm.device, fp8=self.kv_fp8)
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         """Run the whole prompt -> first new token."""

@@ -45,7 +45,7 @@ def cache_append(cache: LayerKV | None, k, v, pos, rows: torch.Tensor | None) ->
         return
     if rows is not None:
         k, v, pos = k[:, :, rows], v[:, :, rows], pos[rows]
-    cache.append(k, v, pos)
+    cache.store(k, v, pos)
 
 
 def group_size(group) -> int:
@@ -99,11 +99,11 @@ class ContextStrategy:
         if cache is None:
             raise ValueError("decode needs a KV cache")
         if self.is_query_rank:
-            k_all, v_all, k_pos = cache.append(k, v, pos)
-        else:
-            k_all, v_all, k_pos = cache.view()
+            cache.store(k, v, pos)
+        s = cache.stored()  # as stored: an FP8 shard is read in e4m3 by the decode kernel
         # A single new token follows every key of every shard: no mask needed.
-        out, lse = attention(q, k_all, v_all, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1)
+        out, lse = attention(q, s.k, s.v, q_pos=pos, k_pos=s.pos, causal=q.shape[2] > 1, k_scale=s.k_scale,
+                             v_scale=s.v_scale)
         if self.cp > 1:
             out, lse = merge_over_group(out, lse, self.group)
         return out

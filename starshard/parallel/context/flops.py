@@ -66,8 +66,11 @@ def predicted_seconds(ranks: list[PrefillFlops], matmul_flops_per_s: float,
 def linear_flops_per_token(cfg: ModelConfig) -> float:
     """All layers' linear FLOPs for one token (no logits)."""
     h = cfg.hidden_size
-    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
-    return 2.0 * per_layer * cfg.num_layers
+    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    # MoE layers: the router and the token's k experts; dense layers: the MLP
+    moe = h * cfg.num_experts + 3 * h * cfg.num_experts_per_tok * cfg.moe_intermediate_size
+    mlp = sum(moe if cfg.is_moe_layer(i) else 3 * h * cfg.intermediate_size for i in range(cfg.num_layers))
+    return 2.0 * (attn * cfg.num_layers + mlp)
 
 
 def attention_flops_per_pair(cfg: ModelConfig) -> float:

@@ -1,0 +1,88 @@
+"""Tune the FP8 decode kernels on one GPU (issue 19): every time is a CUDA-graph replay of 20 calls
+(decode runs from graphs; eager timing of a 10 us kernel measures the host).
+
+    python bench/fp8_tune.py --out fp8_tune.json
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from starshard.kernels.decode import decode_attention
+from starshard.kernels.fp8 import _weight_only_kernel, quantize_rows, weight_only_linear
+
+
+def graph_time(fn, n=20):
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3 / n)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(dev), "linear": {}, "decode": {}}
+    for name, (N, K) in {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}.items():
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+        w8, ws = quantize_rows(w)
+        for M in (1, 16):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            t8 = graph_time(lambda: weight_only_linear(x, w8, ws))
+            tb = graph_time(lambda: F.linear(x, w))
+            best = {k: v for k, v in _weight_only_kernel.best_config.all_kwargs().items()} if _weight_only_kernel.best_config else None
+            r = {"fp8_us": t8 * 1e6, "bf16_us": tb * 1e6, "speedup": tb / t8, "fp8_TBps": N * K / t8 / 1e12,
+                 "bf16_TBps": 2 * N * K / tb / 1e12, "best": str(best)}
+            res["linear"][f"{name}_M{M}"] = r
+            print(name, M, r, flush=True)
+    B, Hq, Hkv, D, Lk = 1, 32, 8, 128, 131072
+    q = torch.randn(B, Hq, 1, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.bfloat16)
+    k8, ks = quantize_rows(k)
+    v8, vs = quantize_rows(v)
+    pos = torch.arange(Lk, device=dev)
+    qp = torch.tensor([Lk], device=dev)
+    ref, _ = decode_attention(q, k, v, q_pos=qp, k_pos=pos, causal=False)
+    tb = graph_time(lambda: decode_attention(q, k, v, q_pos=qp, k_pos=pos, causal=False))
+    res["decode"]["bf16_default_us"] = tb * 1e6
+    print("bf16 decode", tb * 1e6, flush=True)
+    for bn, w, st in [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (256, 8, 3), (128, 4, 4)]:
+        for splits in (33, 66, 132, 264):
+            try:
+                f = lambda: decode_attention(q, k8, v8, q_pos=qp, k_pos=pos, causal=False, k_scale=ks, v_scale=vs,
+                                             config=(bn, w, st), num_splits=splits)
+                o, _ = f()
+                t = graph_time(f)
+                err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+                res["decode"][f"fp8_bn{bn}_w{w}_s{st}_splits{splits}"] = {"us": t * 1e6, "speedup": tb / t, "rel_err_vs_bf16": err}
+                print("fp8 decode", bn, w, st, splits, t * 1e6, tb / t, err, flush=True)
+            except Exception as e:  # a config that does not compile or fit
+                print("fp8 decode", bn, w, st, splits, "failed", str(e)[:200], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The mixture-of-experts MLP of Qwen3-MoE and Mixtral: a replicated router and stacked SwiGLU experts.
+
+    weights, experts = route(router_logits, top_k, renormalize)      # [T, k] each
+    out = grouped_experts(x, weights, experts, w13, w2)              # [T, H]
+
+Routing follows transformers: softmax over all experts in float32, the top k, renormalized to sum
+to 1 when the family says so (Mixtral always, Qwen3-MoE by `norm_topk_prob`). The experts are two
+stacked tensors, `w13` [E, 2F, H] (each expert's gate rows, then its up rows) and `w2` [E, H, F], and
+run as one grouped GEMM per projection: the (token, expert) pairs are sorted by expert so that each
+expert's rows are contiguous, then `grouped_mm` multiplies every segment by its expert's matrix in
+one call. No Python loop over experts: the work and the weights read follow the tokens' choices,
+and an expert no token picked costs nothing.
+
+Tensor parallelism (parallel/tensor.py) cuts every expert's F columns over the ranks, as the dense
+MLP's: each rank computes a partial output over its columns, and `combine` (identity on one device)
+sums them.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from starshard.config import ModelConfig
+
+# torch >= 2.10 exports it as F.grouped_mm; earlier releases (2.8, 2.9) as torch._grouped_mm.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GATHER_MAX_ROWS = 64  # fallback: up to this many (token, expert) pairs gather their experts' weights
+
+
+@functools.cache
+def grouped_mm_works(device_type: str, device_index: int | None, dtype: torch.dtype) -> bool:
+    """Whether this torch runs grouped_mm for `dtype` on this device (CUDA: bf16 from sm80 on; some
+    builds also float32 / float16; CPU from torch 2.9): probed once with a tiny product."""
+    if _GROUPED_MM is None:
+        return False
+    dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    try:
+        a = torch.ones(4, 16, device=dev, dtype=dtype)
+        b = torch.ones(2, 16, 16, device=dev, dtype=dtype).transpose(-2, -1)
+        out = _GROUPED_MM(a, b, offs=torch.tensor([1, 4], device=dev, dtype=torch.int32))
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k]), as transformers routes."""
+    probs = logits.float().softmax(dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows x [N, K] sorted by expert (expert e owns rows offs[e-1]:offs[e]) times w[e]^T, w [E, M, K]."""
+    return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
+
+
+def _gathered(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """Fallback for few rows: each row with its own expert's matrix (a gather of the chosen experts,
+    then one batched product)."""
+    return torch.bmm(w[expert_of_row], x[:, :, None])[:, :, 0]
+
+
+def _padded(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Fallback for many rows: every expert's segment padded to the longest one, one batched product
+    over experts [E, C, K] x [E, K, M], the padding dropped."""
+    E = w.shape[0]
+    cap = int(counts.max())
+    start = offs.long() - counts
+    slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(start, counts)
+    expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
+    buf = x.new_zeros(E, cap, x.shape[1])
+    buf[expert, slot] = x
+    return torch.bmm(buf, w.transpose(-2, -1))[expert, slot]
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t. x [T, H]; w13 [E, 2F, H]
+    (gate rows, then up rows); w2 [E, H, F]. impl: None picks grouped_mm where the device and dtype
+    run it, else "gather" for up to GATHER_MAX_ROWS pairs (decode) and "padded" above; tests name one.
+    The weighted sum is taken in float32, in a fixed order (no atomics), so every TP rank and every
+    run gives the same bits for the same inputs."""
+    T, k = experts.shape
+    E = w13.shape[0]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+    rows = x[order // k]  # [T * k, H]
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0)
+    if impl is None:
+        idx = x.device.index if x.device.type == "cuda" else None
+        # grouped_mm wants 16-byte aligned rows (CPU and CUDA): widths of a multiple of 16 bytes.
+        aligned = (x.shape[-1] * x.element_size()) % 16 == 0 and (w2.shape[-1] * x.element_size()) % 16 == 0
+        if aligned and grouped_mm_works(x.device.type, idx, x.dtype):
+            impl = "grouped"
+        else:
+            impl = "gather" if T * k <= GATHER_MAX_ROWS else "padded"
+    if impl == "grouped":
+        offs32 = offs.to(torch.int32)
+
+        def mm(a, w):
+            return _grouped(a, w, offs32)
+    elif impl == "gather":
+        sorted_experts = flat[order]
+
+        def mm(a, w):
+            return _gathered(a, w, sorted_experts)
+    elif impl == "padded":
+        def mm(a, w):
+            return _padded(a, w, counts, offs)
+    else:
+        raise ValueError(f"unknown expert GEMM {impl!r}; one of grouped, gather, padded")
+    gate, up = mm(rows, w13).chunk(2, dim=-1)
+    y = mm(F.silu(gate) * up, w2)  # [T * k, H], sorted by expert
+    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)
+    out = (unsorted.float() * weights[..., None]).sum(dim=1)
+    return out.to(x.dtype)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stacked: `w13` [E, 2F, H] (gate rows, then up rows, as FeedForward.w13 per
+    expert), `w2` [E, H, F]. F is this rank's share of the expert width under tensor parallelism."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, width))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class MoEFeedForward(nn.Module):
+    """Router (replicated on every TP rank: each rank routes its full copy of the hidden state the
+    same way) + grouped experts. `combine` sums partial expert outputs over ranks that each hold
+    part of every expert's width (set by parallel/tensor.py; identity on one device)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = route(self.router(x), self.top_k, self.renormalize)
+        out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)
+        return self.combine(out).view(shape)

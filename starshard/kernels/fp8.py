@@ -1,0 +1,190 @@
+"""FP8 (e4m3) numerics: row quantization, dequantization and the FP8 linear.
+
+    x8, scale = quantize_rows(x)                  # x ~= x8 * scale[..., None]; scale = amax(|row|) / 448
+    y = fp8_linear(x, w8, w_scale, bias)          # x [.., K] @ (w8 [N, K] * w_scale [N, None]).T + bias
+
+Scales are float32, one per row of the last dimension (a weight's output channel, an activation's
+token, a cached key's (head, token)), chosen so the row's largest magnitude maps to e4m3's largest
+finite value (448): nothing clips, and a row's bytes depend on that row alone.
+
+fp8_linear on CUDA (FP8 tensor cores: compute capability >= 8.9):
+- more than WEIGHT_ONLY_MAX_ROWS rows (prefill): each activation row is quantized by one Triton pass
+  (amax, scale, cast), then `torch._scaled_mm` multiplies e4m3 x e4m3 with the row / channel scales;
+- up to WEIGHT_ONLY_MAX_ROWS rows (decode): a weight-only Triton kernel reads the e4m3 weight once,
+  converts each tile to bf16 in registers and multiplies the bf16 activations; the channel scale goes
+  on the float32 accumulator. The whole matrix is never upcast in memory.
+On CPU (and GPUs without FP8) the reference path dequantizes the weight, then multiplies.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without triton keep the torch paths
+    triton = None
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # largest finite e4m3 value
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
+WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (decode); more: FP8 GEMM
+_TINY = 1e-12  # an all-zero row gets this amax, so its scale is not 0 (0 / 0 would be NaN)
+
+log = logging.getLogger("starshard")
+
+
+def fp8_support_error(device) -> str | None:
+    """Why FP8 cannot run fast on `device` (None: it can, or it is the CPU, where the reference runs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"--fp8 needs FP8 tensor cores (compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
+                f"Ada L4/L40, Hopper H100/H200 or newer); {device} is {name} with compute capability "
+                f"{cap[0]}.{cap[1]}, which has no e4m3 matmul or conversion; run without --fp8")
+    return None
+
+
+@functools.cache
+def warn_cpu_reference() -> None:
+    """Say once per process that FP8 on the CPU is the slow reference path."""
+    log.warning("--fp8 on the CPU runs the slow reference path (dequantize, then matmul / attend in the compute "
+                "dtype): right for tests, not for speed")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (e4m3 [..., D], float32 scales [...]) with x ~= x8 * scale[..., None]. On CUDA one
+    Triton kernel (a decode step's KV write is then one launch, not ten); elsewhere torch ops."""
+    if x.is_cuda and triton is not None and x.numel():
+        y, s = quantize_rows_cuda(x.reshape(-1, x.shape[-1]))
+        return y.view(x.shape), s.view(x.shape[:-1])
+    xf = x.float()
+    amax = xf.abs().amax(-1).clamp_min(_TINY)
+    scale = amax / E4M3_MAX
+    x8 = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return x8, scale
+
+
+def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_rows, in `dtype` (float32 arithmetic, then one rounding)."""
+    return (x8.float() * scale[..., None]).to(dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """Dequantize the weight, then multiply in x's dtype (the CPU path; what the kernels approximate)."""
+    return F.linear(x, dequantize(w8, w_scale, x.dtype), bias)
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               *, weight_only: bool | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 / fp16) times an e4m3 weight w8 [N, K] with channel scales w_scale [N] (float32).
+    `weight_only` forces the decode kernel (True) or the FP8 GEMM (False); default by row count."""
+    if x.device.type != "cuda":
+        return fp8_linear_reference(x, w8, w_scale, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    M = x2.shape[0]
+    if weight_only is None:
+        weight_only = M <= WEIGHT_ONLY_MAX_ROWS
+    if weight_only:
+        y = weight_only_linear(x2, w8, w_scale, bias)
+    else:
+        x8, sx = quantize_rows_cuda(x2)
+        # _scaled_mm takes the second operand column-major: w8 [N, K] row-major, transposed, is.
+        y = torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=w_scale[None, :], out_dtype=x.dtype)
+        if bias is not None:
+            y = y + bias
+    return y.reshape(*shape[:-1], w8.shape[0])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Y, S, K, s_xm, s_ym, BLOCK_K: tl.constexpr):
+        """One row per program: amax over the row (first pass), then scale and cast (second pass, from L2)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_K)
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(X + row * s_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+        for k0 in range(0, K, BLOCK_K):
+            ok = k0 + offs < K
+            x = tl.load(X + row * s_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)  # division, as the torch path: the same bytes
+            tl.store(Y + row * s_ym + k0 + offs, y.to(Y.dtype.element_ty), mask=ok)
+        tl.store(S + row, scale)
+
+    # Decode reads each weight byte once: many programs with long K tiles keep enough loads in flight.
+    _WO_CONFIGS = [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in [(16, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 4, 3), (16, 512, 8, 5), (32, 256, 4, 4),
+                             (32, 512, 4, 3), (32, 512, 8, 4), (64, 256, 4, 3), (64, 128, 4, 4)]
+    ]
+
+    @triton.autotune(configs=_WO_CONFIGS, key=["N", "K", "BLOCK_M"])
+    @triton.jit
+    def _weight_only_kernel(X, W, S, BIAS, Y, M, N, K, s_xm, s_wn, s_ym,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """Y[M, N] = X[M, K] @ (W[N, K] as e4m3 -> X's dtype in registers).T * S[N] (+ BIAS)."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        x_ptrs = X + offs_m[:, None].to(tl.int64) * s_xm + offs_k[None, :]
+        w_ptrs = W + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] tile of W.T
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + offs_k < K
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(x, w.to(x.dtype), acc)
+        acc = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = Y + offs_m[:, None].to(tl.int64) * s_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of a 2-D tensor in one Triton kernel (one read of x, one e4m3 write)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows_kernel[(M,)](x, y, s, K, x.stride(0), y.stride(0), BLOCK_K=min(2048, triton.next_power_of_2(K)),
+                                    num_warps=4)
+    return y, s
+
+
+def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [M, K] (M small) times e4m3 w8 [N, K] with channel scales: the decode kernel."""
+    if triton is None:
+        raise RuntimeError("the FP8 weight-only kernel needs the triton package")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = w8.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(min(M, WEIGHT_ONLY_MAX_ROWS)))
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m))
+
+    _weight_only_kernel[grid](x, w8, w_scale, bias if bias is not None else w_scale, y, M, N, K,
+                              x.stride(0), w8.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m)
+    return y

@@ -1,0 +1,270 @@
+"""FP8 (issue 19): e4m3 numerics against float64, the FP8 linear's reference path, the FP8 KV cache
+through every context strategy (gloo) against the same run with a float32 cache, and the errors
+for bad --fp8 values and GPUs without FP8."""
+import argparse
+
+import pytest
+import torch
+from hf_models import make_hf_model
+from mp_harness import run_ranks
+
+from starshard import LLM
+from starshard.cli import add_fp8_arguments, fp8_config, layout_error
+from starshard.config import Fp8Config, ModelConfig, ParallelConfig
+from starshard.engine.kv_cache import LayerKV
+from starshard.kernels import fp8 as fp8_kernels
+from starshard.kernels.attention import attention
+from starshard.kernels.decode import decode_attention
+from starshard.kernels.fp8 import (
+    E4M3_MAX,
+    FP8_DTYPE,
+    dequantize,
+    fp8_linear,
+    quantize_rows,
+)
+from starshard.parallel.fp8 import Fp8Linear, quantize_linears
+from starshard.parallel.topology import LayoutError
+from starshard.planner import Layout, Workload, plan_memory
+from starshard.presets import PRESETS
+
+STEPS = 12
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---------------------------------------------------------------------------- numerics
+def test_quantize_rows_against_float64():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 3, 80, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 80, dtype=torch.float64)
+    x[5, 1] = 0  # an all-zero row: scale stays finite, values stay 0
+    x8, s = quantize_rows(x)
+    assert x8.dtype == FP8_DTYPE and s.dtype == torch.float32 and s.shape == x.shape[:-1]
+    amax = x.abs().amax(-1)
+    nonzero = amax > 0
+    assert torch.allclose(s.double()[nonzero], amax[nonzero] / E4M3_MAX, rtol=1e-6)
+    back = dequantize(x8, s, torch.float64)
+    assert torch.isfinite(back).all() and (back[5, 1] == 0).all()
+    # e4m3: 3 mantissa bits (relative error <= 2^-4 for normals), subnormal step 2^-9 of the scale
+    bound = torch.maximum(x.abs() * 2**-4, s.double()[..., None] * 2**-10) * (1 + 1e-6)
+    assert ((back - x).abs() <= bound).all()
+    # every row's largest magnitude maps to 448, nothing beyond
+    assert (x8.float().abs().amax(-1)[nonzero] == E4M3_MAX).all()
+
+
+def test_fp8_linear_reference_against_float64():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 72, generator=g) / 72**0.5
+    b = torch.randn(48, generator=g)
+    x = torch.randn(5, 9, 72, generator=g)
+    w8, ws = quantize_rows(w)
+    y = fp8_linear(x, w8, ws, b)
+    exact = x.double() @ dequantize(w8, ws, torch.float64).t() + b.double()
+    assert y.shape == (5, 9, 48) and rel(y, exact) < 1e-6  # the reference path: dequantize, then matmul
+    assert rel(y, x.double() @ w.double().t() + b.double()) < 0.05  # e4m3 weights: a few % at most
+    lin = Fp8Linear.quantize(torch.nn.Linear(72, 48).requires_grad_(False))
+    assert lin.weight.dtype == FP8_DTYPE and lin(x).shape == (5, 9, 48)
+
+
+def test_fp8_kv_cache_store_and_read():
+    g = torch.Generator().manual_seed(2)
+    kv = LayerKV(1, 2, 16, 4, torch.float32, "cpu", fp8=True)
+    k1, v1 = torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g)
+    k, v, pos = kv.append(k1, v1, torch.arange(3))
+    assert k is k1 and v is v1  # a prefill attends its own keys as computed
+    k2, v2 = torch.randn(1, 2, 5, 16, generator=g) * 10, torch.randn(1, 2, 5, 16, generator=g)
+    k, v, pos = kv.append(k2, v2, torch.arange(3, 8))  # grows past capacity 4
+    assert kv.capacity >= 8 and pos.tolist() == list(range(8))
+    assert torch.equal(k[:, :, 3:], k2) and rel(k[:, :, :3], k1) < 0.05  # held entries come back dequantized
+    s = kv.stored()
+    assert s.k.dtype == FP8_DTYPE and s.k_scale.shape == (1, 2, 8)
+    # an entry's bytes depend on that key alone (same bytes whatever else was written with it)
+    k8, ks = quantize_rows(k2)
+    assert torch.equal(s.k[:, :, 3:].view(torch.uint8), k8.view(torch.uint8)) and torch.equal(s.k_scale[:, :, 3:], ks)
+    assert kv.nbytes() == 2 * (2 * 8 * 16 * 1 + 2 * 8 * 4) + 8 * 8  # e4m3 k, v + float32 scales + positions
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_attention_reads_fp8_cache(use_triton, monkeypatch):
+    """attention / decode_attention over e4m3 k, v with per-(head, key) scales equal float64 attention over
+    the dequantized cache (the Triton kernel under the interpreter in float32)."""
+    if use_triton:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, Lq, Lk, D = 1, 6, 2, 3, 77, 16
+    q = torch.randn(B, Hq, Lq, D, generator=g)
+    k, v = torch.randn(B, Hkv, Lk, D, generator=g), torch.randn(B, Hkv, Lk, D, generator=g)
+    k8, ks = quantize_rows(k)
+    v8, vs = quantize_rows(v)
+    kp, qp = torch.arange(Lk), torch.tensor([40, 60, 76])
+    kd, vd = dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64)
+    ref, ref_lse = attention(q.double(), kd, vd, q_pos=qp, k_pos=kp, causal=True)
+    if use_triton:
+        out, lse = decode_attention(q, k8, v8, q_pos=qp, k_pos=kp, causal=True, k_scale=ks, v_scale=vs, use_triton=True)
+    else:
+        out, lse = attention(q, k8, v8, q_pos=qp, k_pos=kp, causal=True, k_scale=ks, v_scale=vs)
+    assert rel(out, ref) < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------------- through the engine
+def _model(tmp_path):
+    _, path = make_hf_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                            eos_token_id=None)
+    ids = torch.randint(0, 211, (53,), generator=torch.Generator().manual_seed(7)).tolist()
+    return path, ids
+
+
+def _last_logits(llm, ids):
+    """Logits of the token after `ids` from a step that reads the cache: prefill all but the last token,
+    then run the last one as a decode step (on the query rank; None elsewhere)."""
+    runner = llm.runner
+    cache = runner.new_cache(len(ids) + 2)
+    with torch.inference_mode():
+        if hasattr(runner, "prefill_logits"):
+            runner.prefill_logits(torch.tensor(ids[:-1]), len(ids) - 2, cache)
+            logits = runner._forward(torch.tensor([ids[-1:]]), cache=cache, last_only=True)
+            return logits[0, -1] if runner.strategy.is_query_rank else None
+        llm.model(torch.tensor([ids[:-1]]), cache=cache)
+        return llm.model(torch.tensor([ids[-1:]]), cache=cache, last_only=True)[0, -1]
+
+
+LAYOUTS = [
+    {"cp_strategy": "dense"},
+    {"cp": 2, "cp_strategy": "ring"},
+    {"cp": 2, "cp_strategy": "ulysses"},
+    {"cp": 2, "cp_strategy": "star"},
+    {"cp": 2, "cp_strategy": "apb"},
+]
+
+
+def _strategies_rank(rank, world, path, ids):
+    out = []
+    for lay in LAYOUTS:
+        p = ParallelConfig(**lay)
+        row = {}
+        for fp8 in (None, "kv"):
+            llm = LLM(path, parallel=p, fp8=fp8)
+            row[fp8] = {"tokens": llm.generate(ids, max_new_tokens=STEPS).token_ids, "logits": _last_logits(llm, ids),
+                        "kv_dtype": llm.runner.new_cache(4).layer(llm.model.layer_ids[0]).k.dtype}
+        out.append(row)
+    return out
+
+
+def test_fp8_kv_cache_every_strategy(tmp_path):
+    """dense, ring, Ulysses, Star and APB with an e4m3 cache: the same greedy tokens as the same layout
+    with a float32 cache, and logits of a step that reads the cache within a bound."""
+    path, ids = _model(tmp_path)
+    results = run_ranks(_strategies_rank, 2, path, ids)
+    for i, lay in enumerate(LAYOUTS):
+        per_rank = [r[i] for r in results]
+        for r in per_rank:
+            assert r["kv"]["kv_dtype"] == FP8_DTYPE and r[None]["kv_dtype"] == torch.float32, lay
+            assert r["kv"]["tokens"] == r[None]["tokens"], lay
+        logits = [(r["kv"]["logits"], r[None]["logits"]) for r in per_rank if r[None]["logits"] is not None]
+        assert logits, lay
+        for got, want in logits:
+            assert 0 < rel(got, want) < 0.02, (lay, rel(got, want))
+
+
+def test_fp8_linear_and_kv_one_process(tmp_path):
+    """--fp8 linear (and linear,kv) on one process: projections swapped for e4m3 ones (embedding and head
+    kept), logits within a bound of float32 weights."""
+    path, ids = _model(tmp_path)
+    ref = _last_logits(LLM(path), ids)
+    for fp8 in ("linear", "linear,kv"):
+        llm = LLM(path, fp8=fp8)
+        att = llm.model.layers[0].attention
+        assert isinstance(att.wqkv, Fp8Linear) and isinstance(llm.model.layers[0].feed_forward.w2, Fp8Linear)
+        assert llm.model.output.weight.dtype == torch.float32
+        assert llm.runner.kv_fp8 == (fp8 == "linear,kv")
+        assert 0 < rel(_last_logits(llm, ids), ref) < 0.08, fp8
+
+
+def _tp_rank(rank, world, path, ids):
+    llm = LLM(path, parallel=ParallelConfig(tp=2), fp8="linear,kv")
+    wo = llm.model.layers[0].attention.wo
+    return {"logits": _full_logits(llm, ids), "row_parallel": wo.reduce_group is not None,
+            "tokens": llm.generate(ids, max_new_tokens=STEPS).token_ids}
+
+
+def _full_logits(llm, ids):
+    from starshard.parallel.tensor import gather_logits
+
+    cache = llm.runner.new_cache(len(ids) + 1)
+    with torch.inference_mode():
+        local = llm.model(torch.tensor([ids]), cache=cache, last_only=True)[0, -1]
+    return gather_logits(local[None], llm.runner.sampler.vocab)[0]
+
+
+def test_fp8_linear_tensor_parallel(tmp_path):
+    """tp=2: column-parallel shards quantized per output channel, row-parallel ones all-reduced; close to
+    one process with --fp8 linear,kv (row-parallel shards have their own channel scales)."""
+    path, ids = _model(tmp_path)
+    one = LLM(path, fp8="linear,kv")
+    with torch.inference_mode():
+        ref = one.model(torch.tensor([ids]), last_only=True)[0, -1]
+    results = run_ranks(_tp_rank, 2, path, ids)
+    for r in results:
+        assert r["row_parallel"]
+        assert rel(r["logits"], ref) < 0.03
+
+
+def test_quantize_linears_keeps_shapes():
+    cfg = ModelConfig.from_hf(PRESETS["tiny"])
+    from starshard.engine.model import Transformer
+
+    m = Transformer(cfg)
+    x = torch.randn(1, 5, cfg.hidden_size)
+    w = m.layers[0].feed_forward.w13.weight.detach().clone()
+    quantize_linears(m)
+    ff = m.layers[0].feed_forward
+    assert isinstance(ff.w13, Fp8Linear) and ff.w13.weight.shape == w.shape
+    assert rel(ff.w13(x), x @ w.t()) < 0.05
+
+
+# ---------------------------------------------------------------------------- flags and errors
+def test_bad_fp8_values_name_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown item.*'fp16'.*valid: linear, kv, attention"):
+        Fp8Config.parse("linear,fp16")
+    assert Fp8Config.parse("linear, kv") == Fp8Config(linear=True, kv=True)
+    assert Fp8Config.parse("none") == Fp8Config() == Fp8Config.parse(None)
+    ap = argparse.ArgumentParser()
+    add_fp8_arguments(ap)
+    args = ap.parse_args(["--fp8", "kv,weights"])
+    args.cp, args.cp_strategy = 1, None
+    assert "valid: linear, kv, attention" in layout_error(args)
+    assert fp8_config(ap.parse_args(["--fp8", "kv"])).kv
+    with pytest.raises(LayoutError, match="--fp8 attention is not offered"):
+        LLM(random_weights="tiny", fp8="attention")
+
+
+def test_gpu_without_fp8_is_refused(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    msg = fp8_kernels.fp8_support_error("cuda:0")
+    assert "compute capability >= 8.9" in msg and "A100" in msg and "8.0" in msg
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert fp8_kernels.fp8_support_error("cuda:0") is None
+    assert fp8_kernels.fp8_support_error("cpu") is None  # the reference path runs there
+
+
+def test_cpu_says_it_is_the_slow_reference(caplog):
+    fp8_kernels.warn_cpu_reference.cache_clear()
+    with caplog.at_level("WARNING", logger="starshard"):
+        LLM(random_weights="tiny", fp8="kv")
+        LLM(random_weights="tiny", fp8="linear")
+    said = [r for r in caplog.records if "slow reference" in r.getMessage()]
+    assert len(said) == 1  # once per process
+
+
+def test_planner_counts_fp8_bytes():
+    cfg = ModelConfig.from_hf(PRESETS["llama-3.1-8b"])
+    lay = Layout(1, 1, 1, "dense")
+    bf16 = plan_memory(cfg, lay, Workload(131072)).worst
+    kv = plan_memory(cfg, lay, Workload(131072, fp8_kv=True)).worst
+    both = plan_memory(cfg, lay, Workload(131072, fp8_kv=True, fp8_linear=True)).worst
+    # per token and layer: 2 x 8 heads x (128 + 4) bytes + 8 vs 2 x 8 x 256 + 8
+    assert kv.kv_cache / bf16.kv_cache == pytest.approx((16 * 132 + 8) / (16 * 256 + 8))
+    assert both.weights < 0.6 * bf16.weights  # projections in e4m3; embedding and head stay bf16
