@@ -96,11 +96,13 @@ def _reference(x, logits, top_k, renormalize, w13, w2):
     return out
 
 
-@pytest.mark.parametrize("impl,F", [("grouped", 16), ("gather", 10), ("padded", 10), (None, 16), (None, 10)])
+@pytest.mark.parametrize("impl,F", [("grouped", 16), ("gather", 10), ("padded", 10), ("gemv", 10), (None, 16),
+                                    (None, 10)])
 def test_router_and_grouped_experts_match_float64(impl, F):
     """Uneven loads: 8 experts, most tokens biased to experts 0-2, experts 6 and 7 never chosen; an odd
     token count; top-3, with and without renormalization. impl None: grouped_mm where the widths are
-    16-byte aligned (F = 16), else the padded fallback (F = 10)."""
+    16-byte aligned (F = 16), else the padded fallback (F = 10). gemv: the Triton decode kernels
+    (interpreted on CPU), here over every pair of the batch."""
     g = torch.Generator().manual_seed(0)
     T, H, E, k = 37, 24, 8, 3
     x = torch.randn(T, H, generator=g)
@@ -117,6 +119,10 @@ def test_router_and_grouped_experts_match_float64(impl, F):
         want = _reference(x, logits, k, renormalize, w13, w2)
         assert got.dtype == x.dtype
         assert rel(got, want) <= 1e-6, (impl, renormalize, rel(got, want))
+    if impl == "gemv":  # one token (decode) in fp16 (the interpreter's bf16 is not trustworthy)
+        got = grouped_experts(x[:1].half(), *route(logits[:1], k, True), w13.half(), w2.half(), impl=impl)
+        assert got.dtype == torch.float16
+        assert rel(got, _reference(x[:1], logits[:1], k, True, w13, w2)) <= 2e-3
     if impl in ("grouped", "gather") and F == 16:  # one token (decode), bf16: the same within bf16's precision
         got = grouped_experts(x[:1].bfloat16(), *route(logits[:1], k, True), w13.bfloat16(), w2.bfloat16(), impl=impl)
         assert rel(got, _reference(x[:1], logits[:1], k, True, w13, w2)) <= 2e-2

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from starshard.config import ModelConfig
+from starshard.kernels.moe_decode import GEMV_MAX_PAIRS, expert_down, expert_gate_up, triton
 
 # torch >= 2.10 exports it as F.grouped_mm; earlier releases (2.8, 2.9) as torch._grouped_mm.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -83,13 +84,22 @@ def _padded(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t. x [T, H]; w13 [E, 2F, H]
-    (gate rows, then up rows); w2 [E, H, F]. impl: None picks grouped_mm where the device and dtype
-    run it, else "gather" for up to GATHER_MAX_ROWS pairs (decode) and "padded" above; tests name one.
+    (gate rows, then up rows); w2 [E, H, F]. impl: None picks, on a GPU with up to GEMV_MAX_PAIRS
+    (token, expert) pairs (decode), "gemv" (the Triton expert GEMVs of kernels/moe_decode.py: no sort,
+    weights read in place, SiLU-mul fused), else grouped_mm where the device and dtype run it, else
+    "gather" for up to GATHER_MAX_ROWS pairs and "padded" above; tests name one.
     The weighted sum is taken in float32, in a fixed order (no atomics), so every TP rank and every
     run gives the same bits for the same inputs."""
     T, k = experts.shape
     E = w13.shape[0]
     flat = experts.reshape(-1)
+    if impl is None and x.is_cuda and T * k <= GEMV_MAX_PAIRS and triton is not None:
+        impl = "gemv"  # decode: one row per pair, the Triton expert GEMVs (kernels/moe_decode.py), no sort
+    if impl == "gemv":
+        token_of_pair = torch.arange(T, device=x.device).repeat_interleave(k)
+        act = expert_gate_up(x, token_of_pair, flat, w13)
+        y = expert_down(act, flat, weights.reshape(-1), w2)  # [T * k, H] float32, weighted, in (token, slot) order
+        return y.view(T, k, -1).sum(dim=1).to(x.dtype)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     rows = x[order // k]  # [T * k, H]
     counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
@@ -116,7 +126,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         def mm(a, w):
             return _padded(a, w, counts, offs)
     else:
-        raise ValueError(f"unknown expert GEMM {impl!r}; one of grouped, gather, padded")
+        raise ValueError(f"unknown expert GEMM {impl!r}; one of gemv, grouped, gather, padded")
     gate, up = mm(rows, w13).chunk(2, dim=-1)
     y = mm(F.silu(gate) * up, w2)  # [T * k, H], sorted by expert
     unsorted = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)
