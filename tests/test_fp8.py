@@ -63,8 +63,33 @@ def test_fp8_linear_reference_against_float64():
     exact = x.double() @ dequantize(w8, ws, torch.float64).t() + b.double()
     assert y.shape == (5, 9, 48) and rel(y, exact) < 1e-6  # the reference path: dequantize, then matmul
     assert rel(y, x.double() @ w.double().t() + b.double()) < 0.05  # e4m3 weights: a few % at most
+    # more rows than the decode kernel takes: the FP8 GEMM's numerics, activations rounded per row too
+    xl = torch.randn(70, 72, generator=g) * torch.logspace(-2, 1, 72)
+    yl = fp8_linear(xl, w8, ws, b)
+    assert rel(yl, dequantize(*quantize_rows(xl), torch.float64) @ dequantize(w8, ws, torch.float64).t()
+               + b.double()) < 1e-6
+    assert rel(yl, xl.double() @ dequantize(w8, ws, torch.float64).t() + b.double()) > 1e-4  # x was rounded
     lin = Fp8Linear.quantize(torch.nn.Linear(72, 48).requires_grad_(False))
     assert lin.weight.dtype == FP8_DTYPE and lin(x).shape == (5, 9, 48)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_weight_only_gemv_against_float64(M, monkeypatch):
+    """The decode GEMV kernel (up to GEMV_MAX_ROWS rows), interpreted on the CPU: odd N and K, a bias.
+    (The tensor-core tile kernel for more rows is autotuned, which the interpreter cannot run; it is
+    checked on the GPU by bench/fp8_probe.py.)"""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from starshard.kernels.fp8 import GEMV_MAX_ROWS, weight_only_linear
+
+    g = torch.Generator().manual_seed(M)
+    N, K = 37, 200
+    w8, ws = quantize_rows(torch.randn(N, K, generator=g) / K**0.5)
+    x, b = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    tile = dict(block_n=8, block_k=64, warps=1)  # K spans several tiles, the last one partial
+    y = weight_only_linear(x, w8, ws, b, gemv_tile=tile)
+    want = x.double() @ dequantize(w8, ws, torch.float64).t() + b.double()
+    assert M <= GEMV_MAX_ROWS
+    assert y.shape == (M, N) and rel(y, want) < 1e-5
 
 
 def test_fp8_kv_cache_store_and_read():

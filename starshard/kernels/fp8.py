@@ -13,7 +13,8 @@ fp8_linear on CUDA (FP8 tensor cores: compute capability >= 8.9):
 - up to WEIGHT_ONLY_MAX_ROWS rows (decode): a weight-only Triton kernel reads the e4m3 weight once,
   converts each tile to bf16 in registers and multiplies the bf16 activations; the channel scale goes
   on the float32 accumulator. The whole matrix is never upcast in memory.
-On CPU (and GPUs without FP8) the reference path dequantizes the weight, then multiplies.
+On CPU (and GPUs without FP8) the reference path dequantizes the weight, then multiplies; above
+WEIGHT_ONLY_MAX_ROWS rows it first rounds the activations per row through e4m3, as the FP8 GEMM does.
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3 value
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (decode); more: FP8 GEMM
+# Up to this many rows the weight-only path is a GEMV per row (weights re-read per row, from L2 when the
+# rows run together); tile: first guess from the MoE decode GEMVs (kernels/moe_decode.py), e4m3 halves
+# the bytes per element so K tiles are twice as long. bench/fp8_gemv_tune.py sweeps it.
+GEMV_MAX_ROWS = 4
+GEMV_TILE = dict(block_n=4, block_k=1024, warps=4)
 _TINY = 1e-12  # an all-zero row gets this amax, so its scale is not 0 (0 / 0 would be NaN)
 
 log = logging.getLogger("starshard")
@@ -77,8 +83,13 @@ def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x8.float() * scale[..., None]).to(dtype)
 
 
-def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None) -> torch.Tensor:
-    """Dequantize the weight, then multiply in x's dtype (the CPU path; what the kernels approximate)."""
+def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None,
+                         quantize_input: bool = False) -> torch.Tensor:
+    """Dequantize the weight, then multiply in x's dtype (the CPU path; what the kernels approximate).
+    quantize_input: first round x per row through e4m3 as the FP8 GEMM does (prefill-sized calls), so
+    that CPU accuracy runs see the same activation rounding as the GPU."""
+    if quantize_input:
+        x = dequantize(*quantize_rows(x), x.dtype)
     return F.linear(x, dequantize(w8, w_scale, x.dtype), bias)
 
 
@@ -86,13 +97,13 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
                *, weight_only: bool | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16) times an e4m3 weight w8 [N, K] with channel scales w_scale [N] (float32).
     `weight_only` forces the decode kernel (True) or the FP8 GEMM (False); default by row count."""
-    if x.device.type != "cuda":
-        return fp8_linear_reference(x, w8, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     M = x2.shape[0]
     if weight_only is None:
         weight_only = M <= WEIGHT_ONLY_MAX_ROWS
+    if x.device.type != "cuda":
+        return fp8_linear_reference(x, w8, w_scale, bias, quantize_input=not weight_only)
     if weight_only:
         y = weight_only_linear(x2, w8, w_scale, bias)
     else:
@@ -158,6 +169,28 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+    @triton.jit
+    def _weight_only_gemv_kernel(X, W, S, BIAS, Y, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row of Y per program column: Y[m, n-slice] = sum_k W[n, k] (e4m3 -> float32) * X[m, k],
+        times S[n] (+ BIAS). No tensor cores: for a handful of rows the weight bytes are all the work."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1).to(tl.int64)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = W + offs_n[:, None].to(tl.int64) * s_wn
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + offs_k < K
+            x = tl.load(X + m * s_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        acc = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(Y + m * s_ym + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
 def quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows of a 2-D tensor in one Triton kernel (one read of x, one e4m3 write)."""
     if x.stride(-1) != 1:
@@ -171,8 +204,11 @@ def quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, s
 
 
-def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None) -> torch.Tensor:
-    """x [M, K] (M small) times e4m3 w8 [N, K] with channel scales: the decode kernel."""
+def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None,
+                       gemv_tile: dict | None = None) -> torch.Tensor:
+    """x [M, K] (M small) times e4m3 w8 [N, K] with channel scales: the decode kernels (up to
+    GEMV_MAX_ROWS rows the GEMV kernel, one program per (column slice, row); more rows the tensor-core
+    tile kernel). gemv_tile: override GEMV_TILE (tuning)."""
     if triton is None:
         raise RuntimeError("the FP8 weight-only kernel needs the triton package")
     if x.stride(-1) != 1:
@@ -180,6 +216,12 @@ def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     M, K = x.shape
     N = w8.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M <= GEMV_MAX_ROWS:
+        t = gemv_tile or GEMV_TILE
+        _weight_only_gemv_kernel[(triton.cdiv(N, t["block_n"]), M)](
+            x, w8, w_scale, bias if bias is not None else w_scale, y, N, K, x.stride(0), w8.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["warps"])
+        return y
     block_m = max(16, triton.next_power_of_2(min(M, WEIGHT_ONLY_MAX_ROWS)))
 
     def grid(meta):
