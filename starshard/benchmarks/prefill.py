@@ -176,6 +176,8 @@ def run(args) -> None:
 
         def prefill():
             sparse_report(model, reset=True)  # count this prefill alone
+            if strategy is not None:
+                strategy.wire.kv_bytes = 0  # K/V bytes this rank sends in this prefill
             state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8)
             with torch.inference_mode():
                 if cp_runner:
@@ -206,6 +208,8 @@ def run(args) -> None:
                    "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode}
             if report is not None:
                 row["sparse_report"] = report
+            if strategy is not None and strategy.cp > 1:
+                row["kv_bytes_sent"] = strategy.wire.kv_bytes  # by this rank in one prefill (context/wire.py)
             if text is not None:
                 row["prompt_repeated"] = L > len(text)
             context = context_len if strategy is not None and strategy.query_phase else L

@@ -12,6 +12,8 @@ tensor). Rank h then attends
 
 The passing KV is dropped after the layer: it never enters the FFN or the cache. Only the block's
 KV is cached. Phase 2 (the query tokens, then decode) is ContextStrategy.decode_attend, as in Star.
+With an FP8 KV cache the passing entries travel as e4m3 plus per-(head, token) scales (wire.py, about
+half the bytes) and are attended dequantized, as the sender's FP8 cache holds them.
 
 Row layout and positions (the RoPE positions the model runs with):
 
@@ -74,6 +76,7 @@ from starshard.kernels.sparse import pattern_for
 from starshard.layout import apb_bounds, apb_default_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.parallel.context.merge import merge_partials
+from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
 COMPRESSORS = ("query", "retaining-heads", "random")
 
@@ -492,14 +495,18 @@ class APBAttention(ContextStrategy):
         gather = idx[..., None].expand(B, Hkv, m, D)
         return kL.gather(2, gather), vL.gather(2, gather), pL[idx]
 
-    def _exchange_virtual(self, layer: int, host: int, sel, like: torch.Tensor):
+    def _exchange_virtual(self, layer: int, host: int, sel, like: torch.Tensor, fp8: bool = False):
         """Study mode: keep this host's passing entries for later hosts, return those of earlier ones
-        (same result and order as `_exchange` over `hosts` ranks, no collective)."""
+        (same result and order as `_exchange` over `hosts` ranks, no collective; fp8: rounded through
+        e4m3 as they would travel)."""
         B, Hkv, _, D = like.shape
         store = self._stash.setdefault(layer, {})
         if sel is not None:
+            if fp8:
+                sel = (unpack_fp8(pack_fp8(sel[0]), like.dtype), unpack_fp8(pack_fp8(sel[1]), like.dtype), sel[2])
             store[host] = sel
-        shape = (B, Hkv, max(self._passing_counts()), 2 * D + 8 // like.element_size())
+        row, w = (D + SCALE_BYTES, 8) if fp8 else (D, 8 // like.element_size())
+        shape = (B, Hkv, max(self._passing_counts()), 2 * row + w)
         if host == 0:
             return None, shape
         if any(j not in store for j in range(host)):
@@ -507,34 +514,42 @@ class APBAttention(ContextStrategy):
         got = [store[j] for j in range(host)]
         return tuple(torch.cat([g[i] for g in got], dim=2) for i in range(3)), shape
 
-    def _exchange(self, sel, like: torch.Tensor):
+    def _exchange(self, sel, like: torch.Tensor, fp8: bool = False):
         """One all-gather of every rank's passing entries (k, v and positions packed into one tensor of
         the KV dtype, padded to the largest count), started asynchronously -> a function that waits
         for it and returns ((k, v, positions) of ranks < this one, or None; the shape this rank sent).
-        The caller computes the block's own causal attention in between, which hides the gather."""
+        The caller computes the block's own causal attention in between, which hides the gather.
+        fp8: the tensor holds bytes, k and v as wire.pack_fp8 rows (e4m3 + scale), dequantized on arrival."""
         B, Hkv, _, D = like.shape
         counts = self._passing_counts()
-        M, dt = max(counts), like.dtype
-        w = 8 // like.element_size()  # an int64 position, bit-cast to w elements of the KV dtype
-        buf = torch.zeros(B, Hkv, M, 2 * D + w, dtype=dt, device=like.device)
+        M = max(counts)
+        if fp8:
+            dt, row, w = torch.uint8, D + SCALE_BYTES, 8
+        else:  # an int64 position, bit-cast to w elements of the KV dtype
+            dt, row, w = like.dtype, D, 8 // like.element_size()
+        buf = torch.zeros(B, Hkv, M, 2 * row + w, dtype=dt, device=like.device)
         if sel is not None:
             ks, vs, ps = sel
             m = ks.shape[2]
-            buf[:, :, :m, :D] = ks
-            buf[:, :, :m, D : 2 * D] = vs
-            buf[:, :, :m, 2 * D :] = ps.to(torch.int64).contiguous()[..., None].view(dt)
-        out = torch.empty(self.cp * B, Hkv, M, 2 * D + w, dtype=dt, device=like.device)
+            buf[:, :, :m, :row] = pack_fp8(ks) if fp8 else ks
+            buf[:, :, :m, row : 2 * row] = pack_fp8(vs) if fp8 else vs
+            buf[:, :, :m, 2 * row :] = ps.to(torch.int64).contiguous()[..., None].view(dt)
+        out = torch.empty(self.cp * B, Hkv, M, 2 * row + w, dtype=dt, device=like.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
         work = gather(out, buf, group=self.group, async_op=True)
+        self.wire.add(nbytes(buf) * (self.cp - 1))  # positions ride along: 8 bytes of 2*row + w per entry
 
         def finish():
             work.wait()
             if self.rank == 0:
                 return None, tuple(buf.shape)
-            got = out.view(self.cp, B, Hkv, M, 2 * D + w)
+            got = out.view(self.cp, B, Hkv, M, 2 * row + w)
             got = torch.cat([got[j, :, :, : counts[j]] for j in range(self.rank)], dim=2)
-            pos = got[..., 2 * D :].contiguous().view(torch.int64)[..., 0]
-            return (got[..., :D], got[..., D : 2 * D], pos), tuple(buf.shape)
+            pos = got[..., 2 * row :].contiguous().view(torch.int64)[..., 0]
+            k, v = got[..., :row], got[..., row : 2 * row]
+            if fp8:
+                k, v = unpack_fp8(k, like.dtype), unpack_fp8(v, like.dtype)
+            return (k, v, pos), tuple(buf.shape)
 
         return finish
 
@@ -560,9 +575,9 @@ class APBAttention(ContextStrategy):
             if exchange:
                 sel = None if last else self._select(layer, seg, q, k, v, pos)
                 if self.cp > 1:
-                    pending = self._exchange(sel, kL)
+                    pending = self._exchange(sel, kL, fp8_wire(cache))
                 else:
-                    done = self._exchange_virtual(layer, seg.host, sel, kL)
+                    done = self._exchange_virtual(layer, seg.host, sel, kL, fp8_wire(cache))
                     pending = lambda: done  # noqa: E731
             # The block's own causal part is the quadratic one (a sparse method, --sparse, applies
             # there); it runs while the passing blocks are gathered.

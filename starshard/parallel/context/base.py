@@ -17,6 +17,7 @@ from starshard.engine.kv_cache import LayerKV
 from starshard.engine.model import AttendFn
 from starshard.kernels.attention import attention
 from starshard.parallel.context.group_merge import merge_over_group
+from starshard.parallel.context.wire import WireStats
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ContextStrategy:
         self.query_rank = self.cp - 1 if query_rank is None else query_rank
         if not 0 <= self.query_rank < self.cp:
             raise ValueError(f"query rank {self.query_rank} is outside the CP group of size {self.cp}")
+        self.wire = WireStats()  # K/V bytes this rank's prefill sent to its peers (wire.py)
 
     @property
     def is_query_rank(self) -> bool:

@@ -12,6 +12,10 @@ every key is visible, and as plain causal attention when both runs hold the same
 the zigzag layout (rank r holds chunks r and 2cp-1-r) this gives every rank the same work, one
 unmasked call per remote block and three mask-free calls for the local one, and the hot loop needs
 no host synchronisation.
+
+With an FP8 KV cache the blocks travel as e4m3 plus per-(head, token) scales (wire.py, about half
+the bytes): a received block is dequantized on arrival, so it is attended exactly as the sender's
+FP8 cache holds it; the rank's own block is attended as computed.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
+from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
 __all__ = ["RingPlan", "ring_attention", "gather_ring_plan", "build_ring_plan", "zigzag_ring_plan",
            "plan_steps", "RingAttention", "zigzag_chunks", "zigzag_positions"]
@@ -204,7 +209,9 @@ def _compute_block(q, k, v, q_pos, k_pos, calls: tuple[Call, ...], acc: _Partial
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                   group, *, scale: float | None = None, plan: RingPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   group, *, scale: float | None = None, plan: RingPlan | None = None, fp8: bool = False,
+                   packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   stats: WireStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's queries over the keys of every rank in `group`.
 
     q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] and positions q_pos [Lq], k_pos [Lk] are this rank's shard;
@@ -212,6 +219,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     lse [B, Hq, Lq] float32) for this rank's rows, as dense attention over the whole sequence would.
     `plan` (from gather_ring_plan / zigzag_ring_plan for the same positions) skips re-planning when
     every layer has the same shards. group=None means a single rank.
+    fp8: the blocks travel as wire.pack_fp8 bytes (e4m3 + scales) and are dequantized on arrival; this
+    rank's own k, v are attended as given. `packed`: (k, v) already packed, sent instead of packing k, v
+    (USP hands on the bytes its all-to-all delivered). `stats`: counts the K/V bytes sent.
     """
     _check_pos("q_pos", q_pos, q.shape[2])
     _check_pos("k_pos", k_pos, k.shape[2])
@@ -222,7 +232,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
         raise ValueError(f"ring plan is for {plan.q_len} query / {plan.k_len} key rows, got {q.shape[2]} / {k.shape[2]}")
     all_k_pos = plan.k_pos.to(k_pos.device)
     acc = _Partial(q, plan.q_runs)
-    cur = (k.contiguous(), v.contiguous())
+    block = (k.contiguous(), v.contiguous())  # the block computed at this step
+    cur = block  # what travels: the block itself, or (fp8) its packed bytes
+    if fp8:
+        cur = packed if packed is not None else (pack_fp8(block[0]), pack_fp8(block[1]))
     spare: tuple[torch.Tensor, torch.Tensor] | None = None
     for step, calls in enumerate(plan.steps):
         reqs = []
@@ -235,13 +248,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
                 dist.P2POp(dist.irecv, spare[0], plan.recv_from, group),
                 dist.P2POp(dist.irecv, spare[1], plan.recv_from, group),
             ])
+            if stats is not None:
+                stats.add(nbytes(*cur))
         src = (plan.rank - step) % plan.cp
-        _compute_block(q, cur[0], cur[1], q_pos, all_k_pos[src], calls, acc, scale)
+        _compute_block(q, block[0], block[1], q_pos, all_k_pos[src], calls, acc, scale)
         for req in reqs:
             req.wait()
         if reqs:
             # the received block becomes current; the sent one is free again (never the caller's k/v)
             cur, spare = spare, (None if step == 0 else cur)
+            block = (unpack_fp8(cur[0], k.dtype), unpack_fp8(cur[1], k.dtype)) if fp8 else cur
     return acc.out.to(q.dtype), acc.lse
 
 
@@ -269,6 +285,7 @@ class RingAttention(ContextStrategy):
         def attend(q, k, v, pos, cache, sparse=None):
             refuse_sparse(sparse, "ring")
             cache_append(cache, k, v, pos, rows)
-            return ring_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, plan=plan)[0]
+            return ring_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, plan=plan,
+                                  fp8=fp8_wire(cache), stats=self.wire)[0]
 
         return attend

@@ -6,6 +6,9 @@ for those heads, and one all-to-all turns the result back. No host synchronisati
 GQA: KV heads are split over the ranks when cp divides them; otherwise each KV head is repeated
 (the fewest copies, lcm(Hkv, cp) heads in all) so that every rank receives the KV heads its query
 heads read. Query heads must be divisible by cp.
+With an FP8 KV cache, K and V travel as e4m3 plus per-(head, token) scales (wire.py: about half the
+bytes) in their own all-to-all, and are dequantized on arrival (the rank's own rows stay as computed);
+q and the output travel in the compute dtype as before.
 """
 from __future__ import annotations
 
@@ -19,12 +22,15 @@ from starshard.kernels.attention import attention
 from starshard.kernels.sparse import LayerSparse, pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.sharding import contiguous_shard
+from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
 __all__ = ["ulysses_attention", "ulysses_core", "check_ulysses_heads", "kv_head_copies", "valid_cp_sizes",
            "seq_to_heads", "heads_to_seq", "gather_positions", "UlyssesAttention"]
 
-# (q, k, v, q_pos, k_pos) of the head shards -> (out, lse): what runs between the two all-to-alls
-Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (q, k, v, q_pos, k_pos, packed) of the head shards -> (out, lse): what runs between the two all-to-alls.
+# packed: with FP8 K/V on the wire, the (k, v) head shards as the e4m3 bytes that arrived, else None.
+Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  tuple[torch.Tensor, torch.Tensor] | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 def valid_cp_sizes(num_heads: int, limit: int | None = None) -> list[int]:
@@ -101,11 +107,33 @@ def gather_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> tuple[t
     return g[:, :n].reshape(-1), g[:, n:].reshape(-1)
 
 
-def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool = True):
+def _kv_to_heads_fp8(q, k, v, copies: int, group, stats: WireStats | None):
+    """seq_to_heads with K/V as e4m3 + scales: q in one all-to-all, the packed k, v in another.
+    Returns the q, k, v head shards (k, v dequantized, this rank's own rows as computed) and the
+    packed (k, v) head shards as they arrived."""
+    cp, r = group_size(group), dist.get_rank(group)
+    k8, v8 = pack_fp8(k), pack_fp8(v)  # before the copies: each row is quantized once
+    if copies > 1:
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+        k8, v8 = k8.repeat_interleave(copies, dim=1), v8.repeat_interleave(copies, dim=1)
+    (qh,) = seq_to_heads([q], group)
+    kh8, vh8 = seq_to_heads([k8, v8], group)
+    if stats is not None:
+        stats.add(nbytes(k8, v8) * (cp - 1) // cp)  # all but this rank's own slice leaves it
+    h, n = kh8.shape[1], k.shape[2]
+    kh, vh = unpack_fp8(kh8, k.dtype), unpack_fp8(vh8, v.dtype)
+    kh[:, :, r * n : (r + 1) * n] = k[:, r * h : (r + 1) * h]
+    vh[:, :, r * n : (r + 1) * n] = v[:, r * h : (r + 1) * h]
+    return qh, kh, vh, (kh8, vh8)
+
+
+def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool = True, fp8: bool = False,
+                 stats: WireStats | None = None):
     """seq -> head shards over `group`, `inner` on them, back to sequence shards: (out, lse | None).
 
     Shards must have equal lengths on every rank (pad with sharding.py; padding positions lie past
-    the real tokens, so masking by position keeps real rows exact)."""
+    the real tokens, so masking by position keeps real rows exact). fp8: k, v travel as e4m3 + scales
+    (wire.py) and `inner` also gets them packed as they arrived; `stats` counts the K/V bytes sent."""
     for name, pos, t in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
         if pos.dim() != 1 or pos.numel() != t.shape[2]:
             raise ValueError(f"{name} must be 1-D with one position per row ({t.shape[2]}), got {tuple(pos.shape)}")
@@ -113,19 +141,26 @@ def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool =
     hq, hkv = q.shape[1], k.shape[1]
     check_ulysses_heads(hq, hkv, cp)  # before any communication: every rank raises alike
     if cp == 1:
-        out, lse = inner(q, k, v, q_pos, k_pos)
+        out, lse = inner(q, k, v, q_pos, k_pos, None)
         return out, lse if need_lse else None
     copies = kv_head_copies(hq, hkv, cp)
-    if copies > 1:
-        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
-    qh, kh, vh = seq_to_heads([q, k, v], group)
+    packed = None
+    if fp8:
+        qh, kh, vh, packed = _kv_to_heads_fp8(q, k, v, copies, group, stats)
+    else:
+        if copies > 1:
+            k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+        qh, kh, vh = seq_to_heads([q, k, v], group)
+        if stats is not None:
+            stats.add(nbytes(k, v) * (cp - 1) // cp)
     qp, kp = gather_positions(q_pos, k_pos, group)
-    out, lse = inner(qh, kh, vh, qp, kp)
+    out, lse = inner(qh, kh, vh, qp, kp, packed)
     return heads_to_seq(out, group), heads_to_seq(lse, group) if need_lse else None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                      group, *, scale: float | None = None, need_lse: bool = True, sparse: LayerSparse | None = None):
+                      group, *, scale: float | None = None, need_lse: bool = True, sparse: LayerSparse | None = None,
+                      fp8: bool = False, stats: WireStats | None = None):
     """Causal attention of this rank's sequence shard over the whole sequence held by `group`.
 
     q [B, Hq, n, D], k/v [B, Hkv, m, D], q_pos [n], k_pos [m]: this rank's shard; n, m equal on every
@@ -133,13 +168,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     saves one small all-to-all). Raises ValueError when Hq is not divisible by the group size.
     `sparse`: the layer's sparse method; after the all-to-all this rank holds heads
     rank*Hq/cp .. (rank+1)*Hq/cp - 1 of the whole sequence, so their patterns apply as on one device.
+    fp8: k, v travel as e4m3 + scales (an FP8 KV cache); `stats` counts the K/V bytes sent.
     """
     offset = 0 if group is None else dist.get_rank(group) * (q.shape[1] // group_size(group))
 
-    def dense(qh, kh, vh, qp, kp):
+    def dense(qh, kh, vh, qp, kp, packed):
         return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern_for(sparse, qh, offset))
 
-    return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse)
+    return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse, fp8=fp8, stats=stats)
 
 
 class UlyssesAttention(ContextStrategy):
@@ -165,7 +201,7 @@ class UlyssesAttention(ContextStrategy):
         def attend(q, k, v, pos, cache, sparse=None):
             cache_append(cache, k, v, pos, rows)
             return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False,
-                                     sparse=sparse)[0]
+                                     sparse=sparse, fp8=fp8_wire(cache), stats=self.wire)[0]
 
         return attend
 

@@ -5,6 +5,8 @@ rank c % u (Ulysses fastest-varying: its all-to-alls are the bandwidth-hungry pa
 should be neighbours, e.g. one node). The Ulysses all-to-all gives every rank H/u heads of its ring
 rank's whole shard; ring attention then runs across the ring group; one all-to-all brings the
 result back. Sequence layout: sharding.usp_positions (zigzag over the ring).
+With an FP8 KV cache both parts move K/V as e4m3 + scales (wire.py): the ring passes on the bytes the
+Ulysses all-to-all delivered, so every received key is attended as the FP8 cache holds it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from starshard.parallel.context.base import ContextStrategy, Segment, cache_appe
 from starshard.parallel.context.ring import RingPlan, build_ring_plan, ring_attention
 from starshard.parallel.context.sharding import usp_shard, zigzag_chunks, zigzag_positions
 from starshard.parallel.context.ulysses import check_ulysses_heads, ulysses_core
+from starshard.parallel.context.wire import WireStats, fp8_wire
 
 __all__ = ["usp_attention", "usp_group_ranks", "new_usp_groups", "usp_coords", "usp_ring_plan", "UspAttention"]
 
@@ -80,17 +83,19 @@ def usp_ring_plan(seq_len: int, ulysses_degree: int, ring_group, device: torch.d
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   ulysses_group, ring_group, *, scale: float | None = None, ring_plan: RingPlan | None = None,
-                  need_lse: bool = True):
+                  need_lse: bool = True, fp8: bool = False, stats: WireStats | None = None):
     """Causal attention of this rank's shard over the sequence held by the whole 2-D CP group.
 
     Shapes as ulysses_attention; Hq must be divisible by the Ulysses degree. `ring_plan` (from
     usp_ring_plan) is for the ring over the Ulysses-gathered shards; without it one is gathered.
-    Returns (out in q.dtype, lse float32 or None if not need_lse)."""
+    Returns (out in q.dtype, lse float32 or None if not need_lse). fp8: K/V travel as e4m3 + scales in
+    both parts (an FP8 KV cache); `stats` counts the K/V bytes sent."""
 
-    def ring(qh, kh, vh, qp, kp):
-        return ring_attention(qh, kh, vh, qp, kp, ring_group, scale=scale, plan=ring_plan)
+    def ring(qh, kh, vh, qp, kp, packed):
+        return ring_attention(qh, kh, vh, qp, kp, ring_group, scale=scale, plan=ring_plan, fp8=fp8, packed=packed,
+                              stats=stats)
 
-    return ulysses_core(q, k, v, q_pos, k_pos, ulysses_group, ring, need_lse=need_lse)
+    return ulysses_core(q, k, v, q_pos, k_pos, ulysses_group, ring, need_lse=need_lse, fp8=fp8, stats=stats)
 
 
 class UspAttention(ContextStrategy):
@@ -132,6 +137,7 @@ class UspAttention(ContextStrategy):
         def attend(q, k, v, pos, cache, sparse=None):
             refuse_sparse(sparse, "usp")
             cache_append(cache, k, v, pos, rows)
-            return usp_attention(q, k, v, pos, pos, self.ulysses_group, self.ring_group, ring_plan=plan, need_lse=False)[0]
+            return usp_attention(q, k, v, pos, pos, self.ulysses_group, self.ring_group, ring_plan=plan, need_lse=False,
+                                 fp8=fp8_wire(cache), stats=self.wire)[0]
 
         return attend
