@@ -141,8 +141,10 @@ def prompt_kwargs(args) -> dict:
 
 
 def model_config(args, lead: bool):
-    """(model config, checkpoint path or None) from the config alone: no weights are read."""
-    from starshard.checkpoints.sources import read_config, weight_source
+    """(model config, checkpoint path or None) from the config alone: no weights are read. A checkpoint
+    converted with --fp8 linear without --fp8 linear here is refused (its projections exist only in e4m3)."""
+    from starshard.checkpoints.load import CheckpointError
+    from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 
     if args.random_weights is not None:
         from starshard.presets import preset_config
@@ -158,8 +160,10 @@ def model_config(args, lead: bool):
     else:
         path = Path(args.model)
     try:
-        return read_config(weight_source(path, is_default=args.model is None)), path
-    except (FileNotFoundError, ValueError) as e:
+        src = weight_source(path, is_default=args.model is None)
+        check_source_fp8(src, fp8_config(args).linear)
+        return read_config(src), path
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise Abort(str(e)) from None
 
 
@@ -237,8 +241,9 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
 
 
 def plan_json(plan, limit, best) -> dict:
-    lay = plan.layout
+    lay, w = plan.layout, plan.workload
     return {"layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "strategy": lay.strategy},
+            "fp8": [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on],
             "world_size": lay.world, "peak_bytes": plan.peak_bytes, "limit_bytes": limit, "fits": plan.fits(limit),
             "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "weights": s.weights, "kv_cache": s.kv_cache,
                         "activations": s.activations, "kv_tokens": s.kv_tokens, "rows": s.rows} for s in plan.stages],

@@ -84,7 +84,8 @@ def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fp8", default=None, metavar="LIST",
                     help=f"comma-separated parts to run in FP8 e4m3, from {', '.join(FP8_ITEMS)} (default: none, the "
                     "compute dtype): linear = decoder projections with e4m3 weights (one scale per output channel) and "
-                    "activations scaled per row (FP8 GEMM in prefill, weight-only kernel in decode); kv = the KV cache "
+                    "activations scaled per row (FP8 GEMM in prefill, weight-only kernel in decode), quantized at load time or "
+                    "read as stored from a checkpoint converted with --fp8 linear (which needs this item); kv = the KV cache "
                     "in e4m3 with one scale per (KV head, token), half the KV bytes (the memory plan counts it); "
                     "attention = FP8 prefill attention (refused: measured ~10%% output error on Hopper). Needs an Ada / Hopper GPU (compute capability "
                     ">= 8.9) and --dtype bfloat16 for linear. Usual choice: --fp8 linear,kv")

@@ -347,6 +347,9 @@ class ParallelConfig:
 
 
 FP8_ITEMS = ("linear", "kv", "attention")
+# The decoder projections `--fp8 linear` holds in e4m3 (module names inside a layer): quantized at load
+# time (parallel/fp8.py) or stored so by the converter (checkpoints/convert.py --fp8 linear).
+FP8_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 
 
 @dataclass(frozen=True)

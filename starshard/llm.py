@@ -17,7 +17,7 @@ import torch
 
 from starshard.checkpoints.default import default_checkpoint
 from starshard.checkpoints.load import load_model
-from starshard.checkpoints.sources import read_config, weight_source
+from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
 from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
@@ -99,7 +99,8 @@ class LLM:
     fp8: what runs in FP8 e4m3 (config.Fp8Config, or "linear,kv" / ["linear", "kv"]; default none =
     the compute dtype): `linear` the decoder's projections (parallel/fp8.py), `kv` the KV cache
     (engine/kv_cache.py). Needs a GPU of compute capability >= 8.9 (and bfloat16 for `linear`); on
-    the CPU a slow reference path runs (tests).
+    the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
+    (CheckpointError otherwise) and loads its e4m3 weights as stored.
     """
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
@@ -126,6 +127,7 @@ class LLM:
             self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
             src = weight_source(self.path, is_default=path is None)
             cfg = read_config(src) if sliced else None
+        stored_fp8 = check_source_fp8(src, fp8.linear)  # a --fp8 linear checkpoint needs --fp8 linear
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
             if tp_pp:
                 plan = plan_parallel(cfg, p, src)
@@ -137,7 +139,8 @@ class LLM:
         if sliced:
             model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
         else:
-            model = load_model(self.path, dtype=dtype, device=self.device)
+            model = load_model(self.path, dtype=dtype, device=self.device,
+                               fp8_modules=quantize_linears if stored_fp8 else None)
         if fp8.linear:
             quantize_linears(model, topo.tp_group if p.tp > 1 else None)
         if sparse is not None:

@@ -215,13 +215,17 @@ def decode_read_elements(cfg: ModelConfig, tp: int, layers: int, first: bool, la
     return n
 
 
-def projection_sizes(cfg: ModelConfig, tp: int, layers: int) -> tuple[int, int]:
-    """(weight elements, output channels) of the decoder projections (wqkv, wo, w13, w2) on one TP rank:
-    what --fp8 linear stores in e4m3, with one float32 scale per output channel."""
+def projection_sizes(cfg: ModelConfig, tp: int, layers: int, layer_ids: list[int] | None = None) -> tuple[int, int]:
+    """(weight elements, output channels) of the decoder projections (wqkv, wo, and a dense layer's w13, w2;
+    an MoE layer's experts stay in the compute dtype) on one TP rank: what --fp8 linear stores in e4m3,
+    with one float32 scale per output channel. `layer_ids`: the stage's global layers (default 0..layers-1)."""
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv, ffn, _ = _heads(cfg, tp)
     qkv = (hq + 2 * hkv) * d
-    return layers * (qkv * h + h * hq * d + 2 * ffn * h + h * ffn), layers * (qkv + h + 2 * ffn + h)
+    ids = range(layers) if layer_ids is None else layer_ids
+    dense = sum(not cfg.is_moe_layer(i) for i in ids)
+    return (layers * (qkv * h + h * hq * d) + dense * 3 * ffn * h,
+            layers * (qkv + h) + dense * (2 * ffn + h))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, tp: int, w: Workload) -> int:
@@ -274,8 +278,8 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     hq, hkv, ffn, vrows = _heads(cfg, lay.tp)
     ids = list(range(layers)) if layer_ids is None else layer_ids
     weights = weight_elements(cfg, lay.tp, layers, first, last, ids) * b
-    if w.fp8_linear:  # steady state; loading still holds the compute-dtype weights before quantizing them
-        elems, channels = projection_sizes(cfg, lay.tp, layers)
+    if w.fp8_linear:  # steady state (quantizing at load time holds the compute-dtype weights first; an FP8 checkpoint never does)
+        elems, channels = projection_sizes(cfg, lay.tp, layers, ids)
         weights += elems * (1 - b) + channels * 4
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)

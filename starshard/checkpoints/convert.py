@@ -2,11 +2,19 @@
 
     python -m starshard.checkpoints.convert --hf DIR --out OUT [--tp N] [--pp N] [--dtype bfloat16]
     python -m starshard.checkpoints.convert --gguf FILE --out OUT
+    python -m starshard.checkpoints.convert --hf DIR --out OUT --tp 2 --fp8 linear   # e4m3 projections
 
-Output: OUT/manifest.json (model config, layout, dtype, source, per-tensor sha256), one
+Output: OUT/manifest.json (model config, layout, dtype, source, fp8, per-tensor sha256), one
 `model-tp{t}-pp{p}.safetensors` per rank of the layout, and the tokenizer files. Safetensors sources
 are streamed tensor by tensor, so peak memory is about one (fused) tensor, not the model. GGUF goes
 through transformers' GGUF reader, which dequantizes the whole model in memory first.
+
+--fp8 linear stores the decoder projections (config.FP8_LINEARS: wqkv, wo, w13, w2) as e4m3 `*.weight`
+plus float32 `*.weight_scale` (one per output channel), everything else (embedding, norms, LM head, MoE
+experts and router) in --dtype. Each rank's shard is quantized after it is cut, exactly what `--fp8 linear`
+does at load time from a --dtype checkpoint of the same layout: the same bytes, so the same results. That
+matters for the row-parallel projections (wo, w2): a rank's channel scale is the amax over its own
+input columns, not over the full row, so quantizing before slicing would give other scales.
 """
 from __future__ import annotations
 
@@ -24,16 +32,18 @@ from starshard.checkpoints.hf import (
     SafetensorsSource,
     StateDictSource,
     TensorSource,
+    TensorSpec,
     plan_shard,
     read_hf_config,
 )
-from starshard.config import ModelConfig, UnsupportedArchitectureError
+from starshard.config import FP8_LINEARS, Fp8Config, ModelConfig, UnsupportedArchitectureError
+from starshard.kernels.fp8 import FP8_DTYPE, quantize_rows
 from starshard.layout import TPLayout, partition_layers
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", FP8_DTYPE: "F8_E4M3"}
 
 
 def shard_file(tp_rank: int, pp_rank: int) -> str:
@@ -46,18 +56,19 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def write_safetensors_streaming(path: Path, specs, dtype: torch.dtype, metadata: dict[str, str]) -> dict[str, str]:
-    """Write tensors one at a time in safetensors format (header first, computed from the specs).
+    """Write tensors one at a time in safetensors format (header first, computed from the specs), each in
+    its spec's dtype, else `dtype`.
 
     Returns {name: sha256 of the tensor's bytes}. Each built tensor is checked against its spec shape.
     """
-    itemsize = torch.empty(0, dtype=dtype).element_size()
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for s in specs:
-        n = itemsize
+        stored = s.dtype or dtype
+        n = torch.empty(0, dtype=stored).element_size()
         for dim in s.shape:
             n *= dim
-        header[s.name] = {"dtype": _ST_DTYPE[dtype], "shape": list(s.shape), "data_offsets": [offset, offset + n]}
+        header[s.name] = {"dtype": _ST_DTYPE[stored], "shape": list(s.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
@@ -67,7 +78,7 @@ def write_safetensors_streaming(path: Path, specs, dtype: torch.dtype, metadata:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for s in specs:
-            t = s.build().to(dtype)
+            t = s.build().to(s.dtype or dtype)
             if tuple(t.shape) != s.shape:
                 raise ValueError(f"{s.name}: source gives shape {tuple(t.shape)}, expected {s.shape}")
             data = tensor_bytes(t)
@@ -75,6 +86,45 @@ def write_safetensors_streaming(path: Path, specs, dtype: torch.dtype, metadata:
             f.write(data)
     tmp.replace(path)
     return sums
+
+
+_FP8_WEIGHTS = {f"{x}.weight" for x in FP8_LINEARS}
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Whether a starshard tensor name (layers.{i}.attention.wqkv.weight, ...) is a weight --fp8 linear holds
+    in e4m3 (an MoE layer's experts.w13 / experts.w2 are not)."""
+    parts = name.split(".", 2)
+    return len(parts) == 3 and parts[0] == "layers" and parts[2] in _FP8_WEIGHTS
+
+
+def fp8_specs(specs: list[TensorSpec], dtype: torch.dtype) -> list[TensorSpec]:
+    """Each projection weight's spec becomes two: its e4m3 weight and its float32 `weight_scale` [out],
+    quantize_rows of this rank's shard rounded to `dtype` (what --fp8 linear computes at load time from a
+    `dtype` checkpoint). The scale spec follows its weight's, so one build of the source serves both."""
+    out = []
+    for s in specs:
+        if not is_fp8_linear(s.name):
+            out.append(s)
+            continue
+        held: dict[str, torch.Tensor] = {}
+
+        def weight(s=s, held=held):
+            w8, held["scale"] = quantize_rows(s.build().to(dtype))
+            return w8
+
+        out.append(TensorSpec(s.name, s.shape, weight, FP8_DTYPE))
+        out.append(TensorSpec(s.name + "_scale", s.shape[:1], lambda held=held: held.pop("scale"), torch.float32))
+    return out
+
+
+def fp8_parts(fp8: str | Fp8Config | None) -> list[str]:
+    """What the converter stores in FP8: [] or ["linear"]; kv and attention are run-time choices."""
+    cfg = Fp8Config.parse(fp8)
+    if cfg.kv or cfg.attention:
+        raise ValueError(f"--fp8 {cfg.describe()}: the converter stores only `linear` (the projections' weights) in "
+                         "e4m3; the KV cache is made at run time: give --fp8 kv (or linear,kv) to infer / serve / eval")
+    return ["linear"] if cfg.linear else []
 
 
 def gguf_to_hf(gguf_path: Path):
@@ -104,12 +154,15 @@ def convert(
     pp: int = 1,
     pp_layers: list[int] | None = None,
     dtype: str = "bfloat16",
+    fp8: str | Fp8Config | None = None,
     progress: bool = True,
 ) -> Path:
+    """fp8: "linear" stores the decoder projections in e4m3 with per-output-channel scales (module doc)."""
     if (hf_dir is None) == (gguf is None):
         raise ValueError("give exactly one source: hf_dir or gguf")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    stored_fp8 = fp8_parts(fp8)
     out = Path(out)
     if hf_dir is not None:
         hf_dir = Path(hf_dir)
@@ -131,12 +184,16 @@ def convert(
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # a half-written dir must never look complete
     shards = {}
-    total = sum(len(plan_shard(cfg, src, TPLayout(cfg, tp, 0), s, p == 0, p == pp - 1)) for p, s in enumerate(stages))
+
+    def rank_specs(t, p):
+        specs = plan_shard(cfg, src, TPLayout(cfg, tp, t), stages[p], p == 0, p == pp - 1)
+        return fp8_specs(specs, DTYPES[dtype]) if stored_fp8 else specs
+
+    total = sum(len(rank_specs(0, p)) for p in range(pp))
     bar = tqdm(total=total * tp, desc="convert", unit="tensor", disable=not progress)
-    for p, layers in enumerate(stages):
+    for p in range(pp):
         for t in range(tp):
-            specs = plan_shard(cfg, src, TPLayout(cfg, tp, t), layers, p == 0, p == pp - 1)
-            specs = [_ticking(s, bar) for s in specs]
+            specs = [_ticking(s, bar) for s in rank_specs(t, p)]
             fname = shard_file(t, p)
             sums = write_safetensors_streaming(out / fname, specs, DTYPES[dtype], {"format": "pt"})
             shards[f"tp{t}-pp{p}"] = {"file": fname, "tensors": sums}
@@ -151,6 +208,7 @@ def convert(
         "pp": pp,
         "pp_layers": [len(s) for s in stages],
         "dtype": dtype,
+        "fp8": stored_fp8,  # ["linear"]: projections in e4m3 + float32 weight_scale (load with --fp8 linear)
         "source": source,
         "shards": shards,
     }
@@ -201,10 +259,22 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N,N,..",
         help="layers per pipeline stage, comma separated (default: even split)",
     )
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="stored dtype (default bfloat16)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                    help="stored dtype (default bfloat16); with --fp8 linear the dtype of every tensor but the "
+                    "projections, and the one the projections are rounded to before they are quantized")
+    ap.add_argument("--fp8", nargs="?", const="linear", default=None, metavar="linear",
+                    help="store the decoder projections (wqkv, wo, w13, w2; not MoE experts) as e4m3 with one "
+                    "float32 scale per output channel, each rank's shard quantized as --fp8 linear does at load "
+                    "time (same bytes, same results): about half the bytes on disk and read at load. Such a checkpoint "
+                    "must be run with --fp8 linear (or linear,kv); the KV cache's FP8 is chosen at run time")
     args = ap.parse_args(argv)
+    try:
+        fp8 = fp8_parts(args.fp8)
+    except ValueError as e:
+        ap.error(str(e))
     path = convert(
-        out=args.out, hf_dir=args.hf, gguf=args.gguf, tp=args.tp, pp=args.pp, pp_layers=args.pp_layers, dtype=args.dtype
+        out=args.out, hf_dir=args.hf, gguf=args.gguf, tp=args.tp, pp=args.pp, pp_layers=args.pp_layers, dtype=args.dtype,
+        fp8=",".join(fp8) or None,
     )
     print(f"wrote {path}")
 

@@ -125,6 +125,7 @@ class TensorSpec:
     name: str  # starshard name
     shape: tuple[int, ...]
     build: Callable[[], torch.Tensor]  # reads the source and returns this rank's slice
+    dtype: torch.dtype | None = None  # as stored; None: the checkpoint's dtype (FP8 weights and scales set theirs)
 
 
 def plan_shard(

@@ -1,9 +1,14 @@
 """Load weights: a starshard checkpoint (this rank's shard, or all shards merged for one process),
-a Hugging Face model dir, or a GGUF file. Errors name the missing or broken piece and the fix."""
+a Hugging Face model dir, or a GGUF file. Errors name the missing or broken piece and the fix.
+
+An FP8 checkpoint (converted with --fp8 linear) holds each projection as e4m3 `weight` + float32
+`weight_scale`: they load as stored, into Fp8Linear modules the caller puts in the meta model first
+(runtime/build.py, llm.py), never through the compute dtype."""
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +23,7 @@ from starshard.checkpoints.hf import (
 )
 from starshard.config import ModelConfig
 from starshard.engine.model import Transformer, rope_inv_freq
+from starshard.kernels.fp8 import FP8_DTYPE
 from starshard.layout import TPLayout
 
 
@@ -36,6 +42,21 @@ def read_manifest(ckpt: Path) -> dict:
     if m.get("format") != "starshard":
         raise CheckpointError(f"{path} is not a starshard manifest")
     return m
+
+
+def stored_fp8(manifest: dict) -> list[str]:
+    """What the checkpoint stores in FP8: ["linear"] (converted with --fp8 linear) or []."""
+    return list(manifest.get("fp8", []))
+
+
+def check_fp8_request(manifest: dict, ckpt: Path, fp8_linear: bool) -> None:
+    """An FP8 checkpoint runs only with --fp8 linear: its projections exist only in e4m3."""
+    if "linear" in stored_fp8(manifest) and not fp8_linear:
+        raise CheckpointError(
+            f"checkpoint {ckpt} stores the decoder projections in FP8 e4m3 (converted with --fp8 linear), so it "
+            f"runs only with them in FP8: add --fp8 linear (or --fp8 linear,kv; LLM(..., fp8=\"linear\")), or "
+            f"convert the model again without --fp8 for {manifest.get('dtype', 'bfloat16')} projections"
+        )
 
 
 def load_shard(ckpt: Path, manifest: dict, tp_rank: int, pp_rank: int, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -76,6 +97,12 @@ def check_layout(manifest: dict, ckpt: Path, tp: int, pp: int) -> None:
 def _full_state_from_checkpoint(ckpt: Path, manifest: dict, verify: bool) -> dict[str, torch.Tensor]:
     """All shards of any layout merged into tp=1, pp=1 tensors (for one process)."""
     cfg = ModelConfig.from_dict(manifest["model_config"])
+    if stored_fp8(manifest) and manifest["tp"] > 1:
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds FP8 projections cut for tp={manifest['tp']}: each rank's row-parallel shard "
+            f"(wo, w2) has its own channel scales, so the shards do not merge into one process's weights; run "
+            f"with --tp {manifest['tp']} (the checkpoint's layout), or convert again with --tp 1 for one process"
+        )
     full: dict[str, torch.Tensor] = {}
     for p in range(manifest["pp"]):
         parts = [load_shard(ckpt, manifest, t, p, verify) for t in range(manifest["tp"])]
@@ -108,9 +135,15 @@ def read_weights(path: str | Path, verify: bool = True) -> tuple[ModelConfig, di
     return cfg, _full_state_from_source(cfg, SafetensorsSource(path))
 
 
+def as_stored(name: str, t: torch.Tensor) -> bool:
+    """An FP8 checkpoint's e4m3 weights and their float32 scales keep their dtype when loaded."""
+    return t.dtype == FP8_DTYPE or name.endswith(".weight_scale")
+
+
 def materialize(model: Transformer, state: dict[str, torch.Tensor], dtype: torch.dtype, device) -> Transformer:
-    """Fill a meta-device model with `state` (cast to dtype, moved to device) without a second copy."""
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    """Fill a meta-device model with `state` (cast to dtype, moved to device) without a second copy. FP8
+    weights and scales keep their dtype (the model must hold Fp8Linear modules there: parallel/fp8.py)."""
+    state = {k: v.to(device=device, dtype=None if as_stored(k, v) else dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"output.weight"} if model.config.tie_word_embeddings and model.tok_embeddings is not None else set()
     if set(missing) - tied or unexpected:
@@ -122,11 +155,19 @@ def materialize(model: Transformer, state: dict[str, torch.Tensor], dtype: torch
     return model.eval().requires_grad_(False)
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True) -> Transformer:
-    """A single-process model from a starshard checkpoint dir, a HF model dir, or a .gguf file."""
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True,
+               fp8_modules: Callable[[Transformer], object] | None = None) -> Transformer:
+    """A single-process model from a starshard checkpoint dir, a HF model dir, or a .gguf file.
+    fp8_modules: for an FP8 checkpoint, swaps the meta model's projections for Fp8Linear modules before
+    the e4m3 weights and scales are assigned (llm.py passes parallel.fp8.quantize_linears)."""
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     cfg, state = read_weights(path, verify=verify)
     with torch.device("meta"):
         model = Transformer(cfg)
+    if any(t.dtype == FP8_DTYPE for t in state.values()):
+        if fp8_modules is None:
+            raise CheckpointError(f"checkpoint {path} stores the decoder projections in FP8 e4m3 (converted with "
+                                  "--fp8 linear): load it with LLM(path, fp8=\"linear\") or run with --fp8 linear")
+        fp8_modules(model)
     return materialize(model, state, dtype, device)

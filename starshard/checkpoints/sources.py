@@ -19,7 +19,14 @@ import torch
 
 from starshard.checkpoints.convert import MANIFEST, gguf_to_hf
 from starshard.checkpoints.hf import SafetensorsSource, StateDictSource, plan_shard, read_hf_config
-from starshard.checkpoints.load import CheckpointError, load_shard, materialize, read_manifest
+from starshard.checkpoints.load import (
+    CheckpointError,
+    check_fp8_request,
+    load_shard,
+    materialize,
+    read_manifest,
+    stored_fp8,
+)
 from starshard.config import ModelConfig
 from starshard.engine.model import Transformer
 from starshard.layout import TPLayout
@@ -62,6 +69,16 @@ def read_config(src: WeightSource, random_config: ModelConfig | None = None) -> 
     from transformers import AutoConfig
 
     return ModelConfig.from_hf(AutoConfig.from_pretrained(src.path.parent, gguf_file=src.path.name).to_dict())
+
+
+def check_source_fp8(src: WeightSource, fp8_linear: bool) -> bool:
+    """Whether the source stores FP8 projections (a checkpoint converted with --fp8 linear); such a source
+    without --fp8 linear is a CheckpointError naming the fix (from the manifest alone: before any collective)."""
+    if src.kind not in ("starshard", "default"):
+        return False
+    manifest = read_manifest(src.path)
+    check_fp8_request(manifest, src.path, fp8_linear)
+    return "linear" in stored_fp8(manifest)
 
 
 class RandomSource:
@@ -117,6 +134,9 @@ class StarshardAsHF:
         if manifest["tp"] != 1:
             raise CheckpointError(f"{ckpt} is split for tp={manifest['tp']}; only tp=1 checkpoints can be re-sliced "
                               "in memory")
+        if stored_fp8(manifest):
+            raise CheckpointError(f"{ckpt} stores FP8 projections, which cannot be re-sliced in memory; convert the "
+                                  "model for this run's --tp / --pp")
         self.cfg = ModelConfig.from_dict(manifest["model_config"])
         self.handles = {}
         for p in range(manifest["pp"]):

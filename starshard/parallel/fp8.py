@@ -67,7 +67,9 @@ class Fp8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module, tp_group=None) -> nn.Module:
     """Swap every decoder layer's projections for Fp8Linear (in place; frees the bf16 weights).
-    `tp_group`: the tensor-parallel group when tp > 1 (the row-parallel layers all-reduce over it)."""
+    `tp_group`: the tensor-parallel group when tp > 1 (the row-parallel layers all-reduce over it).
+    On a meta-device model it makes empty e4m3 modules of the right shapes, which an FP8 checkpoint's
+    weights and scales are then assigned to (runtime/build.py, checkpoints/load.py)."""
     reduce = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
     for block in model.layers:
         for names, group in ((COLUMN_PARALLEL, None), (ROW_PARALLEL, reduce)):

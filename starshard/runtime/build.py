@@ -3,6 +3,9 @@ collective), then this rank's pipeline stage with its tensor-parallel slice of e
 
     plan = plan_parallel(cfg, parallel, source)      # bad layouts raise LayoutError here
     model = build_rank_model(cfg, source, plan, tp_rank, pp_rank, tp_group, dtype, device)
+
+A checkpoint converted with --fp8 linear loads its e4m3 projections and scales straight into Fp8Linear
+modules (swapped in on the meta model); the compute-dtype weights never exist.
 """
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from starshard.checkpoints.load import CheckpointError, check_layout, materialize, read_manifest
+from starshard.checkpoints.load import CheckpointError, check_layout, materialize, read_manifest, stored_fp8
 from starshard.checkpoints.sources import WeightSource, rank_state
 from starshard.config import ModelConfig, ParallelConfig
 from starshard.engine.model import Transformer
 from starshard.layout import TPLayout, check_tp, partition_layers
 from starshard.parallel.context.ulysses import check_ulysses_heads
+from starshard.parallel.fp8 import quantize_linears
 from starshard.parallel.tensor import apply_tensor_parallel
 from starshard.parallel.topology import LayoutError
 
@@ -82,6 +86,9 @@ def build_rank_model(cfg: ModelConfig, src: WeightSource, plan: ParallelPlan, tp
     if plan.tp > 1:
         with torch.device("meta"):
             apply_tensor_parallel(model, layout, tp_group)
+    if src.kind == "starshard" and "linear" in stored_fp8(read_manifest(src.path)):
+        # e4m3 weights + scales in the shard: empty Fp8Linear modules (quantizing meta tensors reads nothing)
+        quantize_linears(model, tp_group if plan.tp > 1 else None)
     local = {g: i for i, g in enumerate(layers)}
     state = {}
     for name, t in rank_state(src, cfg, layout, layers, first, last, pp_rank, dtype, device).items():
