@@ -26,7 +26,7 @@ from starshard.parallel.fp8 import quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
 from starshard.presets import preset_config
-from starshard.runtime.build import ParallelPlan, build_rank_model, check_context_heads, plan_parallel
+from starshard.runtime.build import build_rank_model, plan_parallel
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.generate import generate_tokens
 from starshard.runtime.local import LocalRunner
@@ -129,11 +129,7 @@ class LLM:
             cfg = read_config(src) if sliced else None
         stored_fp8 = check_source_fp8(src, fp8.linear)  # a --fp8 linear checkpoint needs --fp8 linear
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
-            if tp_pp:
-                plan = plan_parallel(cfg, p, src)
-            else:
-                check_context_heads(cfg, p)
-                plan = ParallelPlan(cfg, 1, 1, [list(range(cfg.num_layers))])
+            plan = plan_parallel(cfg, p, src)  # also for cp alone: a checkpoint cut for another tp / pp is refused
         self.topology = topo = init_topology(p, str(device))
         self.device = topo.device
         if sliced:

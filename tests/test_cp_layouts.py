@@ -7,6 +7,8 @@ import torch
 from hf_models import make_hf_model
 from mp_harness import run_ranks
 from starshard import LLM
+from starshard.checkpoints.convert import convert
+from starshard.checkpoints.load import CheckpointError
 from starshard.config import ParallelConfig
 from starshard.kernels.minference import AShape, Dense, MInferenceConfig, VerticalSlash
 from starshard.kernels.sparse import SparseConfig
@@ -221,3 +223,12 @@ def test_pp_x_cp(tmp_path):
     check(results, layouts, [ref] * 3 + [ref_apb])
     assert [r[0]["coords"]["pp"] for r in results] == [0, 0, 1, 1]
     assert [r[0]["coords"]["cp"] for r in results] == [0, 1, 0, 1]
+
+
+def test_cp_run_refuses_a_checkpoint_cut_for_pipeline_stages(tmp_path):
+    """A cp-only run builds its ranks' weights from the checkpoint's shards as one stage: a checkpoint
+    converted for pp=2 is refused before any collective, naming the layouts and the fix."""
+    _, path = make_hf_model("llama", tmp_path)
+    ckpt = convert(out=tmp_path / "ckpt", hf_dir=path, pp=2, dtype="float32", progress=False)
+    with pytest.raises(CheckpointError, match=r"converted for tp=1 pp=2, but this run uses tp=1 pp=1"):
+        LLM(ckpt, parallel=ParallelConfig(cp=2, cp_strategy="ring"))
