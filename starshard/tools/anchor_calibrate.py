@@ -47,6 +47,7 @@ from starshard.kernels.anchor import (
 )
 from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.runtime.prompt import build_prompt, load_tokenizer
+from starshard.tools.layer_probe import probe_layers
 
 _CHUNK = 1 << 26  # elements of one float32 gap / score tile
 
@@ -144,29 +145,14 @@ def layer_curves(q, k, cfg: AnchorConfig, grid: torch.Tensor, *, recall_rows: in
 def run_curves(model, ids, cfg: AnchorConfig, grid, *, layers=None, recall_rows=256, progress=True) -> list:
     """One forward pass over `ids`; per selected layer its (recall, density) curves (None elsewhere)."""
     found: list = [None for _ in model.layers]
-    saved = [layer.attention.attend for layer in model.layers]
-    want = set(range(len(model.layers))) if layers is None else set(layers)
 
-    def wrap(i, fn):
-        def attend(q, k, v, pos, cache, sparse=None):
-            if i in want:
-                t = time.time()
-                found[i] = layer_curves(q, k, cfg, grid, recall_rows=recall_rows)
-                if progress:
-                    print(f"layer {i}: {time.time() - t:.1f}s", file=sys.stderr)
-            return fn(q, k, v, pos, cache, sparse=sparse)
+    def observe(i, q, k):
+        t = time.time()
+        found[i] = layer_curves(q, k, cfg, grid, recall_rows=recall_rows)
+        if progress:
+            print(f"layer {i}: {time.time() - t:.1f}s", file=sys.stderr)
 
-        return attend
-
-    try:
-        for i, layer in enumerate(model.layers):
-            layer.attention.attend = wrap(i, saved[i])
-        with torch.no_grad():
-            dev = next(model.parameters()).device
-            model(torch.tensor([ids], device=dev), last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    probe_layers(model, ids, observe, layers)
     return found
 
 

@@ -31,6 +31,7 @@ from starshard.checkpoints.default import default_checkpoint
 from starshard.evaluation.tasks import make_sample
 from starshard.kernels import minference as mi
 from starshard.runtime.prompt import build_prompt, load_tokenizer
+from starshard.tools.layer_probe import probe_layers
 
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
@@ -183,31 +184,16 @@ def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
     """One forward pass; each selected layer's heads searched as its attention runs. Returns the
     per-layer list of {head: pattern} (empty dicts for layers not searched)."""
     found: list[dict] = [{} for _ in model.layers]
-    saved = [layer.attention.attend for layer in model.layers]
-    want = set(range(len(model.layers))) if layers is None else set(layers)
 
-    def wrap(i, fn):
-        def attend(q, k, v, pos, cache, sparse=None):
-            if i in want:
-                t = time.time()
-                found[i] = dict(enumerate(search_layer(q, k, **kwargs)))
-                if progress:
-                    kinds = [p.kind for p in found[i].values()]
-                    summary = ", ".join(f"{kinds.count(x)} {x}" for x in sorted(set(kinds)))
-                    print(f"layer {i}: {summary} ({time.time() - t:.1f}s)", file=sys.stderr)
-            return fn(q, k, v, pos, cache, sparse=sparse)
+    def observe(i, q, k):
+        t = time.time()
+        found[i] = dict(enumerate(search_layer(q, k, **kwargs)))
+        if progress:
+            kinds = [p.kind for p in found[i].values()]
+            summary = ", ".join(f"{kinds.count(x)} {x}" for x in sorted(set(kinds)))
+            print(f"layer {i}: {summary} ({time.time() - t:.1f}s)", file=sys.stderr)
 
-        return attend
-
-    try:
-        for i, layer in enumerate(model.layers):
-            layer.attention.attend = wrap(i, saved[i])
-        with torch.no_grad():
-            dev = next(model.parameters()).device
-            model(torch.tensor([ids], device=dev), last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    probe_layers(model, ids, observe, layers)
     return found
 
 
