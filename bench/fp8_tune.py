@@ -41,10 +41,13 @@ def graph_time(fn, n=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="linear,decode", help="comma list of linear, decode (what to time)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(dev), "linear": {}, "decode": {}}
-    for name, (N, K) in {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}.items():
+    shapes = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}
+    for name, (N, K) in (shapes.items() if "linear" in parts else ()):
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5
         w8, ws = quantize_rows(w)
         for M in (1, 16):
@@ -56,6 +59,10 @@ def main():
                  "bf16_TBps": 2 * N * K / tb / 1e12, "best": str(best)}
             res["linear"][f"{name}_M{M}"] = r
             print(name, M, r, flush=True)
+    if "decode" not in parts:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return
     B, Hq, Hkv, D, Lk = 1, 32, 8, 128, 131072
     q = torch.randn(B, Hq, 1, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.bfloat16)
@@ -68,8 +75,14 @@ def main():
     tb = graph_time(lambda: decode_attention(q, k, v, q_pos=qp, k_pos=pos, causal=False))
     res["decode"]["bf16_default_us"] = tb * 1e6
     print("bf16 decode", tb * 1e6, flush=True)
-    for bn, w, st in [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (256, 8, 3), (128, 4, 4)]:
-        for splits in (33, 66, 132, 264):
+    f = lambda: decode_attention(q, k8, v8, q_pos=qp, k_pos=pos, causal=False, k_scale=ks, v_scale=vs)
+    t = graph_time(f)
+    err = ((f()[0].float() - ref.float()).norm() / ref.float().norm()).item()
+    res["decode"]["fp8_default"] = {"us": t * 1e6, "speedup": tb / t, "rel_err_vs_bf16": err,
+                                    "TBps": (k8.numel() + v8.numel() + 4 * (ks.numel() + vs.numel())) / t / 1e12}
+    print("fp8 decode default", res["decode"]["fp8_default"], flush=True)
+    for bn, w, st in [(64, 4, 3), (128, 4, 3), (128, 4, 2), (128, 2, 3), (256, 4, 2), (256, 4, 3), (64, 2, 4)]:
+        for splits in (16, 24, 33, 66):
             try:
                 f = lambda: decode_attention(q, k8, v8, q_pos=qp, k_pos=pos, causal=False, k_scale=ks, v_scale=vs,
                                              config=(bn, w, st), num_splits=splits)

@@ -1,6 +1,10 @@
 """Profile decode steps of a model on one GPU: where a step's host and device time goes.
 
     python bench/profile_decode.py [--random-weights llama-3.1-8b] [--prompt-len 8000] [--steps 20]
+        [--fp8 linear,kv] [--sort cuda_time_total]
+
+The CUDA-graph replays are traced by the profiler kernel by kernel: `--sort cuda_time_total` lists the
+device kernels of a step with their counts (kernels per layer = count / (5 steps x layers)).
 """
 import argparse
 import time
@@ -14,11 +18,13 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--random-weights", default=None)
 ap.add_argument("--prompt-len", type=int, default=8000)
 ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--fp8", default=None, help="as launch/infer.py --fp8 (e.g. linear,kv)")
+ap.add_argument("--sort", default="cpu_time_total", help="profiler table order (cuda_time_total: device kernels)")
 args = ap.parse_args()
-llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights)
+llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights, fp8=args.fp8)
 ids = list(range(100, 100 + args.prompt_len))
 runner = llm.runner
-cache = runner.new_cache(len(ids) + 2 * args.steps + 2)
+cache = runner.new_cache(len(ids) + 2 * args.steps + 8)  # warm-up, timed and 5 profiled steps
 from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt
 
@@ -37,4 +43,4 @@ with torch.inference_mode():
         for _ in range(5):
             tok = runner.next_token(tok.view(1, 1), cache, s, None)
         torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=35, max_name_column_width=60))
+print(prof.key_averages().table(sort_by=args.sort, row_limit=45, max_name_column_width=90))

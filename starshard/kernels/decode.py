@@ -80,6 +80,11 @@ if triton is not None:
 
         q_ptrs = Q + b.to(tl.int64) * s_qb + hq[:, None].to(tl.int64) * s_qh + qi[:, None] * s_qm + offs_d[None, :] * s_qd
         q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP8 and not IEEE:
+            # e4m3 -> fp16 is one hardware conversion per two values on Hopper, e4m3 -> bf16 three (via
+            # fp16): the products run in fp16, exact for e4m3 keys / values. |q| beyond fp16's range
+            # (65504) is clamped rather than turned into inf.
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         if CAUSAL:
             q_pos = tl.load(QPOS + b * s_qpb + qi, mask=row_ok, other=0)
         kt_ptrs = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd
@@ -93,7 +98,7 @@ if triton is not None:
             col_ok = (start + offs_n) < hi
             kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs + start * s_vn, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-            if FP8:  # e4m3 -> q's dtype is exact; the per-key scales go on the float32 scores and probabilities
+            if FP8:  # e4m3 -> q's dtype (fp16 / fp32) is exact; the per-key scales go on the float32 scores and probabilities
                 ks = tl.load(KS + s_off + start + offs_n, mask=col_ok, other=0.0)
                 vs = tl.load(VS + s_off + start + offs_n, mask=col_ok, other=0.0)
                 qk = qk_dot(q, kt.to(q.dtype), IEEE) * ks[None, :]

@@ -79,7 +79,10 @@ def softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr
 @_jit
 def softmax_update_scaled_v(qk, v, v_scale, m_i, l_i, acc, visible, qk_scale, IEEE: tl.constexpr):
     """`softmax_update` (masked) for values stored as v * v_scale[:, None] with one scale per key
-    (an e4m3 cache): the scale goes on the probabilities [M, N] before the product, not on v [N, D]."""
+    (an e4m3 cache): the scale goes on the probabilities [M, N] before the product, not on v [N, D].
+    The block's largest scale is factored out first, so the probabilities stay in [0, 1] when cast to
+    a 16-bit dtype (p * v_scale alone can fall below fp16's normal range, ~6e-5) and multiplies the
+    product afterwards."""
     qk = tl.where(visible, qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -87,11 +90,13 @@ def softmax_update_scaled_v(qk, v, v_scale, m_i, l_i, acc, visible, qk_scale, IE
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    pv = p * v_scale[None, :]
+    s_max = tl.max(v_scale, 0)
+    s_max = tl.where(s_max > 0.0, s_max, 1.0)  # a block of masked keys has scales 0
+    pv = p * (v_scale / s_max)[None, :]
     if IEEE:
-        acc = tl.dot(pv, v, acc, input_precision="ieee")
+        acc += tl.dot(pv, v, input_precision="ieee") * s_max
     else:
-        acc = tl.dot(pv.to(v.dtype), v, acc)
+        acc += tl.dot(pv.to(v.dtype), v) * s_max
     return m_new, l_i, acc
 
 
