@@ -20,6 +20,7 @@ from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention
+from starshard.kernels.norm import rms_norm, use_norm_kernel
 from starshard.kernels.sparse import pattern_for
 
 
@@ -30,6 +31,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_norm_kernel(x):  # decode: one short Triton launch (kernels/norm.py)
+            return rms_norm(x, self.weight, self.eps)
         if x.is_cuda:  # fused kernel (float32 accumulation) instead of five elementwise passes
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
