@@ -10,6 +10,8 @@
     srun --ntasks 8 --gpus-per-task 1 python launch/infer.py --tp 4 --pp 2 ...     # in a Slurm allocation
     python launch/infer.py --random-weights llama-3.1-8b --prompt-len 4096 --max-new-tokens 16 --json
     python launch/infer.py --config examples/llama-3.1-8b.toml --plan-only        # memory plan, loads nothing
+    python launch/infer.py --random-weights llama-3.1-8b --fp8 linear,kv --prefill-chunk 8192 \
+        --memory-limit-gb 131 --max-prompt                                        # longest prompt that fits
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         launch/infer.py --tp 8 --pp 2 ...                                         # two nodes: tp inside a node
     sbatch --nodes 4 launch/slurm/infer.sbatch --config examples/4node-tp8-cp4.toml   # see docs/cluster.md
@@ -85,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan.add_argument("--plan-only", action="store_true",
                       help="print the per-rank memory plan (weights, KV cache, peak activations per pipeline stage) "
                       "and exit without loading weights or starting any collective")
+    plan.add_argument("--max-prompt", action="store_true",
+                      help="print the longest prompt (tokens) whose memory plan fits --memory-limit-gb with these "
+                      "settings (layout, --max-new-tokens, --prefill-chunk, --fp8, --dtype) and exit; loads nothing "
+                      "and needs no prompt")
     plan.add_argument("--memory-limit-gb", type=float, default=None,
                       help="usable memory per rank in GiB; a layout whose plan exceeds it is refused with the "
                       "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU)")
@@ -107,7 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--prompt-len replaces the prompt: drop --prompt / --prompt-file / --context-file")
     if args.prompt_len is not None and args.prompt_len < 1:
         ap.error(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    if args.random_weights and args.prompt_len is None:
+    if args.random_weights and args.prompt_len is None and not args.max_prompt:
         ap.error("--random-weights has no tokenizer: give --prompt-len N (random token ids)")
     bad = layout_error(args)
     if bad:
@@ -219,25 +225,53 @@ def gpus_per_node() -> int:
     return int(m.group()) if m else 8
 
 
+def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
+    """The planner's (Layout, Workload) for these flags (ValueError on an impossible layout)."""
+    from starshard.planner import Layout, Workload
+
+    lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
+                 args.block_size, args.anchor_size, args.query_rank)
+    fp8 = fp8_config(args)
+    work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
+                    fp8_kv=fp8.kv, fp8_linear=fp8.linear)
+    return lay, work
+
+
 def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit: int | None):
     """(plan, smallest fitting plan or None); Abort on an impossible layout."""
-    from starshard.planner import Layout, Workload, plan_memory, smallest_layout
+    from starshard.planner import plan_memory, smallest_layout
 
-    strategy = default_strategy(args)
     try:
-        lay = Layout(args.tp, args.pp, args.cp, strategy, tuple(args.pp_layers) if args.pp_layers else None,
-                     args.block_size, args.anchor_size, args.query_rank)
-        fp8 = fp8_config(args)
-        work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
-                        fp8_kv=fp8.kv, fp8_linear=fp8.linear)
+        lay, work = plan_inputs(args, n_prompt, n_context, dtype_bytes)
         plan = plan_memory(cfg, lay, work)
     except ValueError as e:
         raise Abort(str(e)) from None
     best = None
     if not plan.fits(limit):
         per_node = gpus_per_node()  # tp stays inside a node
-        best = smallest_layout(cfg, work, strategy, limit, max_tp=max(per_node, args.tp))
+        best = smallest_layout(cfg, work, lay.strategy, limit, max_tp=max(per_node, args.tp))
     return plan, best
+
+
+def longest_prompt(args, cfg, dtype_bytes: int, limit: int | None) -> dict:
+    """--max-prompt: the longest prompt whose plan fits `limit`, and that plan's peak."""
+    import dataclasses
+
+    from starshard.planner import max_prompt_tokens, plan_memory
+
+    if limit is None:
+        raise Abort("--max-prompt needs a memory limit: give --memory-limit-gb (on CUDA the default is 90% of the GPU)")
+    try:
+        lay, work = plan_inputs(args, 1, None, dtype_bytes)
+        n = max_prompt_tokens(cfg, lay, work, limit)
+        peak = plan_memory(cfg, lay, dataclasses.replace(work, prompt_tokens=n)).peak_bytes if n else None
+    except ValueError as e:
+        raise Abort(str(e)) from None
+    return {"max_prompt_tokens": n, "peak_bytes": peak, "limit_bytes": limit, "max_new_tokens": work.max_new_tokens,
+            "prefill_chunk": work.prefill_chunk, "layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
+                                                            "strategy": lay.strategy},
+            "fp8": [x for x, on in (("linear", work.fp8_linear), ("kv", work.fp8_kv)) if on],
+            "model_window": cfg.max_position_embeddings}
 
 
 def plan_json(plan, limit, best) -> dict:
@@ -300,6 +334,15 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     kw = prompt_kwargs(args)
     # Everything below up to LLM() reads configs only: a bad input fails here, before any collective.
     cfg, path = model_config(args, lead)
+    if args.max_prompt:
+        r = longest_prompt(args, cfg, DTYPE_BYTES[dtype_name], memory_limit(args, device, launch.local_rank))
+        if lead:
+            from starshard.planner import gib
+
+            print(json.dumps(r) if args.json else
+                  f"longest prompt that fits {gib(r['limit_bytes'])} per rank: {r['max_prompt_tokens']} tokens "
+                  f"(+ {r['max_new_tokens']} new; model window {r['model_window']})")
+        return 0
     prompt = encode_prompt(args, path, kw, cfg.vocab_size)
     n_prompt, n_context = len(prompt.ids), prompt.context_len
     check_window(cfg, n_prompt, args.max_new_tokens)

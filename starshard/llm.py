@@ -22,7 +22,7 @@ from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingCon
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
 from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
 from starshard.parallel.context import make_strategy, strategy_options
-from starshard.parallel.fp8 import quantize_linears
+from starshard.parallel.fp8 import fuse_inputs, quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
 from starshard.presets import preset_config
@@ -139,6 +139,7 @@ class LLM:
                                fp8_modules=quantize_linears if stored_fp8 else None)
         if fp8.linear:
             quantize_linears(model, topo.tp_group if p.tp > 1 else None)
+            fuse_inputs(model)  # prefill: norm / silu-mul and activation quantization in one kernel
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)

@@ -3,6 +3,7 @@
     plan = plan_memory(cfg, Layout(tp=8, cp=4, strategy="ring"), Workload(prompt_tokens=131072, max_new_tokens=64))
     print(plan.table()); plan.fits(limit_bytes)
     smallest_layout(cfg, workload, "ring", limit_bytes)   # the fewest ranks that fit
+    max_prompt_tokens(cfg, Layout(), workload, limit_bytes)  # the longest prompt that fits
 
 Counted per rank (the worst pipeline stage and the worst CP rank):
   weights      this (tp, pp) rank's slices: heads, KV heads (replicated when tp > KV heads), MLP
@@ -24,9 +25,17 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                weighted sum: 4h + k(3h + 3f) + 2kh per row); the larger of the parts. Plus the strategy's in-flight KV (ring send/recv blocks, ulysses all-to-all, apb
                passing blocks) and the last token's logits in float32 on the last stage. Attention
                itself is assumed fused (flash): no [rows x keys] score matrix.
+               KV transients: a bf16 cache is attended in place (views); an FP8 cache is read as
+               stored, e4m3 tiles converted inside the kernels, so no compute-dtype copy of the held
+               prefix exists at any length. A dense prefill chunk after held FP8 entries attends
+               them and its own keys in two calls merged by lse (engine/model.py dense_attend): its
+               attention part adds the second partial output and the merge's two float32 buffers
+               (hq d (b + 8) bytes per row), chunk-sized like everything else here. (A sparse
+               prefill method still attends a dequantized copy of the held FP8 prefix: not counted.)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -283,12 +292,14 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
         weights += elems * (1 - b) + channels * 4
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
-    attn_part = 4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d
+    attn_bytes = b * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
+    if w.fp8_kv and lay.strategy == "dense" and rows < w.prompt_tokens:  # chunks after held FP8 entries
+        attn_bytes += hq * d * (b + 8)  # the own-keys partial and two float32 merge buffers
     mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
     if any(cfg.is_moe_layer(i) for i in ids):  # engine/moe.py: k gathered rows per token, in expert order
         k, fe = cfg.num_experts_per_tok, cfg.moe_intermediate_size // lay.tp
         mlp_part = max(mlp_part, 4 * h + k * (3 * h + 3 * fe) + 2 * k * h)  # + the float32 weighted sum
-    act = B * rows * b * max(attn_part, mlp_part)
+    act = B * rows * max(attn_bytes, b * mlp_part)
     if w.fp8_linear:  # the e4m3 copy of a GEMM's input rows
         act += B * rows * max(h, ffn)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
@@ -329,3 +340,31 @@ def smallest_layout(cfg: ModelConfig, workload: Workload, strategy: str, limit_b
         if best is not None:
             return best
     return None
+
+
+def max_prompt_tokens(cfg: ModelConfig, layout: Layout, workload: Workload, limit_bytes: int,
+                      most: int = 1 << 32) -> int:
+    """The longest prompt (tokens, at most `most`) whose plan fits `limit_bytes`, everything else as in
+    `workload` (decode budget, prefill chunk, dtype, FP8; the context part: all but the last token);
+    0 when not even one token fits. Bisection: the peak grows with the prompt (KV kept, rows run)."""
+
+    def fits(n: int) -> bool:
+        w = dataclasses.replace(workload, prompt_tokens=n, context_tokens=None)
+        return plan_memory(cfg, layout, w).fits(limit_bytes)
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2  # fits(lo), and hi is the first power of two that does not
+    while hi <= most and fits(hi):
+        lo, hi = hi, 2 * hi
+    if hi > most:
+        return most if fits(most) else _last_fit(fits, lo, most)
+    return _last_fit(fits, lo, hi)
+
+
+def _last_fit(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in [lo, hi) with fits(n), given fits(lo) and not fits(hi) (hi may be untested)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -187,3 +187,79 @@ def test_kv_cache_matches_the_runtime_allocation():
     assert real == plan_memory(cfg, Layout(), Workload(64, max_new_tokens=4, dtype_bytes=4)).stages[0].kv_cache
     weights = plan_memory(cfg, Layout(), Workload(64, dtype_bytes=4)).stages[0].weights
     assert sum(p.numel() * 4 for p in model.parameters()) == weights
+
+
+# ---------------------------------------------------------------------------- FP8 KV transient, longest prompt
+def test_fp8_cache_has_no_prefix_sized_transient():
+    """A bf16 cache is attended in place and an FP8 one read as stored: activations do not grow with the
+    prompt; a chunk after held FP8 entries adds only its chunk-sized merge (hq d (b + 8) bytes per row)."""
+    cfg = preset_config("llama-3.1-8b")
+    for fp8 in (False, True):
+        acts = {plan_memory(cfg, Layout(), Workload(n, prefill_chunk=8192, fp8_kv=fp8)).worst.activations
+                for n in (8193, 65536, 1 << 20)}
+        assert len(acts) == 1, fp8
+    tiny = preset_config("tiny")  # attention-bound rows: hidden 64, MLP 128, 4 heads of 16, 2 KV heads
+    one = plan_memory(tiny, Layout(), Workload(16, prefill_chunk=16, fp8_kv=True, dtype_bytes=4)).worst
+    chunked = plan_memory(tiny, Layout(), Workload(64, prefill_chunk=16, fp8_kv=True, dtype_bytes=4)).worst
+    bf = plan_memory(tiny, Layout(), Workload(64, prefill_chunk=16, dtype_bytes=4)).worst
+    assert one.activations == bf.activations == 16 * 4 * 704 + 512 * 4  # one chunk: nothing held, no merge
+    # 4 * (4*64 + 8*16 + 14*16) + 4*16 * (4 + 8) = 2432 + 768 bytes per row > the MLP's 4 * 704
+    assert chunked.activations == 16 * (2432 + 768) + 512 * 4
+
+
+def test_max_prompt_tokens_fp8_doubles_the_context():
+    """Llama-3.1-8B on one 141 GB GPU, prefill chunks of 8192: the longest prompt with --fp8 linear,kv vs
+    bf16, from the byte counts (weights, KV per token, chunk activations) and checked tight."""
+    from starshard.planner import max_prompt_tokens, projection_sizes
+
+    cfg = preset_config("llama-3.1-8b")
+    limit, chunk, new, layers = 141 * 10**9, 8192, 128, 32
+    h, f, hq, hkv, d, vocab = 4096, 14336, 32, 8, 128, 128256
+    weights = weight_elements(cfg, 1, layers, True, True) * 2
+    elems, channels = projection_sizes(cfg, 1, layers)
+    fp8_weights = weights - elems + 4 * channels  # projections: 1 byte + a float32 scale per output channel
+    mlp = 2 * max(3 * h + 4 * f, 4 * h + 3 * f)
+    attn = 2 * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
+    bf16_act = chunk * max(attn, mlp) + 4 * vocab
+    fp8_act = chunk * max(attn + hq * d * (2 + 8), mlp) + chunk * f + 4 * vocab  # + e4m3 GEMM input copy
+    bf16_kv = layers * (2 * hkv * d * 2 + 8)
+    fp8_kv = layers * (2 * hkv * (d + 4) + 8)  # e4m3 + float32 scale per (head, token)
+    want_bf16 = (limit - weights - bf16_act) // bf16_kv - new
+    want_fp8 = (limit - fp8_weights - fp8_act) // fp8_kv - new
+    got_bf16 = max_prompt_tokens(cfg, Layout(), Workload(1, max_new_tokens=new, prefill_chunk=chunk), limit)
+    got_fp8 = max_prompt_tokens(cfg, Layout(), Workload(1, max_new_tokens=new, prefill_chunk=chunk, fp8_kv=True,
+                                                          fp8_linear=True), limit)
+    assert (got_bf16, got_fp8) == (want_bf16, want_fp8)
+    assert got_fp8 >= 1.9 * got_bf16
+    # tight: one more token does not fit
+    w = Workload(got_fp8 + 1, max_new_tokens=new, prefill_chunk=chunk, fp8_kv=True, fp8_linear=True)
+    assert not plan_memory(cfg, Layout(), w).fits(limit)
+    assert plan_memory(cfg, Layout(), dataclasses.replace(w, prompt_tokens=got_fp8)).fits(limit)
+
+
+def test_max_prompt_tokens_edges():
+    from starshard.planner import max_prompt_tokens
+
+    cfg = preset_config("tiny")
+    w = Workload(1, max_new_tokens=4, dtype_bytes=4)
+    assert max_prompt_tokens(cfg, Layout(), w, 1000) == 0  # not even the weights fit
+    assert max_prompt_tokens(cfg, Layout(), w, 1 << 40, most=5000) == 5000
+    n = max_prompt_tokens(cfg, Layout(cp=2, strategy="ring"), w, 4 << 20)
+    assert plan_memory(cfg, Layout(cp=2, strategy="ring"), dataclasses.replace(w, prompt_tokens=n)).fits(4 << 20)
+    assert not plan_memory(cfg, Layout(cp=2, strategy="ring"), dataclasses.replace(w, prompt_tokens=n + 1)).fits(4 << 20)
+
+
+def test_cli_max_prompt():
+    args = ["--random-weights", "llama-3.1-8b", "--prefill-chunk", "8192", "--dtype", "bfloat16", "--memory-limit-gb",
+            "100", "--max-prompt", "--json"]
+    bf16 = json.loads(_infer(args).stdout.strip().splitlines()[-1])
+    fp8 = json.loads(_infer(args + ["--fp8", "linear,kv"]).stdout.strip().splitlines()[-1])
+    from starshard.planner import max_prompt_tokens
+
+    cfg = preset_config("llama-3.1-8b")
+    w = Workload(1, max_new_tokens=128, prefill_chunk=8192, fp8_kv=True, fp8_linear=True)
+    assert fp8["max_prompt_tokens"] == max_prompt_tokens(cfg, Layout(), w, 100 * GiB)
+    assert fp8["fp8"] == ["linear", "kv"] and fp8["limit_bytes"] == 100 * GiB and fp8["peak_bytes"] <= 100 * GiB
+    assert fp8["max_prompt_tokens"] > 1.9 * bf16["max_prompt_tokens"] > 0
+    p = _infer(["--random-weights", "tiny", "--device", "cpu", "--max-prompt"])  # no GPU: the limit must be given
+    assert p.returncode == 2 and "--memory-limit-gb" in p.stderr

@@ -36,10 +36,13 @@ class LayerKV:
     it is written in (ring, Ulysses, Star, APB and dense agree), nothing ever clips when a later token
     is larger than the first ones, and no stored entry is rescaled for the rest of the run. The scale
     costs 4 bytes per 128 stored (about 3 %).
-    Reads: `stored()` hands the e4m3 bytes and scales to attention (the decode kernel dequantizes in
-    registers); `append()` / `view()` hand back the compute dtype (held entries dequantized; the
-    entries just appended as given, so a prefill attends its own keys exactly, as every context
-    strategy's prefill does with the keys it computes or receives).
+    Reads: `stored()` hands the e4m3 bytes and scales to attention (the Triton kernels dequantize in
+    registers); `append_stored()` stores a prefill block and hands back the entries held before it
+    as stored, the block attending its own keys as given (kernels/attention.py attention_after_held):
+    a chunked prefill never holds a compute-dtype copy of the prefix. `append()` / `view()` hand back
+    the compute dtype (held entries dequantized: a transient copy of the prefix; the entries just
+    appended as given). Either way a prefill attends its own keys exactly, as every context
+    strategy's prefill does with the keys it computes or receives.
     """
 
     def __init__(self, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device, fp8: bool = False):
@@ -106,6 +109,13 @@ class LayerKV:
             return k, v, self.pos[: self.length]
         old_k, old_v, _ = self._dequantized(held)
         return torch.cat([old_k, k], 2), torch.cat([old_v, v], 2), self.pos[: self.length]
+
+    def append_stored(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> StoredKV:
+        """Store new entries; return the entries held before them, as stored (no copy). The caller
+        attends these plus its own k, v as given."""
+        held = self.length
+        self.store(k, v, pos)
+        return self.stored(held)
 
     def write_slot(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write one token's entry at the device index `slot` [1] (a captured CUDA-graph step: nothing

@@ -19,8 +19,10 @@ from torch import nn
 from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.engine.moe import MoEFeedForward
-from starshard.kernels.attention import DECODE_MAX_ROWS, attention
+from starshard.kernels.activation import silu_mul
+from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_after_held
 from starshard.kernels.norm import rms_norm, use_norm_kernel
+from starshard.kernels.rope import rope_qk, use_rope_kernel
 from starshard.kernels.sparse import pattern_for
 
 
@@ -131,16 +133,23 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
     """Single-device causal attention over the cache (if any) plus this step's keys; `sparse`: the
     layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks."""
     scales = {}
+    pattern = pattern_for(sparse, q)
     if cache is not None and q.shape[2] <= DECODE_MAX_ROWS:  # decode: attend the cache as stored (FP8 too)
         cache.store(k, v, pos)
         s = cache.stored()
         k, v, k_pos, scales = s.k, s.v, s.pos, dict(k_scale=s.k_scale, v_scale=s.v_scale)
+    elif cache is not None and cache.fp8 and cache.length and pattern is None:
+        # A prefill block after FP8 entries: the prefix as stored (no dequantized copy), own keys as given.
+        held = cache.append_stored(k, v, pos)
+        out, _ = attention_after_held(q, k, v, pos, held.k, held.v, held.pos, k_scale=held.k_scale,
+                                      v_scale=held.v_scale)
+        return out
     elif cache is not None:
         k, v, k_pos = cache.append(k, v, pos)
     else:
         k_pos = pos
     # One new token follows everything cached: no mask (saves the mask check in every decode step).
-    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern_for(sparse, q), **scales)
+    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern, **scales)
     return out
 
 
@@ -166,24 +175,38 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
         q = q.view(B, L, self.n_heads, d)
         k = k.view(B, L, self.n_kv_heads, d)
-        if self.q_norm is not None:  # before RoPE, per head
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, L, self.n_kv_heads, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if use_rope_kernel(q):  # GPU: (q / k norm +) RoPE on both in one Triton launch (kernels/rope.py)
+            qn, kn = self.q_norm, self.k_norm  # Qwen3's norms share cfg.rms_norm_eps
+            q, k = rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                           None if qn is None else qn.weight, None if kn is None else kn.weight,
+                           eps=0.0 if qn is None else qn.eps)
+        else:
+            if self.q_norm is not None:  # before RoPE, per head
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, pos, cache, sparse=self.sparse)
         return self.wo(out.transpose(1, 2).reshape(B, L, self.n_heads * d))
+
+
+class SiluMul(nn.Module):
+    """SwiGLU's activation, silu(gate) * up, of w13's output [.., 2F] (gate columns first)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        # a module of its own so that an FP8 w2 can take it over (parallel/fp8.py sets it to identity)
+        self.act = SiluMul()
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.act(self.w13(x)))
 
 
 class TransformerBlock(nn.Module):

@@ -11,6 +11,10 @@ expert's rows are contiguous, then `grouped_mm` multiplies every segment by its 
 one call. No Python loop over experts: the work and the weights read follow the tokens' choices,
 and an expert no token picked costs nothing.
 
+Decode on the GPU (up to GEMV_MAX_PAIRS (token, expert) pairs) runs the expert side in three Triton
+launches after the router's GEMV (kernels/moe_decode.py): routing, the experts' gate/up GEMVs, and their
+down GEMVs summed per token; no sort, no per-pair bookkeeping in torch. The CPU keeps the torch path.
+
 Tensor parallelism (parallel/tensor.py) cuts every expert's F columns over the ranks, as the dense
 MLP's: each rank computes a partial output over its columns, and `combine` (identity on one device)
 sums them.
@@ -25,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from starshard.config import ModelConfig
-from starshard.kernels.moe_decode import GEMV_MAX_PAIRS, expert_down, expert_gate_up, triton
+from starshard.kernels.moe_decode import (
+    GEMV_MAX_PAIRS,
+    ROUTE_MAX_EXPERTS,
+    expert_down,
+    expert_gate_up,
+    route_topk,
+    triton,
+)
 
 # torch >= 2.10 exports it as F.grouped_mm; earlier releases (2.8, 2.9) as torch._grouped_mm.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -46,6 +57,13 @@ def grouped_mm_works(device_type: str, device_index: int | None, dtype: torch.dt
         return bool((out == 16).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+def use_decode_kernels(x: torch.Tensor, top_k: int, num_experts: int) -> bool:
+    """Whether tokens x [T, H] take the Triton decode path (kernels/moe_decode.py): on the GPU, up to
+    GEMV_MAX_PAIRS (token, expert) pairs."""
+    return (x.is_cuda and triton is not None and x.shape[0] * top_k <= GEMV_MAX_PAIRS
+            and num_experts <= ROUTE_MAX_EXPERTS)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,11 +113,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     flat = experts.reshape(-1)
     if impl is None and x.is_cuda and T * k <= GEMV_MAX_PAIRS and triton is not None:
         impl = "gemv"  # decode: one row per pair, the Triton expert GEMVs (kernels/moe_decode.py), no sort
-    if impl == "gemv":
-        token_of_pair = torch.arange(T, device=x.device).repeat_interleave(k)
-        act = expert_gate_up(x, token_of_pair, flat, w13)
-        y = expert_down(act, flat, weights.reshape(-1), w2)  # [T * k, H] float32, weighted, in (token, slot) order
-        return y.view(T, k, -1).sum(dim=1).to(x.dtype)
+    if impl == "gemv":  # each token's k experts summed in the down kernel, in float32, in slot order
+        return expert_down(expert_gate_up(x, experts, w13), experts, weights, w2, out_dtype=x.dtype)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     rows = x[order // k]  # [T * k, H]
     counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
@@ -160,10 +175,19 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.decode_kernels: bool | None = None  # None: use_decode_kernels decides; tests force True on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, experts = route(self.router(x), self.top_k, self.renormalize)
-        out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)
+        logits = self.router(x)
+        decode = self.decode_kernels
+        if decode is None:
+            decode = use_decode_kernels(x, self.top_k, logits.shape[-1])
+        if decode:  # routing, gate/up, down: three launches, no host sync (CUDA-graph safe)
+            weights, experts = route_topk(logits, self.top_k, self.renormalize)
+            out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2, impl="gemv")
+        else:
+            weights, experts = route(logits, self.top_k, self.renormalize)
+            out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)
         return self.combine(out).view(shape)

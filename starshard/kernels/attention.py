@@ -7,7 +7,7 @@
 Causality is by global position (key visible iff k_pos <= q_pos), so a query block may sit anywhere
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
 
-Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
+Backends: flash.py (Triton, any position mask, e4m3 K/V with scales), decode.py (split-KV Triton for short query blocks),
 torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU.
 The backends import only common.py (checks, positions, sizes) and online_softmax.py, never this module.
 """
@@ -20,10 +20,11 @@ from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import dequantize
 from starshard.kernels.flash import flash_attention
+from starshard.kernels.merge import merge_partials
 from starshard.kernels.reference import attention_math
 
 __all__ = [
-    "attention", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
+    "attention", "attention_after_held", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
     "SHORT_QUERY_ROWS", "sm_count", "head_subset",
 ]
 
@@ -128,6 +129,19 @@ def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale):
     return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale)
 
 
+def _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale):
+    """e4m3 k, v with per-(head, key) scales, read as stored: the split-KV kernel for decode-sized
+    calls and short blocks over long caches (as `cuda_backend` picks), flash.py's FP8 path otherwise
+    (torch's fused kernels cannot take per-key scales)."""
+    mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
+    # "masked": of cuda_backend's choices only the two Triton kernels read e4m3, whatever the mask
+    if cuda_backend(q, k.shape[2], mode and "masked", sm_count(q.device)) == "decode":
+        return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, k_scale=k_scale,
+                                v_scale=v_scale)
+    return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale,
+                           k_scale=k_scale, v_scale=v_scale)
+
+
 def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_scale=None, v_scale=None):
     """Exact (or `sparse`-approximate) attention with log-sum-exp. See the module docstring.
 
@@ -138,13 +152,13 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_
     else the float32 math path.
 
     k_scale, v_scale: k, v are e4m3 (an FP8 KV cache) with float32 scales [B, Hkv, Lk], one per (KV
-    head, key). Decode-sized calls on CUDA read the e4m3 bytes in the split-KV kernel; every other call
-    dequantizes to q's dtype first and runs as above."""
+    head, key). On CUDA the kernels read the e4m3 bytes as stored (`_attention_cuda_fp8`: no
+    dequantized copy of the keys); with `sparse`, and on the CPU, k and v are dequantized to q's dtype
+    first and the call runs as above."""
     if k_scale is not None:
-        if q.device.type == "cuda" and q.shape[2] <= DECODE_MAX_ROWS and sparse is None:
+        if q.device.type == "cuda" and sparse is None and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
             check_shapes(q, k, v)
-            return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale,
-                                    k_scale=k_scale, v_scale=v_scale)
+            return _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale)
         k, v = dequantize(k, k_scale[:, :, : k.shape[2]], q.dtype), dequantize(v, v_scale[:, :, : v.shape[2]], q.dtype)
     if sparse is not None:  # a sparse method's pattern for these heads (kernels/sparse.py)
         return sparse.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
@@ -156,6 +170,18 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_
     if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS:
         return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+
+
+def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None, v_scale=None):
+    """(out, lse) of a query block at positions `pos` over keys held before it (held_k / held_v /
+    held_pos as stored: e4m3 with k_scale / v_scale for an FP8 cache) and its own keys k, v at `pos`
+    (as given, so the block attends its own keys exactly), causal by position; the two partials
+    merge by lse. A chunked prefill over an FP8 cache runs this instead of attending a dequantized
+    copy of the whole prefix: on CUDA the held part is read in e4m3 by a Triton kernel and the own
+    part takes the fused index-causal path."""
+    o1, l1 = attention(q, held_k, held_v, q_pos=pos, k_pos=held_pos, causal=True, k_scale=k_scale, v_scale=v_scale)
+    o2, l2 = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
+    return merge_partials(o1, l1, o2, l2)
 
 
 def head_subset(q, k, v, heads):

@@ -2,6 +2,7 @@
 
     x8, scale = quantize_rows(x)                  # x ~= x8 * scale[..., None]; scale = amax(|row|) / 448
     y = fp8_linear(x, w8, w_scale, bias)          # x [.., K] @ (w8 [N, K] * w_scale [N, None]).T + bias
+    y = scaled_mm(x8, x_scale, w8, w_scale, bias, dtype)   # the FP8 GEMM on pre-quantized rows (CUDA)
 
 Scales are float32, one per row of the last dimension (a weight's output channel, an activation's
 token, a cached key's (head, token)), chosen so the row's largest magnitude maps to e4m3's largest
@@ -107,12 +108,17 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
     if weight_only:
         y = weight_only_linear(x2, w8, w_scale, bias)
     else:
-        x8, sx = quantize_rows_cuda(x2)
-        # _scaled_mm takes the second operand column-major: w8 [N, K] row-major, transposed, is.
-        y = torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=w_scale[None, :], out_dtype=x.dtype)
-        if bias is not None:
-            y = y + bias
+        y = scaled_mm(*quantize_rows_cuda(x2), w8, w_scale, bias, x.dtype)
     return y.reshape(*shape[:-1], w8.shape[0])
+
+
+def scaled_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 GEMM on activations already in e4m3: x8 [M, K] with row scales x_scale [M] times w8 [N, K]
+    with channel scales w_scale [N] (+ bias) -> [M, N] in out_dtype (CUDA, FP8 tensor cores)."""
+    # _scaled_mm takes the second operand column-major: w8 [N, K] row-major, transposed, is.
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=out_dtype)
+    return y if bias is None else y + bias
 
 
 if triton is not None:

@@ -1,12 +1,24 @@
 """FP8 linear layers applied to a built model from outside (like tensor parallelism, tensor.py).
 
     quantize_linears(model, tp_group)   # after the weights are loaded: wqkv, wo, w13, w2 -> Fp8Linear
+    fuse_inputs(model)                  # the norms and the silu-mul before them move into them
 
 Each decoder projection keeps its (tensor-parallel) shard, now in e4m3 with one float32 scale per
 output channel (amax of the row / 448). Column-parallel layers (wqkv, w13) multiply their shard and
 need nothing else; row-parallel ones (wo, w2) multiply their shard of the input and all-reduce the
 partial output over the TP group, as megatron-core's RowParallelLinear does. The embedding, the
 norms and the LM head stay in the compute dtype.
+
+Prefill activations are quantized by the op that makes them (kernels/activation.py): fuse_inputs
+hands each block's attention_norm to wqkv and, in dense layers, ffn_norm to w13 and the SwiGLU's
+silu-mul to w2. On CUDA with more than WEIGHT_ONLY_MAX_ROWS rows the projection then runs one
+norm-and-quantize (or silu-mul-and-quantize) kernel and the FP8 GEMM, instead of the norm's pass, the
+quantization pass (and silu's and the multiply's); elsewhere (decode, the CPU) it applies the norm /
+silu-mul exactly as the block did, then fp8_linear: CPU numerics are unchanged. The norm module stays
+registered where it was (its weight keeps its checkpoint name, layers.i.attention_norm.weight, and is
+assigned there when an FP8 checkpoint loads into the meta model), now a DeferredRMSNorm that passes
+its input through; the projection holds a reference to it. MoE layers keep ffn_norm in the block (the
+router and the bf16 experts read its output).
 
 Why our own module rather than torchao's float8 inference path (torchao 0.18, which imports here): its
 `quantize_` swaps nn.Linear modules, and our TP layers are megatron-core's Column / RowParallelLinear
@@ -21,15 +33,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from starshard.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
+from starshard.engine.model import FeedForward, RMSNorm
+from starshard.kernels.activation import rms_norm_quant, silu_mul, silu_mul_quant, use_fused_quant
+from starshard.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_rows, scaled_mm
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
 
 
+class DeferredRMSNorm(RMSNorm):
+    """A block's RMSNorm once the Fp8Linear reading its output applies it (Fp8Linear.input_norm): the
+    block's call passes x through, `normalize` is RMSNorm's forward. The weight stays here, under its
+    checkpoint name, and still tells the runtime the compute dtype and device."""
+
+    @classmethod
+    def of(cls, norm: RMSNorm) -> DeferredRMSNorm:
+        deferred = cls(norm.weight.shape[0], norm.eps)
+        deferred.weight = norm.weight
+        return deferred
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, applied by the next projection"
+
+
 class Fp8Linear(nn.Module):
     """y = x @ (weight * weight_scale[:, None]).T (+ bias): weight e4m3 [N, K], weight_scale float32 [N].
-    `reduce_group`: row-parallel: the local product is summed over this group, the bias added after."""
+    `reduce_group`: row-parallel: the local product is summed over this group, the bias added after.
+    Optional input transform, applied before the product (set by fuse_inputs):
+    `input_norm` a DeferredRMSNorm (x is the un-normalized hidden state [.., K]), or
+    `input_act` "silu_mul" (x is w13's output [.., 2K], gate columns first)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  reduce_group=None):
@@ -38,6 +76,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
         self.reduce_group = reduce_group
+        self.input_norm: DeferredRMSNorm | None = None  # set by fuse_norm: a reference, not a submodule
+        self.input_act: str | None = None
 
     @classmethod
     def quantize(cls, linear: nn.Module, reduce_group=None) -> Fp8Linear:
@@ -45,6 +85,11 @@ class Fp8Linear(nn.Module):
         w8, scale = quantize_rows(linear.weight.detach())
         bias = getattr(linear, "bias", None)
         return cls(w8, scale, None if bias is None else bias.detach(), reduce_group)
+
+    def fuse_norm(self, norm: DeferredRMSNorm) -> None:
+        """Apply `norm` to the input first. Kept out of this module's children (object.__setattr__): the
+        norm stays registered in its block, where its weight loads."""
+        object.__setattr__(self, "input_norm", norm)
 
     @property
     def in_features(self) -> int:
@@ -55,14 +100,37 @@ class Fp8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.reduce_group is None else None
+        if (self.input_norm is not None or self.input_act is not None) and use_fused_quant(x):
+            y = self.fused_forward(x, bias)
+        else:
+            y = fp8_linear(self.transform_input(x), self.weight, self.weight_scale, bias)
         if self.reduce_group is None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        y = fp8_linear(x, self.weight, self.weight_scale)
+            return y
         dist.all_reduce(y, group=self.reduce_group)
         return y if self.bias is None else y + self.bias
 
+    def transform_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input transform as torch ops / the decode kernels (what the block computed before the move)."""
+        if self.input_norm is not None:
+            return self.input_norm.normalize(x)
+        if self.input_act == "silu_mul":
+            return silu_mul(x)
+        return x
+
+    def fused_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Prefill: one kernel transforms and quantizes the input rows, then the FP8 GEMM."""
+        if self.input_norm is not None:
+            x8, sx = rms_norm_quant(x, self.input_norm.weight, self.input_norm.eps)
+        else:
+            x8, sx = silu_mul_quant(x)
+        y = scaled_mm(x8, sx, self.weight, self.weight_scale, bias, x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, row_parallel={self.reduce_group is not None}"
+        fused = ", input=rms_norm" if self.input_norm is not None else f", input={self.input_act}" if self.input_act else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, e4m3, "
+                f"row_parallel={self.reduce_group is not None}{fused}")
 
 
 def quantize_linears(model: nn.Module, tp_group=None) -> nn.Module:
@@ -82,3 +150,31 @@ def quantize_linears(model: nn.Module, tp_group=None) -> nn.Module:
                     continue
                 setattr(parent, attr, Fp8Linear.quantize(linear, group))
     return model
+
+
+def fuse_inputs(model: nn.Module) -> nn.Module:
+    """After quantize_linears: in every decoder layer move attention_norm into attention.wqkv and, in a
+    dense layer, ffn_norm into feed_forward.w13 and the silu-mul into feed_forward.w2 (module docstring).
+    In place; the model computes what it did before (same numbers on the CPU); calling it again changes
+    nothing; works on a meta-device model too (the norm weights load where they were).
+    Tensor parallelism: wqkv and w13 are column-parallel and read the replicated hidden state, so the
+    full norm weight is right on every rank; w2 reads this rank's [gate | up] columns of w13's output,
+    and the silu-mul is elementwise."""
+    for block in model.layers:
+        _fuse_block_inputs(block)
+    return model
+
+
+def _fuse_block_inputs(block: nn.Module) -> None:
+    att, ff = block.attention, block.feed_forward
+    if isinstance(att.wqkv, Fp8Linear) and type(block.attention_norm) is RMSNorm:
+        block.attention_norm = DeferredRMSNorm.of(block.attention_norm)
+        att.wqkv.fuse_norm(block.attention_norm)
+    if not isinstance(ff, FeedForward):  # MoE: the router and the bf16 experts read ffn_norm's output
+        return
+    if isinstance(ff.w13, Fp8Linear) and type(block.ffn_norm) is RMSNorm:
+        block.ffn_norm = DeferredRMSNorm.of(block.ffn_norm)
+        ff.w13.fuse_norm(block.ffn_norm)
+    if isinstance(ff.w2, Fp8Linear) and ff.w2.input_act is None:
+        ff.act = nn.Identity()
+        ff.w2.input_act = "silu_mul"

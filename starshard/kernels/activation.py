@@ -1,0 +1,197 @@
+"""FP8 activation quantization fused into the op that produces the activation (prefill, issue 19).
+
+    x8, scale = rms_norm_quant(x, weight, eps)   # = quantize_rows(rms_norm(x, weight, eps)), one kernel
+    a8, scale = silu_mul_quant(gate_up)          # = quantize_rows(silu(gate) * up), gate_up = [gate | up]
+    a = silu_mul(gate_up)                        # SwiGLU's activation as torch ops (the eager path)
+
+Why: a prefill FP8 GEMM (torch._scaled_mm, kernels/fp8.py) takes its activations in e4m3 with one
+scale per row. Unfused, the norm reads the hidden state and writes it in bf16, then quantize_rows reads
+that and writes e4m3; before w2, silu and the multiply are two more passes over [tokens, 2F]. Each
+kernel here reads its input once and writes e4m3 once (plus a float32 scale per row).
+
+Numerics: float32 math, then the row is rounded once to the input's dtype -- what the unfused norm
+(F.rms_norm, kernels/norm.py) or a one-rounding silu-mul would have written -- and quantized exactly as
+quantize_rows does (amax / 448, division, clamp, cast). So the e4m3 bytes are those of quantizing the
+unfused op's output: fusing changes the time, not the numbers (up to the last bit of the float32
+sum of squares, whose order differs from torch's). The rounding is free and keeps fused and unfused
+runs comparable; skipping it would make the fused path slightly more accurate and not reproducible
+against the unfused one. (Eager torch's silu-mul rounds twice, after silu and after the multiply; the
+fused kernel rounds once, which the *_reference functions state.)
+
+Row widths: a row of up to ONE_TILE_MAX columns (padded to a power of two) is held in registers, one
+read from memory. Wider rows (Llama-8B's SwiGLU: 14336 columns on one GPU) loop over tiles: a pass for
+the amax (and, for the norm, one before it for the sum of squares), then the scale-and-cast pass,
+which re-reads the row mostly from L2, as kernels/fp8.py's _quantize_rows_kernel does.
+bench/fp8_prefill_fused.py times both layouts (`tile=`).
+
+Tests run the kernels under TRITON_INTERPRET=1 with `out_dtype=torch.float32`: the interpreter's
+e4m3 conversion drops the carry when a value rounds up across a power of two (31.06 -> 16, not 32),
+so they check the scaled, clamped values and cast with torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from starshard.kernels.fp8 import FP8_DTYPE, WEIGHT_ONLY_MAX_ROWS, quantize_rows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without triton keep the torch paths
+    triton = None
+
+ONE_TILE_MAX = 8192  # padded row widths up to this stay in registers (one read); wider rows loop over tiles
+LOOP_TILE = dict(block=4096, warps=8)  # tile of the looping kernels
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [.., 2F] (gate: the first F columns) -> [.., F], torch ops in the input's
+    dtype: the model's SwiGLU activation (engine FeedForward, and an FP8 w2 outside the fused path)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's numerics in torch: RMSNorm in float32, one rounding to x's dtype, quantize_rows."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return quantize_rows(y)
+
+
+def silu_mul_quant_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's numerics in torch: silu(gate) * up in float32, one rounding to the input dtype, quantize_rows."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return quantize_rows((F.silu(gate) * up).to(gate_up.dtype))
+
+
+def use_fused_quant(x: torch.Tensor) -> bool:
+    """Whether x [.., K] is a CUDA activation that fp8_linear would send to the FP8 GEMM (more than
+    WEIGHT_ONLY_MAX_ROWS rows): then its producer can quantize it itself."""
+    return x.is_cuda and triton is not None and x.numel() > WEIGHT_ONLY_MAX_ROWS * x.shape[-1]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_quantized(Y_row, y, offs, ok, scale):
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)  # division, as quantize_rows: the same bytes
+        tl.store(Y_row + offs, q.to(Y_row.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _normed(X_row, W, offs, ok, inv):
+        """The tile's normalized values, rounded to X's dtype (what F.rms_norm writes), in float32."""
+        x = tl.load(X_row + offs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+        return (x * inv * w).to(X_row.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_quant_kernel(X, W, Y, S, K, s_xm, s_ym, eps, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+        """One row per program: Y[row] = e4m3(rms_norm(X[row]) / scale), S[row] = amax / 448."""
+        row = tl.program_id(0).to(tl.int64)
+        X_row = X + row * s_xm
+        Y_row = Y + row * s_ym
+        offs = tl.arange(0, BLOCK)
+        if ONE_TILE:  # the row in registers: one read
+            ok = offs < K
+            x = tl.load(X_row + offs, mask=ok, other=0.0).to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
+            w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+            y = (x * inv * w).to(X.dtype.element_ty).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-12) / 448.0
+            _store_quantized(Y_row, y, offs, ok, scale)
+        else:  # sum of squares, amax, cast: three passes, the last two mostly from L2
+            ssq = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(X_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                ssq += x * x
+            inv = 1.0 / tl.sqrt(tl.sum(ssq, 0) / K + eps)
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                amax = tl.maximum(amax, tl.abs(_normed(X_row + k0, W + k0, offs, k0 + offs < K, inv)))
+            scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+            for k0 in range(0, K, BLOCK):
+                y = _normed(X_row + k0, W + k0, offs, k0 + offs < K, inv)
+                _store_quantized(Y_row + k0, y, offs, k0 + offs < K, scale)
+        tl.store(S + row, scale)
+
+    @triton.jit
+    def _silu_mul(G_row, Fw, offs, ok):
+        """The tile's silu(gate) * up (gate at G_row, up Fw columns later), rounded to G's dtype, in float32."""
+        g = tl.load(G_row + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(G_row + Fw + offs, mask=ok, other=0.0).to(tl.float32)
+        return (g / (1.0 + tl.exp(-g)) * u).to(G_row.dtype.element_ty).to(tl.float32)  # silu as torch computes it
+
+    @triton.jit
+    def _silu_mul_quant_kernel(G, Y, S, Fw, s_gm, s_ym, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+        """One row per program: Y[row] = e4m3(silu(G[row, :Fw]) * G[row, Fw:] / scale), S[row] = amax / 448."""
+        row = tl.program_id(0).to(tl.int64)
+        G_row = G + row * s_gm
+        Y_row = Y + row * s_ym
+        offs = tl.arange(0, BLOCK)
+        if ONE_TILE:
+            ok = offs < Fw
+            a = _silu_mul(G_row, Fw, offs, ok)
+            scale = tl.maximum(tl.max(tl.abs(a), 0), 1e-12) / 448.0
+            _store_quantized(Y_row, a, offs, ok, scale)
+        else:  # amax pass, then the cast pass re-reading gate and up (mostly from L2)
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for f0 in range(0, Fw, BLOCK):
+                amax = tl.maximum(amax, tl.abs(_silu_mul(G_row + f0, Fw, offs, f0 + offs < Fw)))
+            scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+            for f0 in range(0, Fw, BLOCK):
+                a = _silu_mul(G_row + f0, Fw, offs, f0 + offs < Fw)
+                _store_quantized(Y_row + f0, a, offs, f0 + offs < Fw, scale)
+        tl.store(S + row, scale)
+
+
+def _tile(width: int, tile: dict | None) -> tuple[int, bool, int]:
+    """(block, one_tile, warps) for rows of `width` columns; `tile` overrides (bench: dict(block=, warps=))."""
+    if tile is None:
+        block = triton.next_power_of_2(width)
+        if block <= ONE_TILE_MAX:
+            return block, True, max(4, min(16, block // 512))
+        tile = LOOP_TILE
+    return tile["block"], tile["block"] >= width, tile["warps"]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dtype: torch.dtype = FP8_DTYPE,
+                   tile: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [.., K] -> (e4m3 [M, K], float32 scales [M]), M = rows of x: RMSNorm then per-row quantization
+    in one Triton launch (CUDA, or the interpreter). out_dtype=float32: the values before the e4m3 cast (tests)."""
+    if triton is None:
+        raise RuntimeError("rms_norm_quant needs the triton package")
+    x2 = _rows(x)
+    M, K = x2.shape
+    y = torch.empty(M, K, dtype=out_dtype, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    block, one_tile, warps = _tile(K, tile)
+    if M:
+        _rms_norm_quant_kernel[(M,)](x2, weight, y, s, K, x2.stride(0), y.stride(0), eps, BLOCK=block,
+                                     ONE_TILE=one_tile, num_warps=warps)
+    return y, s
+
+
+def silu_mul_quant(gate_up: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,
+                   tile: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [.., 2F] -> (e4m3 [M, F], float32 scales [M]): silu(gate) * up then per-row quantization in
+    one Triton launch (CUDA, or the interpreter). out_dtype=float32: the values before the e4m3 cast (tests)."""
+    if triton is None:
+        raise RuntimeError("silu_mul_quant needs the triton package")
+    g2 = _rows(gate_up)
+    M, two_f = g2.shape
+    if two_f % 2:
+        raise ValueError(f"silu_mul_quant: gate_up has an odd width {two_f}; expected [gate | up]")
+    Fw = two_f // 2
+    y = torch.empty(M, Fw, dtype=out_dtype, device=gate_up.device)
+    s = torch.empty(M, dtype=torch.float32, device=gate_up.device)
+    block, one_tile, warps = _tile(Fw, tile)
+    if M:
+        _silu_mul_quant_kernel[(M,)](g2, y, s, Fw, g2.stride(0), y.stride(0), BLOCK=block, ONE_TILE=one_tile,
+                                     num_warps=warps)
+    return y, s
