@@ -20,7 +20,7 @@ gives the longest prompt that fits the cap in bf16 and with --fp8 linear,kv, for
                        held prefix): runs out of memory a few chunks in
 
 Per run: fits or out of memory (and where), prefill / decode seconds, peak allocated / reserved
-bytes next to the planner's peak. JSON on stdout (and --out), progress on stderr. Each mode first runs
+bytes next to the planner's peak. On CUDA each run is its own process (the cap applies to it alone). JSON on stdout (and --out), progress on stderr. Each mode first runs
 a short untimed warm-up (two chunks: Triton compiles, cuDNN plans). --device cpu runs the same code
 without a cap (a smoke test of the script with --preset tiny; the out-of-memory runs are skipped).
 """
@@ -31,6 +31,7 @@ import dataclasses
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -147,13 +148,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-gb", type=float, default=7.0, help="memory cap of the process's allocator, GiB")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per forward)")
     ap.add_argument("--decode-steps", type=int, default=4)
-    ap.add_argument("--margin-gb", type=float, default=0.0,
-                    help="ask the planner for lengths under cap - margin (the runs keep the whole cap)")
+    ap.add_argument("--margin-gb", type=float, default=0.25,
+                    help="ask the planner for lengths under cap - margin (the runs keep the whole cap): room for "
+                         "what the planner does not count, cuBLAS workspaces and the CUDA-graph pool of decode")
     ap.add_argument("--kv-only", action="store_true",
                     help="also run --fp8 kv alone (bf16 weights) at its planned length (~+20 s)")
     ap.add_argument("--skip-oom-checks", action="store_true", help="run only the two runs that must fit")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--only", type=int, default=None, help=argparse.SUPPRESS)  # internal: run one mode, print its row
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -198,14 +201,31 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not args.skip_oom_checks:
         runs += [("bf16 @ fp8 length", None, lengths["fp8"], bf16_at_fp8, False, False),
                  ("fp8-dequant @ fp8 length", "linear,kv", lengths["fp8"], None, True, False)]
+    if args.only is not None:  # a child process: one run, its row as the last stdout line
+        mode, fp8, n, peak, old, _ = runs[args.only]
+        with tempfile.TemporaryDirectory() as tmp:
+            row = run_one(model_config_file(args.preset, args.layers, Path(tmp)), mode, fp8, n, args, device, peak,
+                          old_path=old)
+        print(json.dumps(row))
+        return 0
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg_path = model_config_file(args.preset, args.layers, Path(tmp))
-        for mode, fp8, n, peak, old, expect_fit in runs:
-            row = run_one(cfg_path, mode, fp8, n, args, device, peak, old_path=old)
-            row["expected"] = "fits" if expect_fit else "out of memory"
-            row["as_expected"] = row.get("fits") is expect_fit
-            result["runs"].append(row)
+    for i, (mode, fp8, n, peak, old, expect_fit) in enumerate(runs):
+        if device.type == "cuda":
+            # Each run in a fresh process: a previous run's cuBLAS workspaces, graph pool and allocator
+            # segments must not count against the next one's cap.
+            child = [a for a in (argv if argv is not None else sys.argv[1:])]
+            done = subprocess.run([sys.executable, __file__, *child, "--only", str(i)], stdout=subprocess.PIPE,
+                                  text=True)
+            lines = done.stdout.strip().splitlines()
+            row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                "mode": mode, "fits": None, "error": f"child process exited {done.returncode}"}
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                row = run_one(model_config_file(args.preset, args.layers, Path(tmp)), mode, fp8, n, args, device,
+                              peak, old_path=old)
+        row["expected"] = "fits" if expect_fit else "out of memory"
+        row["as_expected"] = row.get("fits") is expect_fit
+        result["runs"].append(row)
     ok = {r["mode"]: r.get("fits") for r in result["runs"]}
     result["checked_ratio_fp8_over_bf16"] = (lengths["fp8"] / lengths["bf16"]
                                              if ok.get("fp8 @ fp8 length") and ok.get("bf16 @ bf16 length") else None)

@@ -45,7 +45,7 @@ def time_us(fn):
 
 rows = []
 gate_up_configs = [(n, kk, w) for n in (4, 8) for kk in (256, 512) for w in (2, 4)]  # unchanged kernel: near the best
-down_configs = [(n, kk, w) for n in (2, 4, 8, 16) for kk in (128, 256, 512) for w in (1, 2, 4)]
+down_configs = [(n, kk, w) for n in (1, 2, 4, 8) for kk in (256, 512, 1024) for w in (1, 2, 4)]
 runs = [("gate_up", n, kk, w, k * 2 * F * H * 2,
          lambda n=n, kk=kk, w=w: expert_gate_up(x, experts, w13, block_n=n, block_k=kk, warps=w))
         for n, kk, w in gate_up_configs]

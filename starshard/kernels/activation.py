@@ -41,7 +41,10 @@ try:
 except ImportError:  # installs without triton keep the torch paths
     triton = None
 
-ONE_TILE_MAX = 8192  # padded row widths up to this stay in registers (one read); wider rows loop over tiles
+# Padded row widths up to this stay in registers (one read); wider rows loop over tiles. 16384 (16 warps)
+# covers Llama-8B's 14336-wide SwiGLU on one GPU: 0.20 vs 0.30 ms looping at 8K rows, 0.68 vs 1.01 at 32K
+# (one H200, bench/results/2026-11-24-h200/fp8_prefill_fused.json).
+ONE_TILE_MAX = 16384
 LOOP_TILE = dict(block=4096, warps=8)  # tile of the looping kernels
 
 

@@ -32,11 +32,11 @@ GEMV_MAX_PAIRS = 64  # (token, expert) pairs up to which engine/moe.py runs thes
 ROUTE_MAX_EXPERTS = 1024  # one token's logits in one program's registers
 # Tiles from bench/tune_moe_decode.py on one H200 (Qwen3-30B-A3B shape, one token): narrow column
 # slices with long K tiles keep many programs with many bytes in flight (gate_up 11.4 us = 4.4 TB/s;
-# the first guess, 32 x 128 with 4 warps, took 53 us). The down tile was tuned for one program per
-# pair (8 x 256, 2 warps: 6.1 us = 4.1 TB/s); the per-token down kernel has k times fewer programs
-# (bench/tune_moe_decode.py sweeps it again).
+# the first guess, 32 x 128 with 4 warps, took 53 us). Down, one program per (token, output column)
+# summing the token's k experts unrolled: 1 x 1024 with 1 warp, 7.1 us = 3.5 TB/s (8 x 256 / 2 warps:
+# 24.5 us; bench/results/2026-11-24-h200/tune_moe_decode_d.json).
 GATE_UP_TILE = dict(block_n=4, block_k=512, warps=2)
-DOWN_TILE = dict(block_n=8, block_k=256, warps=2)
+DOWN_TILE = dict(block_n=1, block_k=1024, warps=1)
 
 
 if triton is not None:
@@ -96,7 +96,9 @@ if triton is not None:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in range(TOP_K):  # the token's experts in slot order: a fixed summation order
+        # Unrolled over the token's experts (slot order: a fixed summation order), so the loads of all k
+        # experts' rows are in flight together rather than one expert after another.
+        for j in tl.static_range(TOP_K):
             p = t * TOP_K + j
             a_row = a_ptr + p.to(tl.int64) * stride_a
             w = w_ptr + tl.load(exp_ptr + p).to(tl.int64) * stride_we
