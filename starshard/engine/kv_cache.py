@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
+from starshard.kernels.kv_write import use_kv_write_kernel, write_kv_slot, write_kv_slot_reference
 
 
 @dataclass
@@ -94,8 +95,11 @@ class LayerKV:
         end = self.length + n
         if end > self.capacity:
             self._grow(end)
-        self._put(k, v, self.length, end)
-        self.pos[self.length : end] = pos
+        if n == 1 and pos.device == self.pos.device and use_kv_write_kernel(self.k):  # eager decode: one launch
+            write_kv_slot(k, v, pos, self.length, self.k, self.v, self.pos, self.k_scale, self.v_scale)
+        else:
+            self._put(k, v, self.length, end)
+            self.pos[self.length : end] = pos
         self.length = end
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
@@ -119,19 +123,9 @@ class LayerKV:
 
     def write_slot(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write one token's entry at the device index `slot` [1] (a captured CUDA-graph step: nothing
-        read on the host, `length` is the caller's to advance)."""
-        if self.fp8:
-            k8, ks = quantize_rows(k)
-            v8, vs = quantize_rows(v)
-            # as bytes: index_copy_ has no e4m3 kernel on every backend
-            self.k.view(torch.uint8).index_copy_(2, slot, k8.view(torch.uint8))
-            self.v.view(torch.uint8).index_copy_(2, slot, v8.view(torch.uint8))
-            self.k_scale.index_copy_(2, slot, ks)
-            self.v_scale.index_copy_(2, slot, vs)
-        else:
-            self.k.index_copy_(2, slot, k)
-            self.v.index_copy_(2, slot, v)
-        self.pos.index_copy_(0, slot, pos)
+        read on the host, `length` is the caller's to advance). CUDA: one Triton launch (kernels/kv_write.py)."""
+        write = write_kv_slot if use_kv_write_kernel(self.k) else write_kv_slot_reference
+        write(k, v, pos, slot, self.k, self.v, self.pos, self.k_scale, self.v_scale)
 
     def _dequantized(self, n: int):
         return (dequantize(self.k[:, :, :n], self.k_scale[:, :, :n], self.dtype),

@@ -1,0 +1,117 @@
+"""A decode step's KV-cache write as one Triton launch (issue 19).
+
+    write_kv_slot(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scale, v_scale)
+    # cache_k[:, :, slot] = k (FP8: quantized per (batch, KV head) row, scale into k_scale[:, :, slot]);
+    # likewise v; cache_pos[slot] = pos
+
+Why: the torch path (write_kv_slot_reference, what LayerKV.write_slot ran) is two quantize_rows
+launches plus five index_copy_ launches per layer for an FP8 cache (three for a plain one): ~0.38 ms
+of a 4.1 ms Llama-8B decode step at 8K on one H200, for a few kilobytes of data. Here one program per
+(batch, KV head) row quantizes and stores that row of k and of v with their scales, and the first one
+also stores the position.
+
+`slot` is a device tensor [1] (a captured CUDA-graph step: nothing read on the host) or a host int
+(eager decode, where the cache length is known on the host). It must be < capacity; nothing checks.
+
+Numerics: exactly kernels/fp8.py quantize_rows (scale = max(amax(|row|), 1e-12) / 448, division,
+clamp to +-448, cast), so the stored bytes are the torch path's. A float32 cache given with scales
+stores the values before the e4m3 cast: tests use it, as the interpreter's e4m3 conversion drops the
+carry when a value rounds up across a power of two (kernels/activation.py says more).
+"""
+from __future__ import annotations
+
+import torch
+
+from starshard.kernels.fp8 import quantize_rows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without triton keep the torch path
+    triton = None
+
+
+def write_kv_slot_reference(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scale=None, v_scale=None) -> None:
+    """The torch path: quantize_rows (FP8) then index_copy_ at the device index `slot` [1]."""
+    if k_scale is not None:
+        k8, ks = quantize_rows(k)
+        v8, vs = quantize_rows(v)
+        # as bytes: index_copy_ has no e4m3 kernel on every backend
+        cache_k.view(torch.uint8).index_copy_(2, slot, k8.view(torch.uint8))
+        cache_v.view(torch.uint8).index_copy_(2, slot, v8.view(torch.uint8))
+        k_scale.index_copy_(2, slot, ks)
+        v_scale.index_copy_(2, slot, vs)
+    else:
+        cache_k.index_copy_(2, slot, k)
+        cache_v.index_copy_(2, slot, v)
+    cache_pos.index_copy_(0, slot, pos)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_row(X, s_xd, C, s_cd, S, D, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+        """C[:D] = X[:D] (strides s_xd, s_cd); QUANTIZE: divided by the row's scale and clamped, the scale to S."""
+        d = tl.arange(0, BLOCK_D)
+        ok = d < D
+        x = tl.load(X + d * s_xd, mask=ok, other=0.0)
+        if QUANTIZE:
+            xf = x.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(xf), 0), 1e-12) / 448.0
+            y = tl.minimum(tl.maximum(xf / scale, -448.0), 448.0)  # division, as quantize_rows: the same bytes
+            tl.store(C + d * s_cd, y.to(C.dtype.element_ty), mask=ok)
+            tl.store(S, scale)
+        else:
+            tl.store(C + d * s_cd, x.to(C.dtype.element_ty), mask=ok)
+
+    @triton.jit(do_not_specialize=["slot_value"])  # a host slot changes every step: no recompiles
+    def _write_kv_slot_kernel(K, V, POS, SLOT, slot_value, CK, CV, CPOS, KS, VS, H, D,
+                              s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,
+                              s_ckb, s_ckh, s_cks, s_ckd, s_cvb, s_cvh, s_cvs, s_cvd,
+                              s_ksb, s_ksh, s_kss, s_vsb, s_vsh, s_vss, s_pos,
+                              SLOT_ON_DEVICE: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One (batch, KV head) row of k and of v per program; program 0 also stores the position."""
+        row = tl.program_id(0)
+        b = (row // H).to(tl.int64)
+        h = (row % H).to(tl.int64)
+        if SLOT_ON_DEVICE:
+            slot = tl.load(SLOT).to(tl.int64)
+        else:
+            slot = slot_value.to(tl.int64)
+        _store_row(K + b * s_kb + h * s_kh, s_kd, CK + b * s_ckb + h * s_ckh + slot * s_cks, s_ckd,
+                   KS + b * s_ksb + h * s_ksh + slot * s_kss, D, QUANTIZE, BLOCK_D)
+        _store_row(V + b * s_vb + h * s_vh, s_vd, CV + b * s_cvb + h * s_cvh + slot * s_cvs, s_cvd,
+                   VS + b * s_vsb + h * s_vsh + slot * s_vss, D, QUANTIZE, BLOCK_D)
+        if row == 0:
+            tl.store(CPOS + slot * s_pos, tl.load(POS))
+
+
+def use_kv_write_kernel(cache_k: torch.Tensor) -> bool:
+    """Whether write_kv_slot runs for a cache: on CUDA with triton (the CPU keeps the torch path)."""
+    return cache_k.is_cuda and triton is not None
+
+
+def write_kv_slot(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scale=None, v_scale=None) -> None:
+    """Write one token's k, v [B, Hkv, 1, D] (any strides) and pos [1] at cache row `slot` (a device
+    tensor [1], or a host int) of cache_k / cache_v [B, Hkv, capacity, D] and cache_pos [capacity], in one
+    Triton launch (CUDA, or the interpreter). With k_scale / v_scale [B, Hkv, capacity] (float32) the rows
+    are quantized as quantize_rows does (an e4m3 cache; a float32 one gets the values before the cast)."""
+    if triton is None:
+        raise RuntimeError("write_kv_slot: the Triton kernel needs the triton package")
+    B, H, n, D = k.shape
+    if n != 1 or v.shape != k.shape or cache_k.shape[:2] != (B, H) or cache_k.shape[3] != D:
+        raise ValueError(f"write_kv_slot: one token's k, v [B, Hkv, 1, D] into [B, Hkv, capacity, D]; got "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(cache_k.shape)}")
+    quantize = k_scale is not None
+    if not quantize:  # unused pointers: any tensor with strides will do
+        k_scale = v_scale = cache_pos
+    ks_strides = k_scale.stride() if quantize else (0, 0, 0)
+    vs_strides = v_scale.stride() if quantize else (0, 0, 0)
+    on_device = isinstance(slot, torch.Tensor)
+    _write_kv_slot_kernel[(B * H,)](
+        k, v, pos, slot if on_device else cache_pos, 0 if on_device else int(slot),
+        cache_k, cache_v, cache_pos, k_scale, v_scale, H, D,
+        k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
+        *cache_k.stride(), *cache_v.stride(), *ks_strides, *vs_strides, cache_pos.stride(0),
+        SLOT_ON_DEVICE=on_device, QUANTIZE=quantize, BLOCK_D=triton.next_power_of_2(D),
+        num_warps=1 if D <= 256 else 4)
