@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One H200, 2026-11-24, seventh call: run_f.sh with a five-times larger sample (5 depths x 2 samples per cell, seed 7: 200 prompts per configuration).
+# the CPU reference path): launch/eval.py on SmolLM2-135M real weights in bf16, 1K-8K, 5 tasks x 2 depths
+# (40 prompts per configuration), --fp8 none / linear / kv / linear,kv, four at a time; then eval.py --compare.
+# Needs the SmolLM2 GGUF: .smol/part_ab carried, part_aa copied to /tmp/smol by a first call
+# (mkdir -p /tmp/smol && cp .smol/part_aa /tmp/smol/), as 2026-11-23-h200-sparse-accuracy/run.sh.
+LOG=run_g.log; source bench/gpu_env.sh
+export STARSHARD_CACHE=/tmp/ss_cache
+SMOL=$STARSHARD_CACHE/smollm2-135m-instruct-q4_1-f32
+[ -f "$SMOL/manifest.json" ] || cat /tmp/smol/part_aa .smol/part_ab > /tmp/smol/smol.gguf
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/smol/smol.gguf" | sha256sum -c || exit 1
+T=120 step python3 -m starshard.checkpoints.convert --gguf /tmp/smol/smol.gguf --out "$SMOL" --dtype float32
+ACC=$OUT/acc; mkdir -p $ACC
+E="python3 launch/eval.py --model $SMOL --lengths 1024,2048,4096,8192 --depths 0.1,0.3,0.5,0.7,0.9 --samples-per-cell 2 --seed 7 --tasks passkey,niah_essay,multikey,multiquery,variable_tracking --device cuda --dtype bfloat16 --no-progress"
+for f in none linear kv linear,kv; do
+  name=fp8-${f/,/-}
+  echo "=== eval $name ($(date +%T))" | tee -a "$LOG"
+  (timeout 420 $E --fp8 $f --strategy-name "$name" --out "$ACC/$name" >"$ACC/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$LOG") &
+done
+wait
+T=60 step python3 launch/eval.py --compare $ACC/fp8-none $ACC/fp8-linear $ACC/fp8-kv $ACC/fp8-linear-kv --out $ACC
+cp $ACC/compare.md "$OUT/compare_fp8_large.md"
+grep -h "Traceback\|Error" "$LOG" $ACC/*.log | head
+cat "$OUT/compare_fp8_large.md" | head -40 | tee -a "$LOG"
+cd "$OUT" && tar czf acc_fp8_large.tgz acc && rm -rf acc
