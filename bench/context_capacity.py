@@ -12,8 +12,8 @@ A Llama-3.1-8B-shaped model with --layers layers (random weights) under a memory
 gives the longest prompt that fits the cap in bf16 and with --fp8 linear,kv, for a chunked prefill
 (--chunk) plus --decode-steps new tokens. Then real runs under the cap:
 
-  fp8 @ fp8 length     chunked prefill + decode steps: must fit (the FP8 cache is read as stored,
-                       kernels/flash.py, so no chunk holds a bf16 copy of the prefix)
+  fp8 @ fp8 length     chunked prefill + decode steps: must fit (the held FP8 keys are dequantized one
+                       bounded block at a time, kernels/attention.py: no bf16 copy of the prefix)
   bf16 @ bf16 length   must fit
   bf16 @ fp8 length    must run out of memory (torch.cuda.OutOfMemoryError is caught)
   fp8-dequant @ fp8    the previous FP8 prefill (each chunk attends a dequantized bf16 copy of the

@@ -22,7 +22,7 @@ ap.add_argument("--fp8", default=None, help="as launch/infer.py --fp8 (e.g. line
 ap.add_argument("--sort", default="cpu_time_total", help="profiler table order (cuda_time_total: device kernels)")
 args = ap.parse_args()
 llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights, fp8=args.fp8)
-ids = list(range(100, 100 + args.prompt_len))
+ids = [100 + i % (llm.config.vocab_size - 100) for i in range(args.prompt_len)]  # ids stay inside the vocabulary
 runner = llm.runner
 cache = runner.new_cache(len(ids) + 2 * args.steps + 8)  # warm-up, timed and 5 profiled steps
 from starshard.config import SamplingConfig

@@ -352,6 +352,12 @@ FP8_ITEMS = ("linear", "kv", "attention")
 FP8_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 
 
+# A prefill-sized attention call over an FP8 KV cache on CUDA dequantizes the held keys this many at a
+# time into a bounded compute-dtype buffer and runs the fused (cuDNN) kernel on each block, merging by
+# lse (kernels/attention.py): cuDNN's speed without a copy of the whole prefix; the planner counts it.
+FP8_PREFILL_KEY_BLOCK = 65536
+
+
 @dataclass(frozen=True)
 class Fp8Config:
     """What runs in FP8 (e4m3) on GPUs with FP8 tensor cores (compute capability >= 8.9); all off = bf16.

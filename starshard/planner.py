@@ -25,13 +25,14 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                weighted sum: 4h + k(3h + 3f) + 2kh per row); the larger of the parts. Plus the strategy's in-flight KV (ring send/recv blocks, ulysses all-to-all, apb
                passing blocks) and the last token's logits in float32 on the last stage. Attention
                itself is assumed fused (flash): no [rows x keys] score matrix.
-               KV transients: a bf16 cache is attended in place (views); an FP8 cache is read as
-               stored, e4m3 tiles converted inside the kernels, so no compute-dtype copy of the held
-               prefix exists at any length. A dense prefill chunk after held FP8 entries attends
-               them and its own keys in two calls merged by lse (engine/model.py dense_attend): its
-               attention part adds the second partial output and the merge's two float32 buffers
-               (hq d (b + 8) bytes per row), chunk-sized like everything else here. (A sparse
-               prefill method still attends a dequantized copy of the held FP8 prefix: not counted.)
+               KV transients: a bf16 cache is attended in place (views). A dense prefill chunk after
+               held FP8 entries attends them and its own keys in two calls merged by lse
+               (engine/model.py dense_attend): its attention part adds the second partial output and
+               the merge's two float32 buffers (hq d (b + 8) bytes per row), and the held keys are
+               dequantized FP8_PREFILL_KEY_BLOCK at a time (k and v of one block and the float32
+               temporary of the second: hkv d (2b + 4) bytes per key), never the whole prefix; decode
+               reads e4m3 in the kernel. (A sparse prefill
+               method, and Star / APB query phases, are not counted for this block.)
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from starshard.config import ModelConfig
+from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig
 from starshard.layout import apb_bounds, apb_default_sizes, check_tp, partition_layers, star_blocks, star_sizes, valid_tp_sizes
 
 GiB = 1 << 30
@@ -293,13 +294,16 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
     attn_bytes = b * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
-    if w.fp8_kv and lay.strategy == "dense" and rows < w.prompt_tokens:  # chunks after held FP8 entries
+    held_fp8 = w.fp8_kv and lay.strategy == "dense" and rows < w.prompt_tokens  # chunks after held FP8 entries
+    if held_fp8:
         attn_bytes += hq * d * (b + 8)  # the own-keys partial and two float32 merge buffers
     mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
     if any(cfg.is_moe_layer(i) for i in ids):  # engine/moe.py: k gathered rows per token, in expert order
         k, fe = cfg.num_experts_per_tok, cfg.moe_intermediate_size // lay.tp
         mlp_part = max(mlp_part, 4 * h + k * (3 * h + 3 * fe) + 2 * k * h)  # + the float32 weighted sum
     act = B * rows * max(attn_bytes, b * mlp_part)
+    if held_fp8:  # the held keys dequantized a block at a time (kernels/attention.py): k and v of one block
+        act += B * hkv * d * (2 * b + 4) * min(kv_tok, FP8_PREFILL_KEY_BLOCK)  # + v's float32 temporary
     if w.fp8_linear:  # the e4m3 copy of a GEMM's input rows
         act += B * rows * max(h, ffn)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from starshard.config import FP8_PREFILL_KEY_BLOCK
 from starshard.planner import GiB, Layout, Workload, plan_memory, smallest_layout, weight_elements
 from starshard.presets import preset_config
 
@@ -191,20 +192,26 @@ def test_kv_cache_matches_the_runtime_allocation():
 
 # ---------------------------------------------------------------------------- FP8 KV transient, longest prompt
 def test_fp8_cache_has_no_prefix_sized_transient():
-    """A bf16 cache is attended in place and an FP8 one read as stored: activations do not grow with the
-    prompt; a chunk after held FP8 entries adds only its chunk-sized merge (hq d (b + 8) bytes per row)."""
+    """A bf16 cache is attended in place: activations do not grow with the prompt. A chunk after held FP8
+    entries adds its chunk-sized merge (hq d (b + 8) bytes per row) and one block of dequantized held keys
+    (k and v of at most FP8_PREFILL_KEY_BLOCK keys): bounded, whatever the prompt."""
     cfg = preset_config("llama-3.1-8b")
-    for fp8 in (False, True):
-        acts = {plan_memory(cfg, Layout(), Workload(n, prefill_chunk=8192, fp8_kv=fp8)).worst.activations
-                for n in (8193, 65536, 1 << 20)}
-        assert len(acts) == 1, fp8
+    acts = {plan_memory(cfg, Layout(), Workload(n, prefill_chunk=8192)).worst.activations
+            for n in (8193, 65536, 1 << 20)}
+    assert len(acts) == 1
+    fp8 = {n: plan_memory(cfg, Layout(), Workload(n, prefill_chunk=8192, fp8_kv=True)).worst.activations
+           for n in (8193, 2 * FP8_PREFILL_KEY_BLOCK, 1 << 20)}
+    assert fp8[2 * FP8_PREFILL_KEY_BLOCK] == fp8[1 << 20] > fp8[8193]
+    per_key = 8 * 128 * (2 * 2 + 4)  # k and v in bf16 + v's float32 temporary, 8 KV heads of 128
+    assert fp8[1 << 20] - fp8[8193] == per_key * (FP8_PREFILL_KEY_BLOCK - 8193)  # 8193 held at most (no decode budget)
     tiny = preset_config("tiny")  # attention-bound rows: hidden 64, MLP 128, 4 heads of 16, 2 KV heads
     one = plan_memory(tiny, Layout(), Workload(16, prefill_chunk=16, fp8_kv=True, dtype_bytes=4)).worst
     chunked = plan_memory(tiny, Layout(), Workload(64, prefill_chunk=16, fp8_kv=True, dtype_bytes=4)).worst
     bf = plan_memory(tiny, Layout(), Workload(64, prefill_chunk=16, dtype_bytes=4)).worst
     assert one.activations == bf.activations == 16 * 4 * 704 + 512 * 4  # one chunk: nothing held, no merge
     # 4 * (4*64 + 8*16 + 14*16) + 4*16 * (4 + 8) = 2432 + 768 bytes per row > the MLP's 4 * 704
-    assert chunked.activations == 16 * (2432 + 768) + 512 * 4
+    # + the held keys dequantized (64 tokens < one block): k and v of 2 KV heads of 16 in float32, + v's temporary
+    assert chunked.activations == 16 * (2432 + 768) + 512 * 4 + 2 * 16 * (2 * 4 + 4) * 64
 
 
 def test_max_prompt_tokens_fp8_doubles_the_context():
@@ -222,6 +229,7 @@ def test_max_prompt_tokens_fp8_doubles_the_context():
     attn = 2 * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
     bf16_act = chunk * max(attn, mlp) + 4 * vocab
     fp8_act = chunk * max(attn + hq * d * (2 + 8), mlp) + chunk * f + 4 * vocab  # + e4m3 GEMM input copy
+    fp8_act += hkv * d * (2 * 2 + 4) * FP8_PREFILL_KEY_BLOCK  # one block of held keys dequantized (k, v, temporary)
     bf16_kv = layers * (2 * hkv * d * 2 + 8)
     fp8_kv = layers * (2 * hkv * (d + 4) + 8)  # e4m3 + float32 scale per (head, token)
     want_bf16 = (limit - weights - bf16_act) // bf16_kv - new

@@ -139,7 +139,7 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
         s = cache.stored()
         k, v, k_pos, scales = s.k, s.v, s.pos, dict(k_scale=s.k_scale, v_scale=s.v_scale)
     elif cache is not None and cache.fp8 and cache.length and pattern is None:
-        # A prefill block after FP8 entries: the prefix as stored (no dequantized copy), own keys as given.
+        # A prefill block after FP8 entries: the prefix as stored (no whole-prefix copy), own keys as given.
         held = cache.append_stored(k, v, pos)
         out, _ = attention_after_held(q, k, v, pos, held.k, held.v, held.pos, k_scale=held.k_scale,
                                       v_scale=held.v_scale)

@@ -7,7 +7,7 @@
 Causality is by global position (key visible iff k_pos <= q_pos), so a query block may sit anywhere
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
 
-Backends: flash.py (Triton, any position mask, e4m3 K/V with scales), decode.py (split-KV Triton for short query blocks),
+Backends: flash.py (Triton, any position mask; it can also read e4m3 K/V with scales), decode.py (split-KV Triton for short query blocks),
 torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU.
 The backends import only common.py (checks, positions, sizes) and online_softmax.py, never this module.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from starshard.config import FP8_PREFILL_KEY_BLOCK
 from starshard.kernels.common import DECODE_MAX_ROWS, as_positions, check_shapes, sm_count
 from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
@@ -130,16 +131,26 @@ def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale):
 
 
 def _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale):
-    """e4m3 k, v with per-(head, key) scales, read as stored: the split-KV kernel for decode-sized
-    calls and short blocks over long caches (as `cuda_backend` picks), flash.py's FP8 path otherwise
-    (torch's fused kernels cannot take per-key scales)."""
+    """e4m3 k, v with per-(head, key) scales. Decode-sized calls and short blocks over long caches (as
+    `cuda_backend` picks): the split-KV kernel reads the e4m3 bytes as stored. Prefill-sized calls: the
+    keys FP8_PREFILL_KEY_BLOCK at a time, each block dequantized into a bounded buffer and run through
+    the compute-dtype path (cuDNN where the mask allows), partials merged by lse. Why not flash.py's
+    e4m3 path (`flash_attention(k_scale=, v_scale=)`, which reads the bytes in registers): on one H200,
+    a 128K prompt in chunks of 8192 took 28.1 s with it against 19.0 s for the bf16 cache through cuDNN
+    (bench/results/2026-11-24-h200/run_h.log)."""
     mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
-    # "masked": of cuda_backend's choices only the two Triton kernels read e4m3, whatever the mask
     if cuda_backend(q, k.shape[2], mode and "masked", sm_count(q.device)) == "decode":
         return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, k_scale=k_scale,
                                 v_scale=v_scale)
-    return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale,
-                           k_scale=k_scale, v_scale=v_scale)
+    out = lse = None
+    for s in range(0, k.shape[2], FP8_PREFILL_KEY_BLOCK):
+        e = min(s + FP8_PREFILL_KEY_BLOCK, k.shape[2])
+        kb = dequantize(k[:, :, s:e], k_scale[:, :, s:e], q.dtype)
+        vb = dequantize(v[:, :, s:e], v_scale[:, :, s:e], q.dtype)
+        o, l = _attention_cuda(q, kb, vb, q_pos, k_pos[..., s:e], causal, scale)
+        del kb, vb  # before the next block is dequantized
+        out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
+    return out, lse
 
 
 def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_scale=None, v_scale=None):
@@ -152,9 +163,9 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_
     else the float32 math path.
 
     k_scale, v_scale: k, v are e4m3 (an FP8 KV cache) with float32 scales [B, Hkv, Lk], one per (KV
-    head, key). On CUDA the kernels read the e4m3 bytes as stored (`_attention_cuda_fp8`: no
-    dequantized copy of the keys); with `sparse`, and on the CPU, k and v are dequantized to q's dtype
-    first and the call runs as above."""
+    head, key). On CUDA (`_attention_cuda_fp8`) decode-sized calls read the e4m3 bytes as stored and
+    prefill-sized ones dequantize the keys a bounded block at a time; with `sparse`, and on the CPU, k
+    and v are dequantized to q's dtype first and the call runs as above."""
     if k_scale is not None:
         if q.device.type == "cuda" and sparse is None and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
             check_shapes(q, k, v)

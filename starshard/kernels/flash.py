@@ -9,8 +9,10 @@ inside the kernel; K/V are never repeated. Rows that see no key get out = 0 and 
 FP8 keys / values (an e4m3 KV cache, engine/kv_cache.py): pass k_scale, v_scale [B, Hkv, Lk] float32,
 one per (KV head, key). Each tile is read in e4m3 and converted in registers, the key scale goes on
 the float32 scores and the value scale on the probabilities (online_softmax.softmax_update_scaled_v),
-so no dequantized copy of the keys exists in memory: a chunked prefill attends a long FP8 prefix
-in place. As in the decode kernel, 16-bit queries multiply in fp16 (e4m3 -> fp16 is exact and one
+so no dequantized copy of the keys exists in memory. The dispatcher (kernels/attention.py) does not
+route prefill-sized FP8 calls here: on one H200 a 128K prompt in chunks of 8192 took 28.1 s this way
+against ~12.1 s dequantizing 65536 keys at a time for cuDNN (bench/results/2026-11-24-h200); the path
+stays for callers that must not hold even one block. As in the decode kernel, 16-bit queries multiply in fp16 (e4m3 -> fp16 is exact and one
 conversion per two values; bf16 queries are clamped to fp16's range).
 
 Work per query block is cut into two key-block ranges computed on the device from block-wise
