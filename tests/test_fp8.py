@@ -92,6 +92,22 @@ def test_weight_only_gemv_against_float64(M, monkeypatch):
     assert y.shape == (M, N) and rel(y, want) < 1e-5
 
 
+def test_weight_only_gemv_default_tiles(monkeypatch):
+    """The tile chosen by weight shape (kernels/fp8.py gemv_tile_for): each class of the sweep, and the
+    long-row tile run (interpreted) over a K that ends in a partial 2048 tile, against float64."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from starshard.kernels.fp8 import GEMV_LONG_ROWS, GEMV_MANY_ROWS, GEMV_OTHER, gemv_tile_for, weight_only_linear
+
+    assert gemv_tile_for(4096, 14336) is GEMV_LONG_ROWS and gemv_tile_for(28672, 4096) is GEMV_MANY_ROWS
+    assert gemv_tile_for(6144, 4096) is GEMV_OTHER and gemv_tile_for(4096, 4096) is GEMV_OTHER
+    g = torch.Generator().manual_seed(5)
+    N, K = 6, 8195
+    w8, ws = quantize_rows(torch.randn(N, K, generator=g) / K**0.5)
+    x = torch.randn(1, K, generator=g)
+    y = weight_only_linear(x, w8, ws)
+    assert rel(y, x.double() @ dequantize(w8, ws, torch.float64).t()) < 1e-5
+
+
 def test_fp8_kv_cache_store_and_read():
     g = torch.Generator().manual_seed(2)
     kv = LayerKV(1, 2, 16, 4, torch.float32, "cpu", fp8=True)

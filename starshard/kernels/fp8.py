@@ -36,10 +36,24 @@ E4M3_MAX = 448.0  # largest finite e4m3 value
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (decode); more: FP8 GEMM
 # Up to this many rows the weight-only path is a GEMV per row (weights re-read per row, from L2 when the
-# rows run together); tile: first guess from the MoE decode GEMVs (kernels/moe_decode.py), e4m3 halves
-# the bytes per element so K tiles are twice as long. bench/fp8_gemv_tune.py sweeps it.
+# rows run together). Tiles by weight shape from bench/fp8_gemv_tune.py on one H200, one row, Llama-8B
+# projections (bench/results/2026-11-23-h200-fp8-gemv/fp8_gemv_tune.json): long rows (w2, K 14336) 4 x 2048
+# with 4 warps 20.4 us; many rows (w13, N 28672) 4 x 512 with 2 warps 33.7 us; the rest (wqkv, wo)
+# 4 x 2048 with 2 warps 6.9 / 5.8 us. Per layer 66.8 us against 71.4 us for the single best tile (GEMV_TILE).
 GEMV_MAX_ROWS = 4
 GEMV_TILE = dict(block_n=4, block_k=1024, warps=4)
+GEMV_LONG_ROWS = dict(block_n=4, block_k=2048, warps=4)  # K >= 8192
+GEMV_MANY_ROWS = dict(block_n=4, block_k=512, warps=2)  # N >= 16384
+GEMV_OTHER = dict(block_n=4, block_k=2048, warps=2)
+
+
+def gemv_tile_for(N: int, K: int) -> dict:
+    """The GEMV tile for an e4m3 weight [N, K] (the sweep above)."""
+    if K >= 8192:
+        return GEMV_LONG_ROWS
+    if N >= 16384:
+        return GEMV_MANY_ROWS
+    return GEMV_OTHER
 _TINY = 1e-12  # an all-zero row gets this amax, so its scale is not 0 (0 / 0 would be NaN)
 
 log = logging.getLogger("starshard")
@@ -216,7 +230,7 @@ def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                        gemv_tile: dict | None = None) -> torch.Tensor:
     """x [M, K] (M small) times e4m3 w8 [N, K] with channel scales: the decode kernels (up to
     GEMV_MAX_ROWS rows the GEMV kernel, one program per (column slice, row); more rows the tensor-core
-    tile kernel). gemv_tile: override GEMV_TILE (tuning)."""
+    tile kernel). gemv_tile: override the tile `gemv_tile_for` picks (tuning)."""
     if triton is None:
         raise RuntimeError("the FP8 weight-only kernel needs the triton package")
     if x.stride(-1) != 1:
@@ -225,7 +239,7 @@ def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     N = w8.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M <= GEMV_MAX_ROWS:
-        t = gemv_tile or GEMV_TILE
+        t = gemv_tile or gemv_tile_for(N, K)
         _weight_only_gemv_kernel[(triton.cdiv(N, t["block_n"]), M)](
             x, w8, w_scale, bias if bias is not None else w_scale, y, N, K, x.stride(0), w8.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["warps"])
