@@ -22,7 +22,7 @@ from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.activation import silu_mul
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_after_held
 from starshard.kernels.norm import rms_norm, use_norm_kernel
-from starshard.kernels.rope import rope_qk, use_rope_kernel
+from starshard.kernels.rope import apply_rope, rope_qk, use_rope_kernel
 from starshard.kernels.sparse import pattern_for
 
 
@@ -100,20 +100,6 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     """The factor transformers multiplies cos and sin by (yarn, longrope; 1 otherwise): it scales
     q and k, so attention logits by its square."""
     return float(cfg.rope_scaling.attention_factor)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, L, D]; cos/sin: [L, R/2] (or [B, L, R/2]) in x's dtype (angles are computed in
-    float32 first). Rotate-half convention (HF layout) over the first R dimensions of each head
-    (R = D, or less with a partial rotary factor); the rest pass unchanged."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    r = cos.shape[-1]
-    if 2 * r == x.shape[-1]:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2, rest = x[..., :r], x[..., r : 2 * r], x[..., 2 * r :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class AttendFn(Protocol):

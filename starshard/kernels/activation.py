@@ -33,7 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from starshard.kernels.fp8 import FP8_DTYPE, WEIGHT_ONLY_MAX_ROWS, quantize_rows
+from starshard.kernels.fp8 import FP8_DTYPE, WEIGHT_ONLY_MAX_ROWS, e4m3_scale, e4m3_values, quantize_rows
+from starshard.kernels.norm import rms_norm_reference
 
 try:
     import triton
@@ -57,9 +58,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's numerics in torch: RMSNorm in float32, one rounding to x's dtype, quantize_rows."""
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    return quantize_rows(y)
+    return quantize_rows(rms_norm_reference(x, weight, eps))
 
 
 def silu_mul_quant_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +77,7 @@ if triton is not None:
 
     @triton.jit
     def _store_quantized(Y_row, y, offs, ok, scale):
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)  # division, as quantize_rows: the same bytes
-        tl.store(Y_row + offs, q.to(Y_row.dtype.element_ty), mask=ok)
+        tl.store(Y_row + offs, e4m3_values(y, scale).to(Y_row.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _normed(X_row, W, offs, ok, inv):
@@ -101,7 +99,7 @@ if triton is not None:
             inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
             w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
             y = (x * inv * w).to(X.dtype.element_ty).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(y), 0), 1e-12) / 448.0
+            scale = e4m3_scale(tl.max(tl.abs(y), 0))
             _store_quantized(Y_row, y, offs, ok, scale)
         else:  # sum of squares, amax, cast: three passes, the last two mostly from L2
             ssq = tl.zeros([BLOCK], dtype=tl.float32)
@@ -112,7 +110,7 @@ if triton is not None:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
                 amax = tl.maximum(amax, tl.abs(_normed(X_row + k0, W + k0, offs, k0 + offs < K, inv)))
-            scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+            scale = e4m3_scale(tl.max(amax, 0))
             for k0 in range(0, K, BLOCK):
                 y = _normed(X_row + k0, W + k0, offs, k0 + offs < K, inv)
                 _store_quantized(Y_row + k0, y, offs, k0 + offs < K, scale)
@@ -135,13 +133,13 @@ if triton is not None:
         if ONE_TILE:
             ok = offs < Fw
             a = _silu_mul(G_row, Fw, offs, ok)
-            scale = tl.maximum(tl.max(tl.abs(a), 0), 1e-12) / 448.0
+            scale = e4m3_scale(tl.max(tl.abs(a), 0))
             _store_quantized(Y_row, a, offs, ok, scale)
         else:  # amax pass, then the cast pass re-reading gate and up (mostly from L2)
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for f0 in range(0, Fw, BLOCK):
                 amax = tl.maximum(amax, tl.abs(_silu_mul(G_row + f0, Fw, offs, f0 + offs < Fw)))
-            scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+            scale = e4m3_scale(tl.max(amax, 0))
             for f0 in range(0, Fw, BLOCK):
                 a = _silu_mul(G_row + f0, Fw, offs, f0 + offs < Fw)
                 _store_quantized(Y_row + f0, a, offs, f0 + offs < Fw, scale)

@@ -30,6 +30,7 @@ try:
     import triton.language as tl
 except ImportError:  # installs without triton keep the torch paths
     triton = None
+    e4m3_scale = e4m3_values = None  # the Triton helpers below; importable names either way
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3 value
@@ -139,6 +140,19 @@ def scaled_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale
 
 if triton is not None:
 
+    # quantize_rows' numerics for the Triton kernels that quantize rows (here, kernels/activation.py,
+    # kernels/kv_write.py): one definition, so every kernel stores the bytes the torch path stores.
+    @triton.jit
+    def e4m3_scale(amax):
+        """The scale of a row whose largest magnitude is amax (an all-zero row gets _TINY / 448, not 0)."""
+        return tl.maximum(amax, 1e-12) / 448.0
+
+    @triton.jit
+    def e4m3_values(x, scale):
+        """x / scale clamped to e4m3's finite range, in float32, before the cast. A division, as the
+        torch path (Triton's float32 division is not correctly rounded: 99.9% of bytes agree)."""
+        return tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+
     @triton.jit
     def _quantize_rows_kernel(X, Y, S, K, s_xm, s_ym, BLOCK_K: tl.constexpr):
         """One row per program: amax over the row (first pass), then scale and cast (second pass, from L2)."""
@@ -148,12 +162,11 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(X + row * s_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+        scale = e4m3_scale(tl.max(amax, 0))
         for k0 in range(0, K, BLOCK_K):
             ok = k0 + offs < K
             x = tl.load(X + row * s_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)  # division, as the torch path: the same bytes
-            tl.store(Y + row * s_ym + k0 + offs, y.to(Y.dtype.element_ty), mask=ok)
+            tl.store(Y + row * s_ym + k0 + offs, e4m3_values(x, scale).to(Y.dtype.element_ty), mask=ok)
         tl.store(S + row, scale)
 
     # Decode reads each weight byte once: many programs with long K tiles keep enough loads in flight.

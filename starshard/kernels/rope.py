@@ -8,7 +8,7 @@ its fused qkv projection); the outputs are new contiguous tensors of the same sh
 before. cos / sin: [L, R/2] or [B, L, R/2]; rotate-half (HF layout) over the first R = 2 * cos.shape[-1]
 dims of each head, the other D - R pass through (partial rotary).
 
-Why: the torch path (engine/model.py apply_rope: chunk, four multiplies, cat) is ~8 strided elementwise
+Why: the torch path (apply_rope below: chunk, four multiplies, cat) is ~8 strided elementwise
 kernels per layer for q and k, 0.49 ms of a 5.1 ms Llama-8B FP8 decode step on an H200 and 0.64 of 6.3 ms
 of a Qwen3-MoE step (which also runs two norm launches per layer). Here one program holds one token's
 block of heads in registers: decode (one token, ~40 heads) is a handful of programs, prefill one pass
@@ -31,11 +31,17 @@ except ImportError:  # installs without triton keep the torch path
 _MAX_HEAD_DIM = 1024  # one head per row of registers
 
 
-def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half over the first 2 * cos.shape[-1] dims of x [B, H, L, D] (written as apply_rope is)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, L, D]; cos/sin: [L, R/2] (or [B, L, R/2]) in x's dtype (angles are computed in
+    float32 first). Rotate-half convention (HF layout) over the first R dimensions of each head
+    (R = D, or less with a partial rotary factor); the rest pass unchanged. The model's torch path
+    (CPU) and this module's reference."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     r = cos.shape[-1]
+    if 2 * r == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     x1, x2, rest = x[..., :r], x[..., r : 2 * r], x[..., 2 * r :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
@@ -48,7 +54,7 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         xf = x.float() if x.dtype != torch.float64 else x
         if w is not None:  # as kernels/norm.py rms_norm_reference, without its rounding
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(xf.dtype)
-        return _rotate_reference(xf, cos.to(xf.dtype), sin.to(xf.dtype)).to(x.dtype).contiguous()
+        return apply_rope(xf, cos.to(xf.dtype), sin.to(xf.dtype)).to(x.dtype).contiguous()
 
     return one(q, q_norm_weight), one(k, k_norm_weight)
 

@@ -70,8 +70,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from starshard.engine.model import apply_rope
 from starshard.kernels.attention import attention
+from starshard.kernels.rope import apply_rope
 from starshard.kernels.sparse import pattern_for
 from starshard.layout import apb_bounds, apb_default_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
