@@ -59,11 +59,16 @@ def grouped_mm_works(device_type: str, device_index: int | None, dtype: torch.dt
         return False
 
 
+def use_expert_gemvs(x: torch.Tensor, top_k: int) -> bool:
+    """Whether tokens x [T, H] run the experts through the Triton GEMVs (kernels/moe_decode.py): on the
+    GPU, up to GEMV_MAX_PAIRS (token, expert) pairs (decode)."""
+    return x.is_cuda and triton is not None and x.shape[0] * top_k <= GEMV_MAX_PAIRS
+
+
 def use_decode_kernels(x: torch.Tensor, top_k: int, num_experts: int) -> bool:
-    """Whether tokens x [T, H] take the Triton decode path (kernels/moe_decode.py): on the GPU, up to
-    GEMV_MAX_PAIRS (token, expert) pairs."""
-    return (x.is_cuda and triton is not None and x.shape[0] * top_k <= GEMV_MAX_PAIRS
-            and num_experts <= ROUTE_MAX_EXPERTS)
+    """Whether tokens x [T, H] take the whole Triton decode path: the expert GEMVs and the routing
+    kernel (which holds one token's logits in registers: up to ROUTE_MAX_EXPERTS)."""
+    return use_expert_gemvs(x, top_k) and num_experts <= ROUTE_MAX_EXPERTS
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +116,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     T, k = experts.shape
     E = w13.shape[0]
     flat = experts.reshape(-1)
-    if impl is None and x.is_cuda and T * k <= GEMV_MAX_PAIRS and triton is not None:
+    if impl is None and use_expert_gemvs(x, k):
         impl = "gemv"  # decode: one row per pair, the Triton expert GEMVs (kernels/moe_decode.py), no sort
     if impl == "gemv":  # each token's k experts summed in the down kernel, in float32, in slot order
         return expert_down(expert_gate_up(x, experts, w13), experts, weights, w2, out_dtype=x.dtype)
