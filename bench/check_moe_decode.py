@@ -9,6 +9,7 @@ import json
 
 import torch
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.engine.moe import grouped_experts, route
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,25 +33,7 @@ for T in map(int, args.tokens.split(",")):
     for impl in ("gemv", "grouped"):
         out = grouped_experts(x, weights, experts, w13, w2, impl=impl)
         row[f"{impl}_rel_err"] = ((out.float() - want).norm() / want.norm()).item()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                grouped_experts(x, weights, experts, w13, w2, impl=impl)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                grouped_experts(x, weights, experts, w13, w2, impl=impl)
-        graph.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        row[f"{impl}_us"] = a.elapsed_time(b) * 1e3 / 200
+        row[f"{impl}_us"] = graph_time_us(lambda: grouped_experts(x, weights, experts, w13, w2, impl=impl))
     chosen = experts.unique().numel()
     row["bytes_read"] = chosen * (3 * F * H) * 2
     row["bytes_bound_us"] = row["bytes_read"] / 4.8e12 * 1e6

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.decode import _decode_merge_kernel, decode_attention
 from starshard.kernels.fp8 import dequantize, quantize_rows
 from starshard.kernels.online_softmax import LOG2E
@@ -100,26 +101,6 @@ def decode_swapped(q, k8, v8, ks, vs, num_splits=33, block_n=128, warps=4, stage
     return out, lse
 
 
-def graph_us(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
-
-
 def inputs(Hq, Hkv, Lk, D, dtype, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(1, Hq, 1, D, generator=g).to(device, dtype)
@@ -153,14 +134,14 @@ def main():
     lib = lambda: decode_attention(q, k8, v8, q_pos=qp, k_pos=pos, causal=False, k_scale=ks, v_scale=vs)  # noqa: E731
     ref = lib()[0].float()
     res = {"device": torch.cuda.get_device_name(dev), "keys": 131072, "heads": [32, 8], "d": 128,
-           "library_us": graph_us(lib), "swapped": {}}
+           "library_us": graph_time_us(lib, calls=20, replays=5, best=True, warmup=1), "swapped": {}}
     print("library", res["library_us"], flush=True)
     for bn, w, st in [(128, 4, 3), (128, 4, 2), (64, 4, 3), (128, 8, 3), (256, 8, 2)]:
         for splits in (33, 66):
             f = lambda: decode_swapped(q, k8, v8, ks, vs, splits, bn, w, st)  # noqa: E731
             try:
                 err = ((f()[0].float() - ref).norm() / ref.norm()).item()
-                t = graph_us(f)
+                t = graph_time_us(f, calls=20, replays=5, best=True, warmup=1)
             except Exception as e:  # a config that does not compile / fit
                 print(bn, w, st, splits, "failed", str(e)[:200], flush=True)
                 continue

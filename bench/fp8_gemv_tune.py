@@ -10,6 +10,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.fp8 import GEMV_TILE, quantize_rows, weight_only_linear
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -20,24 +21,6 @@ dev = torch.device("cuda")
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}
 
 
-def time_us(fn, calls=20, replays=10):
-    for _ in range(3):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / (calls * replays)
-
-
 tiles = [dict(block_n=n, block_k=k, warps=w) for n in (4, 8, 16) for k in (512, 1024, 2048) for w in (2, 4, 8)]
 rows, totals = [], {}
 for name, (N, K) in SHAPES.items():
@@ -45,7 +28,7 @@ for name, (N, K) in SHAPES.items():
     w8, ws = quantize_rows(w)
     x = torch.randn(args.rows, K, device=dev).bfloat16()
     want = x.double() @ (w8.double() * ws.double()[:, None]).t()
-    bf16_us = time_us(lambda: F.linear(x, w))
+    bf16_us = graph_time_us(lambda: F.linear(x, w))
     rows.append({"shape": name, "N": N, "K": K, "kernel": "bf16 cuBLAS", "us": bf16_us, "tb_per_s": N * K * 2 / bf16_us / 1e6})
     totals.setdefault("bf16 cuBLAS", 0.0)
     totals["bf16 cuBLAS"] += bf16_us
@@ -54,7 +37,7 @@ for name, (N, K) in SHAPES.items():
         try:
             y = weight_only_linear(x, w8, ws, gemv_tile=t)
             err = ((y.double() - want).norm() / want.norm()).item()
-            us = time_us(lambda: weight_only_linear(x, w8, ws, gemv_tile=t))
+            us = graph_time_us(lambda: weight_only_linear(x, w8, ws, gemv_tile=t))
         except Exception as e:  # a tile the compiler refuses
             rows.append({"shape": name, "kernel": key, "error": str(e)[:200]})
             continue

@@ -9,33 +9,14 @@ import json
 import torch
 import torch.nn.functional as F
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import _weight_only_kernel, quantize_rows, weight_only_linear
 
 
 def graph_time(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3 / n)
-    return best
+    """Seconds per call: the fastest of 5 replays of a CUDA graph of n calls."""
+    return graph_time_us(fn, calls=n, replays=5, best=True, warmup=2) / 1e6
 
 
 def main():

@@ -12,35 +12,11 @@ import sys
 
 import torch
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.fp8 import FP8_DTYPE
 from starshard.kernels.kv_write import write_kv_slot, write_kv_slot_reference
 
 LAYERS, B, HKV, HQ, D, CAP = 32, 1, 8, 32, 128, 131072
-
-
-def graph_us(fn, reps=20):
-    """Microseconds per call of fn (all layers' writes) replayed from one CUDA graph of `reps` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(10):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps)
-    return best
 
 
 def caches(fp8, dev):
@@ -78,7 +54,7 @@ def main():
             for i in range(LAYERS):
                 write_kv_slot(ks[i], vs[i], pos, slot, *new[i])
 
-        t_torch, t_kernel = graph_us(torch_path), graph_us(kernel_path)
+        t_torch, t_kernel = (graph_time_us(f, calls=20, replays=10, best=True, warmup=1) for f in (torch_path, kernel_path))
         same = all(torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
                                b.view(torch.uint8) if b.dtype == FP8_DTYPE else b)
                    for r, n in zip(ref, new) for a, b in zip(r, n) if a is not None)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.engine.moe import grouped_experts, route
 from starshard.kernels.moe_decode import DOWN_TILE, GATE_UP_TILE, expert_down, expert_gate_up, route_topk
 
@@ -83,28 +84,6 @@ def old_experts(x, weights, experts, w13, w2):
     return y.view(T, k, -1).sum(dim=1).to(x.dtype)
 
 
-def time_us(fn, calls=20, replays=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / (calls * replays)
-
-
 def kernels_per_call(fn):
     try:
         from torch.profiler import ProfilerActivity, profile
@@ -158,11 +137,11 @@ def main():
                    (w_new - w_old)[same].abs().max().item() if same.any() else None,
                "before_rel_err": ((before().float() - want).norm() / want.norm()).item(),
                "after_rel_err": ((after().float() - want_new).norm() / want_new.norm()).item(),
-               "before_us": time_us(before), "after_us": time_us(after),
-               "route_before_us": time_us(lambda: route(logits, k, renorm)),
-               "route_after_us": time_us(lambda: route_topk(logits, k, renorm)),
-               "gate_up_after_us": time_us(lambda: expert_gate_up(x, e_new, w13)),
-               "down_after_us": time_us(lambda: expert_down(act, e_new, w_new, w2, out_dtype=x.dtype)),
+               "before_us": graph_time_us(before), "after_us": graph_time_us(after),
+               "route_before_us": graph_time_us(lambda: route(logits, k, renorm)),
+               "route_after_us": graph_time_us(lambda: route_topk(logits, k, renorm)),
+               "gate_up_after_us": graph_time_us(lambda: expert_gate_up(x, e_new, w13)),
+               "down_after_us": graph_time_us(lambda: expert_down(act, e_new, w_new, w2, out_dtype=x.dtype)),
                "kernels_before": kernels_per_call(before), "kernels_after": kernels_per_call(after)}
         chosen = e_new.unique().numel()
         row["bytes_read"] = (chosen * 3 * Fw * H + E * H) * 2  # chosen experts + the router

@@ -8,27 +8,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.norm import rms_norm
-
-
-def graph_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
 
 
 def main():
@@ -40,8 +21,8 @@ def main():
     for rows, D in [(1, 4096), (1, 2048), (32, 128), (4, 128), (64, 4096), (8192, 4096)]:
         x = torch.randn(rows, D, device=dev, dtype=torch.bfloat16)
         w = torch.randn(D, device=dev, dtype=torch.bfloat16)
-        t_torch = graph_us(lambda: F.rms_norm(x, (D,), w, 1e-5))
-        t_ours = graph_us(lambda: rms_norm(x, w, 1e-5))
+        t_torch = graph_time_us(lambda: F.rms_norm(x, (D,), w, 1e-5), calls=50, replays=5, best=True, warmup=1)
+        t_ours = graph_time_us(lambda: rms_norm(x, w, 1e-5), calls=50, replays=5, best=True, warmup=1)
         err = (rms_norm(x, w, 1e-5).float() - F.rms_norm(x, (D,), w, 1e-5).float()).abs().max().item()
         row = {"rows": rows, "D": D, "torch_us": t_torch, "triton_us": t_ours, "max_abs_diff": err}
         res["rows"].append(row)

@@ -12,6 +12,7 @@ import json
 
 import torch
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.engine.model import RMSNorm, apply_rope
 from starshard.kernels.rope import rope_qk, rope_qk_reference
 
@@ -20,18 +21,6 @@ MODELS = {  # Hq, Hkv, D, per-head q / k norm
     "qwen3-30b-a3b": (32, 4, 128, True),
 }
 LENGTHS = [1, 8192, 32768]
-
-
-def graph_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return best_of(g.replay, n)
 
 
 def event_us(fn, n=20):
@@ -83,7 +72,7 @@ def main():
                 return rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin, *w, eps=1e-6)
 
             with torch.no_grad():
-                timer = graph_us if L <= 64 else event_us
+                timer = (lambda f: graph_time_us(f, calls=50, replays=5, best=True, warmup=1)) if L <= 64 else event_us
                 t_torch, t_kernel = timer(torch_path), timer(kernel_path)
                 (qt, kt), (qk_, kk_) = torch_path(), kernel_path()
                 exact = rope_qk_reference(q.transpose(1, 2).double(), k.transpose(1, 2).double(), cos, sin, *w,

@@ -10,6 +10,7 @@ import json
 
 import torch
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.engine.moe import route
 from starshard.kernels.moe_decode import expert_down, expert_gate_up
 
@@ -25,24 +26,6 @@ weights, experts = route(torch.randn(1, E, device=dev, generator=g), k, True)
 act = expert_gate_up(x, experts, w13)
 
 
-def time_us(fn):
-    for _ in range(3):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / 200
-
-
 rows = []
 gate_up_configs = [(n, kk, w) for n in (4, 8) for kk in (256, 512) for w in (2, 4)]  # unchanged kernel: near the best
 down_configs = [(n, kk, w) for n in (1, 2, 4, 8) for kk in (256, 512, 1024) for w in (1, 2, 4)]
@@ -54,7 +37,7 @@ runs += [("down", n, kk, w, k * H * F * 2,
          for n, kk, w in down_configs]
 for name, n, kk, w, nbytes, fn in runs:
     try:
-        us = time_us(fn)
+        us = graph_time_us(fn)
     except Exception as e:  # a tile the compiler refuses
         rows.append({"kernel": name, "block_n": n, "block_k": kk, "warps": w, "error": str(e)[:200]})
         continue

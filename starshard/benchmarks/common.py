@@ -60,6 +60,42 @@ def timed(fn, device: torch.device, repeats: int, warmup: int = 1, barrier=None)
     return out
 
 
+def graph_time_us(fn, calls: int = 20, replays: int = 10, *, best: bool = False, warmup: int = 3) -> float:
+    """Microseconds per call of fn() replayed from one CUDA graph of `calls` calls: the kernels' device
+    time without launch overhead, as a CUDA-graph decode step runs them. The warm-up runs on a side
+    stream (compilation, autotuning and allocations stay out of the capture). best: the fastest of
+    `replays` replays (each timed alone); else the mean over `replays` back-to-back replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if best:
+        fastest = float("inf")
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            fastest = min(fastest, start.elapsed_time(end))
+        return fastest * 1e3 / calls
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
 def timed_median(fn, device: torch.device, repeats: int, warmup: int) -> float:
     """The median of timed(): seconds per call."""
     return statistics.median(timed(fn, device, repeats, warmup))
