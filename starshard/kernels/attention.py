@@ -7,7 +7,7 @@
 Causality is by global position (key visible iff k_pos <= q_pos), so a query block may sit anywhere
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
 
-Backends: flash.py (Triton, any position mask; it can also read e4m3 K/V with scales), decode.py (split-KV Triton for short query blocks),
+Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
 torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU.
 The backends import only common.py (checks, positions, sizes) and online_softmax.py, never this module.
 """
@@ -134,10 +134,10 @@ def _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale):
     """e4m3 k, v with per-(head, key) scales. Decode-sized calls and short blocks over long caches (as
     `cuda_backend` picks): the split-KV kernel reads the e4m3 bytes as stored. Prefill-sized calls: the
     keys FP8_PREFILL_KEY_BLOCK at a time, each block dequantized into a bounded buffer and run through
-    the compute-dtype path (cuDNN where the mask allows), partials merged by lse. Why not flash.py's
-    e4m3 path (`flash_attention(k_scale=, v_scale=)`, which reads the bytes in registers): on one H200,
-    a 128K prompt in chunks of 8192 took 28.1 s with it against 19.0 s for the bf16 cache through cuDNN
-    (bench/results/2026-11-24-h200/run_h.log)."""
+    the compute-dtype path (cuDNN where the mask allows), partials merged by lse. Why not a Triton flash
+    kernel reading the e4m3 bytes in registers (a3bab66 had one): on one H200, a 128K prompt in chunks
+    of 8192 took 28.1 s with it against 19.0 s for the bf16 cache through cuDNN and 12.1 s this way
+    (bench/results/2026-11-24-h200/run_h.log, run_i.log)."""
     mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
     if cuda_backend(q, k.shape[2], mode and "masked", sm_count(q.device)) == "decode":
         return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, k_scale=k_scale,

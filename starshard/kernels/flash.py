@@ -6,15 +6,6 @@ A key is visible to a query row iff k_pos <= q_pos, so query and key blocks may 
 sequence (ring chunks, zigzag shards, Star's anchor + block). GQA maps each query head to its KV head
 inside the kernel; K/V are never repeated. Rows that see no key get out = 0 and lse = -inf.
 
-FP8 keys / values (an e4m3 KV cache, engine/kv_cache.py): pass k_scale, v_scale [B, Hkv, Lk] float32,
-one per (KV head, key). Each tile is read in e4m3 and converted in registers, the key scale goes on
-the float32 scores and the value scale on the probabilities (online_softmax.softmax_update_scaled_v),
-so no dequantized copy of the keys exists in memory. The dispatcher (kernels/attention.py) does not
-route prefill-sized FP8 calls here: on one H200 a 128K prompt in chunks of 8192 took 28.1 s this way
-against ~12.1 s dequantizing 65536 keys at a time for cuDNN (bench/results/2026-11-24-h200); the path
-stays for callers that must not hold even one block. As in the decode kernel, 16-bit queries multiply in fp16 (e4m3 -> fp16 is exact and one
-conversion per two values; bf16 queries are clamped to fp16's range).
-
 Work per query block is cut into two key-block ranges computed on the device from block-wise
 position bounds (no host sync): a prefix of key blocks every row of the block sees entirely (no mask
 arithmetic), then the blocks up to the last one any row can see (masked). For sorted positions this
@@ -25,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from starshard.kernels.common import as_positions, cdiv, check_kernel_inputs, check_shapes
-from starshard.kernels.fp8 import FP8_DTYPE
-from starshard.kernels.online_softmax import (LOG2E, qk_dot, softmax_finish, softmax_init, softmax_step,
-                                              softmax_update_scaled_v)
+from starshard.kernels.online_softmax import LOG2E, softmax_finish, softmax_init, softmax_step
 
 try:
     import triton
@@ -60,33 +49,19 @@ if triton is not None:
             v = tl.load(v_ptrs + start * s_vn, mask=d_ok[None, :], other=0.0)
         return kt, v
 
-    @triton.jit
-    def _fp8_step(q, kt, v, KS, VS, s_idx, col_ok, visible, m_i, l_i, acc, qk_scale,
-                  MASK_COLS: tl.constexpr, IEEE: tl.constexpr):
-        """One key block of e4m3 kt / v with per-key scales at KS / VS + s_idx: the key scale on the
-        float32 scores, the value scale on the probabilities (no scaled copy of the tile)."""
-        if MASK_COLS:
-            ks = tl.load(KS + s_idx, mask=col_ok, other=0.0)
-            vs = tl.load(VS + s_idx, mask=col_ok, other=0.0)
-        else:
-            ks = tl.load(KS + s_idx)
-            vs = tl.load(VS + s_idx)
-        qk = qk_dot(q, kt.to(q.dtype), IEEE) * ks[None, :]
-        return softmax_update_scaled_v(qk, v.to(q.dtype), vs, m_i, l_i, acc, visible, qk_scale, IEEE)
-
     # Lengths change every call: don't compile a variant per divisibility of Lq/Lk.
     @triton.jit(do_not_specialize=["Lq", "Lk", "n_qblocks"])
     def _flash_fwd_kernel(
-        Q, K, V, O, LSE, QPOS, KPOS, RANGES, KS, VS,
+        Q, K, V, O, LSE, QPOS, KPOS, RANGES,
         qk_scale,
         s_qb, s_qh, s_qm, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
         s_ob, s_oh, s_om, s_od,
-        s_qpb, s_kpb, s_rb, s_sb, s_sh,
+        s_qpb, s_kpb, s_rb,
         H, G, Lq, Lk, n_qblocks,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, FP8: tl.constexpr,
+        CAUSAL: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
     ):
         # Heaviest query blocks (latest positions, most keys) first: shortens the tail of a causal grid.
         pid_m = n_qblocks - 1 - tl.program_id(0)
@@ -104,9 +79,6 @@ if triton is not None:
 
         q_ptrs = Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd
         q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if FP8 and not IEEE:  # products in fp16, exact for e4m3 keys / values (decode.py does the same)
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        s_off = b.to(tl.int64) * s_sb + kvh.to(tl.int64) * s_sh + offs_n  # FP8: this head's key scales
         kv_row = (b * (H // G) + kvh) * Lk  # first row of this (batch, KV head) in the TMA view
         if USE_TMA:
             kt_ptrs = K
@@ -129,12 +101,7 @@ if triton is not None:
         for j in range(0, n_full):
             start = j * BLOCK_N
             kt, v = _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, None, d_ok, False, EVEN_D, USE_TMA)
-            if FP8:
-                every = (offs_n < BLOCK_N)[None, :]  # all visible: the scaled update always takes a mask
-                m_i, l_i, acc = _fp8_step(q, kt, v, KS, VS, s_off + start, None, every, m_i, l_i, acc, qk_scale,
-                                          False, IEEE)
-            else:
-                m_i, l_i, acc = softmax_step(q, kt, v, m_i, l_i, acc, None, qk_scale, False, IEEE)
+            m_i, l_i, acc = softmax_step(q, kt, v, m_i, l_i, acc, None, qk_scale, False, IEEE)
 
         # Blocks on the causal boundary and the key tail: masked by position and length.
         for j in range(n_full, n_blocks):
@@ -145,11 +112,7 @@ if triton is not None:
             if CAUSAL:
                 k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            if FP8:
-                m_i, l_i, acc = _fp8_step(q, kt, v, KS, VS, s_off + start, col_ok, visible, m_i, l_i, acc, qk_scale,
-                                          True, IEEE)
-            else:
-                m_i, l_i, acc = softmax_step(q, kt, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
+            m_i, l_i, acc = softmax_step(q, kt, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
 
         out, lse = softmax_finish(m_i, l_i, acc, False)
         o_ptrs = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
@@ -197,25 +160,15 @@ def _tma_ok(t: torch.Tensor, block_d: int) -> bool:
     return t.shape[-1] == block_d and t.is_contiguous() and t.data_ptr() % 16 == 0 and block_d * t.element_size() % 16 == 0
 
 
-def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=None, tma=False, k_scale=None,
-                    v_scale=None):
+def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=None, tma=False):
     """Triton forward. q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides `default_config` (tests, tuning).
     `tma=True` loads K/V through tensor descriptors (Hopper's copy engine) when K/V are contiguous;
-    off by default until launch/bench.py kernels has measured it against plain loads on a GPU.
-    k_scale, v_scale: k, v are e4m3 with float32 scales [B, Hkv, >= Lk] (unit stride along keys, equal
-    strides), read as stored (module docstring)."""
+    off by default until launch/bench.py kernels has measured it against plain loads on a GPU."""
     check_shapes(q, k, v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    fp8 = k_scale is not None
-    if fp8:
-        if k.dtype != FP8_DTYPE or v.dtype != FP8_DTYPE or v_scale is None:
-            raise ValueError(f"flash_attention: k_scale / v_scale go with e4m3 k and v, got {k.dtype}, {v.dtype}")
-        if k_scale.stride(2) != 1 or v_scale.stride() != k_scale.stride() or k_scale.shape[:2] != (B, Hkv):
-            raise ValueError("flash_attention: k_scale and v_scale must be [B, Hkv, L] with unit stride along L and "
-                             "equal strides")
-    check_kernel_inputs(q, q if fp8 else k, q if fp8 else v, "flash_attention")
+    check_kernel_inputs(q, k, v, "flash_attention")
     if triton is None:
         raise RuntimeError("flash_attention: the Triton kernel needs the triton package")
     scale = D**-0.5 if scale is None else scale
@@ -239,7 +192,7 @@ def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=No
     else:
         qp = kp = ranges = lse  # unused by the kernel when CAUSAL is off
         s_qpb = s_kpb = s_rb = 0
-    tma = bool(tma) and not fp8 and _tma_ok(k, block_d) and _tma_ok(v, block_d)
+    tma = bool(tma) and _tma_ok(k, block_d) and _tma_ok(v, block_d)
     if tma:
         rows = B * Hkv * Lk
         k_arg = TensorDescriptor(k, [rows, D], [D, 1], [block_n, block_d])
@@ -248,13 +201,13 @@ def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=No
         k_arg, v_arg = k, v
     grid = (n_qblocks, B * Hq)
     _flash_fwd_kernel[grid](
-        q, k_arg, v_arg, out, lse, qp, kp, ranges, k_scale if fp8 else lse, v_scale if fp8 else lse,
+        q, k_arg, v_arg, out, lse, qp, kp, ranges,
         scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        s_qpb, s_kpb, s_rb, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        s_qpb, s_kpb, s_rb,
         Hq, Hq // Hkv, Lq, Lk, n_qblocks,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, USE_TMA=tma, FP8=fp8,
+        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, USE_TMA=tma,
         num_warps=warps, num_stages=stages,
     )
     return out, lse
