@@ -37,24 +37,27 @@ E4M3_MAX = 448.0  # largest finite e4m3 value
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (decode); more: FP8 GEMM
 # Up to this many rows the weight-only path is a GEMV per row (weights re-read per row, from L2 when the
-# rows run together). Tiles by weight shape from bench/fp8_gemv_tune.py on one H200, one row, Llama-8B
-# projections (bench/results/2026-11-23-h200-fp8-gemv/fp8_gemv_tune.json): long rows (w2, K 14336) 4 x 2048
-# with 4 warps 20.4 us; many rows (w13, N 28672) 4 x 512 with 2 warps 33.7 us; the rest (wqkv, wo)
-# 4 x 2048 with 2 warps 6.9 / 5.8 us. Per layer 66.8 us against 71.4 us for the single best tile (GEMV_TILE).
+# rows run together). Tiles by weight shape, one H200, one row, Llama-8B projections, each call reading
+# its weight from HBM (bench/fp8_gemv_variants.py, bench/results/2026-11-25-h200/gemv_variants.json; the
+# 2026-11-23 sweep, bench/fp8_gemv_tune.py, re-read the small weights from L2): long rows (w2, K 14336)
+# 4 x 2048 with 4 warps 20.4 us; many rows (w13 N 28672, wqkv N 6144) 4 x 512 with 2 warps 33.5 / 10.1 us;
+# the rest (wo) 4 x 1024 with 4 warps 7.7 us. Per layer 71.7 us against 73.7 us for the 2026-11-23 choice.
 GEMV_MAX_ROWS = 4
 GEMV_TILE = dict(block_n=4, block_k=1024, warps=4)
 GEMV_LONG_ROWS = dict(block_n=4, block_k=2048, warps=4)  # K >= 8192
-GEMV_MANY_ROWS = dict(block_n=4, block_k=512, warps=2)  # N >= 16384
-GEMV_OTHER = dict(block_n=4, block_k=2048, warps=2)
+GEMV_MANY_ROWS = dict(block_n=4, block_k=512, warps=2)  # N >= 6144
+GEMV_OTHER = dict(block_n=4, block_k=1024, warps=4)
 
 
 def gemv_tile_for(N: int, K: int) -> dict:
     """The GEMV tile for an e4m3 weight [N, K] (the sweep above)."""
     if K >= 8192:
         return GEMV_LONG_ROWS
-    if N >= 16384:
+    if N >= 6144:
         return GEMV_MANY_ROWS
     return GEMV_OTHER
+
+
 _TINY = 1e-12  # an all-zero row gets this amax, so its scale is not 0 (0 / 0 would be NaN)
 
 log = logging.getLogger("starshard")

@@ -1,0 +1,76 @@
+"""Profile one prefill on one GPU: which kernels a long prefill's time goes to (issue 19: what is left
+besides the GEMMs and attention at 128K).
+
+    python bench/profile_prefill.py --layers 2 --prompt-len 131072 [--fp8 linear,kv] [--out prof.json]
+
+A Llama-3.1-8B-shaped model with --layers decoder layers (random weights: fine for dense speed), random
+token ids. One warm-up prefill, `--repeats` timed ones, then one under torch.profiler; prints the
+device kernels by total time and writes them (name, calls, ms per prefill, share) as JSON.
+"""
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from starshard import LLM
+from starshard.benchmarks.common import commit
+from starshard.config import SamplingConfig
+from starshard.presets import PRESETS
+from starshard.runtime.prompt import Prompt
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--preset", default="llama-3.1-8b")
+ap.add_argument("--layers", type=int, default=2)
+ap.add_argument("--prompt-len", type=int, default=131072)
+ap.add_argument("--fp8", default=None, help="as launch/infer.py --fp8 (e.g. linear,kv)")
+ap.add_argument("--repeats", type=int, default=2)
+ap.add_argument("--out", default=None)
+args = ap.parse_args()
+
+with tempfile.TemporaryDirectory() as tmp:
+    cfg_path = Path(tmp) / "config.json"
+    cfg_path.write_text(json.dumps(dict(PRESETS[args.preset], num_hidden_layers=args.layers)))
+    llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=str(cfg_path), fp8=args.fp8)
+gen = torch.Generator().manual_seed(0)
+ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+runner, s = llm.runner, SamplingConfig()
+
+
+def prefill():
+    cache = runner.new_cache(len(ids) + 8)
+    runner.prefill(Prompt(ids, len(ids)), cache, s, None)
+    torch.cuda.synchronize()
+
+
+with torch.inference_mode():
+    prefill()
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        prefill()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill()
+rows = []
+total = 0.0
+for e in prof.key_averages():
+    dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+    if e.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+        rows.append({"kernel": e.key[:160], "calls": e.count, "ms": dev_us / 1e3})
+        total += dev_us / 1e3
+rows.sort(key=lambda r: -r["ms"])
+for r in rows:
+    r["share"] = r["ms"] / total
+print(f"prefill {args.prompt_len} tokens, {args.layers} layers, fp8 {args.fp8 or 'none'}: "
+      f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
+for r in rows[:30]:
+    print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
+if args.out:
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
+                   "layers": args.layers, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
+                   "wall_s": times, "kernel_ms_total": total, "kernels": rows}, f, indent=1)
