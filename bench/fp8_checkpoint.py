@@ -37,7 +37,7 @@ def write_hf(out: Path, preset: str) -> Path:
     cfg = preset_config(preset)
     src = RandomSource(cfg, 0, torch.bfloat16, "cpu")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(PRESETS[preset]))
+    (out / "config.json").write_text(json.dumps({"model_type": "llama", **PRESETS[preset]}))  # a config transformers reads
     head = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
     save_file({n: src.get(n) for n in head}, str(out / "model-head.safetensors"))
     for i in range(cfg.num_layers):

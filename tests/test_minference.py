@@ -227,11 +227,13 @@ def plain_scores(q, k, off, last_q, heads, drop=None):
     return vert, slash
 
 
-def test_vs_scores_and_selection_match_plain_torch():
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "kernel"])
+def test_vs_scores_and_selection_match_plain_torch(use_triton):
+    """The estimate (torch ops, or estimate.py's kernels under the interpreter) against float64 loops."""
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, 4, 48, 16, generator=g) * 2, torch.randn(1, 2, 80, 16, generator=g)
     off, heads = 32, [1, 2]
-    vs, ss = mi.vs_scores(q, k, offset=off, last_q=16, heads=heads)
+    vs, ss = mi.vs_scores(q, k, offset=off, last_q=16, heads=heads, use_triton=use_triton)
     pv, ps = plain_scores(q, k, off, 16, heads)
     torch.testing.assert_close(vs[0].double(), pv, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ss[0].double(), ps, rtol=1e-5, atol=1e-6)
@@ -245,7 +247,7 @@ def test_vs_scores_and_selection_match_plain_torch():
         assert (v_idx[0, n].diff() >= 0).all() and (s_idx[0, n].diff() >= 0).all()
     # vertical-aware estimate: chosen columns outside the raw near-diagonal band leave the slash sums
     v2, vs2, ss2 = mi.vs_estimate(q, k, offset=off, vertical=[4, 6], slash=[5, 9], last_q=16, force_sink=2,
-                                  force_local=3, heads=heads)
+                                  force_local=3, heads=heads, use_triton=use_triton)
     assert torch.equal(v2, v_idx)
     drop = []
     for n in range(2):
@@ -260,8 +262,31 @@ def test_vs_scores_and_selection_match_plain_torch():
     torch.testing.assert_close(vs2, vs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_estimate_kernels_match_torch_path(dtype):
+    """estimate.py's two launches (interpreted) give the torch path's scores and picks: batch 2, GQA,
+    head dim 24 (padded tile), keys past several 128-key blocks and chunks, a query block after its
+    keys, and more estimate rows than query rows."""
+    g = torch.Generator().manual_seed(11)
+    for B, hq, hkv, lq, lk, d, last_q in [(2, 4, 2, 40, 301, 24, 16), (1, 3, 1, 20, 150, 16, 64)]:
+        off = lk - lq
+        q = (torch.randn(B, hq, lq, d, generator=g) * 2).to(dtype)
+        k = torch.randn(B, hkv, lk, d, generator=g).to(dtype)
+        kw = dict(offset=off, vertical=5, slash=7, last_q=last_q, force_sink=2, force_local=3)
+        v_t, vs_t, ss_t = mi.vs_estimate(q, k, use_triton=False, **kw)
+        v_k, vs_k, ss_k = mi.vs_estimate(q, k, use_triton=True, **kw)
+        tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-4)
+        torch.testing.assert_close(vs_k, vs_t, **tol)
+        torch.testing.assert_close(ss_k, ss_t, **tol)
+        assert torch.equal(v_k, v_t)
+        rows = min(last_q, lq)
+        torch.testing.assert_close(vs_k.sum(-1), torch.full_like(vs_k.sum(-1), float(rows)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("seed", range(4))
-def test_vs_index_matches_plain_merge(seed):
+def test_vs_index_matches_plain_merge(seed, use_triton):
+    """Column lists (torch ops, or columns.py's kernel under the interpreter) against plain set logic."""
     lq, lk, off = 70, 110, 40
     ndiag = lq + off
     g = torch.Generator().manual_seed(seed)
@@ -274,7 +299,7 @@ def test_vs_index_matches_plain_merge(seed):
         cols.append(sorted(c) + [lk] * 3)
         diags.append(sorted(d) + [ndiag] * (20 - len(d)))
     v_idx, s_idx = torch.tensor([cols]), torch.tensor([diags])
-    ix = mi.vs_index(v_idx, s_idx, Lq=lq, Lk=lk, offset=off, block_size=BM)
+    ix = mi.vs_index(v_idx, s_idx, Lq=lq, Lk=lk, offset=off, block_size=BM, use_triton=use_triton)
     for n in range(2):
         dd = [x for x in diags[n] if x < ndiag]
         for m in range(-(-lq // BM)):
@@ -295,6 +320,26 @@ def test_vs_index_matches_plain_merge(seed):
             cnt = int(ix.col_count[0, n, m])
             assert ix.col[0, n, m, :cnt].tolist() == want
             assert int(ix.col_full[0, n, m]) == sum(c <= b for c in want)
+
+
+@pytest.mark.parametrize("ks", [0, 9])
+def test_vs_index_kernel_equals_torch_path(ks):
+    """columns.py's kernel writes exactly the torch path's index: more columns than one 512-column tile,
+    no slash runs at all, batch 2."""
+    g = torch.Generator().manual_seed(3)
+    lq, lk, off, bm = 300, 1400, 1100, 32
+    ndiag = lq + off
+    v = torch.sort(torch.stack([torch.randperm(lk, generator=g)[:700] for _ in range(6)]).view(2, 3, 700), -1).values
+    v[..., -20:] = lk  # padding
+    if ks:
+        s = torch.sort(torch.stack([torch.randperm(ndiag, generator=g)[:ks] for _ in range(6)]).view(2, 3, ks), -1).values
+    else:
+        s = torch.zeros(2, 3, 0, dtype=torch.long)
+    a = mi.vs_index(v, s, Lq=lq, Lk=lk, offset=off, block_size=bm, use_triton=False)
+    b = mi.vs_index(v, s, Lq=lq, Lk=lk, offset=off, block_size=bm, use_triton=True)
+    for name in ("col", "col_count", "col_full", "seg", "seg_count"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert int(a.col_count.max()) > 512
 
 
 def test_bs_select_matches_plain():

@@ -494,9 +494,10 @@ def _block_d(D: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None) -> torch.Tensor:
+def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None, launch=None) -> torch.Tensor:
     """Stage 1: x_a [B, Hq, Lq] float32 (float64 for float64 inputs): per row, the max scaled score over
-    its anchor region (-inf if the region is empty)."""
+    its anchor region (-inf if the region is empty). launch: (num_warps, num_stages) of the Triton
+    kernel (default: 4 warps for blocks of <= 64 rows, else 8; 2 stages; benchmarks sweep it)."""
     check_shapes(q, k, k)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -505,19 +506,22 @@ def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backen
         return _anchor_max_torch(q, k, config, offset=offset, scale=scale)
     xa = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     BM = config.block_q
+    warps, stages = launch or (4 if BM <= 64 else 8, 2)
     grid = (cdiv(Lq, BM), B * Hq)
     _anchor_max_fwd[grid](
         q, k, xa, float(scale), *q.stride(), *k.stride(),
         Hq, Hq // Hkv, Lq, Lk, offset, config.init_tokens, config.local_window, BM * config.step,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=BM, BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32,
-        num_warps=4 if BM <= 64 else 8, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return xa
 
 
-def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None, backend=None) -> StripeIndex:
+def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None, backend=None,
+                     launch=None) -> StripeIndex:
     """Stage 2: per group of `step` query blocks, the candidate keys (init_tokens <= j < ws_g) with
-    xbar_m - qbar_m . k_j * scale <= theta for some block m of the group, as compact ascending lists."""
+    xbar_m - qbar_m . k_j * scale <= theta for some block m of the group, as compact ascending lists.
+    launch: (num_warps, num_stages) of the Triton kernel (default 4, 2)."""
     check_shapes(q, k, k)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -530,13 +534,14 @@ def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None,
     KI = index_capacity(config, Lq=Lq, Lk=Lk, offset=offset)
     idx = torch.empty(B, Hq, G, max(KI, 1), dtype=torch.int32, device=q.device)
     count = torch.empty(B, Hq, G, dtype=torch.int32, device=q.device)
+    warps, stages = launch or (4, 2)
     _identify_fwd[(G, B * Hq)](
         qbar.contiguous(), xbar.contiguous(), k, idx, count, config.head_thetas(Hq, q.device), float(scale),
         *k.stride(),
         Hq, Hq // Hkv, nM, G, max(KI, 1), config.step, config.init_tokens, Lk, offset, config.local_window,
         config.block_q * config.step,
         HEAD_DIM=D, BLOCK_D=_block_d(D), STEP_P=max(16, triton.next_power_of_2(config.step)),
-        BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )
     return StripeIndex(idx[..., :KI], count)
 
@@ -571,10 +576,12 @@ def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offse
     return out, lse
 
 
-def build_index(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None) -> StripeIndex:
-    """Stages 1 and 2 (what benchmarks time as identification)."""
-    xa = anchor_scores(q, k, config, offset=offset, scale=scale, backend=backend)
-    return identify_stripes(q, k, xa, config, offset=offset, scale=scale, backend=backend)
+def build_index(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None, anchor_launch=None,
+                identify_launch=None) -> StripeIndex:
+    """Stages 1 and 2 (what benchmarks time as identification); *_launch: each kernel's (num_warps,
+    num_stages), see `anchor_scores` / `identify_stripes`."""
+    xa = anchor_scores(q, k, config, offset=offset, scale=scale, backend=backend, launch=anchor_launch)
+    return identify_stripes(q, k, xa, config, offset=offset, scale=scale, backend=backend, launch=identify_launch)
 
 
 def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None, causal=True, backend=None,
@@ -644,6 +651,34 @@ def head_density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, 
     return (region.double().sum() + stripes) / hi.double().sum()
 
 
+def kernel_cost(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> torch.Tensor:
+    """Score entries the Triton sparse kernel computes (masked ones included), per (batch row, head):
+    [B, Hq] int64. Query block m (block_q rows) streams its initial tokens and its window as two key
+    spans in block_k-wide chunks (one span when they touch), then its group's selected keys block_k at
+    a time; each chunk is a block_q x block_k tile (times 4 * head_dim FLOPs: q.k and p.v). The
+    counterpart of `minference.kernel_cost`, for FLOP rates on the blocks the kernel computes."""
+    dev = index.count.device
+    BM, BN = config.block_q, config.block_k
+    nM = cdiv(Lq, BM)
+    m = torch.arange(nM, device=dev)
+    rpg = BM * config.step
+    last = torch.clamp(m * BM + BM, max=Lq) - 1 + offset
+    ws = window_starts(config, Lq=Lq, offset=offset, device=dev)[(m * BM) // rpg]
+    hi = torch.clamp(last + 1, max=Lk)
+    sep = ws > config.init_tokens
+    i_hi = torch.where(sep, min(config.init_tokens, Lk), 0)
+    w_lo = torch.where(sep, ws, 0)
+
+    def chunks(n):
+        return torch.div(n.clamp(min=0) + BN - 1, BN, rounding_mode="floor")
+
+    region = (chunks(i_hi) + chunks(hi - w_lo)).sum()
+    stripes = chunks(index.count.long())  # [B, Hq, G] chunks per query block of the group
+    blocks_per_group = torch.clamp(torch.arange(1, stripes.shape[2] + 1, device=dev) * config.step, max=nM) - (
+        torch.arange(stripes.shape[2], device=dev) * config.step)
+    return (region + (stripes * blocks_per_group).sum(-1)) * BM * BN
+
+
 def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> float:
     """Share of the causal (row, key) pairs the sparse step computes (anchor regions + stripes)."""
     rows = torch.arange(Lq, device=index.count.device)
@@ -657,5 +692,5 @@ def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offse
 __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
-    "head_density", "AnchorRates", "H200_ANCHOR_RATES", "triton_available", "default_launch",
+    "head_density", "kernel_cost", "AnchorRates", "H200_ANCHOR_RATES", "triton_available", "default_launch",
 ]

@@ -20,7 +20,9 @@ The modules, in the order a call runs through them:
 - patterns.py: the per-head patterns and what each one sees; config.py: a model's patterns per
   layer and head, and their file formats.
 - attend.py: SparsePattern (one call's `sparse=` spec) and the entry points.
-- index.py: Vertical-Slash / Block-Sparse index building (torch, shared by both backends);
+- index.py: Vertical-Slash / Block-Sparse index building (torch, shared by both backends; the
+  Vertical-Slash estimate's softmax rows and column lists also as Triton launches in estimate.py and
+  columns.py, used where asked until a GPU run has checked them);
   plan.py: heads grouped by kind with their indices, visibility masks and kernel cost, and the cost
   model (measured kernel rates, `plan_with_fallback`) that sends heads whose sparse kernel would not
   beat the dense one to the dense dispatcher.

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from starshard.kernels.common import INT32_MAX, cdiv
+from starshard.kernels.minference.columns import use_columns_kernel, vs_columns
+from starshard.kernels.minference.estimate import estimate_probs, use_estimate_kernel
 
 _INDEX_BUDGET = 1 << 26  # elements of index temporaries: bounds memory per step
 # Elements of the estimate's float32 score rows per step (vs_estimate; 1 GiB, about 2.5 GiB of
@@ -64,7 +66,7 @@ class BSIndex:
 
 
 def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 64, force_sink: int = 30,
-                force_local: int = 100, scale=None, heads=None):
+                force_local: int = 100, scale=None, heads=None, use_triton: bool | None = None):
     """One pass over the last `last_q` query rows (causal softmax, float32) of each listed head.
 
     Returns (v_idx, vertical, slash): vertical [B, nH, Lk] is the summed attention per key column,
@@ -77,8 +79,11 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
     block each) on them. Otherwise the slash sums are MInference's raw ones (v_idx None without
     `vertical`).
 
-    Heads are processed in chunks of whole KV groups (q rows of a group against its K, no K copies);
-    on CUDA the q.k products run in the input dtype (as MInference), the softmax in float32."""
+    Heads are processed in chunks of whole KV groups (q rows of a group against its K, no K copies).
+    With use_triton (None: estimate.py's `use_estimate_kernel`, off on CUDA until GPU-checked), the
+    softmax rows come from estimate.py's two Triton launches (q . k accumulated in float32, z written
+    once); otherwise from torch ops (on CUDA the q.k products in the input dtype, as MInference, the
+    softmax in float32)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -102,8 +107,13 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
     qidx_first = Lq - R + offset
     kv_max = min(int(budget.max()), Lk)
     v_all = torch.full((B, Hq, kv_max), Lk, dtype=torch.long, device=dev)
-    rows_qidx = torch.arange(Lq - R, Lq, device=dev) + offset
-    invisible = torch.arange(Lk, device=dev)[None, :] > rows_qidx[:, None]  # [R, Lk]
+    kernel = (use_estimate_kernel(q) if use_triton is None else use_triton) and acc == torch.float32
+    if kernel:  # the kernels read rows with unit stride along D
+        qc = q if q.stride(3) == 1 else q.contiguous()
+        kc = k if k.stride(3) == 1 else k.contiguous()
+    else:
+        rows_qidx = torch.arange(Lq - R, Lq, device=dev) + offset
+        invisible = torch.arange(Lk, device=dev)[None, :] > rows_qidx[:, None]  # [R, Lk]
     # Row r of the scores sits at z[r, R-1 : R-1+Lk]; one more zero column at the end takes
     # scattered padding ids.
     W = Lk + 2 * (R - 1) + 1
@@ -123,14 +133,20 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
             continue
         h0, h1 = c0 * g, c1 * g
         n = h1 - h0
-        qs = qg[:, c0:c1, :, Lq - R :].to(mm)  # [B, nk, g, R, D]
-        kt = k[:, c0:c1, None].to(mm).transpose(-1, -2)  # [B, nk, 1, D, Lk]
-        z = torch.zeros(B, n, R, W, dtype=acc, device=dev)
-        logits = z[..., R - 1 : R - 1 + Lk]
-        logits.copy_((qs @ kt).view(B, n, R, Lk))
-        logits.mul_(scale).masked_fill_(invisible, float("-inf"))
-        logits.copy_(torch.softmax(logits, dim=-1))
-        vscore[:, h0:h1] = logits.sum(-2)
+        if kernel:  # the softmax rows written once, their column sums with them
+            z = torch.empty(B, n, R, W, dtype=acc, device=dev)
+            z[..., : R - 1].zero_()
+            z[..., R - 1 + Lk :].zero_()
+            estimate_probs(qc, kc, z, vscore, h0=h0, h1=h1, rows=R, offset=offset, scale=scale)
+        else:
+            qs = qg[:, c0:c1, :, Lq - R :].to(mm)  # [B, nk, g, R, D]
+            kt = k[:, c0:c1, None].to(mm).transpose(-1, -2)  # [B, nk, 1, D, Lk]
+            z = torch.zeros(B, n, R, W, dtype=acc, device=dev)
+            logits = z[..., R - 1 : R - 1 + Lk]
+            logits.copy_((qs @ kt).view(B, n, R, Lk))
+            logits.mul_(scale).masked_fill_(invisible, float("-inf"))
+            logits.copy_(torch.softmax(logits, dim=-1))
+            vscore[:, h0:h1] = logits.sum(-2)
         # Row r shifted right by R-1-r: diagonals line up in columns (strided view, no copy).
         shifted = z.as_strided((B, n, R, Lk + R - 1), (n * R * W, R * W, W + 1, 1))
         sscore[:, h0:h1, d_ok] = shifted.sum(-2)[..., c_sel].float()
@@ -148,16 +164,17 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
                 zcol = torch.where(echo, v_idx + (R - 1), W - 1)
                 z.scatter_(-1, zcol[:, :, None, :].expand(B, n, R, zcol.shape[-1]), 0.0)
                 sscore[:, h0:h1, d_ok] = shifted.sum(-2)[..., c_sel].float()
-        del z, logits
+        del z
     if heads != list(range(Hq)):
         sel = torch.tensor(heads, device=dev)
         vscore, sscore, v_all = vscore[:, sel], sscore[:, sel], v_all[:, sel]
     return (v_all if vertical is not None else None), vscore, sscore
 
 
-def vs_scores(q, k, *, offset: int, last_q: int = 64, scale=None, heads=None):
+def vs_scores(q, k, *, offset: int, last_q: int = 64, scale=None, heads=None, use_triton: bool | None = None):
     """MInference's raw estimates: (vertical [B, nH, Lk], slash [B, nH, Lq + offset]), float32."""
-    _, vscore, sscore = vs_estimate(q, k, offset=offset, last_q=last_q, scale=scale, heads=heads)
+    _, vscore, sscore = vs_estimate(q, k, offset=offset, last_q=last_q, scale=scale, heads=heads,
+                                    use_triton=use_triton)
     return vscore, sscore
 
 
@@ -203,17 +220,20 @@ def pick_slash(sscore, slash, rows, force_local, nH):
 
 
 def vs_select(q, k, *, offset: int, vertical, slash, last_q: int = 64, force_sink: int = 30,
-              force_local: int = 100, scale=None, heads=None, vertical_aware: bool = True):
+              force_local: int = 100, scale=None, heads=None, vertical_aware: bool = True,
+              use_triton: bool | None = None):
     """Selected columns [B, nH, KV] and diagonals [B, nH, KS] (sorted, padded with Lk and Lq+offset).
     `vertical`/`slash`: budgets, one int or one per listed head. vertical_aware: slash estimates
-    leave out the chosen columns' mass (see `vs_estimate`); False is MInference's estimate."""
+    leave out the chosen columns' mass (see `vs_estimate`); False is MInference's estimate.
+    use_triton: as `vs_estimate`."""
     heads = list(range(q.shape[1])) if heads is None else list(heads)
     rows = min(last_q, q.shape[2])
     if vertical_aware:
         v_idx, _, ss = vs_estimate(q, k, offset=offset, vertical=vertical, slash=slash, last_q=last_q,
-                                   force_sink=force_sink, force_local=force_local, scale=scale, heads=heads)
+                                   force_sink=force_sink, force_local=force_local, scale=scale, heads=heads,
+                                   use_triton=use_triton)
     else:
-        vs, ss = vs_scores(q, k, offset=offset, last_q=last_q, scale=scale, heads=heads)
+        vs, ss = vs_scores(q, k, offset=offset, last_q=last_q, scale=scale, heads=heads, use_triton=use_triton)
         v_idx = pick_vertical(vs, vertical, rows, force_sink)
     return v_idx, pick_slash(ss, slash, rows, force_local, len(heads))
 
@@ -242,8 +262,9 @@ def vs_segments(s_idx: torch.Tensor, ndiag: int, block_size: int):
 
 
 def vs_index(v_idx: torch.Tensor, s_idx: torch.Tensor, *, Lq: int, Lk: int, offset: int, block_size: int,
-             heads=None) -> VSIndex:
-    """Merge selected columns and diagonal ranges per row block (see the module docstring)."""
+             heads=None, use_triton: bool | None = None) -> VSIndex:
+    """Merge selected columns and diagonal ranges per row block (see the module docstring). The column
+    lists: columns.py's Triton launch with use_triton (None: `use_columns_kernel`), else torch ops."""
     B, nH, KV = v_idx.shape
     dev = v_idx.device
     BM = block_size
@@ -262,26 +283,29 @@ def vs_index(v_idx: torch.Tensor, s_idx: torch.Tensor, *, Lq: int, Lk: int, offs
         lo_b = torch.where(used, seg[..., 0].long() - BM + 1, big)
         hi_b = torch.where(used, seg[..., 1].long() + 1, big)
         bounds = torch.stack([lo_b, hi_b], -1).reshape(B, nH, 2 * KS).contiguous()
-        base = torch.arange(nM, device=dev) * BM + offset  # [nM]
         v = v_idx.long()
-        step = max(1, _INDEX_BUDGET // max(1, B * nH * KV))
-        for m0 in range(0, nM, step):
-            m1 = min(nM, m0 + step)
-            bm = base[m0:m1]
-            t = (bm[None, None, :, None] - v[:, :, None, :])  # [B, nH, mb, KV]
-            if KS > 0:
-                pos = torch.searchsorted(bounds, t.reshape(B, nH, -1).contiguous(), right=True).reshape(t.shape)
-                covered = (pos % 2) == 1
-            else:
-                covered = torch.zeros_like(t, dtype=torch.bool)
-            keep = (v[:, :, None, :] < Lk) & (v[:, :, None, :] < bm[None, None, :, None] + BM) & ~covered
-            slot = torch.cumsum(keep, -1, dtype=torch.int32) - 1
-            slot = torch.where(keep, slot.long(), KV)
-            out = torch.zeros(B, nH, m1 - m0, KV + 1, dtype=torch.int32, device=dev)
-            out.scatter_(-1, slot, v[:, :, None, :].expand_as(slot).to(torch.int32))
-            col[:, :, m0:m1] = out[..., :KV]
-            col_count[:, :, m0:m1] = keep.sum(-1, dtype=torch.int32)
-            col_full[:, :, m0:m1] = (keep & (v[:, :, None, :] <= bm[None, None, :, None])).sum(-1, dtype=torch.int32)
+        if use_columns_kernel(v) if use_triton is None else use_triton:
+            vs_columns(v, bounds, col, col_count, col_full, Lk=Lk, offset=offset, block_size=BM)
+        else:
+            base = torch.arange(nM, device=dev) * BM + offset  # [nM]
+            step = max(1, _INDEX_BUDGET // max(1, B * nH * KV))
+            for m0 in range(0, nM, step):
+                m1 = min(nM, m0 + step)
+                bm = base[m0:m1]
+                t = (bm[None, None, :, None] - v[:, :, None, :])  # [B, nH, mb, KV]
+                if KS > 0:
+                    pos = torch.searchsorted(bounds, t.reshape(B, nH, -1).contiguous(), right=True).reshape(t.shape)
+                    covered = (pos % 2) == 1
+                else:
+                    covered = torch.zeros_like(t, dtype=torch.bool)
+                keep = (v[:, :, None, :] < Lk) & (v[:, :, None, :] < bm[None, None, :, None] + BM) & ~covered
+                slot = torch.cumsum(keep, -1, dtype=torch.int32) - 1
+                slot = torch.where(keep, slot.long(), KV)
+                out = torch.zeros(B, nH, m1 - m0, KV + 1, dtype=torch.int32, device=dev)
+                out.scatter_(-1, slot, v[:, :, None, :].expand_as(slot).to(torch.int32))
+                col[:, :, m0:m1] = out[..., :KV]
+                col_count[:, :, m0:m1] = keep.sum(-1, dtype=torch.int32)
+                col_full[:, :, m0:m1] = (keep & (v[:, :, None, :] <= bm[None, None, :, None])).sum(-1, dtype=torch.int32)
     heads = list(range(nH)) if heads is None else list(heads)
     return VSIndex(heads, v_idx, s_idx, seg, seg_count, col.contiguous(), col_count.contiguous(), col_full.contiguous())
 

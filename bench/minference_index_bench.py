@@ -1,0 +1,73 @@
+"""The MInference Vertical-Slash index build on one GPU, torch ops vs the Triton launches of
+kernels/minference/estimate.py and columns.py (issue 18, item 3): milliseconds of the estimate + picks
+(`vs_select`) and of the column lists (`vs_index`), and whether both paths agree.
+
+    python bench/minference_index_bench.py --out minference_index.json [--length 131072]
+
+Shapes of SmolLM2-135M (9 query / 3 KV heads, d 64; --heads / --kv-heads / --head-dim for others),
+Vertical-Slash 1000 / 6096, random bf16 q / k: the build's cost does not depend on the inputs'
+structure (its picks do; this measures time and agreement, not sparsity). CUDA events, median of 10.
+"""
+import argparse
+import json
+
+import torch
+
+from starshard.benchmarks.common import commit
+from starshard.kernels import minference as mi
+
+
+def median_ms(fn, repeats=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return sorted(out)[len(out) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--vertical", type=int, default=1000)
+    ap.add_argument("--slash", type=int, default=6096)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    L, H, Hkv, D = args.length, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(1, H, L, D, device=dev, generator=g).bfloat16()
+    k = torch.randn(1, Hkv, L, D, device=dev, generator=g).bfloat16()
+    kw = dict(offset=0, vertical=args.vertical, slash=args.slash, last_q=64)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
+           "shape": {"length": L, "heads": H, "kv_heads": Hkv, "head_dim": D}, "pattern": [args.vertical, args.slash]}
+    sel = {}
+    for name, flag in (("torch", False), ("triton", True)):
+        sel[name] = mi.vs_select(q, k, use_triton=flag, **kw)
+        res[f"select_ms_{name}"] = median_ms(lambda: mi.vs_select(q, k, use_triton=flag, **kw))
+    v_t, s_t = sel["torch"]
+    v_k, s_k = sel["triton"]
+    res["vertical_picks_equal"] = float((v_t == v_k).float().mean())
+    res["slash_picks_equal"] = float((s_t == s_k).float().mean())
+    ix = {}
+    for name, flag in (("torch", False), ("triton", True)):
+        ix[name] = mi.vs_index(v_t, s_t, Lq=L, Lk=L, offset=0, block_size=64, use_triton=flag)
+        res[f"index_ms_{name}"] = median_ms(lambda: mi.vs_index(v_t, s_t, Lq=L, Lk=L, offset=0, block_size=64,
+                                                                use_triton=flag))
+    res["index_equal"] = all(torch.equal(getattr(ix["torch"], n), getattr(ix["triton"], n))
+                             for n in ("col", "col_count", "col_full"))
+    print(json.dumps(res, indent=1))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
