@@ -504,6 +504,57 @@ def test_search_layer_picks_vertical_slash_for_scattered_columns():
         assert int(mi.kernel_cost(grp, B=1, Lq=L, Lk=L, offset=0, block_size=BM)[0, 0]) <= int(s.target_cost[h])
 
 
+def _two_heads(L=256, D=32):
+    """Head 0: scattered heavy columns every query likes; head 1: a local band (rotary-like phase)."""
+    g = torch.Generator().manual_seed(11)
+    q, k = torch.randn(1, 2, L, D, generator=g) * 0.3, torch.randn(1, 2, L, D, generator=g) * 0.3
+    cols = torch.randperm(L, generator=g)[:24]
+    k[0, 0, cols, 0] += 12.0
+    q[0, 0, :, 0] += 3.0
+    pos = torch.arange(L, dtype=torch.float64)
+    for f, w in enumerate((0.02, 0.05, 0.1)):
+        q[0, 1, :, 2 * f], q[0, 1, :, 2 * f + 1] = 3 * torch.cos(w * pos), 3 * torch.sin(w * pos)
+        k[0, 1, :, 2 * f], k[0, 1, :, 2 * f + 1] = 3 * torch.cos(w * pos), 3 * torch.sin(w * pos)
+    return q, k
+
+
+@pytest.mark.parametrize("want", [0.9, 0.99])
+def test_search_with_target_recall_picks_cheapest_pattern_reaching_it(want):
+    """--target-recall: every head's pick reaches the recall, costs no more than any family's smallest
+    budget reaching it, and one step less of its own budget falls short (the search's own index
+    builders and recall)."""
+    from starshard.tools.minference_search import LayerSearch
+
+    q, k = _two_heads()
+    s = LayerSearch(q, k, block_size=BM, last_q=16, force_sink=2, force_local=4, target=(8, 32), target_recall=want)
+    n = s.Hq
+
+    def group(p):  # the pattern on every head, as the search builds it
+        if p.kind == "vertical_slash":
+            return s.vs_group(p.vertical, [p.slash] * n)
+        if p.kind == "block_sparse":
+            return s.bs_group(torch.full((n,), p.topk))
+        return mi.HeadGroup("a_shape", s.heads, sink=[p.sink] * n, local=[p.local] * n)
+
+    cands = s.recall_candidates()
+    best = s.best()
+    assert {p.kind for p in best} - {"dense"}, "some head must reach the recall sparsely"
+    for h, p in enumerate(best):
+        if p.kind == "dense":
+            assert all(float(c[1][h]) < 0 for c in cands) and p.score == 1.0
+            continue
+        grp = group(p)
+        assert float(s._recall(grp)[h]) >= want and p.score >= want
+        assert int(s._cost(grp)[h]) == min(int(c[2][h]) for c in cands if float(c[1][h]) >= 0)
+        smaller = {"vertical_slash": lambda: mi.VerticalSlash(p.vertical, p.slash - 1) if p.slash > 0 else None,
+                   "block_sparse": lambda: mi.BlockSparse(p.topk - 1) if p.topk > 1 else None,
+                   "a_shape": lambda: mi.AShape(p.sink, p.local - 1) if p.local > 1 else None}[p.kind]()
+        if smaller is not None:
+            assert float(s._recall(group(smaller))[h]) < want
+    with pytest.raises(ValueError, match="target_recall"):
+        LayerSearch(q, k, block_size=BM, last_q=16, target=(8, 32), target_recall=1.5)
+
+
 def _default_checkpoint():
     try:
         from starshard.checkpoints.default import default_checkpoint
@@ -533,6 +584,27 @@ def test_search_cli_and_attend_restore(tmp_path):
     found = ms.run_search(model, list(range(100, 228)), layers=[1], progress=False, block_size=16, last_q=16)
     assert len(found[1]) == 9 and not found[0]
     assert all(layer.attention.attend is dense_attend for layer in model.layers)
+
+
+def test_search_cli_target_recall(tmp_path):
+    """--target-recall through the CLI: recorded in the config's meta, every searched head reaching it
+    (or dense), and the file runs through the sparse attention path."""
+    from starshard.tools import minference_search as ms
+
+    ckpt = _default_checkpoint()
+    out = tmp_path / "cfg.json"
+    ms.main(["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "2", "--block-size", "16",
+             "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--target-recall", "0.97", "--quiet"])
+    cfg = mi.MInferenceConfig.load(out)
+    assert cfg.meta["target_recall"] == 0.97 and "0.97" in cfg.meta["score"]
+    assert len(cfg.layers[2]) == 9 and all(p.score >= 0.97 for p in cfg.layers[2].values())
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 9, 96, 64, generator=g) for _ in range(3))
+    pos = torch.arange(96)
+    out_sparse, _ = attention(q, k, v, q_pos=pos, k_pos=pos, sparse=cfg.pattern(2, num_heads=9))
+    assert torch.isfinite(out_sparse).all()
+    with pytest.raises(SystemExit):
+        ms.main(["--out", str(out), "--target-recall", "abc"])
 
 
 def test_bench_runs_on_cpu(tmp_path):

@@ -13,6 +13,14 @@ default the paper's 1024 + 4096 at 32K, scaled to the sample length); Vertical-S
 a share of that budget for vertical lines and grow the slash count to the target cost, Block-Sparse
 grows its block count to it (bisection on the real index of the sample). The best recall wins.
 
+With `--target-recall R` the search instead asks, per head, for the cheapest pattern whose recall
+reaches R: each family's smallest budget reaching R (A-shape: the target's sink, the window grown;
+Vertical-Slash: the same vertical shares, the diagonals grown; Block-Sparse: the block count grown),
+then the lowest kernel cost among them; a head that no pattern brings to R runs dense. Equal-cost
+search keeps the kernel time and lets recall fall where a head is spread out (the searched SmolLM2
+config lost a quarter of the harness score, bench/results/2026-11-25-h200); a recall floor keeps
+accuracy and lets the cost grow instead.
+
 Budgets are absolute token/block counts found at the sample length; like MInference's published
 configs, they are applied unchanged at other lengths. `--published` also writes MInference's format.
 """
@@ -61,13 +69,16 @@ class LayerSearch:
     """Equal-cost candidates of one layer's heads (batch row 0 of q/k), scored by attention recall."""
 
     def __init__(self, q, k, *, block_size=64, last_q=64, force_sink=30, force_local=100, target=None,
-                 recall_blocks=16, scale=None, vertical_aware=True):
+                 recall_blocks=16, scale=None, vertical_aware=True, target_recall: float | None = None):
         self.q, self.k = q[:1], k[:1]
         self.Hq, self.Lq, self.D = q.shape[1], q.shape[2], q.shape[3]
         self.Lk = k.shape[2]
         self.BM = block_size
         self.last_q, self.force_sink, self.force_local = last_q, force_sink, force_local
         self.vertical_aware = vertical_aware
+        if target_recall is not None and not 0.0 < target_recall <= 1.0:
+            raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
+        self.target_recall = target_recall
         self._estimates = {}
         self.offset = self.Lk - self.Lq
         self.scale = self.D**-0.5 if scale is None else scale
@@ -148,8 +159,76 @@ class LayerSearch:
         out.append(([mi.BlockSparse(int(t)) for t in topk.clamp(min=1)], rec, self._cost(grp)))
         return out
 
+    def _smallest(self, make, lo: int, hi: int):
+        """Per head, the smallest budget in [lo, hi] whose recall reaches target_recall (bisection;
+        recall is non-decreasing in each family's budget: a larger budget keeps a superset), and
+        whether even `hi` reaches it."""
+        want = self.target_recall
+        lo_t = torch.full((self.Hq,), lo, dtype=torch.long)
+        hi_t = torch.full((self.Hq,), hi, dtype=torch.long)
+        reach = self._recall(make(hi_t)) >= want
+        at_lo = self._recall(make(lo_t)) >= want
+        hi_t = torch.where(at_lo, lo_t, hi_t)
+        while True:
+            open_ = reach & ~at_lo & (hi_t - lo_t > 1)
+            if not open_.any():
+                break
+            mid = torch.where(open_, (lo_t + hi_t) // 2, hi_t)
+            good = self._recall(make(mid)) >= want
+            hi_t = torch.where(open_ & good, mid, hi_t)
+            lo_t = torch.where(open_ & ~good, mid, lo_t)
+        return hi_t, reach
+
+    def recall_candidates(self):
+        """(pattern per head, recall per head (-1 where the family cannot reach target_recall), cost
+        per head) of each family at its smallest budget reaching target_recall: A-shape (the target's
+        sink, the window grown), Vertical-Slash (the vertical shares of `candidates`, the diagonals
+        grown), Block-Sparse (the block count grown)."""
+        out = []
+        t_sink, t_local = self.target
+        ndiag = self.Lq + self.offset
+
+        def a_shape(local):
+            return mi.HeadGroup("a_shape", self.heads, sink=[t_sink] * self.Hq, local=local.clamp(min=1).tolist())
+
+        families = [(a_shape, 1, self.Lk, lambda b: mi.AShape(t_sink, max(1, int(b))))]
+        for share in VERTICAL_SHARES:
+            vert = max(1, min(self.Lk, round(share * (t_sink + t_local))))
+            families.append((lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag,
+                             lambda b, v=vert: mi.VerticalSlash(v, int(b))))
+        families.append((lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
+                         lambda b: mi.BlockSparse(max(1, int(b)))))
+        for make, lo, hi, pattern in families:
+            budget, reach = self._smallest(make, lo, hi)
+            grp = make(budget)
+            rec = torch.where(reach, self._recall(grp), torch.tensor(-1.0))
+            out.append(([pattern(b) for b in budget], rec, self._cost(grp)))
+        return out
+
+    def cheapest(self) -> list:
+        """Per head, the cheapest candidate (kernel cost) whose recall reaches target_recall; Dense
+        where none does. The pattern's score is its recall (1.0 for Dense)."""
+        cands = self.recall_candidates()
+        recalls = torch.stack([c[1] for c in cands])  # [C, Hq]
+        costs = torch.stack([c[2].double() for c in cands])
+        costs = torch.where(recalls >= 0, costs, torch.tensor(float("inf"), dtype=costs.dtype))
+        pick = costs.argmin(0)
+        result = []
+        for h in range(self.Hq):
+            c = int(pick[h])
+            if not torch.isfinite(costs[c, h]):
+                result.append(mi.Dense(score=1.0))
+                continue
+            p = cands[c][0][h]
+            result.append(type(p)(**{**{f: getattr(p, f) for f in p.__dataclass_fields__ if f != "score"},
+                                     "score": round(float(recalls[c, h]), 6)}))
+        return result
+
     def best(self) -> list:
-        """Per head, the candidate with the best recall (its recall kept as the pattern's score)."""
+        """Per head, the candidate with the best recall (its recall kept as the pattern's score); with
+        target_recall, the cheapest one reaching it (`cheapest`)."""
+        if self.target_recall is not None:
+            return self.cheapest()
         cands = self.candidates()
         recalls = torch.stack([c[1] for c in cands])  # [C, Hq]
         pick = recalls.argmax(0)
@@ -214,6 +293,9 @@ def main(argv=None) -> dict:
     p.add_argument("--target-sink", type=int, default=None, help="target A-shape sink (default: 1024 scaled from 32K)")
     p.add_argument("--target-local", type=int, default=None, help="target A-shape window (default: 4096 scaled from 32K)")
     p.add_argument("--recall-blocks", type=int, default=16, help="query row blocks the recall is measured on")
+    p.add_argument("--target-recall", type=float, default=None,
+                   help="pick per head the cheapest pattern whose attention recall reaches this (0 < R <= 1; a head "
+                        "no pattern reaches runs dense) instead of the best recall at the target A-shape's cost")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--published", default=None, help="also write MInference's published format to this path")
@@ -231,12 +313,15 @@ def main(argv=None) -> dict:
     t0 = time.time()
     found = run_search(model, ids, layers=layers, progress=not args.quiet, block_size=args.block_size,
                        last_q=args.last_q, force_sink=args.force_sink, force_local=args.force_local, target=target,
-                       recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate)
+                       recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate,
+                       target_recall=args.target_recall)
     cfg = mi.MInferenceConfig(
         layers=found, block_size=args.block_size, last_q=args.last_q, force_sink=args.force_sink,
         force_local=args.force_local, vertical_aware=not args.minference_estimate,
         meta={"model": str(path), "sample": {"task": args.task, "tokens": L, "seed": args.seed},
-              "target": {"sink": target[0], "local": target[1]}, "score": "attention recall at equal kernel cost",
+              "target": {"sink": target[0], "local": target[1]}, "target_recall": args.target_recall,
+              "score": ("attention recall at equal kernel cost" if args.target_recall is None else
+                        f"attention recall of the cheapest pattern reaching {args.target_recall}"),
               "searched_layers": sorted(i for i, d in enumerate(found) if d), "seconds": round(time.time() - t0, 1)},
     )
     out = Path(args.out)
