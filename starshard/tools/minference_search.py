@@ -18,8 +18,8 @@ reaches R: each family's smallest budget reaching R (A-shape: the target's sink,
 Vertical-Slash: the same vertical shares, the diagonals grown; Block-Sparse: the block count grown),
 then the lowest kernel cost among them; a head that no pattern brings to R runs dense. Equal-cost
 search keeps the kernel time and lets recall fall where a head is spread out (the searched SmolLM2
-config lost a quarter of the harness score, bench/results/2026-11-25-h200); a recall floor keeps
-accuracy and lets the cost grow instead.
+config lost a quarter of the harness score, bench/results/2026-11-25-h200); a recall floor bounds what
+each head gives up and lets the cost grow instead.
 
 Budgets are absolute token/block counts found at the sample length; like MInference's published
 configs, they are applied unchanged at other lengths. `--published` also writes MInference's format.
@@ -66,7 +66,8 @@ def _dense_probs(q, k, blocks, *, block_size, offset, scale):
 
 
 class LayerSearch:
-    """Equal-cost candidates of one layer's heads (batch row 0 of q/k), scored by attention recall."""
+    """Candidates for one layer's heads (batch row 0 of q/k) scored by attention recall: at equal kernel
+    cost (`best`), or the cheapest reaching `target_recall` (`cheapest`)."""
 
     def __init__(self, q, k, *, block_size=64, last_q=64, force_sink=30, force_local=100, target=None,
                  recall_blocks=16, scale=None, vertical_aware=True, target_recall: float | None = None):
@@ -301,6 +302,8 @@ def main(argv=None) -> dict:
     p.add_argument("--published", default=None, help="also write MInference's published format to this path")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.target_recall is not None and not 0.0 < args.target_recall <= 1.0:
+        p.error(f"--target-recall must be in (0, 1], got {args.target_recall}")
 
 
     path = Path(args.model) if args.model else default_checkpoint(progress=not args.quiet)

@@ -1,5 +1,6 @@
 """Index building for Vertical-Slash and Block-Sparse heads (torch, on q's device, no host sync;
-shared by the Triton and the torch paths).
+shared by the Triton and the torch attention paths). The Vertical-Slash estimate's softmax rows and
+the per-row-block column lists can also run as Triton launches (estimate.py, columns.py).
 
 Index format of a Vertical-Slash head (B = block_size; row block m's first row sits at key index
 b = m*B + off):
