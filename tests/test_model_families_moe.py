@@ -163,16 +163,18 @@ def test_bad_moe_configs_are_refused(families):
         ModelConfig.from_hf(dict(hf, decoder_sparse_step=0))
 
 
-def test_moe_gguf_is_refused(families, tmp_path, monkeypatch):
-    """GGUF files of MoE models are refused before the model is read (transformers' config of the file
-    stands in for one)."""
-    cfg = transformers.AutoConfig.from_pretrained(families["mixtral"][1])
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: cfg)
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"")
-    with pytest.raises(UnsupportedArchitectureError, match=r"m.gguf: GGUF files of mixture-of-experts models "
-                                                           r"\(mixtral\) are not supported; .*\(--hf DIR\)"):
+def test_moe_gguf_is_refused(families, tmp_path):
+    """A Mixtral GGUF (as llama.cpp writes it: the `llama` architecture with expert tensors, which
+    transformers' GGUF reader loads as a dense Llama without its experts) is refused from its metadata,
+    before any tensor is read. Qwen3-MoE GGUFs convert: tests/test_moe_gguf.py."""
+    from test_moe_gguf import write_gguf
+
+    gguf = write_gguf(families["mixtral"][0], tmp_path / "m.gguf", arch="llama", name="Mixtral-tiny")
+    with pytest.raises(UnsupportedArchitectureError, match=r"m.gguf: a Mixtral GGUF \(general.architecture 'llama' "
+                       r"with 6 experts\) is not supported: transformers' GGUF reader does not support Mixtral .*"
+                       r"--hf DIR --out OUT"):
         convert(out=tmp_path / "out", gguf=gguf, progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------- single device vs transformers

@@ -7,7 +7,10 @@
 Output: OUT/manifest.json (model config, layout, dtype, source, fp8, per-tensor sha256), one
 `model-tp{t}-pp{p}.safetensors` per rank of the layout, and the tokenizer files. Safetensors sources
 are streamed tensor by tensor, so peak memory is about one (fused) tensor, not the model. GGUF goes
-through transformers' GGUF reader, which dequantizes the whole model in memory first.
+through transformers' GGUF reader, which dequantizes the whole model in memory first. MoE GGUFs: Qwen3-MoE
+(`qwen3moe`, transformers >= 4.56), its config completed from the metadata that reader does not map;
+Mixtral (`llama` with experts, which that reader loads as a dense Llama) and other MoE architectures are
+refused from the metadata, naming the fix (--hf DIR).
 
 --fp8 linear stores the decoder projections (config.FP8_LINEARS: wqkv, wo, w13, w2) as e4m3 `*.weight`
 plus float32 `*.weight_scale` (one per output channel), everything else (embedding, norms, LM head, MoE
@@ -127,21 +130,127 @@ def fp8_parts(fp8: str | Fp8Config | None) -> list[str]:
     return ["linear"] if cfg.linear else []
 
 
-def gguf_to_hf(gguf_path: Path):
-    """Dequantize a GGUF through transformers: (hf config dict, state dict, tokenizer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+# MoE GGUF architectures (`general.architecture`) starshard converts: the HF model_type transformers'
+# GGUF reader maps each to, and the first transformers release whose reader loads its experts (4.55
+# listed `qwen3moe` under the GGUF name, not the model type, and had no expert processor for it).
+GGUF_MOE_READERS = {"qwen3moe": ("qwen3_moe", "4.56")}
 
+
+def read_gguf_metadata(gguf_path: Path) -> dict[str, object]:
+    """A GGUF file's scalar metadata (strings and numbers; arrays such as the vocabulary left out). The
+    file is memory-mapped: no tensor is read."""
+    from gguf import GGUFReader, GGUFValueType
+
+    meta = {}
+    for key, field in GGUFReader(str(gguf_path)).fields.items():
+        if not field.types or field.types[0] == GGUFValueType.ARRAY or not field.data:
+            continue
+        value = field.parts[field.data[0]]
+        meta[key] = bytes(value).decode("utf-8") if field.types[0] == GGUFValueType.STRING else value[0].item()
+    return meta
+
+
+def _transformers_reads_moe_gguf(arch: str, model_type: str) -> bool:
+    """Whether the installed transformers maps the architecture's metadata to a config and its stacked
+    expert tensors (ffn_{gate,up,down}_exps) to the model's experts."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as reader
+        from transformers.integrations import ggml
+    except ImportError:
+        return False
+    return model_type in ggml.GGUF_CONFIG_MAPPING and arch in getattr(reader, "TENSOR_PROCESSORS", {})
+
+
+def _check_moe_gguf(gguf_path: Path, arch: str, experts: int) -> None:
+    """Refuse a mixture-of-experts GGUF starshard cannot read through transformers, naming the fix."""
+    import transformers
+
+    fix = ("convert the model's Hugging Face safetensors directory instead: "
+           "python -m starshard.checkpoints.convert --hf DIR --out OUT")
+    if arch not in GGUF_MOE_READERS:
+        if arch == "llama":  # llama.cpp writes Mixtral as `llama` with experts
+            raise UnsupportedArchitectureError(
+                f"{gguf_path.name}: a Mixtral GGUF (general.architecture 'llama' with {experts} experts) is not "
+                "supported: transformers' GGUF reader does not support Mixtral (it reads the file as a dense Llama "
+                f"and leaves the experts out); {fix}")
+        readable = ", ".join(sorted(GGUF_MOE_READERS))
+        raise UnsupportedArchitectureError(
+            f"{gguf_path.name}: GGUF files of the mixture-of-experts architecture {arch!r} ({experts} experts) are "
+            f"not supported: starshard reads MoE GGUFs through transformers' GGUF reader for {readable} only; {fix}")
+    model_type, since = GGUF_MOE_READERS[arch]
+    if not _transformers_reads_moe_gguf(arch, model_type):
+        raise UnsupportedArchitectureError(
+            f"{gguf_path.name}: transformers {transformers.__version__}'s GGUF reader does not read {model_type} "
+            f"(general.architecture {arch!r}) files; it needs transformers >= {since}: "
+            f"pip install -U 'transformers>={since}', or {fix}")
+
+
+def _moe_gguf_fields(meta: dict[str, object], arch: str) -> dict[str, object]:
+    """Qwen3-MoE config fields transformers' GGUF reader leaves at Qwen3MoeConfig's defaults: the experts'
+    width (`expert_feed_forward_length`, mapped by no release), whether the top-k weights are renormalized
+    (llama.cpp's qwen3moe graph does, unless the file says otherwise; transformers < 5 keeps False), and
+    the sparse layers (llama.cpp gives every layer experts)."""
+    fields: dict[str, object] = dict(norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+                                     mlp_only_layers=[], decoder_sparse_step=1)
+    width = meta.get(f"{arch}.expert_feed_forward_length")
+    if width is not None:
+        fields["moe_intermediate_size"] = int(width)
+    return fields
+
+
+def _gguf_config(gguf_path: Path):
+    """transformers' config of a GGUF file, plus the MoE fields its reader does not map. MoE files it cannot
+    read are refused here, from the metadata alone (no tensor is read)."""
+    from transformers import AutoConfig
+
+    gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    kw = dict(gguf_file=gguf_path.name)
-    hf_cfg = AutoConfig.from_pretrained(gguf_path.parent, **kw).to_dict()
-    if ModelConfig.from_hf(hf_cfg).num_experts:  # refuse unsupported models before the slow load
-        raise UnsupportedArchitectureError(
-            f"{gguf_path.name}: GGUF files of mixture-of-experts models ({hf_cfg.get('model_type')}) are not supported; "
-            "convert the model's Hugging Face safetensors directory instead (--hf DIR)")
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, torch_dtype=torch.float32, **kw)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    meta = read_gguf_metadata(gguf_path)
+    arch = str(meta.get("general.architecture", ""))
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts:
+        _check_moe_gguf(gguf_path, arch, experts)
+        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        if scaling != "none":  # the reader maps no rope.scaling key for these: the RoPE would silently be plain
+            raise UnsupportedArchitectureError(
+                f"{gguf_path.name}: the file's RoPE scaling ({arch}.rope.scaling.type = {scaling!r}) is not read by "
+                "transformers' GGUF reader, so its positions would be wrong; convert the model's Hugging Face "
+                "safetensors directory instead (--hf DIR), whose config.json carries the scaling")
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if experts:
+        for key, value in _moe_gguf_fields(meta, arch).items():
+            setattr(config, key, value)
+    return config
+
+
+def gguf_hf_config(gguf_path: Path) -> dict:
+    """The HF config (dict) of a GGUF file: what starshard's ModelConfig.from_hf reads."""
+    hf_cfg = _gguf_config(gguf_path).to_dict()
     hf_cfg.pop("quantization_config", None)
+    return hf_cfg
+
+
+def gguf_to_hf(gguf_path: Path):
+    """Dequantize a GGUF through transformers: (hf config dict, state dict, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    config = _gguf_config(gguf_path)
+    hf_cfg = config.to_dict()
+    hf_cfg.pop("quantization_config", None)
+    ModelConfig.from_hf(hf_cfg)  # refuse unsupported models before the slow load
+    kw = dict(gguf_file=gguf_path.name)
+    # The completed config builds the model, so the reader fills tensors of the file's shapes.
+    model, info = AutoModelForCausalLM.from_pretrained(gguf_path.parent, config=config, torch_dtype=torch.float32,
+                                                       output_loading_info=True, **kw)
+    if info["missing_keys"]:  # transformers warns and keeps random weights there; a conversion must not
+        missing = sorted(info["missing_keys"])
+        raise ValueError(
+            f"{gguf_path.name}: transformers' GGUF reader left {len(missing)} weights of {type(model).__name__} "
+            f"unread ({', '.join(missing[:3])}, ...): the file's tensors are not what transformers expects for "
+            f"{hf_cfg.get('model_type')}; convert the model's Hugging Face safetensors directory instead (--hf DIR)")
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
     return hf_cfg, model.state_dict(), tok
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.convert import MANIFEST, gguf_to_hf
+from starshard.checkpoints.convert import MANIFEST, gguf_hf_config, gguf_to_hf
 from starshard.checkpoints.hf import SafetensorsSource, StateDictSource, plan_shard, read_hf_config
 from starshard.checkpoints.load import (
     CheckpointError,
@@ -66,9 +66,7 @@ def read_config(src: WeightSource, random_config: ModelConfig | None = None) -> 
         return ModelConfig.from_dict(read_manifest(src.path)["model_config"])
     if src.kind == "hf":
         return ModelConfig.from_hf(read_hf_config(src.path))
-    from transformers import AutoConfig
-
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(src.path.parent, gguf_file=src.path.name).to_dict())
+    return ModelConfig.from_hf(gguf_hf_config(src.path))  # with the MoE fields transformers' reader leaves out
 
 
 def check_source_fp8(src: WeightSource, fp8_linear: bool) -> bool:
