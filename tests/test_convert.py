@@ -94,3 +94,20 @@ def test_missing_and_corrupted_shards(tmp_path):
     (ckpt / "manifest.json").unlink()
     with pytest.raises((CheckpointError, ValueError, FileNotFoundError)):
         load_model(ckpt)  # no manifest and no config.json: neither format
+
+
+def test_dir_without_tokenizer_converts_with_a_warning(tmp_path, capsys):
+    """An HF dir with weights and config but no tokenizer files (random-weight dirs, e.g. the FP8 checkpoint
+    bench's) converts; the warning names the files looked for, even when the config has no model_type
+    (transformers 5.17's tokenizer lookup raised AttributeError there instead of OSError / ValueError)."""
+    _, path = make_hf_model("llama", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("model_type", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    for f in path.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            f.unlink()
+    out = convert(out=tmp_path / "ckpt", hf_dir=path, dtype="float32", progress=False)
+    err = capsys.readouterr().err
+    assert "no tokenizer saved" in err and "tokenizer.json" in err
+    assert not (out / "tokenizer.json").exists() and read_manifest(out)["model_config"]

@@ -337,14 +337,25 @@ def _ticking(spec, bar):
     return spec
 
 
+# Files one of which an HF directory's tokenizer is read from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
 def _save_tokenizer(out: Path, tok_dir: Path | None, tokenizer) -> None:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
+        no_files = tok_dir is None or not any((Path(tok_dir) / f).is_file() for f in TOKENIZER_FILES)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+            # Without tokenizer files transformers' lookup can fail in other ways than OSError / ValueError
+            # (5.17: AttributeError on a config without model_type): do not ask it.
+            tokenizer = None if no_files else AutoTokenizer.from_pretrained(tok_dir)
         except (OSError, ValueError) as e:
             print(f"warning: no tokenizer saved ({e}); pass token ids, not text, to this checkpoint", file=sys.stderr)
+            return
+        if tokenizer is None:
+            print(f"warning: no tokenizer saved ({tok_dir} has none of {', '.join(TOKENIZER_FILES)}); pass token ids, "
+                  "not text, to this checkpoint", file=sys.stderr)
             return
     tokenizer.save_pretrained(out)
 
