@@ -40,15 +40,18 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vertical", type=int, default=1000)
     ap.add_argument("--slash", type=int, default=6096)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--profile", action="store_true", help="also print the Triton build's kernels (torch.profiler, 5 builds)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     L, H, Hkv, D = args.length, args.heads, args.kv_heads, args.head_dim
-    q = torch.randn(1, H, L, D, device=dev, generator=g).bfloat16()
-    k = torch.randn(1, Hkv, L, D, device=dev, generator=g).bfloat16()
+    dt = getattr(torch, args.dtype)
+    q = torch.randn(1, H, L, D, device=dev, generator=g).to(dt)
+    k = torch.randn(1, Hkv, L, D, device=dev, generator=g).to(dt)
     kw = dict(offset=0, vertical=args.vertical, slash=args.slash, last_q=64)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
-           "shape": {"length": L, "heads": H, "kv_heads": Hkv, "head_dim": D}, "pattern": [args.vertical, args.slash]}
+           "dtype": args.dtype, "shape": {"length": L, "heads": H, "kv_heads": Hkv, "head_dim": D}, "pattern": [args.vertical, args.slash]}
     sel = {}
     for name, flag in (("torch", False), ("triton", True)):
         sel[name] = mi.vs_select(q, k, use_triton=flag, **kw)
@@ -57,6 +60,22 @@ def main():
     v_k, s_k = sel["triton"]
     res["vertical_picks_equal"] = float((v_t == v_k).float().mean())
     res["slash_picks_equal"] = float((s_t == s_k).float().mean())
+    # Random q / k give near-flat rows, where the bf16 (torch) and float32 (Triton) products order
+    # near-equal scores differently: judge each path's picks by the float64 estimate mass they keep.
+    _, v64, s64 = mi.vs_estimate(q.double(), k.double(), **kw)
+    for name in ("torch", "triton"):
+        _, vs, _ = mi.vs_estimate(q, k, use_triton=name == "triton", **kw)
+        res[f"vertical_score_max_abs_err_{name}"] = float((vs.double() - v64).abs().max())
+    best_v = mi.pick_vertical(v64, args.vertical, 64, 30)
+    best_s = mi.pick_slash(s64, args.slash, 64, 100, H)
+
+    def kept(score, idx):  # [B, H] mass of the picked ids (padding ids point past the end: 0)
+        padded = torch.cat([score, score.new_zeros(*score.shape[:-1], 1)], -1)
+        return padded.gather(-1, idx.clamp(max=score.shape[-1])).sum(-1)
+
+    for name, (v, s_) in sel.items():
+        res[f"vertical_mass_vs_float64_best_{name}"] = float((kept(v64, v) / kept(v64, best_v)).min())
+        res[f"slash_mass_vs_float64_best_{name}"] = float((kept(s64, s_) / kept(s64, best_s)).min())
     ix = {}
     for name, flag in (("torch", False), ("triton", True)):
         ix[name] = mi.vs_index(v_t, s_t, Lq=L, Lk=L, offset=0, block_size=64, use_triton=flag)
@@ -64,7 +83,23 @@ def main():
                                                                 use_triton=flag))
     res["index_equal"] = all(torch.equal(getattr(ix["torch"], n), getattr(ix["triton"], n))
                              for n in ("col", "col_count", "col_full"))
-    print(json.dumps(res, indent=1))
+    if args.profile:  # where the Triton build's time goes, kernel by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        def build():
+            v, s_ = mi.vs_select(q, k, use_triton=True, **kw)
+            mi.vs_index(v, s_, Lq=L, Lk=L, offset=0, block_size=64, use_triton=True)
+
+        build()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                build()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        print(table)
+        res["profile_top"] = table
+    print(json.dumps({k: v for k, v in res.items() if k != "profile_top"}, indent=1))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from starshard.benchmarks.sparse import make_inputs  # noqa: E402
 from starshard.kernels import anchor as an  # noqa: E402
 from starshard.kernels import minference as mi  # noqa: E402
-from starshard.kernels.attention import attention, head_subset  # noqa: E402
+from starshard.kernels.attention import attention, causal_attention, head_subset  # noqa: E402
 from starshard.kernels.sparse import (  # noqa: E402
     MIN_LENGTH, FallbackSparse, SparseConfig, SparseReport, install_sparse, load_sparse_method, pattern_for,
     sparse_report,
@@ -209,6 +209,37 @@ def test_mixed_heads_split_between_kernels(case):
                                        backend=backend)
     check_split(out, lse, q, k, v, pos, dense, plan_vis(plan.groups, 1, 4, L, L, 0), dtype)
     assert (rep.heads_sparse, rep.heads_dense) == (2, 2)
+
+
+@pytest.mark.parametrize("vertical", [8, 40, 100, 300])
+def test_vertical_slash_choice_and_density_match_the_exact_count(vertical):
+    """The plan skips the exact column count (a second host sync on a GPU) where each head's bound
+    (budget columns in every row block) already wins: the heads it sends dense and the densities it
+    reports must still be the exact count's (kernel_cost of the whole index), on either side of the
+    bound (small budgets: bound wins; large: the exact count decides)."""
+    q, k, v, pos = inputs("structured")
+    pat = pattern(mi.VerticalSlash(vertical, 16), mi.VerticalSlash(vertical, 48), mi.VerticalSlash(8, 16),
+                  mi.VerticalSlash(vertical, 4))
+    plan = mi.plan_with_fallback(q, k, pat, offset=0, rates=KERNEL_ONLY)
+    (grp,) = mi.build_plan(q, k, pat, offset=0)
+    exact = mi.plan.kernel_cost(grp, B=1, Lq=L, Lk=L, offset=0, block_size=BM)[0].tolist()
+    dense_e = mi.plan.dense_cost(Lq=L, Lk=L, offset=0, block_size=BM)
+    frac = KERNEL_ONLY.vertical_slash
+    assert plan.dense == [h for h in range(4) if exact[h] / dense_e >= frac]
+    for h in range(4):
+        if h not in plan.dense:
+            assert float(plan.density[h]) == pytest.approx(exact[h] / dense_e, rel=1e-12)
+
+
+def test_causal_attention_is_the_square_dispatcher_call():
+    """The sparse methods' dense heads skip the position read when the layout is square index-causal:
+    same (out, lse) as the dispatcher given positions; other shapes refused."""
+    q, k, v, pos = inputs("random")
+    out, lse = causal_attention(q, k, v)
+    want = attention(q, k, v, q_pos=pos, k_pos=pos)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match="as many keys as query rows"):
+        causal_attention(q[:, :, :100], k, v)
 
 
 def test_query_block_after_its_keys_and_batch():

@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from starshard.kernels.attention import attention, head_subset
-from starshard.kernels.common import MIN_SPARSE_ROWS, cdiv, check_shapes, query_offset, triton_interpreted
+from starshard.kernels.attention import attention, causal_attention, head_subset
+from starshard.kernels.common import MIN_SPARSE_ROWS, cdiv, check_shapes, query_offset, to_device, triton_interpreted
 from starshard.kernels.online_softmax import LOG2E, key_chunk, key_span, softmax_finish, softmax_init
 
 try:
@@ -615,18 +615,23 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     dense = [h for h in range(Hq) if h not in set(sparse)]
     if report is not None:
         report.record([dens[h] for h in sparse], len(dense))
-    if not sparse:
+    def dense_part(q, k, v):  # the square prefill layout is known from `offset`: no second read of the positions
+        if offset == 0 and Lq == Lk:
+            return causal_attention(q, k, v, scale=scale)
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+
+    if not sparse:
+        return dense_part(q, k, v)
     if not dense:
         return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
-    sp = torch.tensor(sparse, dtype=torch.long, device=q.device)
+    sp = to_device(sparse, q.device)
     sub = StripeIndex(index.idx.index_select(1, sp), index.count.index_select(1, sp))
     o_s, l_s = sparse_attention(*head_subset(q, k, v, sparse), sub, config, offset=offset, scale=scale,
                                 backend=backend, launch=launch)
-    o_d, l_d = attention(*head_subset(q, k, v, dense), q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    o_d, l_d = dense_part(*head_subset(q, k, v, dense))
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
-    dn = torch.tensor(dense, dtype=torch.long, device=q.device)
+    dn = to_device(dense, q.device)
     out.index_copy_(1, sp, o_s)
     out.index_copy_(1, dn, o_d)
     lse.index_copy_(1, sp, l_s)

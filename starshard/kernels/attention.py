@@ -25,7 +25,7 @@ from starshard.kernels.merge import merge_partials
 from starshard.kernels.reference import attention_math
 
 __all__ = [
-    "attention", "attention_after_held", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
+    "attention", "attention_after_held", "causal_attention", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
     "SHORT_QUERY_ROWS", "sm_count", "head_subset",
 ]
 
@@ -181,6 +181,23 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_
     if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS:
         return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+
+
+def causal_attention(q, k, v, *, scale=None):
+    """Square index-causal attention (Lq == Lk, row i sees keys 0..i), for callers that already know
+    their layout: the sparse methods' dense heads, after `query_offset` read the positions (offset 0
+    over as many keys as rows, strictly increasing positions: position-causal is index-causal). Same
+    kernels as `attention`, without `mask_mode`'s read of the positions (a host sync per call)."""
+    check_shapes(q, k, v)
+    B, Hq, L, D = q.shape
+    if k.shape[2] != L:
+        raise ValueError(f"causal_attention needs as many keys as query rows, got {L} rows and {k.shape[2]} keys")
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and L > DECODE_MAX_ROWS:
+        backend = cuda_backend(q, L, "causal", sm_count(q.device))
+        if backend in ("cudnn", "flash-sdpa"):
+            return _fused(q, k, v, causal=True, scale=scale, op="cudnn" if backend == "cudnn" else "flash")
+    pos = torch.arange(L, device=q.device)
+    return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, scale=scale)
 
 
 def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None, v_scale=None):

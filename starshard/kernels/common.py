@@ -20,6 +20,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """A small host list as a tensor on `device` without a device sync: torch.tensor(..., device=cuda)
+    copies synchronously, which drains the GPU's queue and leaves the next kernels waiting on host
+    launches; a non-blocking copy from pageable memory is staged on the host at once (safe to drop)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D [B, H, L, D] tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")

@@ -119,13 +119,13 @@ class SparseReport:
     heads_sparse: int = 0
     heads_dense: int = 0
     heads_skipped: int = 0
-    kept: float = 0.0
+    kept: float = 0.0  # sum of the sparse heads' densities (a 0-dim CUDA tensor once one was)
 
     def record(self, sparse_densities, dense_heads: int) -> None:
         """One estimated call: the densities of its sparse heads, how many heads ran dense."""
         self.calls += 1
         self.heads_sparse += len(sparse_densities)
-        self.kept += float(sum(sparse_densities))
+        self.kept = self.kept + sum(sparse_densities)  # may be a device tensor: read in as_dict, not here
         self.heads_dense += int(dense_heads)
 
     def skip(self, heads: int) -> None:
@@ -139,7 +139,7 @@ class SparseReport:
     def as_dict(self) -> dict:
         return {"calls": self.calls, "heads_sparse": self.heads_sparse, "heads_dense": self.heads_dense,
                 "heads_skipped": self.heads_skipped,
-                "mean_density": self.kept / self.heads_sparse if self.heads_sparse else None}
+                "mean_density": float(self.kept) / self.heads_sparse if self.heads_sparse else None}
 
 
 class FallbackSparse:

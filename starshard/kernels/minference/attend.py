@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from starshard.kernels.attention import attention, head_subset
-from starshard.kernels.common import MIN_SPARSE_ROWS, check_shapes, query_offset
+from starshard.kernels.attention import attention, causal_attention, head_subset
+from starshard.kernels.common import MIN_SPARSE_ROWS, check_shapes, query_offset, to_device
 from starshard.kernels.minference.kernel import attention_triton, triton_available
 from starshard.kernels.minference.patterns import AShape, BlockSparse, Dense, VerticalSlash, head_pattern
 from starshard.kernels.minference.plan import FallbackPlan, KernelRates, build_plan, plan_with_fallback
@@ -99,14 +99,19 @@ def attention_with_fallback(q, k, v, plan: FallbackPlan, *, q_pos, k_pos, offset
                             backend=None, launch=None):
     """Run a FallbackPlan: its sparse groups through the sparse kernel, its dense heads through the
     dense dispatcher (the whole call when every head is dense, so nothing but dense attention runs)."""
-    if not plan.groups:
+    def dense(q, k, v):  # the square prefill layout is known from `offset`: no second read of the positions
+        if offset == 0 and q.shape[2] == k.shape[2]:
+            return causal_attention(q, k, v, scale=scale)
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+
+    if not plan.groups:
+        return dense(q, k, v)
     sm_scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = attention_from_plan(q, k, v, plan.groups, offset=offset, scale=sm_scale, block_size=block_size,
                                    backend=backend, launch=launch)
     if plan.dense:
-        o, m = attention(*head_subset(q, k, v, plan.dense), q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
-        idx = torch.tensor(plan.dense, dtype=torch.long, device=q.device)
+        o, m = dense(*head_subset(q, k, v, plan.dense))
+        idx = to_device(plan.dense, q.device)
         out.index_copy_(1, idx, o)
         lse.index_copy_(1, idx, m)
     return out, lse

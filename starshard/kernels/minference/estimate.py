@@ -107,16 +107,17 @@ if triton is not None:
         tl.store(VS + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + cols, tl.sum(p, 0), mask=col_ok)
 
 
-# Off until a GPU run has checked them (bench/minference_index_bench.py, run by
-# bench/results/2026-11-25-h200/run_i.sh; the session that wrote them had no device time left): until
-# then CUDA keeps the torch ops, and the kernels run where asked (use_triton=True) and in the tests.
-ON_CUDA_BY_DEFAULT = False
+# On for CUDA since a GPU run checked them (bench/minference_index_bench.py; bench/results/2026-11-25-h200-index/,
+# one H200, SmolLM2 shapes at 128K keys): their column scores within 1.2e-9 of float64 (the torch ops'
+# bf16 products: 2.4e-5), picks keeping all of the float64 picks' mass; in bf16 the picks 1.2-2.7x and
+# the column lists 2.0-3.0x faster than the torch ops (SmolLM2 and Llama-8B shapes). Not for float32
+# inputs on a GPU: there the IEEE dot product made the estimate 3.7x slower than torch's matmul.
+ON_CUDA_BY_DEFAULT = True
 
 
 def use_estimate_kernel(q: torch.Tensor) -> bool:
-    """Whether vs_estimate uses the kernels by default: CUDA inputs in 16/32-bit floats, once enabled."""
-    return (ON_CUDA_BY_DEFAULT and triton is not None and q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    """Whether vs_estimate uses the kernels by default: CUDA inputs in 16-bit floats, when enabled."""
+    return ON_CUDA_BY_DEFAULT and triton is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def estimate_probs(q, k, z, vscore, *, h0: int, h1: int, rows: int, offset: int, scale: float) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from starshard.kernels.common import INT32_MAX, cdiv
+from starshard.kernels.common import INT32_MAX, cdiv, to_device
 from starshard.kernels.minference.columns import use_columns_kernel, vs_columns
 from starshard.kernels.minference.estimate import estimate_probs, use_estimate_kernel
 
@@ -81,7 +81,7 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
     `vertical`).
 
     Heads are processed in chunks of whole KV groups (q rows of a group against its K, no K copies).
-    With use_triton (None: estimate.py's `use_estimate_kernel`, off on CUDA until GPU-checked), the
+    With use_triton (None: estimate.py's `use_estimate_kernel`: CUDA in 16-bit floats), the
     softmax rows come from estimate.py's two Triton launches (q . k accumulated in float32, z written
     once); otherwise from torch ops (on CUDA the q.k products in the input dtype, as MInference, the
     softmax in float32)."""
@@ -118,11 +118,10 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
     # Row r of the scores sits at z[r, R-1 : R-1+Lk]; one more zero column at the end takes
     # scattered padding ids.
     W = Lk + 2 * (R - 1) + 1
-    # Diagonal d sits at column c = qidx_last - d of the row-shifted scores.
-    d_all = torch.arange(ndiag, device=dev)
-    c_of_d = qidx_last - d_all
-    c_ok = (c_of_d >= 0) & (c_of_d < Lk + R - 1)
-    d_ok, c_sel = d_all[c_ok], c_of_d[c_ok]
+    # Diagonal d sits at column c = qidx_last - d of the row-shifted scores (Lk + R - 1 columns):
+    # diagonals d_lo .. ndiag-1 are columns c_top .. 0, a reversed slice (no mask, no host sync).
+    d_lo = max(0, qidx_last - (Lk + R - 2))
+    c_top = qidx_last - d_lo
     needed = torch.zeros(Hkv, dtype=torch.bool)
     needed[torch.tensor(heads, dtype=torch.long) // g] = True
     step = max(1, _ESTIMATE_BUDGET // max(1, B * g * R * W))
@@ -150,7 +149,7 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
             vscore[:, h0:h1] = logits.sum(-2)
         # Row r shifted right by R-1-r: diagonals line up in columns (strided view, no copy).
         shifted = z.as_strided((B, n, R, Lk + R - 1), (n * R * W, R * W, W + 1, 1))
-        sscore[:, h0:h1, d_ok] = shifted.sum(-2)[..., c_sel].float()
+        sscore[:, h0:h1, d_lo:] = shifted[..., : c_top + 1].sum(-2).flip(-1).float()
         if kv_max > 0 and bool(budget[h0:h1].any()):
             ranked = vscore[:, h0:h1].clone()
             if fs > 0:  # forced columns outrank every estimate (each is <= R), first ones first
@@ -164,10 +163,10 @@ def vs_estimate(q, k, *, offset: int, vertical=None, slash=None, last_q: int = 6
                 echo = (v_idx < Lk) & (qidx_first - v_idx > band[..., None])
                 zcol = torch.where(echo, v_idx + (R - 1), W - 1)
                 z.scatter_(-1, zcol[:, :, None, :].expand(B, n, R, zcol.shape[-1]), 0.0)
-                sscore[:, h0:h1, d_ok] = shifted.sum(-2)[..., c_sel].float()
+                sscore[:, h0:h1, d_lo:] = shifted[..., : c_top + 1].sum(-2).flip(-1).float()
         del z
     if heads != list(range(Hq)):
-        sel = torch.tensor(heads, device=dev)
+        sel = to_device(heads, dev)
         vscore, sscore, v_all = vscore[:, sel], sscore[:, sel], v_all[:, sel]
     return (v_all if vertical is not None else None), vscore, sscore
 
@@ -186,8 +185,9 @@ def _topk_per_head(scores: torch.Tensor, budgets: list[int], sentinel: int) -> t
     if kmax <= 0:
         return torch.full((*scores.shape[:-1], 0), sentinel, dtype=torch.long, device=scores.device)
     idx = torch.topk(scores, kmax, dim=-1, sorted=True).indices
-    keep = torch.arange(kmax, device=scores.device)[None, :] < torch.tensor(budgets, device=scores.device)[:, None]
-    idx = torch.where(keep, idx, sentinel)
+    if min(budgets) < kmax:  # heads with smaller budgets: their extra ranks become padding
+        keep = torch.arange(kmax, device=scores.device)[None, :] < to_device(budgets, scores.device)[:, None]
+        idx = torch.where(keep, idx, sentinel)
     return idx.sort(-1).values
 
 
@@ -323,7 +323,7 @@ def bs_select(q, k, *, offset: int, topk, block_size: int = 64, scale=None, head
     dev = q.device
     scale = D**-0.5 if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    heads_t = torch.tensor(heads, device=dev)
+    heads_t = to_device(heads, dev)
 
     def pool(x, L, n):  # block means, accumulated in float32 (float64) without copying x
         whole = L // BM
@@ -346,7 +346,7 @@ def bs_select(q, k, *, offset: int, topk, block_size: int = 64, scale=None, head
     budgets = _per_head(topk, nH)
     K = min(max(budgets), nN)
     top = torch.topk(s, K, dim=-1, sorted=True)
-    rank_ok = torch.arange(K, device=dev)[None, :] < torch.tensor(budgets, device=dev)[:, None]  # [nH, K]
+    rank_ok = torch.arange(K, device=dev)[None, :] < to_device(budgets, dev)[:, None]  # [nH, K]
     ok = (top.values > float("-inf")) & rank_ok[None, :, None, :]
     sentinel = INT32_MAX
     blocks = torch.where(ok, top.indices, sentinel).sort(-1).values

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.common import cdiv, triton_interpreted
+from starshard.kernels.common import cdiv, to_device, triton_interpreted
 from starshard.kernels.online_softmax import LOG2E, key_chunk, key_span, softmax_finish, softmax_init
 
 try:
@@ -144,14 +144,14 @@ def attention_triton(q, k, v, groups, *, offset, scale, block_size, launch=None)
     dev = q.device
     for grp in groups:
         nH = len(grp.heads)
-        heads_t = torch.tensor(grp.heads, dtype=torch.int32, device=dev)
+        heads_t = to_device(grp.heads, dev, torch.int32)
         dummy = heads_t
         p0 = p1 = seg = segn = idx = cnt = cfull = dummy
         ks = ki = 0
         if grp.kind == "a_shape":
             mode = 0
-            p0 = torch.tensor(grp.sink, dtype=torch.int32, device=dev)
-            p1 = torch.tensor(grp.local, dtype=torch.int32, device=dev)
+            p0 = to_device(grp.sink, dev, torch.int32)
+            p1 = to_device(grp.local, dev, torch.int32)
         elif grp.kind == "vertical_slash":
             mode = 1
             ix = grp.index

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from starshard.kernels.common import INT32_MAX, cdiv
+from starshard.kernels.common import INT32_MAX, cdiv, to_device
 from starshard.kernels.minference.index import BSIndex, VSIndex, bs_select, vs_index, vs_segments, vs_select
 from starshard.kernels.minference.patterns import AShape, Dense
 
@@ -242,7 +242,7 @@ H200_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275, blo
 
 def _take(index, pos: list[int], heads: list[int]):
     """An index restricted to the heads at positions `pos` of its head dimension."""
-    p = torch.tensor(pos, dtype=torch.long, device=(index.seg if isinstance(index, VSIndex) else index.blocks).device)
+    p = to_device(pos, (index.seg if isinstance(index, VSIndex) else index.blocks).device)
     if isinstance(index, VSIndex):
         return VSIndex(heads, *(t.index_select(1, p) for t in (index.vertical, index.slash, index.seg, index.seg_count,
                                                                   index.col, index.col_count, index.col_full)))
@@ -254,7 +254,8 @@ class FallbackPlan:
     """`plan_with_fallback`'s answer: `groups` hold the heads that run the sparse kernel (indices
     restricted to them), `dense` the heads the dense kernel runs, `density` per head of the call its
     kernel entries / a dense causal kernel's (for a Vertical-Slash head sent to dense before its
-    column lists were built, the diagonal runs alone: a lower bound)."""
+    column lists were built, the diagonal runs alone: a lower bound). A float, or on a GPU a 0-dim
+    tensor for Vertical-Slash heads whose exact count was not needed for the choice (no host sync)."""
 
     groups: list
     dense: list
@@ -315,12 +316,22 @@ def plan_with_fallback(q, k, pattern, *, offset: int, scale=None, rates: KernelR
         keep = split(grp, lower, 0.0 if rates is None else rates.vs_index * B * Lk)
         if keep:
             hs = [grp.heads[j] for j in keep]
-            p = torch.tensor(keep, dtype=torch.long, device=v_idx.device)
+            p = to_device(keep, v_idx.device)
             index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
                              block_size=BM, heads=hs)
-            exact = (runs.index_select(0, p) + column_cost(index.col_count, block_size=BM).sum(0)).tolist()
+            exact = runs.index_select(0, p) + column_cost(index.col_count, block_size=BM).sum(0)
             sub = HeadGroup("vertical_slash", hs, index=index)
-            keep2 = split(sub, exact)
+            # Each row block gathers at most the head's budget of columns: where even that bound wins,
+            # the exact count changes nothing and is not read (a second sync); on a GPU its density
+            # stays there as a 0-dim tensor (SparseReport sums it there).
+            verticals = [min(int(heads[h].vertical), Lk) for h in hs]
+            bound = [lower[j] + cdiv(Lq, BM) * cdiv(kv, BM) * BM * BM for j, kv in zip(keep, verticals)]
+            if all(wins("vertical_slash", e) for e in bound):
+                keep2 = list(range(len(hs)))
+                for h, e in zip(hs, exact.unbind() if exact.is_cuda else exact.tolist()):
+                    density[h] = e / dense_e if dense_e else 1.0
+            else:
+                keep2 = split(sub, exact.tolist())
             if keep2:
                 out.append(HeadGroup("vertical_slash", [hs[j] for j in keep2],
                                      index=index if len(keep2) == len(hs) else _take(index, keep2, [hs[j] for j in keep2])))
