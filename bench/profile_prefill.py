@@ -18,6 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from starshard import LLM
 from starshard.benchmarks.common import commit
+from starshard.benchmarks.prefill import prompt_ids, text_ids
+from starshard.kernels.sparse import SparseConfig
 from starshard.config import SamplingConfig
 from starshard.presets import PRESETS
 from starshard.runtime.prompt import Prompt
@@ -29,14 +31,24 @@ ap.add_argument("--prompt-len", type=int, default=131072)
 ap.add_argument("--fp8", default=None, help="as launch/infer.py --fp8 (e.g. linear,kv)")
 ap.add_argument("--repeats", type=int, default=2)
 ap.add_argument("--out", default=None)
+ap.add_argument("--model", default=None, help="a checkpoint (real weights) instead of the random preset")
+ap.add_argument("--prompt-file", default=None, help="with --model: natural text, repeated to --prompt-len tokens")
+ap.add_argument("--sparse", default=None, choices=["minference", "anchor"], help="sparse prefill method")
+ap.add_argument("--sparse-config", default=None, help="its per-head config file")
 args = ap.parse_args()
+sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
-with tempfile.TemporaryDirectory() as tmp:
-    cfg_path = Path(tmp) / "config.json"
-    cfg_path.write_text(json.dumps(dict(PRESETS[args.preset], num_hidden_layers=args.layers)))
-    llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=str(cfg_path), fp8=args.fp8)
-gen = torch.Generator().manual_seed(0)
-ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+if args.model:
+    llm = LLM(args.model, device="cuda", dtype=torch.bfloat16, progress=False, fp8=args.fp8, sparse=sparse)
+else:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = Path(tmp) / "config.json"
+        cfg_path.write_text(json.dumps(dict(PRESETS[args.preset], num_hidden_layers=args.layers)))
+        llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=str(cfg_path), fp8=args.fp8,
+                  sparse=sparse)
+text = text_ids(llm.tokenizer, args.prompt_file) if args.prompt_file else None
+ids = prompt_ids(args.prompt_len, llm.config.vocab_size, text)
+ids = ids.tolist() if torch.is_tensor(ids) else ids
 runner, s = llm.runner, SamplingConfig()
 
 
