@@ -77,12 +77,14 @@ for e in prof.key_averages():
 rows.sort(key=lambda r: -r["ms"])
 for r in rows:
     r["share"] = r["ms"] / total
-print(f"prefill {args.prompt_len} tokens, {args.layers} layers, fp8 {args.fp8 or 'none'}: "
+print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, fp8 {args.fp8 or 'none'}, "
+      f"sparse {args.sparse or 'none'}: "
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
     print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
 if args.out:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
-                   "layers": args.layers, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
+                   "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
+                   "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows}, f, indent=1)

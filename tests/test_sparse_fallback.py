@@ -318,14 +318,14 @@ def test_min_length_skips_estimation():
     method = load_sparse_method(cfg)
     spec = method.pattern(0, 4)
     calls = []
-    orig = mi.plan_with_fallback
+    orig = mi.attend.start_plan
 
     def spy(*a, **kw):
         calls.append(1)
         return orig(*a, **kw)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(mi.attend, "plan_with_fallback", spy)
+    mp.setattr(mi.attend, "start_plan", spy)
     try:
         out, lse = spec.attention(q, k, v, q_pos=pos, k_pos=pos)
         assert calls == []  # nothing estimated

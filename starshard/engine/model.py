@@ -21,6 +21,7 @@ from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.activation import silu_mul
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_after_held
+from starshard.kernels.common import mark_arange
 from starshard.kernels.norm import rms_norm, use_norm_kernel
 from starshard.kernels.rope import apply_rope, rope_qk, use_rope_kernel
 from starshard.kernels.sparse import pattern_for
@@ -131,7 +132,10 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
                                       v_scale=held.v_scale)
         return out
     elif cache is not None:
+        held = cache.length
         k, v, k_pos = cache.append(k, v, pos)
+        if held == 0:  # the cache holds just this block: its positions are pos (layout maybe known on the host)
+            k_pos = pos
     else:
         k_pos = pos
     # One new token follows everything cached: no mask (saves the mask check in every decode step).
@@ -277,7 +281,7 @@ class Transformer(nn.Module):
         end = None
         if positions is None:
             start = cache.next_position if cache is not None else 0
-            positions = torch.arange(start, start + L, device=x.device)
+            positions = mark_arange(torch.arange(start, start + L, device=x.device), start)
             end = start + L
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK
-from starshard.kernels.common import DECODE_MAX_ROWS, as_positions, check_shapes, sm_count
+from starshard.kernels.common import DECODE_MAX_ROWS, arange_start, as_positions, check_shapes, sm_count, to_device
 from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import dequantize
@@ -36,11 +36,17 @@ def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
     is_causal expresses whatever their alignment convention) or "masked" (anything else).
 
     Reading positions that live on a GPU costs one device-to-host sync; only prefill-sized calls
-    pay it (decode-sized ones go to the split-KV kernel, which needs no classification)."""
+    pay it (decode-sized ones go to the split-KV kernel, which needs no classification), and none
+    when both are runs marked on the host (`common.mark_arange`: the model's own positions)."""
     if not causal:
         return "full"
     if q_pos.dim() != 1 or k_pos.dim() != 1 or q_pos.numel() == 0 or k_pos.numel() == 0:
         return "masked"
+    q0, k0 = arange_start(q_pos), arange_start(k_pos)
+    if q0 is not None and k0 is not None:  # both runs known on the host: nothing to read
+        if k0 + k_pos.numel() - 1 <= q0:
+            return "full"
+        return "causal" if q_pos.shape == k_pos.shape and q0 == k0 else "masked"
     stats = [k_pos.to(q_pos.device).max(), q_pos.min()]
     square = q_pos.shape == k_pos.shape
     if square:
@@ -224,7 +230,7 @@ def head_subset(q, k, v, heads):
     def take(x, ids):
         if ids == list(range(ids[0], ids[0] + len(ids))):
             return x[:, ids[0] : ids[0] + len(ids)]
-        return x.index_select(1, torch.tensor(ids, dtype=torch.long, device=x.device))
+        return x.index_select(1, to_device(ids, x.device))
 
     kvs = sorted({h // g for h in heads})
     if heads == [kv * g + i for kv in kvs for i in range(g)]:

@@ -5,6 +5,8 @@ without importing one another.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 # Query rows at or below which calls take the split-KV decode kernel (CUDA) or the math path (CPU),
@@ -18,6 +20,28 @@ INT32_MAX = 2**31 - 1  # index sentinels and "covers every key" budgets of the i
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# id -> (weak reference, first position) of position tensors known to be runs (`mark_arange`).
+_ARANGES: dict[int, tuple] = {}
+
+
+def mark_arange(pos: torch.Tensor, start: int) -> torch.Tensor:
+    """Note on the host that 1-D `pos` holds start, start + 1, ... (made by torch.arange and never
+    written afterwards), so that `query_offset` and `attention.mask_mode` take its layout from here
+    instead of reading the device (a host sync per attention call, which leaves the GPU idle while
+    the host launches what follows). The note goes with the tensor. Returns pos."""
+    if pos.dim() != 1:
+        raise ValueError(f"mark_arange takes 1-D positions, got shape {tuple(pos.shape)}")
+    key = id(pos)
+    _ARANGES[key] = (weakref.ref(pos, lambda _: _ARANGES.pop(key, None)), int(start))
+    return pos
+
+
+def arange_start(pos: torch.Tensor) -> int | None:
+    """The first position of a tensor marked by `mark_arange`, else None."""
+    entry = _ARANGES.get(id(pos))
+    return entry[1] if entry is not None and entry[0]() is pos else None
 
 
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -61,7 +85,8 @@ def as_positions(pos: torch.Tensor, B: int, L: int, name: str, device: torch.dev
 
 def query_offset(q_pos: torch.Tensor, k_pos: torch.Tensor, Lq: int, Lk: int) -> int:
     """Query block offset in key-index space, the layout of the sparse prefill methods (MInference,
-    AnchorAttention), one device-to-host sync: row i sits at key index i + off. Accepted layouts,
+    AnchorAttention), one device-to-host sync (none for runs marked by `mark_arange`): row i sits at
+    key index i + off. Accepted layouts,
     positions shared by the batch:
     - q_pos and k_pos runs of consecutive positions, q_pos[0] >= k_pos[0]: off = q_pos[0] - k_pos[0];
     - k_pos strictly increasing and q_pos equal to its last Lq entries (a query block that is the
@@ -80,6 +105,12 @@ def query_offset(q_pos: torch.Tensor, k_pos: torch.Tensor, Lq: int, Lk: int) -> 
             raise ValueError(f"{name} must have shape [{L}] or [B, {L}], got {tuple(p.shape)}")
         return p, torch.zeros((), dtype=torch.bool, device=p.device)
 
+    q0, k0 = arange_start(q_pos), arange_start(k_pos)
+    if q0 is not None and k0 is not None and q_pos.shape == (Lq,) and k_pos.shape == (Lk,):
+        if q0 < k0:  # both runs, known on the host (mark_arange): as read below, without the read
+            raise ValueError(f"sparse (MInference) attention needs the query block to start at or after the first key "
+                             f"(q_pos[0]={q0} < k_pos[0]={k0}); use dense attention for this layout")
+        return q0 - k0
     qp, q_rows_differ = flat(q_pos, Lq, "q_pos")
     kp, k_rows_differ = flat(k_pos, Lk, "k_pos")
     qp, kp = qp.long(), kp.long().to(qp.device)

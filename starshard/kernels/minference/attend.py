@@ -11,7 +11,7 @@ from starshard.kernels.attention import attention, causal_attention, head_subset
 from starshard.kernels.common import MIN_SPARSE_ROWS, check_shapes, query_offset, to_device
 from starshard.kernels.minference.kernel import attention_triton, triton_available
 from starshard.kernels.minference.patterns import AShape, BlockSparse, Dense, VerticalSlash, head_pattern
-from starshard.kernels.minference.plan import FallbackPlan, KernelRates, build_plan, plan_with_fallback
+from starshard.kernels.minference.plan import FallbackPlan, KernelRates, build_plan, start_plan
 from starshard.kernels.minference.torch_path import attention_torch
 
 
@@ -60,7 +60,7 @@ def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=T
     exact dense attention.
 
     rates: the cost model (plan.KernelRates, e.g. plan.H200_RATES): heads whose sparse kernel would not
-    beat the dense kernel run the dense dispatcher instead (`plan_with_fallback`), so their (out, lse)
+    beat the dense kernel run the dense dispatcher instead (`plan_with_fallback`, in two steps), so their (out, lse)
     are exactly dense attention's. report: anything with record(sparse_densities, dense_heads) (the
     installed method's counter, kernels/sparse.py), told what each call ran."""
     # A whole model's method (MInferenceConfig, config.py, which builds on this module) answers
@@ -87,18 +87,25 @@ def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=T
         groups = build_plan(q, k, pattern, offset=offset, scale=sm_scale)
         return attention_from_plan(q, k, v, groups, offset=offset, scale=sm_scale, block_size=pattern.block_size,
                                    backend=backend, launch=launch)
-    plan = plan_with_fallback(q, k, pattern, offset=offset, scale=sm_scale, rates=rates)
+    pending = start_plan(q, k, pattern, offset=offset, scale=sm_scale, rates=rates)
+    ran = None
+    if pending.early and pending.vs is not None:  # the GPU runs them while the host waits for the estimate
+        ran = (len(pending.early), *attention_from_plan(q, k, v, pending.early, offset=offset, scale=sm_scale,
+                                                        block_size=pattern.block_size, backend=backend, launch=launch))
+    plan = pending.finish()
     if report is not None:
         sparse = sorted(h for grp in plan.groups for h in grp.heads)
         report.record([plan.density[h] for h in sparse], len(plan.dense))
     return attention_with_fallback(q, k, v, plan, q_pos=q_pos, k_pos=k_pos, offset=offset, scale=scale,
-                                   block_size=pattern.block_size, backend=backend, launch=launch)
+                                   block_size=pattern.block_size, backend=backend, launch=launch, ran=ran)
 
 
 def attention_with_fallback(q, k, v, plan: FallbackPlan, *, q_pos, k_pos, offset: int, scale=None, block_size: int = 64,
-                            backend=None, launch=None):
+                            backend=None, launch=None, ran=None):
     """Run a FallbackPlan: its sparse groups through the sparse kernel, its dense heads through the
-    dense dispatcher (the whole call when every head is dense, so nothing but dense attention runs)."""
+    dense dispatcher (the whole call when every head is dense, so nothing but dense attention runs).
+    ran: (n, out, lse) when the plan's first n groups already ran into out / lse (`minference_attention`
+    runs the groups decided before the estimate's read early); the call completes them."""
     def dense(q, k, v):  # the square prefill layout is known from `offset`: no second read of the positions
         if offset == 0 and q.shape[2] == k.shape[2]:
             return causal_attention(q, k, v, scale=scale)
@@ -107,8 +114,17 @@ def attention_with_fallback(q, k, v, plan: FallbackPlan, *, q_pos, k_pos, offset
     if not plan.groups:
         return dense(q, k, v)
     sm_scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = attention_from_plan(q, k, v, plan.groups, offset=offset, scale=sm_scale, block_size=block_size,
+    done, out, lse = (0, None, None) if ran is None else ran
+    rest = plan.groups[done:]
+    if out is None:
+        out, lse = attention_from_plan(q, k, v, rest, offset=offset, scale=sm_scale, block_size=block_size,
+                                       backend=backend, launch=launch)
+    elif rest:
+        o, m = attention_from_plan(q, k, v, rest, offset=offset, scale=sm_scale, block_size=block_size,
                                    backend=backend, launch=launch)
+        idx = to_device(sorted(h for grp in rest for h in grp.heads), q.device)
+        out.index_copy_(1, idx, o.index_select(1, idx))
+        lse.index_copy_(1, idx, m.index_select(1, idx))
     if plan.dense:
         o, m = dense(*head_subset(q, k, v, plan.dense))
         idx = to_device(plan.dense, q.device)

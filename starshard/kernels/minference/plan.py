@@ -265,74 +265,124 @@ class FallbackPlan:
 def plan_with_fallback(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | None = None) -> FallbackPlan:
     """`build_plan` with the cost model: each head's kernel cost from its pattern (A-shape, Dense and
     Block-Sparse heads before any score is read; Vertical-Slash heads after the estimate, first from
-    their diagonal runs, which alone may already lose, then with their column lists), and the heads
-    whose sparse kernel would not beat the dense kernel (`rates`) moved to `dense`. rates=None keeps
-    every head sparse (the densities are still counted). One host sync (two when Vertical-Slash heads
-    survive their first check)."""
+    their diagonal runs, which alone may already lose, then with their column lists where a bound on
+    them does not already decide), and the heads whose sparse kernel would not beat the dense kernel
+    (`rates`) moved to `dense`. rates=None keeps every head sparse (the densities are still counted).
+    One host read (two when the column bound does not decide). `start_plan` + `PendingPlan.finish`
+    in one go; the sparse call runs the early groups between the two (`attend.py`)."""
+    return start_plan(q, k, pattern, offset=offset, scale=scale, rates=rates).finish()
+
+
+def start_plan(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | None = None) -> "PendingPlan":
+    """The first half of `plan_with_fallback`: the Vertical-Slash estimate and its diagonal runs' cost
+    queued first (the cost copied to the host without a wait), then the heads decided without scores
+    (A-shape, Dense, Block-Sparse: `PendingPlan.early`, indices built). Launch the early groups'
+    kernels, then `finish()`: it waits for the estimate alone, so the GPU keeps running what was queued
+    after it while the host reads the cost and builds the column lists."""
     B, Hq, Lq = q.shape[0], q.shape[1], q.shape[2]
     Lk = k.shape[2]
     heads = pattern.for_heads(Hq)
     BM = pattern.block_size
     groups = _grouped(heads, Lq=Lq, Lk=Lk, offset=offset)
-    dense_e = float(B * dense_cost(Lq=Lq, Lk=Lk, offset=offset, block_size=BM))  # per head, all batch rows
-    density = [1.0] * Hq
-    dense: list[int] = []
-
-    def wins(kind, entries, index_s=0.0):
-        return rates is None or rates.sparse_wins(kind, entries, dense_e, index_s)
-
-    def split(grp, entries, index_s=0.0):  # positions in grp.heads that stay sparse; the rest -> dense
-        keep = []
-        for j, h in enumerate(grp.heads):
-            density[h] = entries[j] / dense_e if dense_e else 1.0
-            if wins(grp.kind, entries[j], index_s):
-                keep.append(j)
-            else:
-                dense.append(h)
-        return keep
-
-    out = []
-    if "a_shape" in groups:
-        grp = groups["a_shape"]
-        keep = split(grp, (kernel_cost(grp, B=1, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)[0] * B).tolist())
-        if keep:
-            out.append(HeadGroup("a_shape", [grp.heads[j] for j in keep], sink=[grp.sink[j] for j in keep],
-                                 local=[grp.local[j] for j in keep]))
-    if "block_sparse" in groups:
-        grp = groups["block_sparse"]
-        topk = [heads[h].topk for h in grp.heads]
-        cost = (block_sparse_cost(topk, Lq=Lq, Lk=Lk, offset=offset, block_size=BM) * B).tolist()
-        keep = split(grp, cost, 0.0 if rates is None else rates.bs_index * B * Lk)
-        if keep:
-            hs = [grp.heads[j] for j in keep]
-            out.append(HeadGroup("block_sparse", hs, index=bs_select(q, k, offset=offset, topk=[topk[j] for j in keep],
-                                                                      block_size=BM, scale=scale, heads=hs)))
+    pend = PendingPlan(heads=heads, B=B, Lq=Lq, Lk=Lk, offset=offset, BM=BM, rates=rates,
+                       dense_e=float(B * dense_cost(Lq=Lq, Lk=Lk, offset=offset, block_size=BM)), density=[1.0] * Hq)
     if "vertical_slash" in groups:
         grp = groups["vertical_slash"]
         v_idx, s_idx = _vs_pick(q, k, pattern, heads, grp.heads, offset=offset, scale=scale)
         seg, seg_count = vs_segments(s_idx, Lq + offset, BM)
         runs = slash_cost(seg, seg_count, Lq=Lq, Lk=Lk, offset=offset, block_size=BM).sum(0)  # [nH]
-        lower = runs.tolist()  # the sync
-        keep = split(grp, lower, 0.0 if rates is None else rates.vs_index * B * Lk)
+        host, event = runs, None
+        if runs.is_cuda:  # pinned, so the copy is asynchronous; the event marks it done
+            host = torch.empty(runs.shape, dtype=runs.dtype, pin_memory=True)
+            host.copy_(runs, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        pend.vs = (grp, v_idx, s_idx, runs, host, event)
+    if "a_shape" in groups:
+        grp = groups["a_shape"]
+        keep = pend.split(grp, (kernel_cost(grp, B=1, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)[0] * B).tolist())
+        if keep:
+            pend.early.append(HeadGroup("a_shape", [grp.heads[j] for j in keep], sink=[grp.sink[j] for j in keep],
+                                        local=[grp.local[j] for j in keep]))
+    if "block_sparse" in groups:
+        grp = groups["block_sparse"]
+        topk = [heads[h].topk for h in grp.heads]
+        cost = (block_sparse_cost(topk, Lq=Lq, Lk=Lk, offset=offset, block_size=BM) * B).tolist()
+        keep = pend.split(grp, cost, 0.0 if rates is None else rates.bs_index * B * Lk)
         if keep:
             hs = [grp.heads[j] for j in keep]
-            p = to_device(keep, v_idx.device)
-            index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
-                             block_size=BM, heads=hs)
-            exact = runs.index_select(0, p) + column_cost(index.col_count, block_size=BM).sum(0)
-            sub = HeadGroup("vertical_slash", hs, index=index)
-            # Each row block gathers at most the head's budget of columns: where even that bound wins,
-            # the exact count changes nothing and is not read (a second sync); on a GPU its density
-            # stays there as a 0-dim tensor (SparseReport sums it there).
-            verticals = [min(int(heads[h].vertical), Lk) for h in hs]
-            bound = [lower[j] + cdiv(Lq, BM) * cdiv(kv, BM) * BM * BM for j, kv in zip(keep, verticals)]
-            if all(wins("vertical_slash", e) for e in bound):
-                keep2 = list(range(len(hs)))
-                for h, e in zip(hs, exact.unbind() if exact.is_cuda else exact.tolist()):
-                    density[h] = e / dense_e if dense_e else 1.0
+            pend.early.append(HeadGroup("block_sparse", hs, index=bs_select(q, k, offset=offset, topk=[topk[j] for j in keep],
+                                                                          block_size=BM, scale=scale, heads=hs)))
+    return pend
+
+
+@dataclass
+class PendingPlan:
+    """A plan between `start_plan` and `finish`: `early` (the groups decided without scores, ready to
+    run) and the queued Vertical-Slash estimate (`vs`: group, picks, run cost on the device, its host
+    copy and the copy's event)."""
+
+    heads: list
+    B: int
+    Lq: int
+    Lk: int
+    offset: int
+    BM: int
+    rates: KernelRates | None
+    dense_e: float
+    density: list
+    early: list = field(default_factory=list)
+    dense: list = field(default_factory=list)
+    vs: tuple | None = None
+
+    def wins(self, kind, entries, index_s=0.0) -> bool:
+        return self.rates is None or self.rates.sparse_wins(kind, entries, self.dense_e, index_s)
+
+    def split(self, grp, entries, index_s=0.0) -> list[int]:
+        """Positions in grp.heads that stay sparse; the others go to `dense`. Records densities."""
+        keep = []
+        for j, h in enumerate(grp.heads):
+            self.density[h] = entries[j] / self.dense_e if self.dense_e else 1.0
+            if self.wins(grp.kind, entries[j], index_s):
+                keep.append(j)
             else:
-                keep2 = split(sub, exact.tolist())
-            if keep2:
-                out.append(HeadGroup("vertical_slash", [hs[j] for j in keep2],
-                                     index=index if len(keep2) == len(hs) else _take(index, keep2, [hs[j] for j in keep2])))
-    return FallbackPlan(out, sorted(set(dense)), density)
+                self.dense.append(h)
+        return keep
+
+    def finish(self) -> FallbackPlan:
+        """Wait for the estimate's run cost alone, decide the Vertical-Slash heads (their column lists
+        built for those that survive the runs-only check) and return the whole FallbackPlan."""
+        out = list(self.early)
+        if self.vs is not None:
+            out += self._finish_vertical_slash(*self.vs)
+        return FallbackPlan(out, sorted(set(self.dense)), self.density)
+
+    def _finish_vertical_slash(self, grp, v_idx, s_idx, runs, host, event) -> list:
+        Lq, Lk, BM, offset, rates = self.Lq, self.Lk, self.BM, self.offset, self.rates
+        if event is not None:
+            event.synchronize()
+        lower = host.tolist()  # the read
+        keep = self.split(grp, lower, 0.0 if rates is None else rates.vs_index * self.B * Lk)
+        if not keep:
+            return []
+        hs = [grp.heads[j] for j in keep]
+        p = to_device(keep, v_idx.device)
+        index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
+                         block_size=BM, heads=hs)
+        exact = runs.index_select(0, p) + column_cost(index.col_count, block_size=BM).sum(0)
+        sub = HeadGroup("vertical_slash", hs, index=index)
+        # Each row block gathers at most the head's budget of columns: where even that bound wins,
+        # the exact count changes nothing and is not read (a second sync); on a GPU its density
+        # stays there as a 0-dim tensor (SparseReport sums it there).
+        verticals = [min(int(self.heads[h].vertical), Lk) for h in hs]
+        bound = [lower[j] + cdiv(Lq, BM) * cdiv(kv, BM) * BM * BM for j, kv in zip(keep, verticals)]
+        if all(self.wins("vertical_slash", e) for e in bound):
+            keep2 = list(range(len(hs)))
+            for h, e in zip(hs, exact.unbind() if exact.is_cuda else exact.tolist()):
+                self.density[h] = e / self.dense_e if self.dense_e else 1.0
+        else:
+            keep2 = self.split(sub, exact.tolist())
+        if not keep2:
+            return []
+        return [HeadGroup("vertical_slash", [hs[j] for j in keep2],
+                          index=index if len(keep2) == len(hs) else _take(index, keep2, [hs[j] for j in keep2]))]
