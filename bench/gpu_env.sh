@@ -8,3 +8,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG=$OUT/$LOG
 step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; timeout "${T:-300}" "$@" >>"$LOG" 2>&1; echo "rc=$?" | tee -a "$LOG"; }
 L8B="--random-weights llama-3.1-8b"
+
+# SmolLM2-135M-Instruct from its GGUF (98 MB), carried in thirds .smol3/part_a{a,b,c} since one call
+# carries 64 MiB at most: `keep_smol_part` (a call carrying one third) keeps it in /tmp/smol for the
+# next warm call; `smol_model` (the call carrying the last third) joins them, checks the hash and
+# converts once into $SMOL; `essay` writes the natural-text prompt file /tmp/essay.txt.
+export STARSHARD_CACHE=${STARSHARD_CACHE:-/tmp/ss_cache}
+SMOL=$STARSHARD_CACHE/smollm2-135m-instruct-q4_1-f32
+SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+keep_smol_part() { mkdir -p /tmp/smol && cp .smol3/part_a? /tmp/smol/ && ls -la /tmp/smol | tee -a "$LOG"; }
+smol_model() {
+  [ -f "$SMOL/config.json" ] && return 0
+  mkdir -p /tmp/smol && cp .smol3/part_a? /tmp/smol/ 2>/dev/null
+  cat /tmp/smol/part_aa /tmp/smol/part_ab /tmp/smol/part_ac > /tmp/smol/smol.gguf || return 1
+  echo "$SMOL_SHA  /tmp/smol/smol.gguf" | sha256sum -c || return 1
+  T=120 step python3 -m starshard.checkpoints.convert --gguf /tmp/smol/smol.gguf --out "$SMOL" --dtype float32
+}
+essay() { [ -f /tmp/essay.txt ] || T=30 step python3 bench/make_essay.py --out /tmp/essay.txt --sentences 40000; }

@@ -588,3 +588,94 @@ def test_full_passing_with_an_anchor_is_exact(model, hosts, anchor):
     with torch.no_grad():
         ref = model(ids[None])[0, -1]
     assert rel(got, ref) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# A sparse method inside each block (--sparse with --cp-strategy apb)
+# ---------------------------------------------------------------------------------------------
+
+
+def with_sparse(model, method, fn):
+    from starshard.kernels.sparse import install_sparse
+
+    install_sparse(model, method)
+    try:
+        return fn()
+    finally:
+        install_sparse(model, None)
+
+
+def small_mi(*heads):
+    from starshard.kernels.minference import MInferenceConfig
+
+    return MInferenceConfig(default=heads[0], block_size=16, last_q=16)
+
+
+def test_sparse_with_full_budget_is_apb(model):
+    """A pattern whose budget covers every key: APB with it equals APB without it (compressed, with an
+    anchor, three hosts), so the one sparse call over [anchor; passing; block] sees what APB's two
+    dense calls see."""
+    from starshard.kernels.minference import VerticalSlash
+
+    ids = torch.randint(0, 211, (77,), generator=torch.Generator().manual_seed(21))
+    kw = dict(num_blocks=3, anchor_size=10, passing_size=6)
+    want, _ = apb_run(model, ids, 67, **kw)
+    got, _ = with_sparse(model, small_mi(VerticalSlash(10**6, 10**6)), lambda: apb_run(model, ids, 67, **kw))
+    assert rel(got, want) <= 1e-5
+
+
+def test_sparse_thins_anchor_and_passing_keys_in_one_call(model, monkeypatch):
+    """With a sparse method each host's block rows go through ONE sparse call over [anchor; passing
+    entries of earlier hosts; own block] at key offset E (host-marked index positions: no device read),
+    so the method's pattern covers the anchor and passing keys too; without it, the block's causal part
+    and the [anchor; passing] part are two dense calls merged by lse (as before)."""
+    import starshard.parallel.context.apb as apb_mod
+    from starshard.kernels.common import arange_start
+    from starshard.kernels.minference import VerticalSlash
+
+    calls = []
+    real = apb_mod.attention
+
+    def spy(q, k, v, *, q_pos, k_pos, causal=True, sparse=None, **kw):
+        calls.append((q.shape[2], k.shape[2], causal, sparse is not None, arange_start(q_pos), arange_start(k_pos)))
+        return real(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, sparse=sparse, **kw)
+
+    monkeypatch.setattr(apb_mod, "attention", spy)
+    ids = torch.randint(0, 211, (77,), generator=torch.Generator().manual_seed(22))
+    kw = dict(num_blocks=3, anchor_size=10, passing_size=6, embed_query=False)
+    n_layers = model.config.num_layers
+    dense, _ = apb_run(model, ids, 67, **kw)
+    assert sum(1 for c in calls if not c[2]) == 2 * n_layers  # hosts 1, 2: [anchor; passing] apart
+    assert not any(c[3] for c in calls)
+    calls.clear()
+    got, _ = with_sparse(model, small_mi(VerticalSlash(2, 4)), lambda: apb_run(model, ids, 67, **kw))
+    b = apb_bounds(67, 3)
+    sparse = [c for c in calls if c[3]]
+    assert not any(not c[2] for c in calls)  # no separate call over the anchor and passing keys
+    want = []
+    for h in range(3):
+        rows, extras = b[h + 1] - b[h], (10 + 6 * h if h else 0)
+        want += [(rows, rows + extras, True, True) + ((extras, 0) if h else (None, None))] * n_layers
+    assert sorted(sparse) == sorted(want)
+    assert rel(got, dense) > 1e-3  # the small budget really drops keys
+
+
+def test_sparse_after_masks_the_extras_like_a_tail_block():
+    """`sparse_after` against float64: an A-shape pattern (sink 3, window 9) over two extra key sets
+    and the block's own keys, GQA 4 / 2: the rows see the first 3 extra keys, and of the rest only
+    those within 9 key indices, the block's first rows thus the last extra keys."""
+    from sparse_reference import assert_matches, masked_reference
+    from starshard.kernels import minference as mi
+    from starshard.parallel.context.apb import sparse_after
+
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 4, 40, 16, generator=g)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    ek = [torch.randn(1, 2, n, 16, generator=g) for n in (7, 11)]
+    ev = [torch.randn(1, 2, n, 16, generator=g) for n in (7, 11)]
+    pattern = mi.SparsePattern((mi.AShape(3, 9),), block_size=16, last_q=16)
+    out, lse = sparse_after(q, k, v, torch.arange(500, 540), ek, ev, pattern)
+    i, j = torch.arange(40)[:, None] + 18, torch.arange(58)[None, :]
+    vis = ((j <= i) & ((j < 3) | (i - j < 9))).expand(1, 4, -1, -1)
+    ref, ref_lse = masked_reference(q, torch.cat(ek + [k], 2), torch.cat(ev + [v], 2), vis)
+    assert_matches(out, lse, ref, ref_lse, torch.float32)

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from starshard.benchmarks.sparse import make_inputs  # noqa: E402
 from starshard.kernels import anchor as an  # noqa: E402
 from starshard.kernels import minference as mi  # noqa: E402
-from starshard.kernels.attention import attention, causal_attention, head_subset  # noqa: E402
+from starshard.kernels.attention import attention, causal_attention, causal_attention_at, head_subset  # noqa: E402
 from starshard.kernels.sparse import (  # noqa: E402
     MIN_LENGTH, FallbackSparse, SparseConfig, SparseReport, install_sparse, load_sparse_method, pattern_for,
     sparse_report,
@@ -242,9 +242,25 @@ def test_causal_attention_is_the_square_dispatcher_call():
         causal_attention(q[:, :, :100], k, v)
 
 
+@pytest.mark.parametrize("Lq,Lk,off", [(97, 97, 0), (83, 200, 117), (40, 131, 91), (30, 120, 100)])
+def test_causal_attention_at_offset(Lq, Lk, off):
+    """The dense heads of an offset call: a tail block (Lk = off + Lq) as a full part and a square
+    causal part merged by lse; a block whose keys end past it (the last case: keys 0..119, rows at
+    100..129) through the position mask. Against float64, GQA 6 / 2, odd lengths, two batch rows."""
+    g = torch.Generator().manual_seed(Lq)
+    q = torch.randn(2, 6, Lq, 24, generator=g)
+    k, v = torch.randn(2, 2, Lk, 24, generator=g), torch.randn(2, 2, Lk, 24, generator=g)
+    q_pos, k_pos = torch.arange(off, off + Lq), torch.arange(Lk)
+    vis = (k_pos[None, :] <= q_pos[:, None]).expand(2, 6, -1, -1)
+    ref, ref_lse = masked_reference(q, k, v, vis)
+    out, lse = causal_attention_at(q, k, v, q_pos=q_pos, k_pos=k_pos, offset=off)
+    assert_matches(out, lse, ref, ref_lse, torch.float32)
+
+
 def test_query_block_after_its_keys_and_batch():
     """A tail query block (offset > 0), two batch rows, GQA 6 / 2: the head costs add over the batch,
-    and the split still returns dense heads exactly."""
+    and the split still returns dense heads exactly as the dense path computes them (the tail layout's
+    full + causal split, test_causal_attention_at_offset), and close to float64."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 6, 96, 32, generator=g)
     k, v = torch.randn(2, 2, 400, 32, generator=g), torch.randn(2, 2, 400, 32, generator=g)
@@ -254,8 +270,11 @@ def test_query_block_after_its_keys_and_batch():
     plan = mi.plan_with_fallback(q, k, pat, offset=304, rates=KERNEL_ONLY)
     assert plan.dense == [1, 3] and sorted(h for grp in plan.groups for h in grp.heads) == [0, 2, 4, 5]
     out, lse = mi.minference_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, pattern=pat, rates=KERNEL_ONLY)
-    want = attention(*head_subset(q, k, v, [1, 3]), q_pos=q_pos, k_pos=k_pos)
+    want = causal_attention_at(*head_subset(q, k, v, [1, 3]), q_pos=q_pos, k_pos=k_pos, offset=304)
     assert torch.equal(out[:, [1, 3]], want[0]) and torch.equal(lse[:, [1, 3]], want[1])
+    causal = (k_pos[None, :] <= q_pos[:, None]).expand(2, 2, -1, -1)
+    assert_matches(out[:, [1, 3]], lse[:, [1, 3]], *masked_reference(*head_subset(q, k, v, [1, 3]), causal),
+                   torch.float32)
     vis = plan_vis(plan.groups, 2, 6, 96, 400, 304)
     ref, ref_lse = masked_reference(q, k, v, vis)
     sp = [0, 2, 4, 5]

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from starshard.kernels.attention import attention, causal_attention, head_subset
+from starshard.kernels.attention import attention, causal_attention_at, head_subset
 from starshard.kernels.common import MIN_SPARSE_ROWS, cdiv, check_shapes, query_offset, to_device, triton_interpreted
 from starshard.kernels.online_softmax import LOG2E, key_chunk, key_span, softmax_finish, softmax_init
 
@@ -615,10 +615,8 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     dense = [h for h in range(Hq) if h not in set(sparse)]
     if report is not None:
         report.record([dens[h] for h in sparse], len(dense))
-    def dense_part(q, k, v):  # the square prefill layout is known from `offset`: no second read of the positions
-        if offset == 0 and Lq == Lk:
-            return causal_attention(q, k, v, scale=scale)
-        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    def dense_part(q, k, v):
+        return causal_attention_at(q, k, v, q_pos=q_pos, k_pos=k_pos, offset=offset, scale=scale)
 
     if not sparse:
         return dense_part(q, k, v)

@@ -206,6 +206,24 @@ def causal_attention(q, k, v, *, scale=None):
     return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, scale=scale)
 
 
+def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
+    """Index-causal attention for a caller that already knows the query offset (the sparse methods'
+    dense heads; row i sees keys 0 .. i + offset): a square prefill at offset 0 takes
+    `causal_attention` (no read of the positions); rows that are the tail of their keys (Lk = offset +
+    Lq: a chunk after its prefix, an APB block after its anchor and passing keys) take the keys
+    before them in full and their own causally, two fused calls merged by lse, instead of one masked
+    kernel; anything else `attention` with the positions."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    if offset == 0 and Lq == Lk:
+        return causal_attention(q, k, v, scale=scale)
+    if offset > 0 and Lk == offset + Lq and Lq > DECODE_MAX_ROWS:
+        o1, l1 = attention(q, k[:, :, :offset], v[:, :, :offset], q_pos=q_pos, k_pos=k_pos[..., :offset], causal=False,
+                           scale=scale)
+        o2, l2 = causal_attention(q, k[:, :, offset:], v[:, :, offset:], scale=scale)
+        return merge_partials(o1, l1, o2, l2)
+    return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+
+
 def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None, v_scale=None):
     """(out, lse) of a query block at positions `pos` over keys held before it (held_k / held_v /
     held_pos as stored: e4m3 with k_scale / v_scale for an FP8 cache) and its own keys k, v at `pos`

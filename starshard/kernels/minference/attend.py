@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from starshard.kernels.attention import attention, causal_attention, head_subset
+from starshard.kernels.attention import attention, causal_attention_at, head_subset
 from starshard.kernels.common import MIN_SPARSE_ROWS, check_shapes, query_offset, to_device
 from starshard.kernels.minference.kernel import attention_triton, triton_available
 from starshard.kernels.minference.patterns import AShape, BlockSparse, Dense, VerticalSlash, head_pattern
@@ -106,10 +106,8 @@ def attention_with_fallback(q, k, v, plan: FallbackPlan, *, q_pos, k_pos, offset
     dense dispatcher (the whole call when every head is dense, so nothing but dense attention runs).
     ran: (n, out, lse) when the plan's first n groups already ran into out / lse (`minference_attention`
     runs the groups decided before the estimate's read early); the call completes them."""
-    def dense(q, k, v):  # the square prefill layout is known from `offset`: no second read of the positions
-        if offset == 0 and q.shape[2] == k.shape[2]:
-            return causal_attention(q, k, v, scale=scale)
-        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    def dense(q, k, v):
+        return causal_attention_at(q, k, v, q_pos=q_pos, k_pos=k_pos, offset=offset, scale=scale)
 
     if not plan.groups:
         return dense(q, k, v)

@@ -71,6 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from starshard.kernels.attention import attention
+from starshard.kernels.common import mark_arange
 from starshard.kernels.rope import apply_rope
 from starshard.kernels.sparse import pattern_for
 from starshard.layout import apb_bounds, apb_default_sizes
@@ -145,6 +146,21 @@ def pooled_attention(qr: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | 
             s = s.masked_fill(~visible.repeat(g, 1), float("-inf"))
         out.append(torch.softmax(s, dim=-1).nan_to_num(0.0).mean(dim=1))
     return torch.stack(out, dim=1)
+
+
+def sparse_after(q, k, v, pos, extra_k: list, extra_v: list, pattern):
+    """(out, lse) of a block's rows through a sparse method over [extra keys; the block's own keys]:
+    the block's rows see every extra key (anchor, passing entries) and their own keys causally. As
+    key indices that is index-causal attention with the rows at offset E = len(extras), the layout the
+    sparse methods take (`query_offset`); RoPE has been applied with the true positions already, so
+    index positions (marked on the host: no device read) only place the mask. No extras: `pos`."""
+    if not extra_k:
+        return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern)
+    ek, ev = torch.cat(extra_k + [k], dim=2), torch.cat(extra_v + [v], dim=2)
+    E, n = ek.shape[2] - k.shape[2], ek.shape[2]
+    k_idx = mark_arange(torch.arange(n, device=q.device), 0)
+    q_idx = mark_arange(torch.arange(E, n, device=q.device), E)
+    return attention(q, ek, ev, q_pos=q_idx, k_pos=k_idx, causal=True, sparse=pattern)
 
 
 class Compressor:
@@ -579,9 +595,13 @@ class APBAttention(ContextStrategy):
                 else:
                     done = self._exchange_virtual(layer, seg.host, sel, kL, fp8_wire(cache))
                     pending = lambda: done  # noqa: E731
-            # The block's own causal part is the quadratic one (a sparse method, --sparse, applies
-            # there); it runs while the passing blocks are gathered.
-            out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern_for(sparse, qL))
+            # Dense: the block's own causal part runs while the passing blocks are gathered, the anchor
+            # and passing keys after, merged by lse. Sparse (--sparse): one call over all of them, so the
+            # method also thins the anchor and passing keys (the quadratic part is block x all keys).
+            pattern = pattern_for(sparse, qL)
+            together = pattern is not None and (bool(extra_k) or exchange)
+            if not together:
+                out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern)
             if exchange:
                 got, sent = pending()
                 if got is not None:
@@ -591,7 +611,9 @@ class APBAttention(ContextStrategy):
                     self.trace.append({"layer": layer, "host": seg.host, "sent": sent,
                                        "selected": None if sel is None else sel[2].cpu(),
                                        "received": None if got is None else got[2].cpu()})
-            if extra_k:
+            if together:
+                out, lse = sparse_after(qL, kL, vL, pL, extra_k, extra_v, pattern)
+            elif extra_k:
                 ek, ev = torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)
                 o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False)
                 out, lse = merge_partials(out, lse, o2, l2)
