@@ -518,6 +518,22 @@ def _two_heads(L=256, D=32):
     return q, k
 
 
+@pytest.mark.parametrize("vertical,slash", [(6, [40, 9]), (0, [30, 30]), (10, [0, 5])])
+def test_search_scores_the_index_the_run_builds(vertical, slash):
+    """The search's Vertical-Slash index for given budgets is the one `build_plan` builds at run time
+    for those budgets (with the vertical-aware estimate the slash picks depend on the slash budget)."""
+    from starshard.tools.minference_search import LayerSearch
+
+    q, k = _two_heads()
+    s = LayerSearch(q, k, block_size=BM, last_q=16, force_sink=2, force_local=4, target=(8, 32))
+    got = s.vs_group(vertical, slash).index
+    sp = mi.SparsePattern(tuple(mi.VerticalSlash(vertical, sl) for sl in slash), block_size=BM, last_q=16,
+                          force_sink=2, force_local=4)
+    want = mi.build_plan(q, k, sp, offset=0)[0].index
+    for name in ("seg", "seg_count", "col", "col_count", "col_full"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 @pytest.mark.parametrize("want", [0.9, 0.99])
 def test_search_with_target_recall_picks_cheapest_pattern_reaching_it(want):
     """--target-recall: every head's pick reaches the recall, costs no more than any family's smallest

@@ -104,16 +104,19 @@ class LayerSearch:
         return (self.probs * vis.to(self.probs.device)).sum(-1).mean(-1).cpu()
 
     def vs_group(self, vertical: int, slash):
-        if vertical not in self._estimates:  # columns and slash scores depend on the vertical budget only
-            if self.vertical_aware:
-                v_idx, _, ss = mi.vs_estimate(self.q, self.k, offset=self.offset, vertical=vertical, last_q=self.last_q,
-                                              force_sink=self.force_sink, scale=self.scale)
-            else:
+        """The index the runtime builds for these budgets (`vs_select`): with vertical_aware the slash
+        scores leave out the chosen columns' echo, which depends on the slash budgets too."""
+        if self.vertical_aware:
+            v_idx, s_idx = mi.vs_select(self.q, self.k, offset=self.offset, vertical=vertical, slash=slash,
+                                        last_q=self.last_q, force_sink=self.force_sink, force_local=self.force_local,
+                                        scale=self.scale)
+        else:
+            if vertical not in self._estimates:  # MInference's raw scores depend on the vertical budget only
                 vs, ss = mi.vs_scores(self.q, self.k, offset=self.offset, last_q=self.last_q, scale=self.scale)
-                v_idx = mi.pick_vertical(vs, vertical, min(self.last_q, self.Lq), self.force_sink)
-            self._estimates[vertical] = (v_idx, ss)
-        v_idx, ss = self._estimates[vertical]
-        s_idx = mi.pick_slash(ss, slash, min(self.last_q, self.Lq), self.force_local, self.Hq)
+                self._estimates[vertical] = (mi.pick_vertical(vs, vertical, min(self.last_q, self.Lq),
+                                                              self.force_sink), ss)
+            v_idx, ss = self._estimates[vertical]
+            s_idx = mi.pick_slash(ss, slash, min(self.last_q, self.Lq), self.force_local, self.Hq)
         idx = mi.vs_index(v_idx, s_idx, Lq=self.Lq, Lk=self.Lk, offset=self.offset, block_size=self.BM)
         return mi.HeadGroup("vertical_slash", self.heads, index=idx)
 
