@@ -611,16 +611,23 @@ def small_mi(*heads):
     return MInferenceConfig(default=heads[0], block_size=16, last_q=16)
 
 
-def test_sparse_with_full_budget_is_apb(model):
-    """A pattern whose budget covers every key: APB with it equals APB without it (compressed, with an
-    anchor, three hosts), so the one sparse call over [anchor; passing; block] sees what APB's two
-    dense calls see."""
+@pytest.mark.parametrize("method", ["minference", "anchor"])
+def test_sparse_with_full_budget_is_apb(model, method):
+    """A pattern whose budget covers every key (Vertical-Slash budgets over the length; AnchorAttention
+    with an infinite threshold): APB with it equals APB without it (compressed, with an anchor, three
+    hosts), so the one sparse call over [anchor; passing; block] sees what APB's two dense calls see."""
     from starshard.kernels.minference import VerticalSlash
+    from starshard.kernels.sparse import SparseConfig, load_sparse_method
 
     ids = torch.randint(0, 211, (77,), generator=torch.Generator().manual_seed(21))
     kw = dict(num_blocks=3, anchor_size=10, passing_size=6)
     want, _ = apb_run(model, ids, 67, **kw)
-    got, _ = with_sparse(model, small_mi(VerticalSlash(10**6, 10**6)), lambda: apb_run(model, ids, 67, **kw))
+    if method == "minference":
+        sparse = small_mi(VerticalSlash(10**6, 10**6))
+    else:
+        sparse = load_sparse_method(SparseConfig("anchor", anchor_theta=float("inf"), anchor_block_q=16, anchor_step=1,
+                                                 min_length=0, fallback=False))
+    got, _ = with_sparse(model, sparse, lambda: apb_run(model, ids, 67, **kw))
     assert rel(got, want) <= 1e-5
 
 
