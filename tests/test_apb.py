@@ -118,6 +118,7 @@ def test_segment_layout_positions_and_cache_rows():
         cached = seg.index[seg.cache_rows]
         assert cached.tolist() == list(range(s, e))  # the block only: no anchor, no embedded query
         assert seg.positions[seg.cache_rows].tolist() == list(range(s, e))
+        assert seg.positions[seg.n_front :].tolist() == list(range(s, e))  # attend marks this run on the host
         front, fpos = seg.index[: seg.n_front], seg.positions[: seg.n_front]
         if r == 0:  # score-only query rows, positions right after the template head
             assert seg.score_only and front.tolist() == list(range(C, L))
@@ -654,15 +655,18 @@ def test_sparse_thins_anchor_and_passing_keys_in_one_call(model, monkeypatch):
     dense, _ = apb_run(model, ids, 67, **kw)
     assert sum(1 for c in calls if not c[2]) == 2 * n_layers  # hosts 1, 2: [anchor; passing] apart
     assert not any(c[3] for c in calls)
+    b = apb_bounds(67, 3)
+    causal = sorted(c[:2] + c[4:] for c in calls if c[2])  # block and anchor calls: positions marked
+    want = [(b[h + 1] - b[h],) * 2 + (b[h],) * 2 for h in range(3)] + [(10, 10, 0, 0)] * 2
+    assert causal == sorted(w for w in want for _ in range(n_layers))
     calls.clear()
     got, _ = with_sparse(model, small_mi(VerticalSlash(2, 4)), lambda: apb_run(model, ids, 67, **kw))
-    b = apb_bounds(67, 3)
     sparse = [c for c in calls if c[3]]
     assert not any(not c[2] for c in calls)  # no separate call over the anchor and passing keys
     want = []
     for h in range(3):
         rows, extras = b[h + 1] - b[h], (10 + 6 * h if h else 0)
-        want += [(rows, rows + extras, True, True) + ((extras, 0) if h else (None, None))] * n_layers
+        want += [(rows, rows + extras, True, True) + ((extras, 0) if h else (b[h], b[h]))] * n_layers
     assert sorted(sparse) == sorted(want)
     assert rel(got, dense) > 1e-3  # the small budget really drops keys
 

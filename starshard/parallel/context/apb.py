@@ -577,13 +577,26 @@ class APBAttention(ContextStrategy):
         exchange = self.hosts > 1 and passing > 0
         last = seg.host == self.hosts - 1
         calls = [0]
+        # The block's positions are the run bounds[host] .. (and the anchor's 0 .. n_front - 1, unless
+        # they are score-only query rows): made once per segment and marked on the host, so that no
+        # layer's attention call reads them back from the device (`common.mark_arange`).
+        start, n_block = self._bounds[seg.host], seg.positions.shape[0] - seg.n_front
+        runs: dict = {}
+
+        def marked(device):
+            if device not in runs:
+                block = mark_arange(torch.arange(start, start + n_block, device=device), start)
+                front = None if seg.score_only else mark_arange(torch.arange(seg.n_front, device=device), 0)
+                runs[device] = (block, front)
+            return runs[device]
 
         def attend(q, k, v, pos, cache, sparse=None):
             i = calls[0]
             calls[0] += 1
             layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i
             F_ = seg.n_front
-            qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], pos[F_:]
+            block_pos, front_pos = marked(q.device)
+            qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
             extra_k, extra_v = [], []
             if F_ and not seg.score_only:  # the anchor, seen in full by every block row
                 extra_k.append(k[:, :, :F_])
@@ -618,7 +631,8 @@ class APBAttention(ContextStrategy):
                 o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False)
                 out, lse = merge_partials(out, lse, o2, l2)
             if F_:
-                qF, kF, vF, pF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_], pos[:F_]
+                qF, kF, vF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_]
+                pF = pos[:F_] if front_pos is None else front_pos
                 if seg.score_only:  # the query rows see the template head and themselves
                     h = seg.head_len
                     kF, vF = torch.cat([kL[:, :, :h], kF], dim=2), torch.cat([vL[:, :, :h], vF], dim=2)
