@@ -197,7 +197,26 @@ def test_mask_mode():
     assert mask_mode(torch.arange(90, 100), a, True) == "masked"  # query tail: bottom-right, not index-causal
     assert mask_mode(a + 5, a + 5, True) == "causal"
     assert mask_mode(a, a + 1, True) == "masked"
-    assert mask_mode(ZIG, ZIG, True) == "masked"
+    # Strictly increasing with gaps (a zigzag shard, Star's [anchor; block]): index-causal is position-causal.
+    assert mask_mode(ZIG, ZIG, True) == "causal"
+    star = torch.cat([torch.arange(8), torch.arange(40, 60)])
+    assert mask_mode(star, star.clone(), True) == "causal"
+    assert mask_mode(star, star[:-1], True) == "masked"  # not square
+    dup = torch.cat([torch.arange(10), torch.arange(9, 20)])  # a repeated position sees its twin both ways
+    assert mask_mode(dup, dup, True) == "masked"
+    assert mask_mode(star.flip(0), star.flip(0), True) == "masked"
+
+
+@pytest.mark.parametrize("pos", [ZIG, torch.cat([torch.arange(8), torch.arange(40, 60)])], ids=["zigzag", "star"])
+def test_gapped_increasing_positions_are_index_causal(pos):
+    """What mask_mode's "causal" for gapped positions relies on (the fused kernels' is_causal is
+    index-causal): attention by those positions equals attention by indices 0 .. L-1."""
+    g = torch.Generator().manual_seed(len(pos))
+    L = len(pos)
+    q, k, v = torch.randn(1, 4, L, 16, generator=g), torch.randn(1, 2, L, 16, generator=g), torch.randn(1, 2, L, 16, generator=g)
+    by_pos = attention_math(q, k, v, q_pos=pos, k_pos=pos, causal=True)
+    by_index = attention_math(q, k, v, q_pos=torch.arange(L), k_pos=torch.arange(L), causal=True)
+    assert torch.equal(by_pos[0], by_index[0]) and torch.equal(by_pos[1], by_index[1])
 
 
 @pytest.mark.parametrize("shape,dtype,Lk,mode,want", [

@@ -32,8 +32,9 @@ __all__ = [
 
 def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
     """Which mask the positions make: "full" (every key visible to every query row), "causal"
-    (q_pos == k_pos, one run of consecutive positions: plain index-causal, which the fused kernels'
-    is_causal expresses whatever their alignment convention) or "masked" (anything else).
+    (q_pos == k_pos, strictly increasing: key j is visible to row i iff j <= i, plain index-causal,
+    which the fused kernels' is_causal expresses whatever their alignment convention; gaps allowed,
+    as in Star's [anchor; block] or a zigzag ring shard) or "masked" (anything else).
 
     Reading positions that live on a GPU costs one device-to-host sync; only prefill-sized calls
     pay it (decode-sized ones go to the split-KV kernel, which needs no classification), and none
@@ -50,7 +51,7 @@ def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
     stats = [k_pos.to(q_pos.device).max(), q_pos.min()]
     square = q_pos.shape == k_pos.shape
     if square:
-        stats += [(q_pos != k_pos.to(q_pos.device)).any().long(), (q_pos.diff() != 1).any().long()]
+        stats += [(q_pos != k_pos.to(q_pos.device)).any().long(), (q_pos.diff() <= 0).any().long()]
     vals = torch.stack(stats).tolist()  # the one sync
     if vals[0] <= vals[1]:
         return "full"
