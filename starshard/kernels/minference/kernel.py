@@ -4,11 +4,12 @@ columns, Block-Sparse heads their selected key blocks. Runs on CUDA or under TRI
 
 `Launch` picks a variant (issue 18, item 3; the default is the kernel as it was: on an H100 at 128K
 none beat it on the default pattern, `flat` was 1.17x faster on a small-budget one and `pair` 3x
-slower, bench/results/2026-11-25-gpu-kernel-variants): `pair` runs two index row blocks per program (A-shape heads as one 2*block_size-row tile,
-Vertical-Slash heads in `_vs_pair_fwd`, which loads each diagonal-run key chunk once for both
-blocks), `flat` streams all diagonal runs of a row block in one loop (one software pipeline instead
-of one per run), `wide` takes the mask-free chunks of contiguous spans two at a time. Every variant
-computes exactly the same visibility as the index says (tests/test_minference_kernel_variants.py)."""
+slower, bench/results/2026-11-25-gpu-kernel-variants): `pair` runs two index row blocks per program
+(A-shape heads as one 2*block_size-row tile, Vertical-Slash heads in `_vs_pair_fwd`, which loads each
+diagonal-run key chunk once for both blocks), `flat` streams all diagonal runs of a row block in one
+loop (one software pipeline instead of one per run), `wide` takes the mask-free chunks of contiguous
+spans two at a time. Every variant computes exactly the same visibility as the index says
+(tests/test_minference_kernel_variants.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
