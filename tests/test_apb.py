@@ -258,7 +258,17 @@ CASES = [
     ("nopass3", 3, 81, 70, dict(anchor_size=5, passing_size=0)),
     ("noanchor4", 4, 90, 79, dict(anchor_size=0, passing_size=3, embed_query=False)),
     ("longquery4", 4, 25, 13, dict(anchor_size=4, passing_size=2)),  # query longer than early blocks
+    # a sparse method inside each block (`sparse_method`): the call over [anchor; passing; block]
+    ("sparse3", 3, 83, 72, dict(anchor_size=6, passing_size=5, embed_query=False, sparse=("vs", 3, 5))),
 ]
+
+
+def sparse_method(spec):
+    """("vs", vertical, slash): a Vertical-Slash pattern on every head, small enough to drop keys."""
+    from starshard.kernels.minference import MInferenceConfig, VerticalSlash
+
+    _, vertical, slash = spec
+    return MInferenceConfig(default=VerticalSlash(vertical, slash), block_size=16, last_q=16)
 
 
 def apb_worker(rank, world, path, cases, steps):
@@ -287,9 +297,14 @@ def apb_worker(rank, world, path, cases, steps):
 
         wrapped[name] = wrap
     out = {}
+    from starshard.kernels.sparse import install_sparse
+
     for name, cp, L, C, kw in cases:
         if rank >= cp:
             continue
+        kw = dict(kw)
+        sparse = kw.pop("sparse", None)
+        install_sparse(model, None if sparse is None else sparse_method(sparse))
         ids = torch.randint(0, 211, (L,), generator=torch.Generator().manual_seed(L + cp))
         strategy = APBAttention(groups[cp], **kw).bind(model)
         strategy.trace = []
@@ -503,7 +518,11 @@ def test_retaining_heads_under_tensor_parallelism(ranks):
 def study_run(model, ids, context_len, hosts, steps, **kw):
     """cp = 1, `hosts` virtual hosts run in turn: logits, greedy tokens, the cache, the trace."""
     from starshard.config import SamplingConfig
+    from starshard.kernels.sparse import install_sparse
 
+    kw = dict(kw)
+    sparse = kw.pop("sparse", None)
+    install_sparse(model, None if sparse is None else sparse_method(sparse))
     saved = [layer.attention.attend for layer in model.layers]
     strategy = APBAttention(num_blocks=hosts, **kw)
     strategy.trace = []
@@ -523,7 +542,7 @@ def study_run(model, ids, context_len, hosts, steps, **kw):
 
 
 @pytest.mark.parametrize("name", ["fixed2", "fixed3", "fixed4", "query3", "random2", "window3", "nopass3",
-                                  "noanchor4", "longquery4", "exact3"])
+                                  "noanchor4", "longquery4", "exact3", "sparse3"])
 def test_study_mode_reproduces_cp(ranks, model_path, name):
     """One process, N virtual hosts one after another == N gloo ranks: the query-phase logits, the
     greedy tokens, every layer's KV cache (rows, values and positions, blocks in host order) and
@@ -532,6 +551,9 @@ def test_study_mode_reproduces_cp(ranks, model_path, name):
     _, cp, L, C, kw = case(name)
     logits, owner, toks, kv, trace = study_run(model, ranks[0][name]["ids"], C, cp, STEPS, **kw)
     assert owner == 0
+    if "sparse" in kw:  # the pattern really drops keys (else sparse and dense would agree trivially)
+        dense = study_run(model, ranks[0][name]["ids"], C, cp, STEPS, **{**kw, "sparse": None})[0]
+        assert rel(logits, dense) > 1e-3
     assert rel(logits, ranks[cp - 1][name]["logits"]) <= 1e-6
     assert toks == ranks[cp - 1][name]["tokens"]
     for i, (k, v, pos) in kv.items():  # ranks' caches laid end to end, in rank order
