@@ -57,3 +57,48 @@ def test_mark_goes_with_the_tensor():
     assert arange_start(u) is None or id(u) != key
     with pytest.raises(ValueError, match="1-D"):
         mark_arange(torch.arange(6).view(2, 3), 0)
+
+
+def test_marked_increasing_answers_as_read():
+    """Star's [anchor; block] (gaps, strictly increasing), given as both q_pos and k_pos: index-causal at
+    offset 0, from the mark as from the read; a meta tensor (nothing to read) proves no read; only the
+    marked tensor itself counts (an equal copy, or another k_pos, is read as before)."""
+    from starshard.kernels.common import mark_increasing, square_increasing
+
+    pos = torch.cat([torch.arange(8), torch.arange(40, 60)])
+    read = (mask_mode(pos, pos, True), query_offset(pos, pos, 28, 28))
+    m = mark_increasing(pos.clone())
+    assert square_increasing(m, m) and not square_increasing(m, m.clone()) and not square_increasing(pos, pos)
+    assert (mask_mode(m, m, True), query_offset(m, m, 28, 28)) == read == ("causal", 0)
+    meta = mark_increasing(torch.empty(28, dtype=torch.long, device="meta"))
+    assert mask_mode(meta, meta, True) == "causal" and query_offset(meta, meta, 28, 28) == 0
+    assert mask_mode(meta, meta, False) == "full"
+    with pytest.raises(ValueError, match="1-D"):
+        mark_increasing(torch.arange(6).view(2, 3))
+
+
+def test_star_marks_its_block_positions(tmp_path, monkeypatch):
+    """Star's block calls get positions the host knows are increasing (checked once per segment)."""
+    import starshard.parallel.context.star as star_mod
+    from hf_models import make_hf_model
+    from starshard.checkpoints.load import load_model
+    from starshard.kernels.common import square_increasing
+    from starshard.parallel.context.star import StarAttention
+    from starshard.runtime.context_parallel import ContextParallelRunner
+
+    _, path = make_hf_model("llama", tmp_path)
+    model = load_model(path)
+    seen = []
+    real = star_mod.attention
+
+    def spy(q, k, v, *, q_pos, k_pos, **kw):
+        seen.append(square_increasing(q_pos, k_pos))
+        return real(q, k, v, q_pos=q_pos, k_pos=k_pos, **kw)
+
+    monkeypatch.setattr(star_mod, "attention", spy)
+    runner = ContextParallelRunner(model, StarAttention(num_blocks=3, anchor_size=8))
+    ids = torch.randint(0, 211, (70,), generator=torch.Generator().manual_seed(3))
+    cache = runner.new_cache(71)
+    with torch.no_grad():
+        runner.prefill_logits(ids, 60, cache)
+    assert len(seen) == 3 * model.config.num_layers and all(seen)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK
-from starshard.kernels.common import DECODE_MAX_ROWS, arange_start, as_positions, check_shapes, sm_count, to_device
+from starshard.kernels.common import (
+    DECODE_MAX_ROWS, arange_start, as_positions, check_shapes, sm_count, square_increasing, to_device,
+)
 from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import dequantize
@@ -43,6 +45,8 @@ def mask_mode(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> str:
         return "full"
     if q_pos.dim() != 1 or k_pos.dim() != 1 or q_pos.numel() == 0 or k_pos.numel() == 0:
         return "masked"
+    if square_increasing(q_pos, k_pos):  # known on the host (common.mark_increasing): nothing to read
+        return "causal"
     q0, k0 = arange_start(q_pos), arange_start(k_pos)
     if q0 is not None and k0 is not None:  # both runs known on the host: nothing to read
         if k0 + k_pos.numel() - 1 <= q0:

@@ -44,6 +44,33 @@ def arange_start(pos: torch.Tensor) -> int | None:
     return entry[1] if entry is not None and entry[0]() is pos else None
 
 
+# id -> weak reference of position tensors known to be strictly increasing (`mark_increasing`).
+_INCREASING: dict[int, weakref.ref] = {}
+
+
+def mark_increasing(pos: torch.Tensor) -> torch.Tensor:
+    """Note on the host that 1-D `pos` is strictly increasing (built so on the host, never written
+    afterwards; gaps allowed: Star's [anchor; block]). A call given the same tensor as q_pos and k_pos
+    is then index-causal at offset 0, which `query_offset` and `attention.mask_mode` answer without a
+    device read. Returns pos."""
+    if pos.dim() != 1:
+        raise ValueError(f"mark_increasing takes 1-D positions, got shape {tuple(pos.shape)}")
+    key = id(pos)
+    _INCREASING[key] = weakref.ref(pos, lambda _: _INCREASING.pop(key, None))
+    return pos
+
+
+def square_increasing(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """q_pos and k_pos are one tensor known (marked) to be strictly increasing: key j is visible to
+    row i iff j <= i."""
+    if q_pos is not k_pos:
+        return False
+    if arange_start(q_pos) is not None:
+        return True
+    ref = _INCREASING.get(id(q_pos))
+    return ref is not None and ref() is q_pos
+
+
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:
     """A small host list as a tensor on `device` without a device sync: torch.tensor(..., device=cuda)
     copies synchronously, which drains the GPU's queue and leaves the next kernels waiting on host
@@ -105,6 +132,8 @@ def query_offset(q_pos: torch.Tensor, k_pos: torch.Tensor, Lq: int, Lk: int) -> 
             raise ValueError(f"{name} must have shape [{L}] or [B, {L}], got {tuple(p.shape)}")
         return p, torch.zeros((), dtype=torch.bool, device=p.device)
 
+    if square_increasing(q_pos, k_pos) and q_pos.shape == (Lq,) and Lq == Lk:
+        return 0
     q0, k0 = arange_start(q_pos), arange_start(k_pos)
     if q0 is not None and k0 is not None and q_pos.shape == (Lq,) and k_pos.shape == (Lk,):
         if q0 < k0:  # both runs, known on the host (mark_arange): as read below, without the read

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from starshard.kernels.attention import attention
+from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.layout import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
@@ -51,6 +52,12 @@ class StarAttention(ContextStrategy):
 
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
+        # [anchor; block] positions increase (segments() builds them so; checked once per segment): the
+        # model passes this tensor to every layer, whose attention then knows the call is index-causal
+        # without a device read per layer.
+        pos = segment.positions
+        if pos.dim() == 1 and bool((pos.diff() > 0).all()):
+            mark_increasing(pos)
 
         def attend(q, k, v, pos, cache, sparse=None):
             # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
