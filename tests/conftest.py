@@ -25,3 +25,20 @@ def _starshard_logging_restored():
     saved = (list(log.handlers), log.propagate, log.level)
     yield
     log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]
+
+
+@pytest.fixture
+def dot_flops(monkeypatch):
+    """A list that collects 2 * M * K * N for every tl.dot the interpreted Triton kernels run."""
+    interp = pytest.importorskip("triton.runtime.interpreter")
+    seen = []
+    real = interp.InterpreterBuilder.create_dot
+
+    def counting(self, a, b, d, *args):
+        (m, kk), n = a.data.shape, b.data.shape[1]
+        assert b.data.shape[0] == kk
+        seen.append(2 * m * kk * n)
+        return real(self, a, b, d, *args)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", counting)
+    return seen

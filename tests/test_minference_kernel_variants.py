@@ -11,22 +11,19 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-interp = pytest.importorskip("triton.runtime.interpreter")
+pytest.importorskip("triton.runtime.interpreter")
 
 from starshard.kernels import minference as mi  # noqa: E402
 from starshard.kernels.minference import kernel as mk  # noqa: E402
 from starshard.kernels.minference.plan import HeadGroup  # noqa: E402
+from sm90_compile import assert_compiles_for_sm90  # noqa: E402
 from sparse_reference import assert_matches, masked_reference  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ["default", "wide", "flat", "pair", "pair+wide", "pair+flat"]
 # VS with columns and diagonals, diagonals only (vertical 0), columns only (slash 0), then the
 # other kinds in the same call
@@ -126,21 +123,6 @@ def test_variants_on_random_diagonal_runs(seed):
     _check_variants(q, k, v, groups, off=off, bm=bm, dtype=torch.float32)
 
 
-@pytest.fixture
-def dot_flops(monkeypatch):
-    """A list that collects 2 * M * K * N for every tl.dot the interpreted kernels run."""
-    seen = []
-    real = interp.InterpreterBuilder.create_dot
-
-    def counting(self, a, b, d, *args):
-        (m, kk), n = a.data.shape, b.data.shape[1]
-        seen.append(2 * m * kk * n)
-        return real(self, a, b, d, *args)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", counting)
-    return seen
-
-
 @pytest.mark.parametrize("lq,lk", [(150, 150), (90, 170)])
 def test_computed_entries_are_the_kernels_flops(dot_flops, lq, lk):
     """Unpaired variants compute plan.kernel_cost's entries; every variant computed_entries'."""
@@ -208,9 +190,4 @@ print("compiled")
 
 @pytest.mark.slow  # ~40 s on 2 cores: four real sm_90a builds
 def test_variants_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
-        pytest.skip("no ptxas in this triton install")
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    assert_compiles_for_sm90(_COMPILE, tmp_path, timeout=900)

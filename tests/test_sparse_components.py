@@ -13,23 +13,7 @@ import torch  # noqa: E402
 from starshard.kernels import anchor as an  # noqa: E402
 from starshard.kernels import minference as mi  # noqa: E402
 
-interp = pytest.importorskip("triton.runtime.interpreter")
-
-
-@pytest.fixture
-def dot_flops(monkeypatch):
-    """A list that collects 2 * M * K * N for every tl.dot the interpreted kernels run."""
-    seen = []
-    real = interp.InterpreterBuilder.create_dot
-
-    def counting(self, a, b, d, *args):
-        (m, kk), n = a.data.shape, b.data.shape[1]
-        assert b.data.shape[0] == kk
-        seen.append(2 * m * kk * n)
-        return real(self, a, b, d, *args)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", counting)
-    return seen
+pytest.importorskip("triton.runtime.interpreter")
 
 
 def _qkv(lq, lk, hq=4, hkv=2, d=16, seed=0):
