@@ -365,8 +365,9 @@ class Fp8Config:
     linear: the decoder's projections (wqkv, wo, w13, w2) hold e4m3 weights with one scale per output
             channel; activations are scaled per row at run time (parallel/fp8.py, kernels/fp8.py).
     kv:     the KV cache stores e4m3 keys / values with one scale per (KV head, token) (engine/kv_cache.py).
-    attention: FP8 prefill attention (cuDNN): measured and not kept (faster, ~10% output error on
-            Hopper: bench/results/2026-11-23-h200-fp8-attention); asking for it is an error that says so.
+    attention: FP8 prefill attention: measured and not kept (cuDNN's and our Triton kernel, kernels/flash_fp8.py,
+            1.4-1.7x faster, ~10% output error on a peaked softmax: bench/results/2026-11-23-h200-fp8-attention,
+            2026-11-25-h100-fp8-attention); asking for it is an error that says so.
     """
 
     linear: bool = False

@@ -70,9 +70,10 @@ def check_fp8(fp8: Fp8Config, device, dtype) -> None:
     if not fp8.any:
         return
     if fp8.attention:
-        raise LayoutError("--fp8 attention is not offered: cuDNN's FP8 attention measured 1.6-1.75x faster than bf16 "
-                         "on an H200 but ~10% off in its output with a peaked softmax (Hopper writes the output in "
-                         "e4m3; bench/results/2026-11-23-h200-fp8-attention); use --fp8 linear, kv or linear,kv")
+        raise LayoutError("--fp8 attention is not offered: FP8 prefill attention (cuDNN's, and a Triton kernel with "
+                         "per-block scales) measured 1.4-1.75x faster than bf16 but ~10% off in its output with a "
+                         "peaked softmax (e4m3 q / k scores; bench/results/2026-11-23-h200-fp8-attention, "
+                         "2026-11-25-h100-fp8-attention); use --fp8 linear, kv or linear,kv")
     dev = torch.device(device)
     if dev.type == "cpu":
         warn_cpu_reference()
