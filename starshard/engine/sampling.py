@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from starshard.config import SamplingConfig
+from starshard.kernels.argmax import argmax_rows, use_argmax_kernel
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """logits [B, V] float -> token ids [B]."""
     if cfg.temperature == 0:
-        return logits.argmax(-1)
+        return argmax_rows(logits) if use_argmax_kernel(logits) else logits.argmax(-1)
     logits = logits / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[:, -1:]

@@ -2,7 +2,7 @@
 
     x8, scale = rms_norm_quant(x, weight, eps)   # = quantize_rows(rms_norm(x, weight, eps)), one kernel
     a8, scale = silu_mul_quant(gate_up)          # = quantize_rows(silu(gate) * up), gate_up = [gate | up]
-    a = silu_mul(gate_up)                        # SwiGLU's activation as torch ops (the eager path)
+    a = silu_mul(gate_up)                        # SwiGLU's activation (decode rows on CUDA: one launch)
 
 Why: a prefill FP8 GEMM (torch._scaled_mm, kernels/fp8.py) takes its activations in e4m3 with one
 scale per row. Unfused, the norm reads the hidden state and writes it in bf16, then quantize_rows reads
@@ -50,10 +50,27 @@ LOOP_TILE = dict(block=4096, warps=8)  # tile of the looping kernels
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [.., 2F] (gate: the first F columns) -> [.., F], torch ops in the input's
-    dtype: the model's SwiGLU activation (engine FeedForward, and an FP8 w2 outside the fused path)."""
+    """silu(gate) * up of gate_up [.., 2F] (gate: the first F columns) -> [.., F] in the input's dtype: the
+    model's SwiGLU activation (engine FeedForward, and an FP8 w2 outside the fused path). Decode-sized CUDA
+    inputs (up to SILU_MUL_MAX_ROWS rows) take one Triton launch (`silu_mul_rows`), the rest torch ops."""
+    if use_silu_mul_kernel(gate_up):
+        return silu_mul_rows(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# Rows up to which silu_mul runs as one kernel on CUDA: eager torch takes two launches (silu, then the
+# multiply; ~1.8 + 1.2 us for a 14336-wide row on an H200, bench/results/2026-11-24-h200/run_i.log), which
+# is most of the time at decode sizes; prefill rows are bandwidth-bound, where two passes cost more.
+SILU_MUL_MAX_ROWS = 64
+SILU_MUL_BLOCK = 1024  # columns per program
+
+
+def use_silu_mul_kernel(gate_up: torch.Tensor) -> bool:
+    """Whether silu_mul sends gate_up [.., 2F] to the one-launch kernel: CUDA, few rows, even width."""
+    width = gate_up.shape[-1]
+    return (gate_up.is_cuda and triton is not None and width % 2 == 0 and width > 0
+            and gate_up.numel() <= SILU_MUL_MAX_ROWS * width)
 
 
 def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +141,18 @@ if triton is not None:
         return (g / (1.0 + tl.exp(-g)) * u).to(G_row.dtype.element_ty).to(tl.float32)  # silu as torch computes it
 
     @triton.jit
+    def _silu_mul_rows_kernel(G, Y, Fw, s_gm, s_ym, BLOCK: tl.constexpr):
+        """Y[row, cols] = silu(G[row, cols]) * G[row, Fw + cols], rounded as eager torch rounds: silu's
+        result to G's dtype first, then the product (two roundings, as F.silu(gate) * up)."""
+        row = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < Fw
+        g = tl.load(G + row * s_gm + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(G + row * s_gm + Fw + offs, mask=ok, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * s_ym + offs, (a * u).to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _silu_mul_quant_kernel(G, Y, S, Fw, s_gm, s_ym, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
         """One row per program: Y[row] = e4m3(silu(G[row, :Fw]) * G[row, Fw:] / scale), S[row] = amax / 448."""
         row = tl.program_id(0).to(tl.int64)
@@ -176,6 +205,23 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dty
         _rms_norm_quant_kernel[(M,)](x2, weight, y, s, K, x2.stride(0), y.stride(0), eps, BLOCK=block,
                                      ONE_TILE=one_tile, num_warps=warps)
     return y, s
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul in one Triton launch (CUDA, or the interpreter): gate_up [.., 2F] -> [.., F]."""
+    if triton is None:
+        raise RuntimeError("silu_mul_rows needs the triton package")
+    g2 = _rows(gate_up)
+    M, two_f = g2.shape
+    if two_f % 2:
+        raise ValueError(f"silu_mul_rows: gate_up has an odd width {two_f}; expected [gate | up]")
+    Fw = two_f // 2
+    y = torch.empty(M, Fw, dtype=gate_up.dtype, device=gate_up.device)
+    if M and Fw:
+        block = min(SILU_MUL_BLOCK, triton.next_power_of_2(Fw))
+        _silu_mul_rows_kernel[(triton.cdiv(Fw, block), M)](g2, y, Fw, g2.stride(0), y.stride(0), BLOCK=block,
+                                                          num_warps=4 if block >= 1024 else 2)
+    return y.view(*gate_up.shape[:-1], Fw)
 
 
 def silu_mul_quant(gate_up: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,

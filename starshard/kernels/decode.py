@@ -21,6 +21,10 @@ try:
     import triton.language as tl
 except ImportError:  # installs without triton (non-Linux CPU) keep the torch path
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older triton: plain loads
+    TensorDescriptor = None
 
 _MIN_CHUNK = 256  # keys per split: below this the merge costs more than the parallelism buys
 
@@ -118,6 +122,121 @@ if triton is not None:
         tl.store(OP + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LP + part, lse2, mask=row_ok)
 
+    @triton.jit
+    def _fp8_block(q, K, V, KS, VS, k_off, v_off, s_off, s_kn, s_kd, s_vn, s_vd, kv_row, start, n, offs_d, hi, m_i,
+                   l_i, acc, qk_scale, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+        """Keys start .. start + BLOCK_N - 1 of an e4m3 cache folded into the softmax of the fp16 rows q.
+        MASKED: keys n >= hi are hidden (scores -inf, values 0: with TMA they are whatever follows in
+        the cache, NaN included); off, every key counts and nothing is masked. TMA: K, V, KS, VS are
+        descriptors over the contiguous cache rows (kv_row: this head's first row); else pointers, this
+        head's K, V at offsets k_off, v_off and its scales at s_off."""
+        d_ok = offs_d < HEAD_DIM
+        if not TMA:
+            kt_ptrs = K + k_off + n[None, :] * s_kn + offs_d[:, None] * s_kd
+            v_ptrs = V + v_off + n[:, None] * s_vn + offs_d[None, :] * s_vd
+            ks_ptrs = KS + s_off + n
+            vs_ptrs = VS + s_off + n
+        if TMA:
+            kt = K.load([kv_row + start, 0]).T
+            v = V.load([kv_row + start, 0])
+            ks = KS.load([kv_row + start])
+            vs = VS.load([kv_row + start])
+        elif MASKED:
+            col_ok = n < hi
+            kt = tl.load(kt_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            ks = tl.load(ks_ptrs, mask=col_ok, other=0.0)
+            vs = tl.load(vs_ptrs, mask=col_ok, other=0.0)
+        elif HEAD_DIM == offs_d.shape[0]:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+            ks = tl.load(ks_ptrs)
+            vs = tl.load(vs_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            ks = tl.load(ks_ptrs)
+            vs = tl.load(vs_ptrs)
+        v = v.to(tl.float16)  # e4m3 -> fp16: exact, one conversion per two values
+        qk = tl.dot(q, kt.to(tl.float16)) * (ks * qk_scale)[None, :]  # log2 units
+        if MASKED:
+            col_ok = n < hi
+            if TMA:
+                vs = tl.where(col_ok, vs, 0.0)
+                v = tl.where(col_ok[:, None], v, 0.0)
+            qk = tl.where(col_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp2 -> 0, not NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # Per-key value scales on the probabilities, the block's largest factored out so that the fp16
+        # probabilities stay in [0, 1] (p * v_scale alone can fall below fp16's normal range).
+        s_max = tl.max(vs, 0)
+        s_max = tl.where(s_max > 0.0, s_max, 1.0)
+        pv = (p * (vs * (1.0 / s_max))[None, :]).to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(pv, v) * s_max
+        return m_new, l_i, acc
+
+    # e4m3 cache, 16-bit queries, no causal mask (the CUDA-graph decode step): whole key blocks run
+    # unmasked, at most one masked block per split.
+    @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
+    def _decode_split_fp8_kernel(
+        Q, K, V, OP, LP, LK_PTR, KS, VS,
+        qk_scale,
+        s_qb, s_qh, s_qm, s_qd,
+        s_kb, s_kh, s_kn, s_kd,
+        s_vb, s_vh, s_vn, s_vd,
+        s_sb, s_sh,
+        Hkv, G, Lq, Lk, cap, chunk, n_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_LK: tl.constexpr, TMA: tl.constexpr,
+    ):
+        split = tl.program_id(0)
+        if HAS_LK:
+            Lk = tl.load(LK_PTR)
+        row_block = tl.program_id(1)
+        pid_bk = tl.program_id(2)
+        b = pid_bk // Hkv
+        kvh = pid_bk % Hkv
+        Hq = Hkv * G
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < G * Lq
+        hq = kvh * G + rows // Lq
+        qi = rows % Lq
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(Q + b.to(tl.int64) * s_qb + hq[:, None].to(tl.int64) * s_qh + qi[:, None] * s_qm + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        # fp16 products, exact for e4m3 keys / values; |q| beyond fp16's range is clamped, not inf.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        k_off = b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh
+        v_off = b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh
+        s_off = b.to(tl.int64) * s_sb + kvh.to(tl.int64) * s_sh
+        kv_row = (b * Hkv + kvh) * cap  # TMA: this head's first row of the [B * Hkv * cap, D] view
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, Lk)
+        mid = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, mid, BLOCK_N):
+            m_i, l_i, acc = _fp8_block(q, K, V, KS, VS, k_off, v_off, s_off, s_kn, s_kd, s_vn, s_vd, kv_row, start,
+                                       start + offs_n, offs_d, hi, m_i, l_i, acc, qk_scale, HEAD_DIM, False, TMA)
+        for start in tl.range(mid, hi, BLOCK_N, num_stages=1):
+            m_i, l_i, acc = _fp8_block(q, K, V, KS, VS, k_off, v_off, s_off, s_kn, s_kd, s_vn, s_vd, kv_row, start,
+                                       start + offs_n, offs_d, hi, m_i, l_i, acc, qk_scale, HEAD_DIM, True, TMA)
+
+        out, lse2 = softmax_finish(m_i, l_i, acc, True)  # partial lse in log2 units; the merge converts once
+        part = ((b * Hq + hq).to(tl.int64) * Lq + qi) * n_splits + split
+        tl.store(OP + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LP + part, lse2, mask=row_ok)
+
     @triton.jit(do_not_specialize=["Lq", "n_splits"])
     def _decode_merge_kernel(
         OP, LP, O, LSE,
@@ -134,25 +253,37 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         base = row.to(tl.int64) * n_splits
-        m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, n_splits, BLOCK_S):
-            m = tl.maximum(m, tl.load(LP + base + s0 + offs_s, mask=s0 + offs_s < n_splits, other=float("-inf")))
-        m_max = tl.max(m, 0)
-        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-        den = tl.zeros([BLOCK_S], dtype=tl.float32)
+        # One pass, BLOCK_S splits at a time, rescaled as the running max grows: with BLOCK_S >= n_splits
+        # (the usual case) every load is issued at once instead of two dependent rounds.
+        m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+        den = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for s0 in range(0, n_splits, BLOCK_S):
             s_ok = s0 + offs_s < n_splits
-            w = tl.math.exp2(tl.load(LP + base + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_use)
+            lp = tl.load(LP + base + s0 + offs_s, mask=s_ok, other=float("-inf"))
             o = tl.load(OP + (base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            den += w
-            acc += tl.sum(w[:, None] * o, 0)
-        total = tl.sum(den, 0)
-        out = acc / tl.where(total == 0.0, 1.0, total)
-        lse = row_lse(m_use, total, False)
+            m_new = tl.maximum(m, tl.max(lp, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            c = tl.math.exp2(m - m_use)
+            w = tl.math.exp2(lp - m_use)
+            den = den * c + tl.sum(w, 0)
+            acc = acc * c + tl.sum(w[:, None] * o, 0)
+            m = m_new
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        out = acc / tl.where(den == 0.0, 1.0, den)
+        lse = row_lse(m_use, den, False)
         o_ptrs = O + b.to(tl.int64) * s_ob + hq.to(tl.int64) * s_oh + qi * s_om + offs_d * s_od
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=d_ok)
         tl.store(LSE + row, lse)
+
+
+# Options of the e4m3-cache path (bench/fp8_decode_split.py, bench/results/2026-11-25-h100-fp8-decode).
+# even: _decode_split_fp8_kernel (whole key blocks unmasked) where it applies, instead of the general
+# kernel; off by default: no faster on an H100, HBM-bound (107.5 vs 107.1 us per layer at 128K keys),
+# or at its own rate (47.1 vs 47.0 us with the cache in L2). tma: its loads through tensor descriptors:
+# 103.8 us HBM-bound on an H100, but 53.4 us at its own rate, the rate that bounds this kernel on an
+# H200: measure it there before turning it on. config: its (BLOCK_N, num_warps, num_stages).
+_FP8_OPTIONS = {"even": False, "tma": False, "config": (128, 4, 3)}
 
 
 def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:
@@ -164,7 +295,7 @@ def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:
 
 def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None,
                      length: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None):
+                     v_scale: torch.Tensor | None = None, options: dict | None = None):
     """q [B, Hq, Lq, D] (Lq small), k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU);
     `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning).
@@ -173,7 +304,8 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     torch path reads it on the host.
     `k_scale`, `v_scale`: with e4m3 k, v (an FP8 KV cache), float32 scales [B, Hkv, >= Lk], one per
     (KV head, key) (kernels/fp8.py quantize_rows): the kernel reads the e4m3 bytes and dequantizes in
-    registers; the torch path dequantizes first."""
+    registers; the torch path dequantizes first.
+    `options`: overrides of _FP8_OPTIONS (the e4m3 path's kernel choice, tuning)."""
     check_shapes(q, k, v)
     use_triton = q.device.type == "cuda" if use_triton is None else use_triton
     if length is not None and not use_triton:
@@ -205,8 +337,13 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     if num_splits is None:
         num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk)
     block_d = max(16, triton.next_power_of_2(D))
+    opts = {**_FP8_OPTIONS, **(options or {})}
+    # e4m3 cache, 16-bit queries, no causal mask, options "even": the kernel without per-block masks
+    fp8_even = fp8 and q.dtype != torch.float32 and not causal and opts["even"]
     # e4m3 keys / values: twice the keys per tile for the same bytes in flight (first guess; bench/fp8_tune.py)
     default = ((128 if fp8 else 64), 4, 3) if block_d <= 128 else (32, 4, 2)
+    if fp8_even:
+        default = opts["config"]
     block_n, warps, stages = config or default
     per_split = -(-Lk // num_splits)
     chunk = -(-per_split // block_n) * block_n  # whole key blocks per split
@@ -216,24 +353,47 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     s_pb = 0 if qp.shape[0] == 1 else 1
     o_part = torch.empty(B, Hq, Lq, num_splits, D, dtype=torch.float32, device=q.device)
     l_part = torch.empty(B, Hq, Lq, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(num_splits, row_blocks, B * Hkv)](
-        q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
-        k_scale if fp8 else o_part, v_scale if fp8 else o_part,
-        scale * LOG2E,
-        *q.stride(), *k.stride(), *v.stride(),
-        s_pb * Lq, s_pb * Lk, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        Hkv, G, Lq, Lk, chunk, num_splits,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None, FP8=fp8,
-        num_warps=warps, num_stages=stages,
-    )
+    grid = (num_splits, row_blocks, B * Hkv)
+    if fp8_even:
+        cap = k.shape[2]
+        tma = (opts["tma"] and TensorDescriptor is not None and D == block_d and all(
+            t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, v, k_scale, v_scale))
+            and k_scale.shape[2] == cap and cap % 4 == 0 and D * k.element_size() % 16 == 0)  # 16-byte scale rows
+        if tma:
+            rows_kv = B * Hkv * cap
+            k_arg = TensorDescriptor(k, [rows_kv, D], [D, 1], [block_n, D])
+            v_arg = TensorDescriptor(v, [rows_kv, D], [D, 1], [block_n, D])
+            ks_arg = TensorDescriptor(k_scale, [rows_kv], [1], [block_n])
+            vs_arg = TensorDescriptor(v_scale, [rows_kv], [1], [block_n])
+        else:
+            k_arg, v_arg, ks_arg, vs_arg = k, v, k_scale, v_scale
+        _decode_split_fp8_kernel[grid](
+            q, k_arg, v_arg, o_part, l_part, length if length is not None else qp, ks_arg, vs_arg,
+            scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), k_scale.stride(0), k_scale.stride(1),
+            Hkv, G, Lq, Lk, cap, chunk, num_splits,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, HAS_LK=length is not None, TMA=tma,
+            num_warps=warps, num_stages=stages,
+        )
+    else:
+        _decode_split_kernel[grid](
+            q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
+            k_scale if fp8 else o_part, v_scale if fp8 else o_part,
+            scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(),
+            s_pb * Lq, s_pb * Lk, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+            Hkv, G, Lq, Lk, chunk, num_splits,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+            CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None, FP8=fp8,
+            num_warps=warps, num_stages=stages,
+        )
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     _decode_merge_kernel[(B * Hq * Lq,)](
         o_part, l_part, out, lse,
         *out.stride(),
         Hq, Lq, num_splits,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(64, triton.next_power_of_2(num_splits)),
         num_warps=4 if block_d >= 128 else 2,
     )
     return out, lse

@@ -1,0 +1,60 @@
+"""kernels/activation.py silu_mul_rows: SwiGLU's activation in one launch for decode rows (under the
+Triton interpreter) against float64 and against eager torch's two roundings."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from starshard.kernels.activation import (SILU_MUL_BLOCK, SILU_MUL_MAX_ROWS, silu_mul, silu_mul_rows,  # noqa: E402
+                                          use_silu_mul_kernel)
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 14336), (3, 100), (2, 5, 2 * SILU_MUL_BLOCK + 7), (1, 2)])
+def test_silu_mul_rows_against_float64(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    gate_up = (4 * torch.randn(*shape[:-1], 2 * shape[-1], generator=g)).to(dtype)
+    y = silu_mul_rows(gate_up)
+    assert y.dtype == dtype and y.shape == (*shape[:-1], shape[-1])
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert ((y.double() - exact).norm() / exact.norm()).item() < tol
+    # eager torch rounds silu's result, then the product: the kernel does the same
+    a, b = gate_up.float().chunk(2, dim=-1)
+    eager = (F.silu(a).to(dtype).float() * b).to(dtype)
+    assert torch.allclose(y, eager, rtol=tol, atol=tol)
+
+
+def test_silu_mul_rows_strided_input():
+    """A non-contiguous [.., 2F] view (a slice of a wider buffer) gives what its contiguous copy gives."""
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(4, 2 * 300 + 10, generator=g)
+    view = buf[:, 5:5 + 600]
+    assert torch.equal(silu_mul_rows(view), silu_mul_rows(view.contiguous()))
+
+
+def test_silu_mul_rows_refuses_odd_width():
+    with pytest.raises(ValueError, match="odd width"):
+        silu_mul_rows(torch.zeros(2, 5))
+
+
+def test_kernel_is_chosen_for_decode_rows_on_cuda_only():
+    assert not use_silu_mul_kernel(torch.zeros(1, 28672))  # CPU: torch ops
+    assert use_silu_mul_kernel(torch.empty(1, 28672, device="meta")) is False  # not CUDA
+    cpu = torch.randn(2, 64)
+    gate, up = cpu.chunk(2, dim=-1)
+    assert torch.equal(silu_mul(cpu), F.silu(gate) * up)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA dispatch")
+def test_cuda_dispatch_by_rows():
+    assert use_silu_mul_kernel(torch.empty(SILU_MUL_MAX_ROWS, 256, device="cuda"))
+    assert not use_silu_mul_kernel(torch.empty(SILU_MUL_MAX_ROWS + 1, 256, device="cuda"))
+    assert not use_silu_mul_kernel(torch.empty(1, 255, device="cuda"))
