@@ -1,6 +1,7 @@
 """The decode step's small kernels on one GPU: SwiGLU's silu-mul and greedy argmax, eager torch vs the
-one-launch Triton kernels (kernels/activation.py silu_mul_rows, kernels/argmax.py), microseconds per call
-replayed from a CUDA graph as a decode step runs them, and whether the results agree.
+one-launch Triton kernels (kernels/activation.py silu_mul_rows, kernels/argmax.py), and the FP8 GEMV
+with the block's residual added in its epilogue vs GEMV + torch add (kernels/fp8.py residual=),
+microseconds per call replayed from a CUDA graph as a decode step runs them, and whether results agree.
 
     python bench/decode_small_kernels.py --out decode_small_kernels.json
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from starshard.benchmarks.common import commit, graph_time_us
 from starshard.kernels.activation import silu_mul_rows
 from starshard.kernels.argmax import argmax_rows
+from starshard.kernels.fp8 import quantize_rows, weight_only_linear
 
 
 def eager_silu_mul(gate_up):
@@ -59,6 +61,18 @@ def main():
         r["equal_8_rows_nan"] = bool(torch.equal(argmax_rows(y), y.argmax(-1)))
         res["argmax"].append(r)
         print("argmax", r, flush=True)
+    res["gemv_residual"] = []
+    for name, (N, K) in {"wo": (4096, 4096), "w2": (4096, 14336)}.items():
+        w8, ws = quantize_rows(torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16) / K**0.5)
+        x = torch.randn(1, K, device=dev, generator=g).to(torch.bfloat16)
+        r = (10 * torch.randn(1, N, device=dev, generator=g)).to(torch.bfloat16)
+        fused = weight_only_linear(x, w8, ws, residual=r)
+        row = {"proj": name, "N": N, "K": K,
+               "gemv_plus_add_us": graph_time_us(lambda: weight_only_linear(x, w8, ws) + r),
+               "fused_us": graph_time_us(lambda: weight_only_linear(x, w8, ws, residual=r)),
+               "bit_equal": bool(torch.equal(fused, weight_only_linear(x, w8, ws) + r))}
+        res["gemv_residual"].append(row)
+        print("gemv_residual", row, flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -92,6 +92,42 @@ def test_weight_only_gemv_against_float64(M, monkeypatch):
     assert y.shape == (M, N) and rel(y, want) < 1e-5
 
 
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_only_gemv_adds_the_residual_as_torch_does(M, dtype, monkeypatch):
+    """residual= (the block's residual add in the GEMV's epilogue), interpreted on the CPU: equal to
+    weight_only_linear(x) + residual, i.e. the product rounded to x's dtype first, then the sum; with a
+    strided residual and a bias."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from starshard.kernels.fp8 import weight_only_linear
+
+    g = torch.Generator().manual_seed(10 + M)
+    N, K = 45, 130
+    w8, ws = quantize_rows(torch.randn(N, K, generator=g) / K**0.5)
+    x, b = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+    res = (100 * torch.randn(M, 2 * N, generator=g)).to(dtype)[:, ::2]  # large: the sum's rounding shows
+    tile = dict(block_n=8, block_k=64, warps=1)
+    plain = weight_only_linear(x, w8, ws, b, gemv_tile=tile)
+    fused = weight_only_linear(x, w8, ws, b, gemv_tile=tile, residual=res)
+    assert fused.dtype == dtype and torch.equal(fused, plain + res)
+
+
+def test_fp8_linear_residual_on_cpu_and_the_block_sum():
+    """fp8_linear(residual=) and Fp8Linear(x, residual=) give linear(x) + residual on the CPU (the
+    reference path), also row-parallel style (the residual after the bias), and the engine's blocks route
+    their residual sums through project_add: a model's output is unchanged by it."""
+    from starshard.engine.model import project_add
+
+    g = torch.Generator().manual_seed(4)
+    lin = Fp8Linear.quantize(torch.nn.Linear(64, 48).requires_grad_(False))
+    x, r = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 48, generator=g)
+    assert torch.equal(lin(x, residual=r), lin(x) + r)
+    assert torch.equal(fp8_linear(x, lin.weight, lin.weight_scale, lin.bias, residual=r), lin(x) + r)
+    assert torch.equal(project_add(lin, x, r), lin(x) + r)
+    plain = torch.nn.Linear(64, 48)
+    assert torch.equal(project_add(plain, x, r), plain(x) + r) and torch.equal(project_add(plain, x, None), plain(x))
+
+
 def test_weight_only_gemv_default_tiles(monkeypatch):
     """The tile chosen by weight shape (kernels/fp8.py gemv_tile_for): each class of the sweep, and the
     long-row tile run (interpreted) over a K that ends in a partial 2048 tile, against float64."""

@@ -143,6 +143,16 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
     return out
 
 
+def project_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """linear(x) + residual. A projection that takes the residual itself (`adds_residual`: an FP8 one,
+    whose decode GEMV adds it in its epilogue) gets it; the sum is the same."""
+    if residual is None:
+        return linear(x)
+    if getattr(linear, "adds_residual", False):
+        return linear(x, residual=residual)
+    return linear(x) + residual
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -158,7 +168,8 @@ class Attention(nn.Module):
         self.attend: AttendFn = dense_attend
         self.sparse = None  # LayerSparse when a sparse prefill method is on (kernels/sparse.py)
 
-    def forward(self, x, cos, sin, pos, cache: LayerKV | None):
+    def forward(self, x, cos, sin, pos, cache: LayerKV | None, residual: torch.Tensor | None = None):
+        """The attention output projected by wo (+ residual, the block's input, when given)."""
         B, L, _ = x.shape
         d = self.head_dim
         qkv = self.wqkv(x)
@@ -177,7 +188,7 @@ class Attention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, pos, cache, sparse=self.sparse)
-        return self.wo(out.transpose(1, 2).reshape(B, L, self.n_heads * d))
+        return project_add(self.wo, out.transpose(1, 2).reshape(B, L, self.n_heads * d), residual)
 
 
 class SiluMul(nn.Module):
@@ -195,8 +206,8 @@ class FeedForward(nn.Module):
         self.act = SiluMul()
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.w2(self.act(self.w13(x)))
+    def forward(self, x, residual: torch.Tensor | None = None):
+        return project_add(self.w2, self.act(self.w13(x)), residual)
 
 
 class TransformerBlock(nn.Module):
@@ -209,8 +220,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
 
     def forward(self, x, cos, sin, pos, cache: LayerKV | None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, pos, cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # h = x + attention(...), out = h + feed_forward(...): the sums are passed in, so a projection
+        # that can adds them in its own kernel (project_add)
+        h = self.attention(self.attention_norm(x), cos, sin, pos, cache, residual=x)
+        return self.feed_forward(self.ffn_norm(h), residual=h)
 
 
 class Transformer(nn.Module):

@@ -182,7 +182,8 @@ class MoEFeedForward(nn.Module):
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.decode_kernels: bool | None = None  # None: use_decode_kernels decides; tests force True on CPU
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' weighted sum for x [..., hidden] (+ residual, the block's sum, when given)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.router(x)
@@ -195,4 +196,5 @@ class MoEFeedForward(nn.Module):
         else:
             weights, experts = route(logits, self.top_k, self.renormalize)
             out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)
-        return self.combine(out).view(shape)
+        out = self.combine(out).view(shape)
+        return out if residual is None else out + residual

@@ -115,21 +115,23 @@ def fp8_linear_reference(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tenso
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               *, weight_only: bool | None = None) -> torch.Tensor:
+               *, weight_only: bool | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16) times an e4m3 weight w8 [N, K] with channel scales w_scale [N] (float32).
-    `weight_only` forces the decode kernel (True) or the FP8 GEMM (False); default by row count."""
+    `weight_only` forces the decode kernel (True) or the FP8 GEMM (False); default by row count.
+    `residual` [..., N]: returns the product + residual (the decode GEMV adds it in its epilogue)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     M = x2.shape[0]
     if weight_only is None:
         weight_only = M <= WEIGHT_ONLY_MAX_ROWS
     if x.device.type != "cuda":
-        return fp8_linear_reference(x, w8, w_scale, bias, quantize_input=not weight_only)
+        y = fp8_linear_reference(x, w8, w_scale, bias, quantize_input=not weight_only)
+        return y if residual is None else y + residual
     if weight_only:
-        y = weight_only_linear(x2, w8, w_scale, bias)
-    else:
-        y = scaled_mm(*quantize_rows_cuda(x2), w8, w_scale, bias, x.dtype)
-    return y.reshape(*shape[:-1], w8.shape[0])
+        y = weight_only_linear(x2, w8, w_scale, bias, residual=None if residual is None else residual.reshape(M, -1))
+        return y.reshape(*shape[:-1], w8.shape[0])
+    y = scaled_mm(*quantize_rows_cuda(x2), w8, w_scale, bias, x.dtype).reshape(*shape[:-1], w8.shape[0])
+    return y if residual is None else y + residual
 
 
 def scaled_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -208,10 +210,12 @@ if triton is not None:
 
 
     @triton.jit
-    def _weight_only_gemv_kernel(X, W, S, BIAS, Y, N, K, s_xm, s_wn, s_ym, HAS_BIAS: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _weight_only_gemv_kernel(X, W, S, BIAS, RES, Y, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
+                                 HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row of Y per program column: Y[m, n-slice] = sum_k W[n, k] (e4m3 -> float32) * X[m, k],
-        times S[n] (+ BIAS). No tensor cores: for a handful of rows the weight bytes are all the work."""
+        times S[n] (+ BIAS). No tensor cores: for a handful of rows the weight bytes are all the work.
+        HAS_RES: then + RES[m, n-slice], rounded as `linear(x) + residual` rounds in torch (the product
+        to Y's dtype first, then the sum): the block's residual add without a kernel of its own."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1).to(tl.int64)
         n_ok = offs_n < N
@@ -226,6 +230,9 @@ if triton is not None:
         acc = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(RES + m * s_rm + offs_n, mask=n_ok,
+                                                                      other=0.0).to(tl.float32)
         tl.store(Y + m * s_ym + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
 
@@ -243,10 +250,11 @@ def quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias=None,
-                       gemv_tile: dict | None = None) -> torch.Tensor:
+                       gemv_tile: dict | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M small) times e4m3 w8 [N, K] with channel scales: the decode kernels (up to
     GEMV_MAX_ROWS rows the GEMV kernel, one program per (column slice, row); more rows the tensor-core
-    tile kernel). gemv_tile: override the tile `gemv_tile_for` picks (tuning)."""
+    tile kernel). gemv_tile: override the tile `gemv_tile_for` picks (tuning). residual [M, N]: returns
+    the product + residual (the GEMV adds it in its epilogue, with torch's two roundings)."""
     if triton is None:
         raise RuntimeError("the FP8 weight-only kernel needs the triton package")
     if x.stride(-1) != 1:
@@ -254,11 +262,15 @@ def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     M, K = x.shape
     N = w8.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
+        residual = residual.reshape(M, N).contiguous()
     if M <= GEMV_MAX_ROWS:
         t = gemv_tile or gemv_tile_for(N, K)
         _weight_only_gemv_kernel[(triton.cdiv(N, t["block_n"]), M)](
-            x, w8, w_scale, bias if bias is not None else w_scale, y, N, K, x.stride(0), w8.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["warps"])
+            x, w8, w_scale, bias if bias is not None else w_scale, residual if residual is not None else y, y, N, K,
+            x.stride(0), w8.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
+            num_warps=t["warps"])
         return y
     block_m = max(16, triton.next_power_of_2(min(M, WEIGHT_ONLY_MAX_ROWS)))
 
@@ -267,4 +279,4 @@ def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
 
     _weight_only_kernel[grid](x, w8, w_scale, bias if bias is not None else w_scale, y, M, N, K,
                               x.stride(0), w8.stride(0), y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m)
-    return y
+    return y if residual is None else y + residual

@@ -99,16 +99,24 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # The engine's blocks hand this layer their residual (engine/model.py project_add): the decode GEMV
+    # adds it in its epilogue, one kernel fewer per projection than `linear(x) + residual`.
+    adds_residual = True
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x @ W.T (+ bias) (+ residual: added after the row-parallel sum, as `linear(x) + residual`)."""
         bias = self.bias if self.reduce_group is None else None
         if (self.input_norm is not None or self.input_act is not None) and use_fused_quant(x):
             y = self.fused_forward(x, bias)
+        elif self.reduce_group is None:
+            return fp8_linear(self.transform_input(x), self.weight, self.weight_scale, bias, residual=residual)
         else:
             y = fp8_linear(self.transform_input(x), self.weight, self.weight_scale, bias)
-        if self.reduce_group is None:
-            return y
-        dist.all_reduce(y, group=self.reduce_group)
-        return y if self.bias is None else y + self.bias
+        if self.reduce_group is not None:
+            dist.all_reduce(y, group=self.reduce_group)
+            if self.bias is not None:
+                y = y + self.bias
+        return y if residual is None else y + residual
 
     def transform_input(self, x: torch.Tensor) -> torch.Tensor:
         """The input transform as torch ops / the decode kernels (what the block computed before the move)."""
