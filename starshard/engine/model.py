@@ -18,6 +18,7 @@ from torch import nn
 
 from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
+from starshard.engine.linear import Linear, project_add
 from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.activation import silu_mul
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_after_held
@@ -143,16 +144,6 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
     return out
 
 
-def project_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """linear(x) + residual. A projection that takes the residual itself (`adds_residual`: an FP8 one,
-    whose decode GEMV adds it in its epilogue) gets it; the sum is the same."""
-    if residual is None:
-        return linear(x)
-    if getattr(linear, "adds_residual", False):
-        return linear(x, residual=residual)
-    return linear(x) + residual
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -160,8 +151,8 @@ class Attention(nn.Module):
         # Local head counts: tensor parallelism divides them (parallel/tensor.py).
         self.n_heads = cfg.num_heads
         self.n_kv_heads = cfg.num_kv_heads
-        self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         # Qwen3: RMSNorm over each head's q and k (weights of head_dim, the same on every TP rank).
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -201,10 +192,10 @@ class SiluMul(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         # a module of its own so that an FP8 w2 can take it over (parallel/fp8.py sets it to identity)
         self.act = SiluMul()
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, residual: torch.Tensor | None = None):
         return project_add(self.w2, self.act(self.w13(x)), residual)
@@ -248,7 +239,7 @@ class Transformer(nn.Module):
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in self.layer_ids)
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output: nn.Module | None = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_length: int | None = None

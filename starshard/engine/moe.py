@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from starshard.config import ModelConfig
+from starshard.engine.linear import Linear
 from starshard.kernels.moe_decode import (
     GEMV_MAX_PAIRS,
     ROUTE_MAX_EXPERTS,
@@ -177,7 +178,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.decode_kernels: bool | None = None  # None: use_decode_kernels decides; tests force True on CPU

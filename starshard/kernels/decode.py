@@ -277,13 +277,12 @@ if triton is not None:
         tl.store(LSE + row, lse)
 
 
-# Options of the e4m3-cache path (bench/fp8_decode_split.py, bench/results/2026-11-25-h100-fp8-decode).
-# even: _decode_split_fp8_kernel (whole key blocks unmasked) where it applies, instead of the general
-# kernel; off by default: no faster on an H100, HBM-bound (107.5 vs 107.1 us per layer at 128K keys),
-# or at its own rate (47.1 vs 47.0 us with the cache in L2). tma: its loads through tensor descriptors:
-# 103.8 us HBM-bound on an H100, but 53.4 us at its own rate, the rate that bounds this kernel on an
-# H200: measure it there before turning it on. config: its (BLOCK_N, num_warps, num_stages).
-_FP8_OPTIONS = {"even": False, "tma": False, "config": (128, 4, 3)}
+# Options of the e4m3-cache path (bench/fp8_decode_split.py, bench/results/2026-11-25-h100-fp8-decode and
+# 2026-11-25-gpu-decode call E). even: _decode_split_fp8_kernel (whole key blocks unmasked) where it applies,
+# instead of the general kernel: 92.7 vs 93.8 us per layer at 128K keys on an H200 (on an H100, HBM-bound,
+# 107.5 vs 107.1). tma: its loads through tensor descriptors: 102.4 us on the H200 (slower), 103.8 on the
+# H100. config: its (BLOCK_N, num_warps, num_stages).
+_FP8_OPTIONS = {"even": True, "tma": False, "config": (128, 4, 3)}
 
 
 def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:

@@ -25,6 +25,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from starshard.kernels.gemv import GEMV_MAX_ROWS, gemv
+
 try:
     import triton
     import triton.language as tl
@@ -42,7 +44,6 @@ WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (dec
 # 2026-11-23 sweep, bench/fp8_gemv_tune.py, re-read the small weights from L2): long rows (w2, K 14336)
 # 4 x 2048 with 4 warps 20.4 us; many rows (w13 N 28672, wqkv N 6144) 4 x 512 with 2 warps 33.5 / 10.1 us;
 # the rest (wo) 4 x 1024 with 4 warps 7.7 us. Per layer 71.7 us against 73.7 us for the 2026-11-23 choice.
-GEMV_MAX_ROWS = 4
 GEMV_TILE = dict(block_n=4, block_k=1024, warps=4)
 GEMV_LONG_ROWS = dict(block_n=4, block_k=2048, warps=4)  # K >= 8192
 GEMV_MANY_ROWS = dict(block_n=4, block_k=512, warps=2)  # N >= 6144
@@ -209,33 +210,6 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-    @triton.jit
-    def _weight_only_gemv_kernel(X, W, S, BIAS, RES, Y, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr,
-                                 HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One row of Y per program column: Y[m, n-slice] = sum_k W[n, k] (e4m3 -> float32) * X[m, k],
-        times S[n] (+ BIAS). No tensor cores: for a handful of rows the weight bytes are all the work.
-        HAS_RES: then + RES[m, n-slice], rounded as `linear(x) + residual` rounds in torch (the product
-        to Y's dtype first, then the sum): the block's residual add without a kernel of its own."""
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(1).to(tl.int64)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        w_rows = W + offs_n[:, None].to(tl.int64) * s_wn
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = k0 + offs_k < K
-            x = tl.load(X + m * s_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        acc = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_RES:
-            acc = acc.to(Y.dtype.element_ty).to(tl.float32) + tl.load(RES + m * s_rm + offs_n, mask=n_ok,
-                                                                      other=0.0).to(tl.float32)
-        tl.store(Y + m * s_ym + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
-
-
 def quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows of a 2-D tensor in one Triton kernel (one read of x, one e4m3 write)."""
     if x.stride(-1) != 1:
@@ -261,17 +235,9 @@ def weight_only_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
         x = x.contiguous()
     M, K = x.shape
     N = w8.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
-        residual = residual.reshape(M, N).contiguous()
     if M <= GEMV_MAX_ROWS:
-        t = gemv_tile or gemv_tile_for(N, K)
-        _weight_only_gemv_kernel[(triton.cdiv(N, t["block_n"]), M)](
-            x, w8, w_scale, bias if bias is not None else w_scale, residual if residual is not None else y, y, N, K,
-            x.stride(0), w8.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_N=t["block_n"], BLOCK_K=t["block_k"],
-            num_warps=t["warps"])
-        return y
+        return gemv(x, w8, w_scale, bias, residual=residual, tile=gemv_tile or gemv_tile_for(N, K))
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(min(M, WEIGHT_ONLY_MAX_ROWS)))
 
     def grid(meta):

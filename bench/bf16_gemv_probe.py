@@ -1,0 +1,85 @@
+"""Does a Triton one-row GEMV read a bf16 weight faster than cuBLAS (F.linear) at decode? (issue 20: the
+Qwen3-30B-A3B decode step's attention projections ran at ~1.9 TB/s on an H200, ~2.5x their bytes.)
+kernels/fp8.py's GEMV kernel run on bf16 weights (channel scales of one) over a few tiles, against
+F.linear, one row, each call reading its weight from HBM (copies cycled, >= 256 MB in all), CUDA graph.
+
+    python bench/bf16_gemv_probe.py --out bf16_gemv_probe.json
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from starshard.benchmarks.common import commit
+from starshard.kernels import fp8 as fk
+
+SHAPES = {  # [N, K]
+    "qwen3moe.wqkv": (5120, 2048), "qwen3moe.wo": (2048, 4096), "qwen3moe.router": (128, 2048),
+    "qwen3moe.lm_head": (151936, 2048),
+    "llama8b.wqkv": (6144, 4096), "llama8b.wo": (4096, 4096), "llama8b.w13": (28672, 4096), "llama8b.w2": (4096, 14336),
+    "llama8b.lm_head": (128256, 4096),
+}
+TILES = [(4, 512, 2), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (2, 1024, 2), (8, 256, 2), (16, 256, 4)]
+
+
+def time_us(fn, copies, calls=24, replays=10):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            fn(i % copies)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / calls)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(), "rows": []}
+    for name, (N, K) in SHAPES.items():
+        copies = max(2, -(-256 * 2**20 // (N * K * 2)))
+        ws = [torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(copies)]
+        ones = torch.ones(N, device=dev, dtype=torch.float32)
+        x = torch.randn(1, K, device=dev, generator=g, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        row = {"name": name, "N": N, "K": K, "bytes": N * K * 2,
+               "cublas_us": time_us(lambda i: F.linear(x, ws[i]), copies)}
+        best = None
+        for bn, bk, w in TILES:
+            tile = dict(block_n=bn, block_k=bk, warps=w)
+            y = fk.weight_only_linear(x, ws[0], ones, gemv_tile=tile)
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            us = time_us(lambda i: fk.weight_only_linear(x, ws[i], ones, gemv_tile=tile), copies)
+            row[f"triton_{bn}x{bk}x{w}_us"] = us
+            if best is None or us < best[0]:
+                best = (us, f"{bn}x{bk}x{w}", err)
+        row.update(best_triton_us=best[0], best_tile=best[1], best_err=best[2],
+                   cublas_tb_s=row["bytes"] / row["cublas_us"] / 1e6, triton_tb_s=row["bytes"] / best[0] / 1e6)
+        res["rows"].append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
