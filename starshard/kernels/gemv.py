@@ -12,7 +12,7 @@ weight bytes are all the work. The weight is e4m3 (an FP8 projection, `scale` it
 1.55-2.0 TB/s on an H100 where this kernel reads it at 1.8-2.4; the lm_head 370 -> 337 us (Llama-8B),
 the Qwen3-MoE router 4.8 -> 2.6 us (bench/bf16_gemv_probe.py, bench/results/2026-11-25-gpu-decode).
 `residual`: + residual after the product is rounded to y's dtype, as `linear(x) + residual` rounds in
-torch: the block's residual add without a kernel of its own (engine/model.py project_add).
+torch: the block's residual add without a kernel of its own (engine/linear.py project_add).
 """
 from __future__ import annotations
 

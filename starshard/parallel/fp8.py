@@ -99,7 +99,7 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    # The engine's blocks hand this layer their residual (engine/model.py project_add): the decode GEMV
+    # The engine's blocks hand this layer their residual (engine/linear.py project_add): the decode GEMV
     # adds it in its epilogue, one kernel fewer per projection than `linear(x) + residual`.
     adds_residual = True
 
