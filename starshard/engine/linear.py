@@ -1,6 +1,6 @@
 """The model's projections: nn.Linear with a decode path, and the residual sum a projection may take over.
 
-    y = Linear(K, N)(x)                      # F.linear, or on CUDA for up to 4 rows the one-row GEMV
+    y = Linear(K, N)(x)                      # F.linear, or on CUDA for one row (a decode step) the GEMV
     h = project_add(linear, x, residual)     # linear(x) + residual, added in the GEMV's epilogue if it can
 
 Decode multiplies one row by each weight: cuBLAS's one-row path read bf16 projections up to 15% slower

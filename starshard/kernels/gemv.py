@@ -1,14 +1,15 @@
-"""Decode GEMV: a few rows times a weight, reading each weight byte once (Triton, CUDA or the interpreter).
+"""Decode GEMV: a few rows times a weight (Triton, CUDA or the interpreter).
 
     y = gemv(x, w)                                   # x [M, K] @ w [N, K].T, M <= GEMV_MAX_ROWS
     y = gemv(x, w8, scale, bias, residual=r)         # e4m3 w8 with channel scales (kernels/fp8.py), + bias, + r
 
 One program per (BLOCK_N output columns, row) walks K in BLOCK_K tiles, converts the weight tile to
 float32 in registers and sums the products per column: no tensor cores, for a handful of rows the
-weight bytes are all the work. The weight is e4m3 (an FP8 projection, `scale` its channel scales) or
+weight bytes are all the work. Rows run as separate programs (a weight tile is re-read per row, from L2
+when they run together). The weight is e4m3 (an FP8 projection, `scale` its channel scales) or
 16-bit (bf16 / fp16, the model's own projections).
 
-16-bit weights (`use_gemv`, engine/model.py Linear): cuBLAS's one-row GEMV read a 16 MB projection at
+16-bit weights (`use_gemv`: one row, engine/linear.py Linear): cuBLAS's one-row GEMV read a 16 MB projection at
 1.55-2.0 TB/s on an H100 where this kernel reads it at 1.8-2.4; the lm_head 370 -> 337 us (Llama-8B),
 the Qwen3-MoE router 4.8 -> 2.6 us (bench/bf16_gemv_probe.py, bench/results/2026-11-25-gpu-decode).
 `residual`: + residual after the product is rounded to y's dtype, as `linear(x) + residual` rounds in
@@ -26,14 +27,17 @@ except ImportError:  # installs without triton keep F.linear
 
 GEMV_MAX_ROWS = 4  # rows up to which a GEMV per row beats a tensor-core tile (weights re-read per row from L2)
 GEMV_16BIT_TILE = dict(block_n=4, block_k=1024, warps=4)  # within 3% of the best tile on every probed shape
+# 16-bit weights take the GEMV for one row only: that is what was measured against cuBLAS; with more rows
+# (batched decode) cuBLAS reads the weight once for all of them, the GEMV once per row.
+GEMV_16BIT_MAX_ROWS = 1
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a 16-bit linear of x [.., K] by weight [N, K] goes to `gemv`: CUDA, at most GEMV_MAX_ROWS
+    """Whether a 16-bit linear of x [.., K] by weight [N, K] goes to `gemv`: CUDA, at most GEMV_16BIT_MAX_ROWS
     rows, x and the weight in the same 16-bit dtype, the weight's rows contiguous."""
     return (x.is_cuda and triton is not None and weight.dim() == 2 and weight.dtype in (torch.bfloat16, torch.float16)
             and x.dtype == weight.dtype and weight.stride(-1) == 1 and x.shape[-1] == weight.shape[1]
-            and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
+            and x.numel() <= GEMV_16BIT_MAX_ROWS * x.shape[-1])
 
 
 if triton is not None:
