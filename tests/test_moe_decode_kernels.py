@@ -91,6 +91,10 @@ def test_fused_gate_up_and_down_against_float64(T, dtype, tol):
     if T == 1:  # default tiles; float32 out
         y32 = expert_down(act, ids, weights, w2, out_dtype=torch.float32)
         assert y32.dtype == torch.float32 and rel(y32, want) <= tol
+    # the block's residual in the down kernel: exactly expert_down(...) + residual (two roundings)
+    res = (50 * torch.randn(T, 2 * H, generator=g)).to(dtype)[:, ::2]
+    fused = expert_down(act, ids, weights, w2, block_n=16, block_k=16, warps=1, residual=res)
+    assert torch.equal(fused, y + res)
 
 
 def _moe_layer(E, k, renormalize, H=48, F=24, seed=0):
@@ -123,6 +127,11 @@ def test_moe_layer_decode_path_matches_torch_path(E, k, renormalize):
         want64 = _reference(x.view(-1, 48), *route(logits, k, renormalize), moe.experts.w13, moe.experts.w2)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert rel(got, want) <= 1e-6 and rel(got.view(-1, 48), want64) <= 1e-6
+    r = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(moe(x, residual=r), got + r)  # residual into the down kernel (one device)
+        moe.decode_kernels = False
+        assert torch.equal(moe(x, residual=r), want + r)
     for impl in ("gather", "padded"):  # the grouped reference paths, on the kernels' routing
         with torch.no_grad():
             w, e = route_topk(logits, k, renormalize)

@@ -106,21 +106,24 @@ def _padded(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+                    w2: torch.Tensor, impl: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t. x [T, H]; w13 [E, 2F, H]
     (gate rows, then up rows); w2 [E, H, F]. impl: None picks, on a GPU with up to GEMV_MAX_PAIRS
     (token, expert) pairs (decode), "gemv" (the Triton expert GEMVs of kernels/moe_decode.py: no sort,
     weights read in place, SiLU-mul fused), else grouped_mm where the device and dtype run it, else
     "gather" for up to GATHER_MAX_ROWS pairs and "padded" above; tests name one.
     The weighted sum is taken in float32, in a fixed order (no atomics), so every TP rank and every
-    run gives the same bits for the same inputs."""
+    run gives the same bits for the same inputs. residual [T, H]: returns the sum + residual (the "gemv"
+    path adds it in its down kernel)."""
     T, k = experts.shape
     E = w13.shape[0]
     flat = experts.reshape(-1)
     if impl is None and use_expert_gemvs(x, k):
         impl = "gemv"  # decode: one row per pair, the Triton expert GEMVs (kernels/moe_decode.py), no sort
     if impl == "gemv":  # each token's k experts summed in the down kernel, in float32, in slot order
-        return expert_down(expert_gate_up(x, experts, w13), experts, weights, w2, out_dtype=x.dtype)
+        return expert_down(expert_gate_up(x, experts, w13), experts, weights, w2, out_dtype=x.dtype, residual=residual)
+    if residual is not None:
+        return grouped_experts(x, weights, experts, w13, w2, impl) + residual
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     rows = x[order // k]  # [T * k, H]
     counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
@@ -191,11 +194,14 @@ class MoEFeedForward(nn.Module):
         decode = self.decode_kernels
         if decode is None:
             decode = use_decode_kernels(x, self.top_k, logits.shape[-1])
+        # the residual goes into the down kernel where nothing follows it (one device: combine is identity)
+        fused = residual is not None and decode and self.combine is _identity
         if decode:  # routing, gate/up, down: three launches, no host sync (CUDA-graph safe)
             weights, experts = route_topk(logits, self.top_k, self.renormalize)
-            out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2, impl="gemv")
+            out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2, impl="gemv",
+                                  residual=residual.reshape(-1, shape[-1]) if fused else None)
         else:
             weights, experts = route(logits, self.top_k, self.renormalize)
             out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)
         out = self.combine(out).view(shape)
-        return out if residual is None else out + residual
+        return out if residual is None or fused else out + residual

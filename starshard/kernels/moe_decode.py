@@ -90,8 +90,8 @@ if triton is not None:
         tl.store(out_ptr + p.to(tl.int64) * stride_o + n, act.to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _down_kernel(a_ptr, exp_ptr, pw_ptr, w_ptr, out_ptr, K, N, stride_a, stride_we, stride_wn, stride_o,
-                     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_kernel(a_ptr, exp_ptr, pw_ptr, w_ptr, res_ptr, out_ptr, K, N, stride_a, stride_we, stride_wn, stride_r,
+                     stride_o, TOP_K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
@@ -111,6 +111,9 @@ if triton is not None:
                              other=0.0)
                 acc += tl.sum(wv.to(tl.float32) * av, axis=1)
             total += acc * tl.load(pw_ptr + p)
+        if HAS_RES:  # the block's residual, added as `moe(x) + residual` rounds: the sum first to out's dtype
+            total = total.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+                res_ptr + t.to(tl.int64) * stride_r + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -160,17 +163,22 @@ def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
 
 def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor,
                 out_dtype: torch.dtype | None = None, block_n: int = DOWN_TILE["block_n"],
-                block_k: int = DOWN_TILE["block_k"], warps: int = DOWN_TILE["warps"]) -> torch.Tensor:
+                block_k: int = DOWN_TILE["block_k"], warps: int = DOWN_TILE["warps"],
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * (w2[experts[t, j]] @ act[t * k + j]) of every token, in float32, in slot
     order: act [T * k, F] (expert_gate_up's output), experts [T, k] (int), weights [T, k], w2 [E, H, F]
-    -> [T, H] in out_dtype (default act.dtype)."""
+    -> [T, H] in out_dtype (default act.dtype). residual [T, H]: + residual, added in the kernel after the
+    sum is rounded to out_dtype (what `expert_down(...) + residual` gives)."""
     _check(w2, "w2")
     (T, k), (E, H, F) = experts.shape, w2.shape
     out = torch.empty(T, H, dtype=out_dtype or act.dtype, device=act.device)
     if T * k == 0:
-        return out.zero_()
+        return out.zero_() if residual is None else out.copy_(residual)
     act = act.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     _down_kernel[(T, triton.cdiv(H, block_n))](
-        act, experts.contiguous(), weights.float().contiguous(), w2, out, F, H, act.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), TOP_K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        act, experts.contiguous(), weights.float().contiguous(), w2, residual if residual is not None else out, out,
+        F, H, act.stride(0), w2.stride(0), w2.stride(1), residual.stride(0) if residual is not None else 0,
+        out.stride(0), TOP_K=k, HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
