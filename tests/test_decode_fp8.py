@@ -4,18 +4,19 @@ float64 attention over the dequantized cache: the general kernel, and the unmask
 no causal mask (causal calls with "even" take the general kernel);
 GQA groups, several query rows and row blocks, a device-side key count with garbage past it, uneven
 splits, and the one-pass merge with more splits than one merge block."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
 from starshard.kernels.attention import attention  # noqa: E402
 from starshard.kernels.decode import decode_attention  # noqa: E402
 from starshard.kernels.fp8 import dequantize, quantize_rows  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def rel(a, b) -> float:
@@ -32,11 +33,11 @@ def cache(B, Hkv, Lk, D, seed, v_mag=1.0):
 
 
 # name, B, Hq, Hkv, Lq, Lk, D, q_pos, causal, num_splits, options
-EVEN, TMA = {"even": True}, {"even": True, "tma": True}
+EVEN, TMA, GENERAL = {"even": True}, {"even": True, "tma": True}, {"even": False}
 CASES = [
     ("one-row-gqa4", 1, 8, 2, 1, 300, 64, torch.tensor([299]), False, 3, EVEN),
     ("one-row-gqa4-tma", 1, 8, 2, 1, 300, 64, torch.tensor([299]), False, 3, TMA),
-    ("one-row-gqa4-general", 1, 8, 2, 1, 300, 64, torch.tensor([299]), False, 3, {}),
+    ("one-row-gqa4-general", 1, 8, 2, 1, 300, 64, torch.tensor([299]), False, 3, GENERAL),
     ("one-row-gqa4-causal-uneven", 1, 8, 2, 1, 301, 32, torch.tensor([200]), True, 4, EVEN),
     ("three-rows-gqa3", 2, 6, 2, 3, 150, 64, torch.tensor([60, 100, 149]), True, 2, EVEN),
     ("three-rows-gqa3-full", 2, 6, 2, 3, 152, 64, torch.tensor([151, 151, 151]), False, 2, TMA),
@@ -67,7 +68,7 @@ def test_fp8_decode_kernel_matches_float64(case, dtype):
     assert (lse.double() - ref_lse).abs().max() < 1e-2
 
 
-@pytest.mark.parametrize("opts", [{}, EVEN, TMA], ids=["general", "even", "tma"])
+@pytest.mark.parametrize("opts", [GENERAL, EVEN, TMA], ids=["general", "even", "tma"])
 def test_fp8_decode_kernel_length_ignores_the_rest(opts):
     """length= (CUDA-graph decode): e4m3 keys / values past the count hold garbage (NaN in V, huge scales)
     and are never read into the result, including in splits that are wholly past it."""
@@ -99,7 +100,7 @@ def test_fp8_decode_small_values_keep_precision():
     q = torch.randn(B, Hq, 1, D, generator=torch.Generator().manual_seed(11)).half()
     kd, vd = dequantize(k8, ks, torch.float64), dequantize(v8, vs, torch.float64)
     ref, _ = attention(q.double(), kd, vd, q_pos=torch.tensor([Lk]), k_pos=torch.arange(Lk), causal=True)
-    for causal, opts in ((True, {}), (False, {}), (False, EVEN)):
+    for causal, opts in ((True, {}), (False, GENERAL), (False, EVEN)):
         out, _ = decode_attention(q, k8, v8, q_pos=torch.tensor([Lk]), k_pos=torch.arange(Lk), causal=causal,
                                   use_triton=True, k_scale=ks, v_scale=vs, options=opts)
         assert rel(out, ref) < 4e-3
