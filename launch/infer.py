@@ -321,6 +321,18 @@ def main(argv=None) -> int:
         if lead:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Tear the process group down before the interpreter exits: left to interpreter shutdown, a gloo
+    rank's background threads can still be joinable when they are destroyed (std::terminate, the task
+    aborts after its work is done: seen once in CI under `srun`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run(args, launch, lead: bool, t_start: float) -> int:
