@@ -11,7 +11,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, graph_time_us
 from starshard.kernels import fp8 as fk
 
 SHAPES = {  # [N, K]
@@ -21,30 +21,6 @@ SHAPES = {  # [N, K]
     "llama8b.lm_head": (128256, 4096),
 }
 TILES = [(4, 512, 2), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (2, 1024, 2), (8, 256, 2), (16, 256, 4)]
-
-
-def time_us(fn, copies, calls=24, replays=10):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
 
 
 def main():
@@ -61,13 +37,13 @@ def main():
         x = torch.randn(1, K, device=dev, generator=g, dtype=torch.bfloat16)
         ref = F.linear(x.float(), ws[0].float())
         row = {"name": name, "N": N, "K": K, "bytes": N * K * 2,
-               "cublas_us": time_us(lambda i: F.linear(x, ws[i]), copies)}
+               "cublas_us": graph_time_us(lambda i: F.linear(x, ws[i]), 24, best=True, copies=copies)}
         best = None
         for bn, bk, w in TILES:
             tile = dict(block_n=bn, block_k=bk, warps=w)
             y = fk.weight_only_linear(x, ws[0], ones, gemv_tile=tile)
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            us = time_us(lambda i: fk.weight_only_linear(x, ws[i], ones, gemv_tile=tile), copies)
+            us = graph_time_us(lambda i: fk.weight_only_linear(x, ws[i], ones, gemv_tile=tile), 24, best=True, copies=copies)
             row[f"triton_{bn}x{bk}x{w}_us"] = us
             if best is None or us < best[0]:
                 best = (us, f"{bn}x{bk}x{w}", err)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, graph_replay_us
 from starshard.kernels import decode as dk
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import quantize_rows
@@ -125,26 +125,8 @@ def launch_before(q, c, length, splits=None):
 
 
 def time_us(fn, copies, calls=16, replays=15):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(copies + 1):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
+    """(median, fastest) microseconds per call; call i reads copy i % copies."""
+    ts = graph_replay_us(fn, calls, replays, warmup=copies + 1, copies=copies)
     return statistics.median(ts), min(ts)
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.decode import _decode_merge_kernel, decode_attention
 from starshard.kernels.fp8 import quantize_rows
 from starshard.kernels.online_softmax import LOG2E
@@ -99,30 +100,6 @@ def variant(q, k8, v8, ks, vs, mode, block_n, warps, stages, n_splits):
     return out
 
 
-def time_us(fn, copies=2, calls=16, replays=10):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
-
-
 def rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
@@ -161,7 +138,7 @@ def main():
     prod = lambda i: decode_attention(q, caches[i][2], caches[i][4], q_pos=qp, k_pos=pos, causal=False,
                                       k_scale=caches[i][3], v_scale=caches[i][5])[0]
     o = prod(0)
-    us = time_us(prod)
+    us = graph_time_us(prod, 16, best=True, copies=2)
     row = {"variant": "kernels/decode.py default", "us": us, "tb_per_s": 2 * Hkv * Lk * (D + 4) / us / 1e6,
            "rel_err_vs_cache_exact": rel(o, ref_cache), "rel_err_vs_bf16_exact": rel(o, ref_bf16)}
     res["rows"].append(row)
@@ -175,7 +152,7 @@ def main():
                         f = lambda i: variant(q, caches[i][2], caches[i][4], caches[i][3], caches[i][5], mode, bn, 4,
                                               stages, splits)
                         o = f(0)
-                        us = time_us(f)
+                        us = graph_time_us(f, 16, best=True, copies=2)
                     except Exception as e:
                         res["rows"].append({"variant": key, "error": str(e)[:300]})
                         print(key, "failed", str(e)[:300], flush=True)

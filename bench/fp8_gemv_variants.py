@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from starshard.benchmarks.common import graph_time_us
 from starshard.kernels.fp8 import gemv_tile_for, quantize_rows, weight_only_linear
 
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336)}
@@ -102,31 +103,6 @@ CONFIGS = {
 }
 
 
-def time_us(fn, copies, calls=24, replays=10):
-    """Microseconds per call from a CUDA graph of `calls` calls cycling through `copies` weights."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -152,7 +128,7 @@ def main():
                 try:
                     out = run_variant(name, cfg, x, w8s[0], wss[0], y).clone()
                     err = ((out.double() - want).norm() / want.norm()).item()
-                    us = time_us(lambda i: run_variant(name, cfg, x, w8s[i], wss[i], y), copies)
+                    us = graph_time_us(lambda i: run_variant(name, cfg, x, w8s[i], wss[i], y), 24, best=True, copies=copies)
                 except Exception as e:  # a tile the compiler refuses
                     res["rows"].append({"shape": shape, "variant": key, "error": str(e)[:300]})
                     print(shape, key, "failed", str(e)[:200], flush=True)

@@ -60,34 +60,56 @@ def timed(fn, device: torch.device, repeats: int, warmup: int = 1, barrier=None)
     return out
 
 
-def graph_time_us(fn, calls: int = 20, replays: int = 10, *, best: bool = False, warmup: int = 3) -> float:
-    """Microseconds per call of fn() replayed from one CUDA graph of `calls` calls: the kernels' device
-    time without launch overhead, as a CUDA-graph decode step runs them. The warm-up runs on a side
-    stream (compilation, autotuning and allocations stay out of the capture). best: the fastest of
-    `replays` replays (each timed alone); else the mean over `replays` back-to-back replays."""
+def _captured(fn, calls: int, warmup: int, copies: int | None) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of `calls` calls of fn, replayed once. The warm-up runs on a side stream
+    (compilation, autotuning and allocations stay out of the capture). copies: fn takes an index and
+    call i gets i % copies."""
+    def call(i):
+        return fn(i % copies) if copies else fn()
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
+        for i in range(warmup):
+            call(i)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            call(i)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_replay_us(fn, calls: int = 20, replays: int = 10, *, warmup: int = 3, copies: int | None = None) -> list[float]:
+    """Microseconds per call in each of `replays` replays, each timed alone, of one CUDA graph of `calls`
+    calls of fn (see graph_time_us). copies: fn(i) with i % copies, so that each call can read its own copy
+    of the data (from HBM, not L2)."""
+    graph = _captured(fn, calls, warmup, copies)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / calls)
+    return out
+
+
+def graph_time_us(fn, calls: int = 20, replays: int = 10, *, best: bool = False, warmup: int = 3,
+                  copies: int | None = None) -> float:
+    """Microseconds per call of fn() replayed from one CUDA graph of `calls` calls: the kernels' device
+    time without launch overhead, as a CUDA-graph decode step runs them. The warm-up runs on a side
+    stream (compilation, autotuning and allocations stay out of the capture). best: the fastest of
+    `replays` replays (each timed alone); else the mean over `replays` back-to-back replays. copies: as
+    graph_replay_us."""
     if best:
-        fastest = float("inf")
-        for _ in range(replays):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            fastest = min(fastest, start.elapsed_time(end))
-        return fastest * 1e3 / calls
+        return min(graph_replay_us(fn, calls, replays, warmup=warmup, copies=copies))
+    graph = _captured(fn, calls, warmup, copies)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()

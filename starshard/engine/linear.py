@@ -26,8 +26,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if use_gemv(x, self.weight):
             shape = x.shape
-            res = None if residual is None else residual.reshape(-1, self.out_features)
-            y = gemv(x.reshape(-1, shape[-1]), self.weight, None, self.bias, residual=res)
+            y = gemv(x.reshape(-1, shape[-1]), self.weight, None, self.bias, residual=residual)  # gemv flattens it
             return y.view(*shape[:-1], self.out_features)
         y = F.linear(x, self.weight, self.bias)
         return y if residual is None else y + residual
