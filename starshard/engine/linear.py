@@ -4,8 +4,8 @@
     h = project_add(linear, x, residual)     # linear(x) + residual, added in the GEMV's epilogue if it can
 
 Decode multiplies one row by each weight: cuBLAS's one-row path read bf16 projections up to 15% slower
-than kernels/gemv.py on an H100 (the Qwen3-MoE router 85%; bench/bf16_gemv_probe.py), and a block's two
-residual adds are a kernel each.
+than kernels/gemv.py on an H100 (the Qwen3-MoE router 85%; bench/bf16_gemv_probe.py; on an H200 the wide
+ones are up to 9% faster in cuBLAS, see kernels/gemv.py), and a block's two residual adds are a kernel each.
 Same parameters and state-dict keys as nn.Linear, so checkpoints, tensor parallelism (which swaps in
 megatron-core's layers) and FP8 (parallel/fp8.py Fp8Linear) see no difference. CPU and prefill-sized
 calls run F.linear exactly as before.

@@ -11,7 +11,8 @@ when they run together). The weight is e4m3 (an FP8 projection, `scale` its chan
 
 16-bit weights (`use_gemv`: one row, engine/linear.py Linear): cuBLAS's one-row GEMV read a 16 MB projection at
 1.55-2.0 TB/s on an H100 where this kernel reads it at 1.8-2.4; the lm_head 370 -> 337 us (Llama-8B),
-the Qwen3-MoE router 4.8 -> 2.6 us (bench/bf16_gemv_probe.py, bench/results/2026-11-25-gpu-decode).
+the Qwen3-MoE router 4.8 -> 2.6 us (bench/bf16_gemv_probe.py, bench/results/2026-11-25-gpu-decode). On an
+H200 the router and small projections gain as much, the wide ones lose up to 9% (see GEMV_16BIT_TILE).
 `residual`: + residual after the product is rounded to y's dtype, as `linear(x) + residual` rounds in
 torch: the block's residual add without a kernel of its own (engine/linear.py project_add).
 """
@@ -26,7 +27,9 @@ except ImportError:  # installs without triton keep F.linear
     triton = None
 
 GEMV_MAX_ROWS = 4  # rows up to which a GEMV per row beats a tensor-core tile (weights re-read per row from L2)
-GEMV_16BIT_TILE = dict(block_n=4, block_k=1024, warps=4)  # within 3% of the best tile on every probed shape
+# Within 3% of the best tile on every probed shape on an H100; on an H200 up to 9% behind cuBLAS on wide
+# projections (Llama-8B wqkv, w13) while ahead on small ones (bench/results/2026-11-25-gpu-decode call J).
+GEMV_16BIT_TILE = dict(block_n=4, block_k=1024, warps=4)
 # 16-bit weights take the GEMV for one row only: that is what was measured against cuBLAS; with more rows
 # (batched decode) cuBLAS reads the weight once for all of them, the GEMV once per row.
 GEMV_16BIT_MAX_ROWS = 1
