@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch.distributed as dist  # noqa: E402
 
 from starshard.benchmarks import anchor, attention, fp8_attention, hf, kernels, moe, plot, prefill, serve, sparse, tp  # noqa: E402
+from starshard.parallel.exit import exit_process  # noqa: E402
 
 SUBCOMMANDS = {"prefill": prefill, "attention": attention, "hf": hf, "tp": tp, "serve": serve, "sparse": sparse,
                "anchor": anchor, "kernels": kernels, "fp8-attention": fp8_attention, "moe": moe, "plot": plot}
@@ -64,4 +65,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    exit_process(main())

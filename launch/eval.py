@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, apb_cli_error,  # noqa: E402
                            fp8_config, sparse_config)
 from starshard.evaluation.tasks import TASKS  # noqa: E402
+from starshard.parallel.exit import exit_process  # noqa: E402
 
 # Engine flags passed on to LLM(...) only when given (not at their defaults); the engine decides what
 # it supports.
@@ -246,4 +247,4 @@ def main(argv=None, llm_cls=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from starshard.kernels.attention import attention, attention_math  # noqa: E402
+from starshard.parallel.exit import exit_process  # noqa: E402
 
 BOUND = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
@@ -107,9 +108,7 @@ def main():
     for r in rows:
         print(json.dumps(r), flush=True)
     ok = all(r["ok"] for r in rows)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    exit_process(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,  # noqa: E402
                            fp8_config, layout_error, parallel_config, sparse_config)
+from starshard.parallel.exit import exit_process  # noqa: E402
 from starshard.parallel.topology import read_launch_env  # noqa: E402
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -326,9 +327,8 @@ def main(argv=None) -> int:
 
 
 def _close_process_group() -> None:
-    """Tear the process group down before the interpreter exits: left to interpreter shutdown, a gloo
-    rank's background threads can still be joinable when they are destroyed (std::terminate, the task
-    aborts after its work is done: seen once in CI under `srun`)."""
+    """Leave no process group behind for an in-process caller (tests, notebooks); as a script the
+    process then ends through exit_process (starshard/parallel/exit.py says why)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -427,4 +427,4 @@ def run(args, launch, lead: bool, t_start: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

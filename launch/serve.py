@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,  # noqa: E402
                            layout_error, parallel_config, sparse_config)
+from starshard.parallel.exit import exit_process  # noqa: E402
 from starshard.parallel.topology import read_launch_env  # noqa: E402
 from starshard.runconfig import parse_with_config  # noqa: E402
 from starshard.server.settings import API_KEY_ENV  # noqa: E402
@@ -193,4 +194,4 @@ def serve_lead(service, args, cache_bytes: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from starshard.parallel.exit import exit_process
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -28,6 +30,7 @@ def _worker(rank, world, port, out_dir, fn, args):
         dist.barrier()  # no rank tears gloo down while a peer still has traffic in flight
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # past interpreter shutdown, where a gloo thread can abort the process (see exit.py)
 
 
 def run_ranks(fn, world: int, *args):
