@@ -11,7 +11,8 @@ Timed (CUDA events, median of --repeats after 2 warm-ups), each on the same inpu
 - cudnn_bf16: our bf16 path, `kernels.attention.attention` (torch's cuDNN SDPA for this call; the
   baseline of fp8_attention.py);
 - flash_bf16: our Triton bf16 kernel (kernels/flash.py, default config);
-- fp8_a / fp8_b: flash_fp8 variant a (e4m3 Q / K, P and V in bf16) and b (P and V in e4m3 too), each
+- fp8_a / fp8_b / fp8_s: flash_fp8 variant a (e4m3 Q / K, P and V in bf16), b (P and V in e4m3 too)
+  and s (int8 Q and int8 K minus its mean, P and V in bf16: `--fp8 attention`), each
   as `total` (pre-pass + kernel, what a model would pay), `kernel` (K / V already quantized) and
   `prepass` (quantize_kv alone).
 TFLOP/s count causal flops 2 * 2 * L^2 / 2 * D * H. Errors (fp8_attention.py's method): out relative
@@ -62,6 +63,8 @@ def make_inputs(L, args, dev, dtype, q_scale):
     gen = torch.Generator(device=dev).manual_seed(L)
     q = (torch.randn(1, args.heads, L, args.head_dim, device=dev, generator=gen) * q_scale).to(dtype)
     k, v = (torch.randn(1, args.kv_heads, L, args.head_dim, device=dev, generator=gen).to(dtype) for _ in range(2))
+    if args.layout == "model":  # the projections' [B, L, H, D] memory seen as [B, H, L, D], as a model passes them
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     return q, k, v
 
 
@@ -83,7 +86,7 @@ def sweep(args, dev, dtype):
     ref = reference(q, k, v, L, 64, dev)
     flops = 4 * args.heads * args.head_dim * L * L / 2
     rows = []
-    for variant in ("a", "b"):
+    for variant in args.variants:
         kv = quantize_kv(k, v, variant)
         for spec in args.configs.split():
             cfg, tma = parse_config(spec)
@@ -125,7 +128,7 @@ def run_length(L, args, dev, dtype, picks, confirm):
         "cudnn_bf16": lambda q, k, v: attention(q, k, v, q_pos=pos, k_pos=pos),
         "flash_bf16": lambda q, k, v: flash_attention(q, k, v, q_pos=pos, k_pos=pos, causal=True),
     }
-    for variant in ("a", "b"):
+    for variant in args.variants:
         cfg, tma = parse_config(picks[variant])
         methods[f"fp8_{variant}"] = (lambda var, cfg, tma: lambda q, k, v: flash_fp8_attention(
             q, k, v, variant=var, config=cfg, tma=tma))(variant, cfg, tma)
@@ -141,7 +144,7 @@ def run_length(L, args, dev, dtype, picks, confirm):
             for name, fn in methods.items():
                 s = median_s(lambda: fn(q, k, v), dev, args.repeats)
                 row[name].update(total_s=s, tflops=flops / s / 1e12)
-            for variant in ("a", "b"):
+            for variant in args.variants:
                 cfg, tma = parse_config(picks[variant])
                 kv = quantize_kv(k, v, variant)
                 pre = median_s(lambda: quantize_kv(k, v, variant), dev, args.repeats)
@@ -160,7 +163,7 @@ def run_length(L, args, dev, dtype, picks, confirm):
             base = row["cudnn_bf16"]["total_s"]
             for name in methods:
                 row[name]["speedup_vs_cudnn"] = base / row[name]["total_s"]
-            for variant in ("a", "b"):
+            for variant in args.variants:
                 row[f"fp8_{variant}"]["kernel_speedup_vs_cudnn"] = base / row[f"fp8_{variant}"]["kernel_s"]
         del q, k, v, ref
         if dev.type == "cuda":
@@ -180,6 +183,10 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep-length", type=int, default=32768, help="0: no sweep, use DEFAULT_CONFIG")
     p.add_argument("--configs", default=CONFIGS, help="space separated BLOCK_M,BLOCK_N,warps,stages[:tma]")
+    p.add_argument("--variants", type=lambda s: s.split(","), default=["a", "b", "s"],
+                   help="flash_fp8 variants to time, comma separated")
+    p.add_argument("--layout", choices=["contiguous", "model"], default="contiguous",
+                   help="q / k / v memory: contiguous [B, H, L, D], or the model's [B, L, H, D] viewed as [B, H, L, D]")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", default=None)
@@ -188,7 +195,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     sweep_rows = sweep(args, dev, dtype) if args.sweep_length else []
     picks, confirm = {}, {}
-    for variant in ("a", "b"):
+    for variant in args.variants:
         ranked = best_configs(sweep_rows, variant)
         default = ",".join(map(str, DEFAULT_CONFIG[variant]))
         picks[variant] = ranked[0] if ranked else default
@@ -201,7 +208,7 @@ def main():
     write(args.out, result)
     print("\n| L | method | total s | TFLOP/s | vs cuDNN | kernel s | pre-pass s | out err q x4 | lse err q x4 | out err q x1 |")
     for r in rows:
-        for name in ("cudnn_bf16", "flash_bf16", "fp8_a", "fp8_b"):
+        for name in ("cudnn_bf16", "flash_bf16", *(f"fp8_{v}" for v in args.variants)):
             m = r[name]
             e = [m.get(f"errors_q_x{s:g}", {}) for s in args.q_scales]
             print(f"| {r['length']} | {name} | {m['total_s']:.4f} | {m['tflops']:.0f} | {m['speedup_vs_cudnn']:.2f}x | "

@@ -87,8 +87,10 @@ def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
                     "activations scaled per row (FP8 GEMM in prefill, weight-only kernel in decode), quantized at load time or "
                     "read as stored from a checkpoint converted with --fp8 linear (which needs this item); kv = the KV cache "
                     "in e4m3 with one scale per (KV head, token), half the KV bytes (the memory plan counts it); "
-                    "attention = FP8 prefill attention (refused: measured ~10%% output error on Hopper). Needs an Ada / Hopper GPU (compute capability "
-                    ">= 8.9) and --dtype bfloat16 for linear. Usual choice: --fp8 linear,kv")
+                    "attention = 8-bit prefill scores: q . k from int8 q and int8 keys minus their mean (e4m3 scores measured ~8%% "
+                    "off), P . V in the compute dtype, for the prompt's prefill on the dense one-device path (not with --cp > 1 "
+                    "or --sparse; decode unchanged). Needs an Ada / Hopper GPU (compute capability >= 8.9) and --dtype "
+                    "bfloat16 for linear. Usual choice: --fp8 linear,kv")
 
 
 def fp8_config(args) -> Fp8Config:
@@ -145,9 +147,12 @@ def apb_cli_error(args, cp_strategy: str | None, cp: int | None) -> str | None:
 def layout_error(args) -> str | None:
     """What is wrong with the layout / sparse / fp8 flags in `args` (None: nothing), before any model loads."""
     try:
-        fp8_config(args)
+        fp8 = fp8_config(args)
     except ValueError as e:
         return str(e)
+    bad = fp8.layout_error(args.cp or 1, default_strategy(args), getattr(args, "sparse", None) is not None)
+    if bad:
+        return bad
     if getattr(args, "sparse_config", None) is not None and getattr(args, "sparse", None) is None:
         return "--sparse-config needs --sparse minference or --sparse anchor"
     if getattr(args, "sparse", None) is None and (getattr(args, "sparse_min_length", None) is not None

@@ -365,9 +365,11 @@ class Fp8Config:
     linear: the decoder's projections (wqkv, wo, w13, w2) hold e4m3 weights with one scale per output
             channel; activations are scaled per row at run time (parallel/fp8.py, kernels/fp8.py).
     kv:     the KV cache stores e4m3 keys / values with one scale per (KV head, token) (engine/kv_cache.py).
-    attention: FP8 prefill attention: measured and not kept (cuDNN's and our Triton kernel, kernels/flash_fp8.py,
-            1.4-1.7x faster, ~10% output error on a peaked softmax: bench/results/2026-11-23-h200-fp8-attention,
-            2026-11-25-h100-fp8-attention); asking for it is an error that says so.
+    attention: 8-bit prefill scores (engine/model.py dense_attend_int8_scores, kernels/flash_fp8.py variant "s"):
+            q . k from int8 q (per 128 rows) and int8 keys minus their mean (per 128 keys), P . V in the
+            compute dtype, for a prefill block that starts the cache on the dense path (cp 1, no sparse).
+            e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
+            (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
     """
 
     linear: bool = False
@@ -400,6 +402,15 @@ class Fp8Config:
 
     def describe(self) -> str:
         return ",".join(self.items()) or "none"
+
+    def layout_error(self, cp: int, cp_strategy: str, sparse: bool) -> str | None:
+        """Why this setting cannot run with that layout (None: it can): 8-bit scores are wired into the
+        dense one-device attention only (each tp / pp rank's own)."""
+        if self.attention and (cp > 1 or cp_strategy != "dense" or sparse):
+            return ("--fp8 attention (8-bit prefill scores) runs on the dense one-device attention path only (each tp "
+                    f"/ pp rank's own); got --cp {cp} --cp-strategy {cp_strategy}" + (" with --sparse" if sparse else "")
+                    + ": drop `attention` from --fp8, or run --cp 1 without --sparse")
+        return None
 
 
 @dataclass

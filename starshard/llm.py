@@ -19,6 +19,7 @@ from starshard.checkpoints.default import default_checkpoint
 from starshard.checkpoints.load import load_model
 from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
+from starshard.engine.model import dense_attend_int8_scores
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
 from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
 from starshard.parallel.context import make_strategy, strategy_options
@@ -69,11 +70,6 @@ def check_fp8(fp8: Fp8Config, device, dtype) -> None:
     collective; on the CPU say once that the reference path runs."""
     if not fp8.any:
         return
-    if fp8.attention:
-        raise LayoutError("--fp8 attention is not offered: FP8 prefill attention (cuDNN's, and a Triton kernel with "
-                         "per-block scales) measured 1.4-1.75x faster than bf16 but ~10% off in its output with a "
-                         "peaked softmax (e4m3 q / k scores; bench/results/2026-11-23-h200-fp8-attention, "
-                         "2026-11-25-h100-fp8-attention); use --fp8 linear, kv or linear,kv")
     dev = torch.device(device)
     if dev.type == "cpu":
         warn_cpu_reference()
@@ -113,6 +109,9 @@ class LLM:
         launch = read_launch_env()
         if random_weights is not None and path is not None:
             raise ValueError("give either a model path or random_weights, not both")
+        bad = fp8.layout_error(p.cp, p.cp_strategy, sparse is not None)
+        if bad:
+            raise LayoutError(bad)
         if sparse is not None and p.cp_strategy in ("ring", "usp"):
             try:
                 refuse_sparse(sparse, p.cp_strategy)
@@ -144,6 +143,9 @@ class LLM:
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
+        if fp8.attention:
+            for layer in model.layers:
+                layer.attention.attend = dense_attend_int8_scores
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
         self.runner.kv_fp8 = fp8.kv
         self.config: ModelConfig = model.config

@@ -107,7 +107,7 @@ def test_e4m3_rounding_in_the_interpreter_matches_torch():
 
 
 @needs_interp
-@pytest.mark.parametrize("variant", ["a", "b"])
+@pytest.mark.parametrize("variant", ["a", "b", "s"])
 def test_quantize_kv_kernel_matches_torch(variant):
     g = torch.Generator().manual_seed(4)
     # strided: [B, L, H, D] memory as the projections give; L = 200 is one full and one partial block
@@ -115,11 +115,16 @@ def test_quantize_kv_kernel_matches_torch(variant):
     v = (torch.randn(2, 200, 2, 64, generator=g) * torch.linspace(0.1, 3, 64)).transpose(1, 2)
     got = ff.quantize_kv(k, v, variant)
     want = ff.quantize_kv(k, v, variant, use_triton=False)
-    assert got.k8.shape == (2, 2, 256, 64) and got.k_scale.shape == (2, 2, 2)
+    assert got.k8.shape == (2, 2, 256, 64) and got.k_scale.shape == (2, 2, 2) and got.variant == variant
     assert torch.equal(got.k8.view(torch.uint8), want.k8.view(torch.uint8))
     assert torch.equal(got.k_scale, want.k_scale)
     assert (got.k8[:, :, 200:].float() == 0).all()
     kd = (got.k8.float().view(2, 2, 2, 128, 64) * got.k_scale[..., None, None]).view(2, 2, 256, 64)[:, :, :200]
+    if variant == "s":  # int8 of K minus its mean: 8 bits, a finer grid than e4m3's
+        assert got.k8.dtype == torch.int8 and got.k8.abs().max() == 127 and got.v8t is None
+        assert torch.allclose(got.k_mean, k.mean(2), atol=1e-6)
+        assert 1e-4 < rel(kd + got.k_mean[:, :, None], k) < 0.01
+        return
     assert 1e-3 < rel(kd, k) < 0.05
     if variant == "a":
         assert got.v8t is None and got.v_scale is None
@@ -143,7 +148,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 @needs_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("variant", ["a", "b"])
+@pytest.mark.parametrize("variant", ["a", "b", "s"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kernel_matches_blockwise_reference(case, variant, dtype):
     _, B, hq, hkv, L, D, cfg = case
@@ -156,12 +161,49 @@ def test_kernel_matches_blockwise_reference(case, variant, dtype):
     # against exact attention: bounded, and really not exact (the scores went through e4m3)
     full, full_lse = exact(q, k, v)
     err, lerr = rel(out, full), lse_err(lse, full_lse)
-    assert 3e-3 < err < (0.05 if variant == "a" else 0.07), err
-    assert 1e-3 < lerr < 0.25, lerr
+    assert (1e-3 if variant == "s" else 3e-3) < err < {"a": 0.05, "b": 0.07, "s": 0.02}[variant], err
+    assert 1e-4 < lerr < 0.25, lerr
+
+
+def test_reference_s_is_smoothed_int8_then_attend():
+    # Variant s = plain softmax attention on int8 q (per block of 32 rows) and int8 (K - mean K) (per
+    # KV_BLOCK keys), with q . mean(K) added back to the lse: the softmax never sees it.
+    q, k, v = inputs(2, 4, 2, 150, 32, torch.float32, seed=8)
+    k = k + torch.linspace(-4, 6, 32)  # a common key offset, as real models' keys carry
+    out, lse = ff.flash_fp8_reference(q, k, v, variant="s", block_m=32, block_n=32, p_dtype=torch.float64)
+    qb = torch.nn.functional.pad(q, (0, 0, 0, 10)).view(2, 4, 5, 32, 32)
+    qs = qb.abs().amax((-1, -2)) / 127
+    qd = (torch.round(qb / qs[..., None, None]).double() * qs[..., None, None].double()).view(2, 4, 160, 32)[:, :, :150]
+    km = k.double().mean(2, keepdim=True)
+    kb = torch.nn.functional.pad(k.double() - km, (0, 0, 0, 106)).view(2, 2, 2, 128, 32)
+    ks = kb.abs().amax((-1, -2)) / 127
+    kd = (torch.round(kb / ks[..., None, None]) * ks[..., None, None]).view(2, 2, 256, 32)[:, :, :150]
+    want, want_lse = exact(qd, kd, v.double())
+    want_lse = want_lse + (q.double() @ km.repeat_interleave(2, 1).transpose(-1, -2))[..., 0] * 32**-0.5
+    assert rel(out, want) < 1e-6 and lse_err(lse, want_lse) < 1e-5
+    full, full_lse = exact(q, k, v)
+    assert 1e-4 < rel(out, full) < 0.02 and 1e-4 < lse_err(lse, full_lse) < 0.1
 
 
 @needs_interp
-@pytest.mark.parametrize("variant", ["a", "b"])
+def test_smoothing_makes_a_common_key_offset_free():
+    # Adding one vector to every key changes no softmax weight: variant s's scores see K - mean(K),
+    # identical with or without the offset, and the lse moves by exactly q . offset * scale. Variant a
+    # quantizes the offset with the keys and loses accuracy to it.
+    q, k, v = inputs(1, 4, 2, 96, 64, torch.float32, seed=9)
+    offset = torch.randn(64, generator=torch.Generator().manual_seed(10)) * 8
+    cfg = (32, 32, 4, 1)
+    out, lse = ff.flash_fp8_attention(q, k, v, variant="s", config=cfg)
+    out2, lse2 = ff.flash_fp8_attention(q, k + offset, v, variant="s", config=cfg)
+    assert rel(out2, out) < 1e-5
+    assert lse_err(lse2 - (q @ offset) * 64**-0.5, lse) < 1e-4
+    full, _ = exact(q, k + offset, v)
+    a_out, _ = ff.flash_fp8_attention(q, k + offset, v, variant="a", config=cfg)
+    assert rel(out2, full) < 0.5 * rel(a_out, full), (rel(out2, full), rel(a_out, full))
+
+
+@needs_interp
+@pytest.mark.parametrize("variant", ["a", "b", "s"])
 def test_tensor_descriptor_path_and_scale(variant):
     q, k, v = inputs(1, 4, 2, 100, 64, torch.float32, seed=5)
     cfg = (32, 64, 4, 1)
@@ -192,6 +234,8 @@ def test_rejects_what_it_does_not_do():
         ff.flash_fp8_attention(q[..., :24], k[..., :24], v[..., :24])
     with pytest.raises(ValueError, match="variant"):
         ff.flash_fp8_attention(q, k, v, variant="c")
+    with pytest.raises(ValueError, match="quantized for variant 's'"):
+        ff.flash_fp8_attention(q, k, v, variant="a", kv=ff.quantize_kv(k, v, "s", use_triton=False))
     with pytest.raises(ValueError, match="one dtype"):
         ff.flash_fp8_reference(q.double(), k.double(), v.double())
     if INTERP:
@@ -206,29 +250,33 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from starshard.kernels import flash_fp8 as ff
 fn = ff._flash_fp8_fwd_kernel
-for fp8_pv in (False, True):
+for variant in ("a", "b", "s"):
+    fp8_pv, int8 = variant == "b", variant == "s"
     sig = {n: "i32" for n in fn.arg_names}
     v = "*fp8e4nv" if fp8_pv else "*bf16"
-    sig.update(Q="*bf16", K8="*fp8e4nv", KS="*fp32", V=v, VS="*fp32", O="*bf16", LSE="*fp32", k_desc="*fp8e4nv",
+    k8 = "*i8" if int8 else "*fp8e4nv"
+    sig.update(Q="*bf16", K8=k8, KS="*fp32", V=v, VS="*fp32", KM="*fp32", O="*bf16", LSE="*fp32", k_desc=k8,
                v_desc=v, qk_scale="fp32")
-    consts = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, KV_BLOCK=128, FP8_PV=fp8_pv, USE_TMA=False, INTERPRET=False)
+    consts = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, KV_BLOCK=128, FP8_PV=fp8_pv, INT8_QK=int8, USE_TMA=False,
+                  INTERPRET=False)
     sig.update({n: "constexpr" for n in consts})
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=8, num_stages=3))
-    mmas = set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n\\d+k\\d+\\.f32\\.(\\w+)\\.(\\w+)", k.asm["ptx"]))
-    # scores on e4m3 tensor cores; P @ V in bf16 (variant a) or e4m3 (variant b)
-    assert mmas == ({("e4m3", "e4m3")} if fp8_pv else {("e4m3", "e4m3"), ("bf16", "bf16")}), mmas
+    mmas = set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n\\d+k\\d+\\.[fs]32\\.(\\w+)\\.(\\w+)", k.asm["ptx"]))
+    # scores on e4m3 (variant s: int8) tensor cores; P @ V in bf16 (variants a, s) or e4m3 (variant b)
+    want = {"a": {("e4m3", "e4m3"), ("bf16", "bf16")}, "b": {("e4m3", "e4m3")}, "s": {("s8", "s8"), ("bf16", "bf16")}}
+    assert mmas == want[variant], (variant, mmas)
 print("compiled")
 """
 
 
-@pytest.mark.slow  # two real sm_90a builds
+@pytest.mark.slow  # three real sm_90a builds
 def test_kernel_compiles_to_fp8_wgmma(tmp_path):
     assert_compiles_for_sm90(_COMPILE, tmp_path)
 
 
 @needs_cuda
-@pytest.mark.parametrize("variant", ["a", "b"])
+@pytest.mark.parametrize("variant", ["a", "b", "s"])
 @pytest.mark.parametrize("config", [None, (64, 64, 4, 3)])
 def test_cuda_kernel_matches_reference(variant, config):
     q, k, v = inputs(2, 8, 2, 1000, 128, torch.bfloat16, seed=7, device="cuda")
@@ -239,3 +287,25 @@ def test_cuda_kernel_matches_reference(variant, config):
     assert rel(out, ref) < 1e-2 and lse_err(lse, ref_lse) < 2e-2
     full, full_lse = exact(q, k, v)
     assert 3e-3 < rel(out, full) < 0.07 and lse_err(lse, full_lse) < 0.3
+
+
+def test_int8_scores_dispatch_on_cpu():
+    # causal_attention_int8_scores (`--fp8 attention`): on the CPU, the kernel's quantization through the
+    # exact path = the blockwise reference of variant s with P unrounded; anything the kernel does not
+    # take (a decode-sized call, a head dim without tiles, a position mask) is plain `attention`.
+    from starshard.kernels.attention import attention, causal_attention_int8_scores
+
+    q, k, v = inputs(1, 6, 2, 300, 32, torch.float32, seed=11)
+    k = k + 3.0  # a common key offset: smoothing takes it out of the scores
+    pos = torch.arange(300)
+    out, lse = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos)
+    ref, ref_lse = ff.flash_fp8_reference(q, k, v, variant="s", block_m=128, block_n=128, p_dtype=torch.float64)
+    assert rel(out, ref) < 1e-5 and lse_err(lse, ref_lse) < 1e-4
+    full, full_lse = exact(q, k, v)
+    assert 1e-4 < rel(out, full) < 0.02
+    for args in ((q[:, :, :16], k[:, :, :16], v[:, :, :16], pos[:16], pos[:16]),  # decode-sized
+                 (q[..., :24], k[..., :24], v[..., :24], pos, pos),  # head dim 24
+                 (q, k, v, pos, pos * 2 - 50)):  # not index-causal
+        got, got_lse = causal_attention_int8_scores(*args[:3], q_pos=args[3], k_pos=args[4])
+        want, want_lse = attention(*args[:3], q_pos=args[3], k_pos=args[4], causal=True)
+        assert torch.equal(got, want) and torch.equal(got_lse, want_lse)

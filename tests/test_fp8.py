@@ -9,12 +9,13 @@ from hf_models import make_hf_model
 from mp_harness import run_ranks
 
 from starshard import LLM
-from starshard.cli import add_fp8_arguments, fp8_config, layout_error
+from starshard.cli import add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config, layout_error
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig
 from starshard.engine.kv_cache import LayerKV
 from starshard.kernels import fp8 as fp8_kernels
 from starshard.kernels.attention import attention
 from starshard.kernels.decode import decode_attention
+from starshard.kernels.sparse import SparseConfig
 from starshard.kernels.fp8 import (
     E4M3_MAX,
     FP8_DTYPE,
@@ -264,6 +265,35 @@ def test_fp8_linear_and_kv_one_process(tmp_path):
         assert 0 < rel(_last_logits(llm, ids), ref) < 0.08, fp8
 
 
+def test_fp8_attention_one_process(tmp_path, monkeypatch):
+    """--fp8 attention: each layer's prefill over an empty cache takes 8-bit scores (the CPU's
+    dequantize-then-attend reference of flash_fp8 variant s, once per layer), decode steps stay plain;
+    logits within a bound of the float32 run, not equal to it, and the same greedy tokens."""
+    import importlib
+
+    from starshard.engine.model import dense_attend_int8_scores
+
+    attention_mod = importlib.import_module("starshard.kernels.attention")  # the package exports a function of that name
+
+    _, path = make_hf_model("llama", tmp_path, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                            eos_token_id=None)  # head_dim 32: a size the kernel's tiles take
+    ids = torch.randint(0, 211, (70,), generator=torch.Generator().manual_seed(8)).tolist()
+    calls = []
+    real = attention_mod.int8_scores_operands
+    monkeypatch.setattr(attention_mod, "int8_scores_operands", lambda q, k: calls.append(q.shape) or real(q, k))
+    base = LLM(path)
+    for fp8 in ("attention", "linear,kv,attention"):
+        llm = LLM(path, fp8=fp8)
+        assert all(layer.attention.attend is dense_attend_int8_scores for layer in llm.model.layers)
+        assert llm.runner.decode_is_local()  # decode keeps the local path (CUDA graphs on a GPU)
+        calls.clear()
+        got, want = _last_logits(llm, ids), _last_logits(base, ids)
+        assert len(calls) == len(llm.model.layers) and calls[0][2] == len(ids) - 1  # the prefill, not the step
+        assert (1e-6 < rel(got, want) < 5e-3) if fp8 == "attention" else (0 < rel(got, want) < 0.08), (fp8, rel(got, want))
+        if fp8 == "attention":
+            assert llm.generate(ids, max_new_tokens=STEPS).token_ids == base.generate(ids, max_new_tokens=STEPS).token_ids
+
+
 def _tp_rank(rank, world, path, ids):
     llm = LLM(path, parallel=ParallelConfig(tp=2), fp8="linear,kv")
     wo = llm.model.layers[0].attention.wo
@@ -318,8 +348,18 @@ def test_bad_fp8_values_name_the_valid_ones():
     args.cp, args.cp_strategy = 1, None
     assert "valid: linear, kv, attention" in layout_error(args)
     assert fp8_config(ap.parse_args(["--fp8", "kv"])).kv
-    with pytest.raises(LayoutError, match="--fp8 attention is not offered"):
-        LLM(random_weights="tiny", fp8="attention")
+    # 8-bit scores live on the dense one-device path: a context strategy or --sparse with them is refused
+    # before any model loads, by the CLI and by LLM alike
+    for argv in (["--fp8", "attention", "--cp", "2"], ["--fp8", "linear,attention", "--cp-strategy", "star"]):
+        ap2 = argparse.ArgumentParser()
+        add_fp8_arguments(ap2)
+        add_layout_arguments(ap2)
+        add_sparse_arguments(ap2)
+        assert "runs on the dense one-device attention path only" in layout_error(ap2.parse_args(argv)), argv
+    with pytest.raises(LayoutError, match="--cp 2 --cp-strategy ring: drop `attention` from --fp8"):
+        LLM(random_weights="tiny", fp8="attention", parallel=ParallelConfig(cp=2, cp_strategy="ring"))
+    with pytest.raises(LayoutError, match="with --sparse"):
+        LLM(random_weights="tiny", fp8="attention", sparse=SparseConfig(method="minference"))
 
 
 def test_gpu_without_fp8_is_refused(monkeypatch, caplog):

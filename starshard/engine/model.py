@@ -21,7 +21,8 @@ from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.engine.linear import Linear, project_add
 from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.activation import silu_mul
-from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_after_held
+from starshard.kernels.attention import (DECODE_MAX_ROWS, attention, attention_after_held,
+                                         causal_attention_int8_scores)
 from starshard.kernels.common import mark_arange
 from starshard.kernels.norm import rms_norm, use_norm_kernel
 from starshard.kernels.rope import apply_rope, rope_qk, use_rope_kernel
@@ -142,6 +143,21 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
     # One new token follows everything cached: no mask (saves the mask check in every decode step).
     out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern, **scales)
     return out
+
+
+def dense_attend_int8_scores(q, k, v, pos, cache: LayerKV | None, sparse=None):
+    """dense_attend, except that a prefill block starting an empty cache (the whole prompt unless
+    prefill is chunked) attends itself with 8-bit scores (`--fp8 attention`,
+    kernels/attention.py causal_attention_int8_scores); decode steps and later chunks are dense_attend's."""
+    if sparse is None and q.shape[2] > DECODE_MAX_ROWS and (cache is None or cache.length == 0):
+        if cache is not None:
+            cache.store(k, v, pos)
+        out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos)
+        return out
+    return dense_attend(q, k, v, pos, cache, sparse)
+
+
+LOCAL_ATTENDS = (dense_attend, dense_attend_int8_scores)  # plain attention over this process's whole cache
 
 
 class Attention(nn.Module):

@@ -23,11 +23,12 @@ from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import dequantize
 from starshard.kernels.flash import flash_attention
+from starshard.kernels.flash_fp8 import flash_fp8_attention, int8_scores_operands
 from starshard.kernels.merge import merge_partials
 from starshard.kernels.reference import attention_math
 
 __all__ = [
-    "attention", "attention_after_held", "causal_attention", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
+    "attention", "attention_after_held", "causal_attention", "causal_attention_int8_scores", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
     "SHORT_QUERY_ROWS", "sm_count", "head_subset",
 ]
 
@@ -227,6 +228,29 @@ def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
         o2, l2 = causal_attention(q, k[:, :, offset:], v[:, :, offset:], scale=scale)
         return merge_partials(o1, l1, o2, l2)
     return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+
+
+INT8_SCORE_HEAD_DIMS = (32, 64, 128, 256)  # the kernel's tensor-core tiles; other head dims run `attention`
+
+
+def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None):
+    """Square causal prefill attention with 8-bit scores (`--fp8 attention`): q . k from int8 q (per
+    128 rows) and int8 K minus its mean (per 128 keys; the mean shifts every score of a row alike, so
+    the softmax never sees it and the lse gets it back), P @ V in q's dtype. CUDA: one Triton kernel
+    (kernels/flash_fp8.py variant "s") when the positions are plain index-causal; the CPU runs the same
+    quantization through the exact path (slow reference). Any other mask, or a decode-sized call,
+    runs `attention` unchanged."""
+    check_shapes(q, k, v)
+    L = q.shape[2]
+    if (L <= DECODE_MAX_ROWS or k.shape[2] != L or q.shape[-1] not in INT8_SCORE_HEAD_DIMS
+            or mask_mode(q_pos, k_pos, True) != "causal"):
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.device.type == "cuda":
+        return flash_fp8_attention(q, k, v, variant="s", scale=scale)
+    qd, kd, shift = int8_scores_operands(q, k)
+    out, lse = attention(qd, kd, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+    return out, lse + shift * scale
 
 
 def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None, v_scale=None):

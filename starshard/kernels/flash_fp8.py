@@ -1,5 +1,6 @@
-"""FP8 (e4m3) causal flash-attention forward for a square prefill call (issue 19 item 4), Triton.
+"""8-bit causal flash-attention forward for a square prefill call (issue 19 item 4), Triton.
 
+    out, lse = flash_fp8_attention(q, k, v, variant="s")        # `--fp8 attention`: int8 q . k, smoothed K
     out, lse = flash_fp8_attention(q, k, v, variant="a")        # quantize K (and V) once, then attend
     kv = quantize_kv(k, v, variant="b"); out, lse = flash_fp8_attention(q, k, v, variant="b", kv=kv)
     out, lse = flash_fp8_reference(q, k, v, variant="a")        # the same blockwise algorithm in torch
@@ -8,7 +9,8 @@ q [B, Hq, L, D]; k, v [B, Hkv, L, D] (GQA: Hq % Hkv == 0); row i sees keys 0..i 
 0..L-1, or any one strictly increasing run shared by both: index-causal). Returns out [B, Hq, L, D]
 in q's dtype and lse [B, Hq, L] float32, natural log, the `attention` contract (docs/design.md).
 
-Numerics (FlashAttention-2's online softmax, FlashAttention-3's FP8 idea, our own scales):
+Numerics (FlashAttention-2's online softmax, FlashAttention-3's FP8 idea, SageAttention's smoothing of K,
+our own scales):
 - K: e4m3 with one scale per (batch, KV head, KV_BLOCK keys), written once by a pre-pass kernel
   (`quantize_kv`): many query blocks read each key block, so quantizing it in the attention kernel
   would repeat the work per query block and head of the group. Rows past L are zero.
@@ -16,8 +18,14 @@ Numerics (FlashAttention-2's online softmax, FlashAttention-3's FP8 idea, our ow
   one load. Scale = max(amax, 1e-12) / 448, division, clamp, cast: kernels/fp8.py's numerics.
 - S = (Q8 @ K8^T) * (scale_q * scale_k) on e4m3 tensor cores, float32 accumulation; the two scales
   are scalars per (query block, key block), so they fold into the softmax's exponent factor.
+- Variant "s" (what `--fp8 attention` runs): int8 instead of e4m3 (scale amax / 127, rounded half away
+  from zero), and K minus its mean over the keys (per batch, KV head and channel) before the pre-pass
+  quantizes it: q . (k - m) = q . k - q . m shifts every score of a row by one constant, so the softmax
+  is unchanged while the common part of the keys (large in real models) no longer eats the int8 range;
+  the lse gets q . m back (from q as given, float32). S on int8 tensor cores, exact int32 sums.
 - Online softmax in float32 (exp2, log2 units), the running max / sum / accumulator of online_softmax.py.
-- P @ V, variant "a": P and V in V's dtype (bf16 in a model), V as given (no V pre-pass).
+- P @ V, variants "a" and "s": P and V in V's dtype (bf16 in a model), V as given (no V pre-pass;
+  a strided V is copied contiguous first for the TMA loads).
   Variant "b": P scaled by 2^P_LOG2_SCALE (P is in [0, 1] after the max subtraction; 256 puts its
   largest value in e4m3's top binades, exactly, as a power of two) and cast to e4m3; V in e4m3 with
   one scale per (batch, KV head, channel) over the whole sequence, stored transposed [B, Hkv, D, L']
@@ -28,12 +36,14 @@ Numerics (FlashAttention-2's online softmax, FlashAttention-3's FP8 idea, our ow
 Causal work: key blocks wholly below the diagonal run without mask arithmetic; only the blocks on it
 are masked; blocks above it are never visited.
 
-Measured (bench/results/2026-11-25-h100-fp8-attention; one H100, Llama-8B heads, 128K, pre-pass
-included): variant b 1.36x cuDNN's bf16 kernel (761 TFLOP/s), variant a 1.12x. But e4m3's 3 mantissa
-bits on Q and K (~2.6% rms rounding per element, whatever the scale granularity) add noise to every
-score: with q x 4 (a peaked softmax) the output is ~10% off and the lse up to 0.55 / 0.74, as cuDNN's
-FP8 kernel was; with q x 1, 0.7% (a) / 2.7% (b). So the dispatcher does not use it (`--fp8 attention`
-stays refused); it is kept, tested, for measurements.
+Measured (Llama-8B heads, 128K, pre-pass included): on one H100 variant b 1.36x cuDNN's bf16 kernel
+(761 TFLOP/s), variant a 1.12x, but e4m3's 3 mantissa bits on Q and K (~2.6% rms rounding per element,
+whatever the scale granularity) put the output ~10% off with a peaked softmax (q x 4), lse up to 0.55 /
+0.74 (bench/results/2026-11-25-h100-fp8-attention); kept for measurements, not used. On one H200
+variant s 1.09x cuDNN (1.04x in the model's strided layout) at 3.3% output error on the same inputs
+(variant a there: 10.2%), and 2.2% vs 7.8% on SmolLM2's real q / k / v; a Llama-8B-shaped 128K prefill
+with `--fp8 linear,kv,attention` 9.54 s vs 10.07 s without `attention` (bf16 11.33 s)
+(bench/results/2026-11-26-h200-int8-attention).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests); the interpreter's float32 -> e4m3 cast drops
 the carry when a value rounds up across a power of two (kernels/kv_write.py), so interpreted kernels
@@ -58,13 +68,14 @@ except ImportError:  # installs without triton: the torch reference still import
 
 KV_BLOCK = 128  # keys per K scale; the kernel's BLOCK_N divides it
 P_LOG2_SCALE = 8  # variant "b": probabilities times 2^8 before the e4m3 cast
-VARIANTS = ("a", "b")
+INT8_MAX = 127.0  # variant "s": symmetric int8, scale = amax / 127
+VARIANTS = ("a", "b", "s")
 _TINY = 1e-12
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per variant at head_dim <= 128, K / V through tensor
 # descriptors (tma): the fastest of bench/fp8_prefill_attention.py's sweep on one H100 at 32K, still the
 # fastest of the sweep's top three at 128K (bench/results/2026-11-25-h100-fp8-attention): a 13.7 ms,
 # b 11.2 ms at 32K (8 warps for b: 12.9 ms).
-DEFAULT_CONFIG = {"a": (128, 128, 8, 3), "b": (64, 128, 4, 3)}
+DEFAULT_CONFIG = {"a": (128, 128, 8, 3), "b": (64, 128, 4, 3), "s": (128, 128, 8, 3)}
 
 
 if triton is not None:
@@ -89,13 +100,21 @@ if triton is not None:
         return x.to(tl.float8e4nv)
 
     @triton.jit
-    def _quantize_kv_kernel(K, V, K8, KS, V8T, VS, L, Lp,
+    def _to_int8(x, scale):
+        """x / scale rounded half away from zero to int8 (|x| <= 127 * scale): the float -> int cast
+        truncates, so add +-0.5 first."""
+        y = x / scale
+        return (y + tl.where(y >= 0.0, 0.5, -0.5)).to(tl.int8)
+
+    @triton.jit
+    def _quantize_kv_kernel(K, V, K8, KS, V8T, VS, KM, L, Lp,
                             s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, Hkv,
                             HEAD_DIM: tl.constexpr, KV_BLOCK: tl.constexpr, QUANT_V: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            INT8_K: tl.constexpr, INTERPRET: tl.constexpr):
         """One program per (KV_BLOCK keys, batch x KV head): K8 rows [Lp, D] and their block scale;
-        with QUANT_V also V8T [D, Lp] (transposed) from the channel scales VS [D] (computed before).
-        Rows at or past L are written as zeros."""
+        with QUANT_V also V8T [D, Lp] (transposed) from the channel scales VS [D] (computed before);
+        with INT8_K the keys minus their mean KM [D] in int8 instead of e4m3. Rows at or past L are
+        written as zeros."""
         blk = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // Hkv
@@ -105,8 +124,13 @@ if triton is not None:
         ok = (offs_n < L)[:, None]
         k = tl.load(K + b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd,
                     mask=ok, other=0.0).to(tl.float32)
-        ks = e4m3_scale(tl.max(tl.max(tl.abs(k), 1), 0))
-        k8 = _to_e4m3(e4m3_values(k, ks), INTERPRET)
+        if INT8_K:
+            k = tl.where(ok, k - tl.load(KM + bh * HEAD_DIM + offs_d)[None, :], 0.0)
+            ks = tl.maximum(tl.max(tl.max(tl.abs(k), 1), 0), 1e-12) / 127.0
+            k8 = _to_int8(k, ks)
+        else:
+            ks = e4m3_scale(tl.max(tl.max(tl.abs(k), 1), 0))
+            k8 = _to_e4m3(e4m3_values(k, ks), INTERPRET)
         out_row = bh.to(tl.int64) * Lp
         tl.store(K8 + (out_row + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], k8)
         tl.store(KS + bh * (Lp // KV_BLOCK) + blk, ks)
@@ -162,14 +186,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["L", "n_qblocks"])
     def _flash_fp8_fwd_kernel(
-        Q, K8, KS, V, VS, O, LSE, k_desc, v_desc,
+        Q, K8, KS, V, VS, KM, O, LSE, k_desc, v_desc,
         qk_scale,
         s_qb, s_qh, s_qm, s_qd,
         s_vb, s_vh, s_vn, s_vd,
         s_ob, s_oh, s_om, s_od,
         H, G, Hkv, L, Lp, n_qblocks,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
-        FP8_PV: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+        FP8_PV: tl.constexpr, INT8_QK: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         # Heaviest query blocks (most keys) first: shortens the tail of the causal grid.
         pid_m = n_qblocks - 1 - tl.program_id(0)
@@ -183,11 +207,17 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < L
 
-        # Q block -> e4m3 with one scale for the block.
+        # Q block -> e4m3 (int8) with one scale for the block.
         q = tl.load(Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
                     mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q_scale = e4m3_scale(tl.max(tl.max(tl.abs(q), 1), 0))
-        q8 = _to_e4m3(e4m3_values(q, q_scale), INTERPRET)
+        if INT8_QK:
+            q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), 1), 0), 1e-12) / 127.0
+            q8 = _to_int8(q, q_scale)
+            # the scores left out by smoothing, q . mean(K) per row: constant along the row, so only the lse needs it
+            q_km = tl.sum(q * tl.load(KM + bkv * HEAD_DIM + offs_d)[None, :], 1)
+        else:
+            q_scale = e4m3_scale(tl.max(tl.max(tl.abs(q), 1), 0))
+            q8 = _to_e4m3(e4m3_values(q, q_scale), INTERPRET)
         c_q = qk_scale * q_scale
 
         k_row = bkv * Lp  # first row of this (batch, KV head) in K8 [B * Hkv * Lp, D]
@@ -209,7 +239,7 @@ if triton is not None:
             kt, v = _load_kv(k_desc, v_desc, kt_ptrs, v_ptrs, k_row, v_row, start, L, s_vn, offs_n,
                              FP8_PV, False, USE_TMA, HEAD_DIM)
             c = c_q * tl.load(ks_ptr + start // KV_BLOCK)
-            qk = tl.dot(q8, kt)
+            qk = tl.dot(q8, kt).to(tl.float32)  # int8: exact int32 sums
             if FP8_PV:
                 m_i, l_i, acc = _update_fp8_pv(qk, v, m_i, l_i, acc, None, c, False, INTERPRET)
             else:
@@ -220,7 +250,7 @@ if triton is not None:
             kt, v = _load_kv(k_desc, v_desc, kt_ptrs, v_ptrs, k_row, v_row, start, L, s_vn, offs_n,
                              FP8_PV, True, USE_TMA, HEAD_DIM)
             c = c_q * tl.load(ks_ptr + start // KV_BLOCK)
-            qk = tl.dot(q8, kt)
+            qk = tl.dot(q8, kt).to(tl.float32)
             visible = (start + offs_n)[None, :] <= offs_m[:, None]
             if FP8_PV:
                 m_i, l_i, acc = _update_fp8_pv(qk, v, m_i, l_i, acc, visible, c, True, INTERPRET)
@@ -232,6 +262,8 @@ if triton is not None:
         if FP8_PV:
             out = out * tl.load(VS + bkv * HEAD_DIM + offs_d)[None, :]
             lse = lse - 8.0 * 0.6931471805599453  # l carried 2^P_LOG2_SCALE
+        if INT8_QK:
+            lse = lse + q_km * (qk_scale * 0.6931471805599453)  # qk_scale is in log2 units
         o_ptrs = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * L + offs_m, lse, mask=row_ok)
@@ -240,14 +272,15 @@ if triton is not None:
 class Fp8KV:
     """The pre-pass's output: k8 [B, Hkv, Lp, D] e4m3 (Lp = L rounded up to KV_BLOCK, zero rows past L),
     k_scale [B, Hkv, Lp // KV_BLOCK] float32; variant "b" also v8t [B, Hkv, D, Lp] e4m3 (transposed)
-    and v_scale [B, Hkv, D] float32 (one per channel); variant "a" leaves v8t / v_scale None."""
+    and v_scale [B, Hkv, D] float32 (one per channel); variant "a" leaves v8t / v_scale None.
+    Variant "s": k8 is int8 of K minus k_mean [B, Hkv, D] float32 (the mean over the L keys)."""
 
-    def __init__(self, k8, k_scale, v8t=None, v_scale=None):
-        self.k8, self.k_scale, self.v8t, self.v_scale = k8, k_scale, v8t, v_scale
+    def __init__(self, k8, k_scale, v8t=None, v_scale=None, k_mean=None):
+        self.k8, self.k_scale, self.v8t, self.v_scale, self.k_mean = k8, k_scale, v8t, v_scale, k_mean
 
     @property
     def variant(self) -> str:
-        return "a" if self.v8t is None else "b"
+        return "s" if self.k_mean is not None else "a" if self.v8t is None else "b"
 
 
 def _check_variant(variant: str) -> None:
@@ -273,10 +306,26 @@ def _v_channel_scale(v: torch.Tensor) -> torch.Tensor:
     return v.abs().amax(2).float().clamp_min(_TINY) / E4M3_MAX
 
 
+def _k_mean(k: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, D] float32: the keys' mean per channel (variant "s" smooths K by it)."""
+    return k.float().mean(2)
+
+
+def int8_round(x: torch.Tensor) -> torch.Tensor:
+    """float x (|x| <= 127) rounded half away from zero, as the kernels' float -> int8 cast after +-0.5."""
+    return torch.trunc(x + torch.where(x >= 0, 0.5, -0.5)).to(torch.int8)
+
+
 def _quantize_kv_torch(k, v, variant: str) -> Fp8KV:
     """quantize_kv in torch (CPU, and the reference): the kernel's numerics, float32 division."""
     B, Hkv, L, D = k.shape
     Lp = -(-L // KV_BLOCK) * KV_BLOCK
+    if variant == "s":
+        km = _k_mean(k)
+        kp = torch.nn.functional.pad(k.float() - km[:, :, None], (0, 0, 0, Lp - L))
+        kp = kp.view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D)
+        ks = kp.abs().amax((-1, -2)).clamp_min(_TINY) / INT8_MAX
+        return Fp8KV(int8_round(kp / ks[..., None, None]).view(B, Hkv, Lp, D), ks, k_mean=km)
     kp = torch.nn.functional.pad(k.float(), (0, 0, 0, Lp - L)).view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D)
     ks = kp.abs().amax((-1, -2)).clamp_min(_TINY) / E4M3_MAX
     k8 = (kp / ks[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).view(B, Hkv, Lp, D)
@@ -289,9 +338,9 @@ def _quantize_kv_torch(k, v, variant: str) -> Fp8KV:
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, variant: str = "a", *, use_triton: bool | None = None) -> Fp8KV:
-    """The pre-pass: K to e4m3 per KV_BLOCK keys (and for variant "b" V per channel, transposed), one
-    Triton launch (plus a torch amax of V for "b"). use_triton: default on CUDA tensors (and on CPU
-    tensors when the kernels are interpreted)."""
+    """The pre-pass: K to e4m3 per KV_BLOCK keys (and for variant "b" V per channel, transposed; for
+    "s" K minus its mean to int8), one Triton launch (plus a torch amax of V for "b", a torch mean of K
+    for "s"). use_triton: default on CUDA tensors (and on CPU tensors when the kernels are interpreted)."""
     _check_variant(variant)
     B, Hkv, L, D = k.shape
     if use_triton is None:
@@ -300,8 +349,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, variant: str = "a", *, use_tri
         return _quantize_kv_torch(k, v, variant)
     nblk = -(-L // KV_BLOCK)
     Lp = nblk * KV_BLOCK
-    k8 = torch.empty(B, Hkv, Lp, D, dtype=FP8_DTYPE, device=k.device)
+    k8 = torch.empty(B, Hkv, Lp, D, dtype=torch.int8 if variant == "s" else FP8_DTYPE, device=k.device)
     ks = torch.empty(B, Hkv, nblk, dtype=torch.float32, device=k.device)
+    km = _k_mean(k) if variant == "s" else None
     if variant == "b":
         vs = _v_channel_scale(v)
         v8t = torch.empty(B, Hkv, D, Lp, dtype=FP8_DTYPE, device=k.device)
@@ -309,11 +359,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, variant: str = "a", *, use_tri
         vs = v8t = None
     if B * Hkv and nblk:
         _quantize_kv_kernel[(nblk, B * Hkv)](
-            k, v, k8, ks, v8t if v8t is not None else k8, vs if vs is not None else ks, L, Lp,
-            *k.stride(), *v.stride(), Hkv,
-            HEAD_DIM=D, KV_BLOCK=KV_BLOCK, QUANT_V=variant == "b", INTERPRET=triton_interpreted(_quantize_kv_kernel),
-            num_warps=4 if D <= 64 else 8)
-    return Fp8KV(k8, ks, v8t, vs)
+            k, v, k8, ks, v8t if v8t is not None else k8, vs if vs is not None else ks, km if km is not None else ks,
+            L, Lp, *k.stride(), *v.stride(), Hkv,
+            HEAD_DIM=D, KV_BLOCK=KV_BLOCK, QUANT_V=variant == "b", INT8_K=variant == "s",
+            INTERPRET=triton_interpreted(_quantize_kv_kernel), num_warps=4 if D <= 64 else 8)
+    return Fp8KV(k8, ks, v8t, vs, km)
 
 
 def default_config(variant: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -326,7 +376,7 @@ def flash_fp8_attention(q, k, v, *, variant: str = "a", scale=None, kv: Fp8KV | 
                         tma: bool | None = None):
     """Square causal attention with e4m3 scores (module doc). kv: the pre-pass's output for these k, v
     (quantize_kv), else computed here. config = (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N must
-    divide KV_BLOCK. tma: K8 / V through tensor descriptors (variant a: only where V is contiguous);
+    divide KV_BLOCK. tma: K8 / V through tensor descriptors (variants a / s copy a strided V first);
     default on for CUDA tensors (the measured faster choice), off on CPU."""
     _check_variant(variant)
     _check_inputs(q, k, v, "flash_fp8_attention")
@@ -353,7 +403,7 @@ def flash_fp8_attention(q, k, v, *, variant: str = "a", scale=None, kv: Fp8KV | 
     if tma is None:
         tma = q.is_cuda
     if tma and not fp8_pv and not v.is_contiguous():
-        tma = False
+        v = v.contiguous()  # the projections' [B, L, H, D] layout: one copy of V for the faster TMA loads
     if tma:
         k_desc = TensorDescriptor(kv.k8, [B * Hkv * Lp, D], [D, 1], [block_n, D])
         if fp8_pv:
@@ -364,15 +414,35 @@ def flash_fp8_attention(q, k, v, *, variant: str = "a", scale=None, kv: Fp8KV | 
         k_desc = v_desc = kv.k8  # unused
     n_qblocks = triton.cdiv(L, block_m)
     _flash_fp8_fwd_kernel[(n_qblocks, B * Hq)](
-        q, kv.k8, kv.k_scale, v_arg, kv.v_scale if fp8_pv else kv.k_scale, out, lse, k_desc, v_desc,
+        q, kv.k8, kv.k_scale, v_arg, kv.v_scale if fp8_pv else kv.k_scale,
+        kv.k_mean if kv.k_mean is not None else kv.k_scale, out, lse, k_desc, v_desc,
         scale * LOG2E,
         *q.stride(), *v.stride(), *out.stride(),
         Hq, Hq // Hkv, Hkv, L, Lp, n_qblocks,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK=KV_BLOCK,
-        FP8_PV=fp8_pv, USE_TMA=bool(tma), INTERPRET=interp,
+        FP8_PV=fp8_pv, INT8_QK=variant == "s", USE_TMA=bool(tma), INTERPRET=interp,
         num_warps=warps, num_stages=stages,
     )
     return out, lse
+
+
+def int8_scores_operands(q, k, *, block_m: int = DEFAULT_CONFIG["s"][0]):
+    """Variant s's scores as plain operands: (q', k', lse_shift) with q' = q's int8 per block_m rows and
+    k' = (K - mean K)'s int8 per KV_BLOCK keys, dequantized to q's dtype, and lse_shift [B, Hq, L]
+    float32 = q . mean(K) * 1 (times the softmax scale by the caller). Any exact attention over (q', k',
+    v) then has the kernel's scores, and its lse + scale * lse_shift the kernel's lse: the slow
+    reference path of 8-bit scores on the CPU (P @ V stays in q's dtype there)."""
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    nqb = -(-L // block_m)
+    qp = torch.nn.functional.pad(q.float(), (0, 0, 0, nqb * block_m - L)).view(B, Hq, nqb, block_m, D)
+    qs = qp.abs().amax((-1, -2), keepdim=True).clamp_min(_TINY) / INT8_MAX
+    qd = (int8_round(qp / qs).float() * qs).view(B, Hq, -1, D)[:, :, :L]
+    kv = _quantize_kv_torch(k, k, "s")
+    Lp = kv.k8.shape[2]
+    kd = (kv.k8.float().view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D) * kv.k_scale[..., None, None]).view(B, Hkv, Lp, D)
+    shift = (q.float() @ kv.k_mean.repeat_interleave(Hq // Hkv, 1)[..., None])[..., 0]
+    return qd.to(q.dtype), kd[:, :, :L].to(q.dtype), shift
 
 
 def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
@@ -397,8 +467,12 @@ def flash_fp8_reference(q, k, v, *, variant: str = "a", scale=None, block_m: int
     # Q: one scale per (batch, head, block_m rows); rows past L do not exist (no padding in the amax)
     nqb = -(-L // block_m)
     qp = torch.nn.functional.pad(q.float(), (0, 0, 0, nqb * block_m - L)).view(B, Hq, nqb, block_m, D)
-    qs = qp.abs().amax((-1, -2)).clamp_min(_TINY) / E4M3_MAX
-    q8 = (qp / qs[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    if variant == "s":
+        qs = qp.abs().amax((-1, -2)).clamp_min(_TINY) / INT8_MAX
+        q8 = int8_round(qp / qs[..., None, None])
+    else:
+        qs = qp.abs().amax((-1, -2)).clamp_min(_TINY) / E4M3_MAX
+        q8 = (qp / qs[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     qd = (q8.to(f64) * qs[..., None, None].to(f64)).view(B, Hq, -1, D)[:, :, :L]
     kv = _quantize_kv_torch(k, v, variant)
     Lp = kv.k8.shape[2]
@@ -435,4 +509,6 @@ def flash_fp8_reference(q, k, v, *, variant: str = "a", scale=None, block_m: int
     if variant == "b":
         out = out * kv.v_scale.to(f64).repeat_interleave(g, 1)[:, :, None, :]
         lse = lse - P_LOG2_SCALE * math.log(2.0)
+    if variant == "s":  # the smoothed-out q . mean(K), from q as given
+        lse = lse + (q.to(f64) @ kv.k_mean.to(f64).repeat_interleave(g, 1)[..., None])[..., 0] * scale
     return out.to(q.dtype), lse.float()
