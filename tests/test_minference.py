@@ -585,8 +585,9 @@ def test_search_cli_and_attend_restore(tmp_path):
     out, pub = tmp_path / "cfg.json", tmp_path / "published.json"
     summary = ms.main(["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "0,3",
                        "--block-size", "16", "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet",
-                       "--published", str(pub)])
+                       "--published", str(pub), "--equal-cost"])
     cfg = mi.MInferenceConfig.load(out)
+    assert cfg.meta["target_recall"] is None and "equal kernel cost" in cfg.meta["score"]
     assert len(cfg.layers) == 30 and len(cfg.layers[0]) == 9 and len(cfg.layers[3]) == 9 and not cfg.layers[1]
     assert (cfg.block_size, cfg.last_q, cfg.force_sink, cfg.force_local) == (16, 16, 4, 8)
     assert summary["heads"] == 18 and cfg.meta["searched_layers"] == [0, 3]
@@ -609,6 +610,11 @@ def test_search_cli_target_recall(tmp_path):
              "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--target-recall", "0.97", "--quiet"])
     cfg = mi.MInferenceConfig.load(out)
     assert cfg.meta["target_recall"] == 0.97 and "0.97" in cfg.meta["score"]
+    # without the flag the recall floor is the measured 0.99
+    ms.main(["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "2", "--block-size", "16",
+             "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet"])
+    dflt = mi.MInferenceConfig.load(out)
+    assert dflt.meta["target_recall"] == 0.99 and all(p.score >= 0.99 for p in dflt.layers[2].values())
     assert len(cfg.layers[2]) == 9 and all(p.score >= 0.97 for p in cfg.layers[2].values())
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 9, 96, 64, generator=g) for _ in range(3))
