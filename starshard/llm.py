@@ -143,10 +143,12 @@ class LLM:
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
-        if fp8.attention:
+        if fp8.attention and p.cp_strategy == "dense":
             for layer in model.layers:
                 layer.attention.attend = dense_attend_int8_scores
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
+        if fp8.attention and p.cp_strategy != "dense":
+            self.runner.strategy.int8_scores = True  # Star's context blocks (config.FP8_ATTENTION_STRATEGIES)
         self.runner.kv_fp8 = fp8.kv
         self.config: ModelConfig = model.config
         self.tokenizer = load_tokenizer(self.path) if self.path is not None else None

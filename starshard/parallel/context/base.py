@@ -58,6 +58,9 @@ class ContextStrategy:
 
     name = "base"
     query_phase = False  # True: the query tokens run after the prefill, like decode steps
+    # --fp8 attention: its prefill's square causal calls take 8-bit scores (kernels/attention.py
+    # causal_attention_int8_scores); set by the runner's builder where the strategy has such calls.
+    int8_scores = False
 
     def __init__(self, group=None, query_rank: int | None = None):
         self.group = group

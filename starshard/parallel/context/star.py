@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.attention import attention
+from starshard.kernels.attention import attention, causal_attention_int8_scores
 from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.layout import star_blocks, star_sizes
@@ -62,8 +62,13 @@ class StarAttention(ContextStrategy):
         def attend(q, k, v, pos, cache, sparse=None):
             # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
             # rows see the anchor in full and their block causally. Earlier blocks held by this
-            # rank stay invisible (each block is encoded independently).
-            out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern_for(sparse, q))
+            # rank stay invisible (each block is encoded independently). A square index-causal call:
+            # --fp8 attention takes it with 8-bit scores.
+            pattern = pattern_for(sparse, q)
+            if self.int8_scores and pattern is None:
+                out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos)
+            else:
+                out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern)
             cache_append(cache, k, v, pos, rows)
             return out
 
