@@ -8,8 +8,9 @@ Causality is by global position (key visible iff k_pos <= q_pos), so a query blo
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
 
 Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
-torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU.
-The backends import only common.py (checks, positions, sizes) and online_softmax.py, never this module.
+torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU,
+flash_fp8.py (8-bit scores: `causal_attention_int8_scores`, `--fp8 attention`). The backends import
+common.py (checks, positions, sizes), online_softmax.py and fp8.py, never this module.
 """
 from __future__ import annotations
 
