@@ -429,9 +429,9 @@ def flash_fp8_attention(q, k, v, *, variant: str = "a", scale=None, kv: Fp8KV | 
 def int8_scores_operands(q, k, *, block_m: int = DEFAULT_CONFIG["s"][0]):
     """Variant s's scores as plain operands: (q', k', lse_shift) with q' = q's int8 per block_m rows and
     k' = (K - mean K)'s int8 per KV_BLOCK keys, dequantized to q's dtype, and lse_shift [B, Hq, L]
-    float32 = q . mean(K) * 1 (times the softmax scale by the caller). Any exact attention over (q', k',
-    v) then has the kernel's scores, and its lse + scale * lse_shift the kernel's lse: the slow
-    reference path of 8-bit scores on the CPU (P @ V stays in q's dtype there)."""
+    float32 = q . mean(K), unscaled. Any exact attention over (q', k', v) then has the kernel's scores,
+    and its lse + softmax scale * lse_shift the kernel's lse: the slow reference path of 8-bit scores
+    on the CPU (P @ V stays in q's dtype there)."""
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
     nqb = -(-L // block_m)
