@@ -207,15 +207,20 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dty
     return y, s
 
 
+def _gate_up_rows(gate_up: torch.Tensor, name: str) -> tuple[torch.Tensor, int, int]:
+    """[.., 2F] -> (2-D rows [M, 2F], M, F); an odd width is refused naming `name`."""
+    g2 = _rows(gate_up)
+    M, two_f = g2.shape
+    if two_f % 2:
+        raise ValueError(f"{name}: gate_up has an odd width {two_f}; expected [gate | up]")
+    return g2, M, two_f // 2
+
+
 def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     """silu_mul in one Triton launch (CUDA, or the interpreter): gate_up [.., 2F] -> [.., F]."""
     if triton is None:
         raise RuntimeError("silu_mul_rows needs the triton package")
-    g2 = _rows(gate_up)
-    M, two_f = g2.shape
-    if two_f % 2:
-        raise ValueError(f"silu_mul_rows: gate_up has an odd width {two_f}; expected [gate | up]")
-    Fw = two_f // 2
+    g2, M, Fw = _gate_up_rows(gate_up, "silu_mul_rows")
     y = torch.empty(M, Fw, dtype=gate_up.dtype, device=gate_up.device)
     if M and Fw:
         block = min(SILU_MUL_BLOCK, triton.next_power_of_2(Fw))
@@ -230,11 +235,7 @@ def silu_mul_quant(gate_up: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,
     one Triton launch (CUDA, or the interpreter). out_dtype=float32: the values before the e4m3 cast (tests)."""
     if triton is None:
         raise RuntimeError("silu_mul_quant needs the triton package")
-    g2 = _rows(gate_up)
-    M, two_f = g2.shape
-    if two_f % 2:
-        raise ValueError(f"silu_mul_quant: gate_up has an odd width {two_f}; expected [gate | up]")
-    Fw = two_f // 2
+    g2, M, Fw = _gate_up_rows(gate_up, "silu_mul_quant")
     y = torch.empty(M, Fw, dtype=out_dtype, device=gate_up.device)
     s = torch.empty(M, dtype=torch.float32, device=gate_up.device)
     block, one_tile, warps = _tile(Fw, tile)

@@ -182,7 +182,9 @@ if triton is not None:
         return m_new, l_i, acc
 
     # e4m3 cache, 16-bit queries, no causal mask (the CUDA-graph decode step): whole key blocks run
-    # unmasked, at most one masked block per split.
+    # unmasked, at most one masked block per split. Its prologue repeats _decode_split_kernel's on
+    # purpose: shared as Triton helpers it took 255 registers instead of 184 and ran 94.0 instead of
+    # 92.7 us per layer on an H200 (bench/results/2026-11-25-gpu-decode, calls E and J).
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_fp8_kernel(
         Q, K, V, OP, LP, LK_PTR, KS, VS,
