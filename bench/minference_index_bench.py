@@ -10,6 +10,7 @@ structure (its picks do; this measures time and agreement, not sparsity). CUDA e
 """
 import argparse
 import json
+import time
 
 import torch
 
@@ -83,6 +84,29 @@ def main():
                                                                 use_triton=flag))
     res["index_equal"] = all(torch.equal(getattr(ix["torch"], n), getattr(ix["triton"], n))
                              for n in ("col", "col_count", "col_full"))
+    # The diagonal runs and their cost: runs.py's launch against the torch ops (skipped by .base trees).
+    if hasattr(mi, "vs_runs"):
+        rk = mi.vs_runs(s_t, Lq=L, Lk=L, offset=0, block_size=64, use_triton=True)
+        rt = mi.vs_runs(s_t, Lq=L, Lk=L, offset=0, block_size=64, use_triton=False)
+        res["runs_equal"] = all(torch.equal(a, b) for a, b in zip(rk, rt))
+        res["runs_ms_triton"] = median_ms(lambda: mi.vs_runs(s_t, Lq=L, Lk=L, offset=0, block_size=64, use_triton=True))
+        res["runs_ms_torch"] = median_ms(lambda: mi.vs_runs(s_t, Lq=L, Lk=L, offset=0, block_size=64, use_triton=False))
+    # The model's path: the whole plan with the cost model (estimate, picks, runs' cost read, column
+    # lists), GPU time (events) and wall time (host included, synchronized before and after).
+    pattern = mi.SparsePattern(mi.VerticalSlash(args.vertical, args.slash))
+
+    def plan():
+        return mi.plan_with_fallback(q, k, pattern, offset=0, scale=D**-0.5, rates=None)
+
+    res["plan_ms_gpu"] = median_ms(plan)
+    walls = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    res["plan_ms_wall"] = sorted(walls)[len(walls) // 2]
     if args.profile:  # where the Triton build's time goes, kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 

@@ -124,6 +124,33 @@ def test_slash_cost_closed_form_matches_chunk_loops():
                 assert int(got[b, h]) == chunks * bm * bm
 
 
+@pytest.mark.parametrize("chunk", [16, 1024])
+def test_runs_kernel_equals_torch_ops(monkeypatch, chunk):
+    """runs.py's launch (interpreted) writes `vs_segments`' runs and counts `slash_cost`'s entries:
+    random sorted diagonals with padding, runs across chunk boundaries (chunk 16), queries after a
+    gap, keys shorter or longer than the rows, no diagonals at all."""
+    from starshard.kernels.minference import runs
+
+    monkeypatch.setattr(runs, "BLOCK_S", chunk)
+    rng = random.Random(1)
+    for trial in range(25):
+        bm = rng.choice([16, 32, 64])
+        lq, off = rng.randint(1, 400), rng.randint(0, 300)
+        lk = rng.choice([lq + off, rng.randint(1, lq + off + 100)])
+        ndiag = lq + off
+        ks = 0 if trial == 0 else rng.randint(1, min(ndiag, 120))
+        s_idx = torch.full((2, 3, ks), ndiag, dtype=torch.long)
+        for b in range(2):
+            for h in range(3):
+                d = sorted(rng.sample(range(ndiag), rng.randint(0, ks)))
+                s_idx[b, h, : len(d)] = torch.tensor(d, dtype=torch.long)
+        seg, cnt = mi.vs_segments(s_idx, ndiag, bm)
+        cost = mi.slash_cost(seg, cnt, Lq=lq, Lk=lk, offset=off, block_size=bm)
+        seg_k, cnt_k, cost_k = runs.vs_runs_kernel(s_idx, ndiag=ndiag, Lq=lq, Lk=lk, offset=off, block_size=bm)
+        assert torch.equal(seg_k, seg) and torch.equal(cnt_k, cnt) and torch.equal(cost_k, cost), trial
+        assert mi.vs_runs(s_idx, Lq=lq, Lk=lk, offset=off, block_size=bm, use_triton=False)[2].equal(cost)
+
+
 def test_block_sparse_cost_is_known_before_the_index():
     for lq, lk, off in ((100, 100, 0), (40, 100, 60), (37, 50, 80)):
         q = torch.randn(1, 3, lq, 16)

@@ -21,8 +21,8 @@ The modules, in the order a call runs through them:
   layer and head, and their file formats.
 - attend.py: SparsePattern (one call's `sparse=` spec) and the entry points.
 - index.py: Vertical-Slash / Block-Sparse index building (torch, shared by both backends; the
-  Vertical-Slash estimate's softmax rows and column lists also as Triton launches in estimate.py and
-  columns.py, used where asked until a GPU run has checked them);
+  Vertical-Slash estimate's softmax rows, diagonal runs and column lists also as Triton launches in
+  estimate.py, runs.py and columns.py, on by default for CUDA);
   plan.py: heads grouped by kind with their indices, visibility masks and kernel cost, and the cost
   model (measured kernel rates, `plan_with_fallback`) that sends heads whose sparse kernel would not
   beat the dense one to the dense dispatcher.
@@ -46,7 +46,7 @@ from starshard.kernels.minference.patterns import (
 )
 from starshard.kernels.minference.plan import (
     H200_RATES, FallbackPlan, HeadGroup, KernelRates, block_sparse_cost, build_plan, column_cost, dense_cost, group_mask,
-    kernel_cost, plan_with_fallback, slash_cost,
+    kernel_cost, plan_with_fallback, slash_cost, vs_runs,
 )
 
 __all__ = [
@@ -55,5 +55,5 @@ __all__ = [
     "MIN_SPARSE_ROWS", "vs_estimate", "vs_scores", "vs_pick", "pick_vertical", "pick_slash", "vs_select",
     "vs_segments", "vs_index", "bs_select", "VSIndex", "BSIndex", "HeadGroup", "build_plan", "group_mask",
     "kernel_cost", "dense_cost", "default_launch", "triton_available", "KernelRates", "H200_RATES", "FallbackPlan",
-    "plan_with_fallback", "attention_with_fallback", "slash_cost", "column_cost", "block_sparse_cost",
+    "plan_with_fallback", "attention_with_fallback", "slash_cost", "column_cost", "block_sparse_cost", "vs_runs",
 ]

@@ -20,6 +20,7 @@ import torch
 from starshard.kernels.common import INT32_MAX, cdiv, to_device
 from starshard.kernels.minference.columns import use_columns_kernel, vs_columns
 from starshard.kernels.minference.estimate import estimate_probs, use_estimate_kernel
+from starshard.kernels.minference.runs import vs_runs_kernel
 
 _INDEX_BUDGET = 1 << 26  # elements of index temporaries: bounds memory per step
 # Elements of the estimate's float32 score rows per step (vs_estimate; 1 GiB, about 2.5 GiB of
@@ -184,8 +185,9 @@ def _topk_per_head(scores: torch.Tensor, budgets: list[int], sentinel: int) -> t
     kmax = min(max(budgets), n)
     if kmax <= 0:
         return torch.full((*scores.shape[:-1], 0), sentinel, dtype=torch.long, device=scores.device)
-    idx = torch.topk(scores, kmax, dim=-1, sorted=True).indices
-    if min(budgets) < kmax:  # heads with smaller budgets: their extra ranks become padding
+    ranks = min(budgets) < kmax  # heads with smaller budgets: their extra ranks become padding
+    idx = torch.topk(scores, kmax, dim=-1, sorted=ranks).indices  # the ids get sorted below anyway
+    if ranks:
         keep = torch.arange(kmax, device=scores.device)[None, :] < to_device(budgets, scores.device)[:, None]
         idx = torch.where(keep, idx, sentinel)
     return idx.sort(-1).values
@@ -248,13 +250,16 @@ def vs_segments(s_idx: torch.Tensor, ndiag: int, block_size: int):
         return torch.zeros(B, nH, 0, 2, dtype=torch.int32, device=dev), torch.zeros(B, nH, dtype=torch.int32, device=dev)
     prev = torch.cat([torch.full_like(s_idx[..., :1], -(2 * block_size + 2)), s_idx[..., :-1]], -1)
     start = valid & (s_idx - prev > block_size)
-    sid = torch.cumsum(start.long(), -1) - 1
-    sid = torch.where(valid, sid, KS)  # invalid entries to a spill slot
-    big = torch.iinfo(torch.long).max
-    first = torch.full((B, nH, KS + 1), big, dtype=torch.long, device=dev)
-    last = torch.full((B, nH, KS + 1), -1, dtype=torch.long, device=dev)
-    first.scatter_reduce_(-1, sid, s_idx, "amin")
-    last.scatter_reduce_(-1, sid, s_idx, "amax")
+    # s_idx is sorted, so a run starts where `start` is set and ends just before the next start (or
+    # the last valid entry): one plain scatter each, every run's slot written once (padding and
+    # inner entries go to a spill slot). A scatter_reduce over all entries cost ~90 us each at
+    # 6096 diagonals x 9 heads (one H200).
+    end = valid & torch.cat([start[..., 1:] | ~valid[..., 1:], torch.ones_like(valid[..., :1])], -1)
+    sid = torch.cumsum(start, -1) - 1
+    first = torch.zeros(B, nH, KS + 1, dtype=torch.long, device=dev)
+    last = torch.zeros(B, nH, KS + 1, dtype=torch.long, device=dev)
+    first.scatter_(-1, torch.where(start, sid, KS), s_idx)
+    last.scatter_(-1, torch.where(end, sid, KS), s_idx)
     count = start.sum(-1).to(torch.int32)
     seg = torch.stack([first[..., :KS], last[..., :KS]], -1)
     used = torch.arange(KS, device=dev) < count[..., None]
@@ -263,31 +268,36 @@ def vs_segments(s_idx: torch.Tensor, ndiag: int, block_size: int):
 
 
 def vs_index(v_idx: torch.Tensor, s_idx: torch.Tensor, *, Lq: int, Lk: int, offset: int, block_size: int,
-             heads=None, use_triton: bool | None = None) -> VSIndex:
+             heads=None, use_triton: bool | None = None, segments=None) -> VSIndex:
     """Merge selected columns and diagonal ranges per row block (see the module docstring). The column
-    lists: columns.py's Triton launch with use_triton (None: `use_columns_kernel`), else torch ops."""
+    lists: columns.py's Triton launch with use_triton (None: `use_columns_kernel`), else torch ops.
+    segments: `vs_segments(s_idx, ...)`'s answer when the caller already has it."""
     B, nH, KV = v_idx.shape
     dev = v_idx.device
     BM = block_size
     ndiag = Lq + offset
     nM = cdiv(Lq, BM)
-    seg, seg_count = vs_segments(s_idx, ndiag, BM)
+    kernel = use_columns_kernel(v_idx) if use_triton is None else use_triton
+    if segments is None:  # runs.py's launch with the column lists' kernel, else the torch ops
+        segments = (vs_runs_kernel(s_idx, ndiag=ndiag, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)[:2] if kernel
+                    else vs_segments(s_idx, ndiag, BM))
+    seg, seg_count = segments
     KS = seg.shape[2]
     col = torch.zeros(B, nH, nM, KV, dtype=torch.int32, device=dev)
     col_count = torch.zeros(B, nH, nM, dtype=torch.int32, device=dev)
     col_full = torch.zeros(B, nH, nM, dtype=torch.int32, device=dev)
     if KV > 0:
-        # A column j is inside a run's range at row block with first key index b iff
-        # b - j in [first - BM + 1, last]: half-open bounds per run, disjoint and increasing.
-        used = torch.arange(KS, device=dev) < seg_count[..., None]
-        big = torch.iinfo(torch.long).max // 4
-        lo_b = torch.where(used, seg[..., 0].long() - BM + 1, big)
-        hi_b = torch.where(used, seg[..., 1].long() + 1, big)
-        bounds = torch.stack([lo_b, hi_b], -1).reshape(B, nH, 2 * KS).contiguous()
         v = v_idx.long()
-        if use_columns_kernel(v) if use_triton is None else use_triton:
-            vs_columns(v, bounds, col, col_count, col_full, Lk=Lk, offset=offset, block_size=BM)
+        if kernel:
+            vs_columns(v, seg, seg_count, col, col_count, col_full, Lk=Lk, offset=offset, block_size=BM)
         else:
+            # A column j is inside a run's range at row block with first key index b iff
+            # b - j in [first - BM + 1, last]: half-open bounds per run, disjoint and increasing.
+            used = torch.arange(KS, device=dev) < seg_count[..., None]
+            big = torch.iinfo(torch.long).max // 4
+            lo_b = torch.where(used, seg[..., 0].long() - BM + 1, big)
+            hi_b = torch.where(used, seg[..., 1].long() + 1, big)
+            bounds = torch.stack([lo_b, hi_b], -1).reshape(B, nH, 2 * KS).contiguous()
             base = torch.arange(nM, device=dev) * BM + offset  # [nM]
             step = max(1, _INDEX_BUDGET // max(1, B * nH * KV))
             for m0 in range(0, nM, step):

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from starshard.kernels.common import INT32_MAX, cdiv, to_device
+from starshard.kernels.minference.columns import use_columns_kernel
 from starshard.kernels.minference.index import BSIndex, VSIndex, bs_select, vs_index, vs_segments, vs_select
+from starshard.kernels.minference.runs import vs_runs_kernel
 from starshard.kernels.minference.patterns import AShape, Dense
 
 
@@ -175,6 +177,16 @@ def slash_cost(seg: torch.Tensor, seg_count: torch.Tensor, *, Lq: int, Lk: int, 
     return torch.where(used, head + tail, 0).sum(-1) * BM * BM
 
 
+def vs_runs(s_idx: torch.Tensor, *, Lq: int, Lk: int, offset: int, block_size: int, use_triton: bool | None = None):
+    """(seg, seg_count, cost [B, nH] int64): `vs_segments` of sorted diagonals and their `slash_cost`,
+    from runs.py's one launch with use_triton (None: where the column lists' kernel runs, on CUDA),
+    else from the torch ops."""
+    if use_columns_kernel(s_idx) if use_triton is None else use_triton:
+        return vs_runs_kernel(s_idx, ndiag=Lq + offset, Lq=Lq, Lk=Lk, offset=offset, block_size=block_size)
+    seg, seg_count = vs_segments(s_idx, Lq + offset, block_size)
+    return seg, seg_count, slash_cost(seg, seg_count, Lq=Lq, Lk=Lk, offset=offset, block_size=block_size)
+
+
 def column_cost(col_count: torch.Tensor, *, block_size: int) -> torch.Tensor:
     """Score entries of a Vertical-Slash index's gathered columns (B at a time per row block): [B, nH]."""
     BM = block_size
@@ -289,15 +301,15 @@ def start_plan(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | N
     if "vertical_slash" in groups:
         grp = groups["vertical_slash"]
         v_idx, s_idx = _vs_pick(q, k, pattern, heads, grp.heads, offset=offset, scale=scale)
-        seg, seg_count = vs_segments(s_idx, Lq + offset, BM)
-        runs = slash_cost(seg, seg_count, Lq=Lq, Lk=Lk, offset=offset, block_size=BM).sum(0)  # [nH]
+        seg, seg_count, runs = vs_runs(s_idx, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)
+        runs = runs.sum(0)  # [nH]
         host, event = runs, None
         if runs.is_cuda:  # pinned, so the copy is asynchronous; the event marks it done
             host = torch.empty(runs.shape, dtype=runs.dtype, pin_memory=True)
             host.copy_(runs, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        pend.vs = (grp, v_idx, s_idx, runs, host, event)
+        pend.vs = (grp, v_idx, s_idx, (seg, seg_count), runs, host, event)
     if "a_shape" in groups:
         grp = groups["a_shape"]
         keep = pend.split(grp, (kernel_cost(grp, B=1, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)[0] * B).tolist())
@@ -319,8 +331,8 @@ def start_plan(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | N
 @dataclass
 class PendingPlan:
     """A plan between `start_plan` and `finish`: `early` (the groups decided without scores, ready to
-    run) and the queued Vertical-Slash estimate (`vs`: group, picks, run cost on the device, its host
-    copy and the copy's event)."""
+    run) and the queued Vertical-Slash estimate (`vs`: group, picks, their diagonal runs, run cost on
+    the device, its host copy and the copy's event)."""
 
     heads: list
     B: int
@@ -357,7 +369,7 @@ class PendingPlan:
             out += self._finish_vertical_slash(*self.vs)
         return FallbackPlan(out, sorted(set(self.dense)), self.density)
 
-    def _finish_vertical_slash(self, grp, v_idx, s_idx, runs, host, event) -> list:
+    def _finish_vertical_slash(self, grp, v_idx, s_idx, segments, runs, host, event) -> list:
         Lq, Lk, BM, offset, rates = self.Lq, self.Lk, self.BM, self.offset, self.rates
         if event is not None:
             event.synchronize()
@@ -366,10 +378,14 @@ class PendingPlan:
         if not keep:
             return []
         hs = [grp.heads[j] for j in keep]
-        p = to_device(keep, v_idx.device)
-        index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
-                         block_size=BM, heads=hs)
-        exact = runs.index_select(0, p) + column_cost(index.col_count, block_size=BM).sum(0)
+        if len(keep) == len(grp.heads):
+            index = vs_index(v_idx, s_idx, Lq=Lq, Lk=Lk, offset=offset, block_size=BM, heads=hs, segments=segments)
+            p = None
+        else:
+            p = to_device(keep, v_idx.device)
+            index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
+                             block_size=BM, heads=hs, segments=tuple(t.index_select(1, p) for t in segments))
+        exact = (runs if p is None else runs.index_select(0, p)) + column_cost(index.col_count, block_size=BM).sum(0)
         sub = HeadGroup("vertical_slash", hs, index=index)
         # Each row block gathers at most the head's budget of columns: where even that bound wins,
         # the exact count changes nothing and is not read (a second sync); on a GPU its density
