@@ -37,7 +37,7 @@ L = 512
 # The H200 rates without the index terms: at these test sizes the per-key index cost alone outweighs
 # a dense call (which is right on a GPU, and why min_length exists); the kernel-side rule is what
 # most tests below exercise.
-KERNEL_ONLY = dataclasses.replace(mi.H200_RATES, vs_index=0.0, bs_index=0.0)
+KERNEL_ONLY = dataclasses.replace(mi.H200_RATES, bs_index=0.0)
 
 
 def inputs(kind, dtype=torch.float32, *, H=4, Hkv=2, D=32, seed=0, n=L):
@@ -212,8 +212,12 @@ def test_sparse_like_pattern_keeps_its_kernel(backend):
     d = rep.as_dict()
     assert (d["heads_sparse"], d["heads_dense"]) == (4, 0)
     assert d["mean_density"] == pytest.approx(sum(plan.density) / 4)
-    # the index terms matter: at 512 keys building a Vertical-Slash index costs more than the dense call
-    assert mi.plan_with_fallback(q, k, pat, offset=0, rates=mi.H200_RATES).dense == [0, 2]
+    # A Vertical-Slash index is built whole before its choice, so no index term weighs on it; a
+    # Block-Sparse index is not: at 512 keys its pooled selection costs more than the dense call.
+    assert mi.plan_with_fallback(q, k, pat, offset=0, rates=mi.H200_RATES).dense == []
+    bs = pattern(mi.VerticalSlash(8, 16), mi.BlockSparse(2), mi.VerticalSlash(8, 16), mi.BlockSparse(2))
+    assert mi.plan_with_fallback(q, k, bs, offset=0, rates=KERNEL_ONLY).dense == []
+    assert mi.plan_with_fallback(q, k, bs, offset=0, rates=mi.H200_RATES).dense == [1, 3]
 
 
 @pytest.mark.parametrize("case", ["torch-fp32-groups", "triton-fp32-groups", "triton-fp16-split", "torch-fp32-split"])
@@ -240,10 +244,9 @@ def test_mixed_heads_split_between_kernels(case):
 
 @pytest.mark.parametrize("vertical", [8, 40, 100, 300])
 def test_vertical_slash_choice_and_density_match_the_exact_count(vertical):
-    """The plan skips the exact column count (a second host sync on a GPU) where each head's bound
-    (budget columns in every row block) already wins: the heads it sends dense and the densities it
-    reports must still be the exact count's (kernel_cost of the whole index), on either side of the
-    bound (small budgets: bound wins; large: the exact count decides)."""
+    """The plan reads each Vertical-Slash head's whole index cost in its one host read: the heads it
+    sends dense and the densities it reports are the exact count's (kernel_cost of the whole index),
+    small and large column budgets alike."""
     q, k, v, pos = inputs("structured")
     pat = pattern(mi.VerticalSlash(vertical, 16), mi.VerticalSlash(vertical, 48), mi.VerticalSlash(8, 16),
                   mi.VerticalSlash(vertical, 4))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.common import cdiv
 from starshard.kernels.minference import estimate
 
 try:

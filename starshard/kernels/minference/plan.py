@@ -214,9 +214,9 @@ class KernelRates:
     """Measured speeds for the dense-or-sparse choice. `dense`: score entries per second of the dense
     kernel (cuDNN SDPA, causal; entries counted as `dense_cost` counts them); `a_shape`,
     `vertical_slash`, `block_sparse`: each sparse kernel's speed per entry it computes (`kernel_cost`)
-    as a fraction of `dense`; `vs_index`, `bs_index`: seconds per (head x key) of the index work still
-    ahead when the choice is made (Vertical-Slash: its column lists, after the estimate; Block-Sparse:
-    its pooled selection, all of it, since its cost is known without scores).
+    as a fraction of `dense`; `bs_index`: seconds per (head x key) of the index work still ahead when
+    the choice is made (Block-Sparse: its pooled selection, all of it, since its cost is known without
+    scores; a Vertical-Slash index is built whole before its choice, so nothing of it is ahead).
 
     A head runs sparse iff kernel entries / (fraction * dense) + index seconds < dense entries / dense,
     i.e. (index aside) iff its density (kernel entries / dense entries) is below the fraction."""
@@ -225,7 +225,6 @@ class KernelRates:
     a_shape: float
     vertical_slash: float
     block_sparse: float
-    vs_index: float = 0.0
     bs_index: float = 0.0
 
     def fraction(self, kind: str) -> float:
@@ -244,12 +243,9 @@ class KernelRates:
 # it wins at both): Vertical-Slash 0.275 (32K) / 0.299 (128K), A-shape 0.312 / 0.368, Block-Sparse
 # 0.459 / 0.489. dense: dense_cost(L, L) * 32 / dense_cudnn_ms = 1.24e12 entries/s at 32K (1.09e12
 # at 128K; the larger makes index work weigh more). bs_index: index_ms / (32 * L) = 1.54e-9 (32K),
-# 1.74e-9 (128K) s per head-key, the larger. vs_index: the column lists alone (`vs_index` after
-# `vs_select`, Vertical-Slash 1000 / 6096), one layer of the 8B shape (32 / 8 heads):
-# column_index_ms / (32 * L) = 1.24e-9 to 1.65e-9 over 64K / 128K, random / structured inputs, two
-# runs; the largest (bench/results/2026-11-23-h200-sparse-fallback/index_split.json, run1/ too).
+# 1.74e-9 (128K) s per head-key, the larger.
 H200_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275, block_sparse=0.459,
-                         vs_index=1.65e-9, bs_index=1.74e-9)
+                         bs_index=1.74e-9)
 
 
 def _take(index, pos: list[int], heads: list[int]):
@@ -265,9 +261,7 @@ def _take(index, pos: list[int], heads: list[int]):
 class FallbackPlan:
     """`plan_with_fallback`'s answer: `groups` hold the heads that run the sparse kernel (indices
     restricted to them), `dense` the heads the dense kernel runs, `density` per head of the call its
-    kernel entries / a dense causal kernel's (for a Vertical-Slash head sent to dense before its
-    column lists were built, the diagonal runs alone: a lower bound). A float, or on a GPU a 0-dim
-    tensor for Vertical-Slash heads whose exact count was not needed for the choice (no host sync)."""
+    kernel entries / a dense causal kernel's (floats; exact for every kind)."""
 
     groups: list
     dense: list
@@ -276,21 +270,22 @@ class FallbackPlan:
 
 def plan_with_fallback(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | None = None) -> FallbackPlan:
     """`build_plan` with the cost model: each head's kernel cost from its pattern (A-shape, Dense and
-    Block-Sparse heads before any score is read; Vertical-Slash heads after the estimate, first from
-    their diagonal runs, which alone may already lose, then with their column lists where a bound on
-    them does not already decide), and the heads whose sparse kernel would not beat the dense kernel
-    (`rates`) moved to `dense`. rates=None keeps every head sparse (the densities are still counted).
-    One host read (two when the column bound does not decide). `start_plan` + `PendingPlan.finish`
-    in one go; the sparse call runs the early groups between the two (`attend.py`)."""
+    Block-Sparse heads before any score is read; Vertical-Slash heads from their whole index: diagonal
+    runs and column lists), and the heads whose sparse kernel would not beat the dense kernel (`rates`)
+    moved to `dense`. rates=None keeps every head sparse (the densities are still counted). One host
+    read. `start_plan` + `PendingPlan.finish` in one go; the sparse call runs the early groups between
+    the two (`attend.py`)."""
     return start_plan(q, k, pattern, offset=offset, scale=scale, rates=rates).finish()
 
 
 def start_plan(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | None = None) -> "PendingPlan":
-    """The first half of `plan_with_fallback`: the Vertical-Slash estimate and its diagonal runs' cost
-    queued first (the cost copied to the host without a wait), then the heads decided without scores
-    (A-shape, Dense, Block-Sparse: `PendingPlan.early`, indices built). Launch the early groups'
-    kernels, then `finish()`: it waits for the estimate alone, so the GPU keeps running what was queued
-    after it while the host reads the cost and builds the column lists."""
+    """The first half of `plan_with_fallback`: the Vertical-Slash estimate, its whole index and the
+    index's exact kernel cost queued first (the cost copied to the host without a wait), then the heads
+    decided without scores (A-shape, Dense, Block-Sparse: `PendingPlan.early`, indices built). Launch
+    the early groups' kernels, then `finish()`: it waits for the cost alone (the one host read), so
+    after it nothing is left to build: the host decides and launches while the GPU runs what was
+    queued. Heads that then go dense had their column lists built for nothing (on random weights
+    every head: ~1.5 ms per Llama-8B-shaped layer at 128K against ~350 ms of dense attention)."""
     B, Hq, Lq = q.shape[0], q.shape[1], q.shape[2]
     Lk = k.shape[2]
     heads = pattern.for_heads(Hq)
@@ -302,14 +297,16 @@ def start_plan(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | N
         grp = groups["vertical_slash"]
         v_idx, s_idx = _vs_pick(q, k, pattern, heads, grp.heads, offset=offset, scale=scale)
         seg, seg_count, runs = vs_runs(s_idx, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)
-        runs = runs.sum(0)  # [nH]
-        host, event = runs, None
-        if runs.is_cuda:  # pinned, so the copy is asynchronous; the event marks it done
-            host = torch.empty(runs.shape, dtype=runs.dtype, pin_memory=True)
-            host.copy_(runs, non_blocking=True)
+        grp.index = vs_index(v_idx, s_idx, Lq=Lq, Lk=Lk, offset=offset, block_size=BM, heads=grp.heads,
+                             segments=(seg, seg_count))
+        cost = (runs + column_cost(grp.index.col_count, block_size=BM)).sum(0)  # [nH], exact
+        host, event = cost, None
+        if cost.is_cuda:  # pinned, so the copy is asynchronous; the event marks it done
+            host = torch.empty(cost.shape, dtype=cost.dtype, pin_memory=True)
+            host.copy_(cost, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        pend.vs = (grp, v_idx, s_idx, (seg, seg_count), runs, host, event)
+        pend.vs = (grp, host, event)
     if "a_shape" in groups:
         grp = groups["a_shape"]
         keep = pend.split(grp, (kernel_cost(grp, B=1, Lq=Lq, Lk=Lk, offset=offset, block_size=BM)[0] * B).tolist())
@@ -331,8 +328,8 @@ def start_plan(q, k, pattern, *, offset: int, scale=None, rates: KernelRates | N
 @dataclass
 class PendingPlan:
     """A plan between `start_plan` and `finish`: `early` (the groups decided without scores, ready to
-    run) and the queued Vertical-Slash estimate (`vs`: group, picks, their diagonal runs, run cost on
-    the device, its host copy and the copy's event)."""
+    run) and the queued Vertical-Slash heads (`vs`: their group with its index, the index's kernel cost
+    per head on its way to the host, and the copy's event)."""
 
     heads: list
     B: int
@@ -362,43 +359,20 @@ class PendingPlan:
         return keep
 
     def finish(self) -> FallbackPlan:
-        """Wait for the estimate's run cost alone, decide the Vertical-Slash heads (their column lists
-        built for those that survive the runs-only check) and return the whole FallbackPlan."""
+        """Wait for the Vertical-Slash index's cost alone, decide those heads and return the whole
+        FallbackPlan."""
         out = list(self.early)
         if self.vs is not None:
             out += self._finish_vertical_slash(*self.vs)
         return FallbackPlan(out, sorted(set(self.dense)), self.density)
 
-    def _finish_vertical_slash(self, grp, v_idx, s_idx, segments, runs, host, event) -> list:
-        Lq, Lk, BM, offset, rates = self.Lq, self.Lk, self.BM, self.offset, self.rates
+    def _finish_vertical_slash(self, grp, host, event) -> list:
         if event is not None:
             event.synchronize()
-        lower = host.tolist()  # the read
-        keep = self.split(grp, lower, 0.0 if rates is None else rates.vs_index * self.B * Lk)
+        keep = self.split(grp, host.tolist())  # the read
         if not keep:
             return []
-        hs = [grp.heads[j] for j in keep]
         if len(keep) == len(grp.heads):
-            index = vs_index(v_idx, s_idx, Lq=Lq, Lk=Lk, offset=offset, block_size=BM, heads=hs, segments=segments)
-            p = None
-        else:
-            p = to_device(keep, v_idx.device)
-            index = vs_index(v_idx.index_select(1, p), s_idx.index_select(1, p), Lq=Lq, Lk=Lk, offset=offset,
-                             block_size=BM, heads=hs, segments=tuple(t.index_select(1, p) for t in segments))
-        exact = (runs if p is None else runs.index_select(0, p)) + column_cost(index.col_count, block_size=BM).sum(0)
-        sub = HeadGroup("vertical_slash", hs, index=index)
-        # Each row block gathers at most the head's budget of columns: where even that bound wins,
-        # the exact count changes nothing and is not read (a second sync); on a GPU its density
-        # stays there as a 0-dim tensor (SparseReport sums it there).
-        verticals = [min(int(self.heads[h].vertical), Lk) for h in hs]
-        bound = [lower[j] + cdiv(Lq, BM) * cdiv(kv, BM) * BM * BM for j, kv in zip(keep, verticals)]
-        if all(self.wins("vertical_slash", e) for e in bound):
-            keep2 = list(range(len(hs)))
-            for h, e in zip(hs, exact.unbind() if exact.is_cuda else exact.tolist()):
-                self.density[h] = e / self.dense_e if self.dense_e else 1.0
-        else:
-            keep2 = self.split(sub, exact.tolist())
-        if not keep2:
-            return []
-        return [HeadGroup("vertical_slash", [hs[j] for j in keep2],
-                          index=index if len(keep2) == len(hs) else _take(index, keep2, [hs[j] for j in keep2]))]
+            return [grp]
+        hs = [grp.heads[j] for j in keep]
+        return [HeadGroup("vertical_slash", hs, index=_take(grp.index, keep, hs))]
