@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from starshard.kernels.fp8 import FP8_DTYPE, WEIGHT_ONLY_MAX_ROWS, e4m3_scale, e4m3_values, quantize_rows
 from starshard.kernels.norm import rms_norm_reference
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -91,6 +93,7 @@ def use_fused_quant(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _store_quantized(Y_row, y, offs, ok, scale):
@@ -104,8 +107,11 @@ if triton is not None:
         return (x * inv * w).to(X_row.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_quant_kernel(X, W, Y, S, K, s_xm, s_ym, eps, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+    def _rms_norm_quant_kernel(X, W, Y, S, K, s_xm, s_ym, eps, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                               USE_PDL: tl.constexpr = False):
         """One row per program: Y[row] = e4m3(rms_norm(X[row]) / scale), S[row] = amax / 448."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0).to(tl.int64)
         X_row = X + row * s_xm
         Y_row = Y + row * s_ym
@@ -141,9 +147,11 @@ if triton is not None:
         return (g / (1.0 + tl.exp(-g)) * u).to(G_row.dtype.element_ty).to(tl.float32)  # silu as torch computes it
 
     @triton.jit
-    def _silu_mul_rows_kernel(G, Y, Fw, s_gm, s_ym, BLOCK: tl.constexpr):
+    def _silu_mul_rows_kernel(G, Y, Fw, s_gm, s_ym, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Y[row, cols] = silu(G[row, cols]) * G[row, Fw + cols], rounded as eager torch rounds: silu's
         result to G's dtype first, then the product (two roundings, as F.silu(gate) * up)."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(1).to(tl.int64)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < Fw
@@ -153,8 +161,11 @@ if triton is not None:
         tl.store(Y + row * s_ym + offs, (a * u).to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_quant_kernel(G, Y, S, Fw, s_gm, s_ym, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr):
+    def _silu_mul_quant_kernel(G, Y, S, Fw, s_gm, s_ym, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                               USE_PDL: tl.constexpr = False):
         """One row per program: Y[row] = e4m3(silu(G[row, :Fw]) * G[row, Fw:] / scale), S[row] = amax / 448."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0).to(tl.int64)
         G_row = G + row * s_gm
         Y_row = Y + row * s_ym
@@ -203,7 +214,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dty
     block, one_tile, warps = _tile(K, tile)
     if M:
         _rms_norm_quant_kernel[(M,)](x2, weight, y, s, K, x2.stride(0), y.stride(0), eps, BLOCK=block,
-                                     ONE_TILE=one_tile, num_warps=warps)
+                                     ONE_TILE=one_tile, num_warps=warps, **pdl_launch(x2))
     return y, s
 
 
@@ -225,7 +236,7 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
     if M and Fw:
         block = min(SILU_MUL_BLOCK, triton.next_power_of_2(Fw))
         _silu_mul_rows_kernel[(triton.cdiv(Fw, block), M)](g2, y, Fw, g2.stride(0), y.stride(0), BLOCK=block,
-                                                          num_warps=4 if block >= 1024 else 2)
+                                                          num_warps=4 if block >= 1024 else 2, **pdl_launch(g2))
     return y.view(*gate_up.shape[:-1], Fw)
 
 
@@ -241,5 +252,5 @@ def silu_mul_quant(gate_up: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,
     block, one_tile, warps = _tile(Fw, tile)
     if M:
         _silu_mul_quant_kernel[(M,)](g2, y, s, Fw, g2.stride(0), y.stride(0), BLOCK=block, ONE_TILE=one_tile,
-                                     num_warps=warps)
+                                     num_warps=warps, **pdl_launch(g2))
     return y, s

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -34,6 +36,7 @@ def use_argmax_kernel(logits: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _winner(best, best_i, valid):
@@ -46,8 +49,11 @@ if triton is not None:
         return tl.min(tl.where(win, best_i, 2147483647), 0)
 
     @triton.jit
-    def _argmax_chunks_kernel(X, VAL, IDX, V, s_xm, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _argmax_chunks_kernel(X, VAL, IDX, V, s_xm, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
         """Stage 1, one program per (row, chunk of CHUNK columns): the chunk's winner and its value."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
@@ -67,8 +73,10 @@ if triton is not None:
         tl.store(VAL + row * n_chunks + c, tl.load(X + row * s_xm + w).to(tl.float32))
 
     @triton.jit
-    def _argmax_reduce_kernel(VAL, IDX, OUT, n_chunks, BLOCK_C: tl.constexpr):
+    def _argmax_reduce_kernel(VAL, IDX, OUT, n_chunks, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Stage 2, one program per row: the winner among its chunks' winners (same rule)."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         ok = c < n_chunks
@@ -96,7 +104,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         val = torch.empty(B, n_chunks, dtype=torch.float32, device=logits.device)
         idx = torch.empty(B, n_chunks, dtype=torch.int32, device=logits.device)
         _argmax_chunks_kernel[(B, n_chunks)](x, val, idx, V, x.stride(0), n_chunks, CHUNK=ARGMAX_CHUNK, BLOCK=block,
-                                            num_warps=4)
+                                            num_warps=4, **pdl_launch(x))
         _argmax_reduce_kernel[(B,)](val, idx, out, n_chunks, BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
-                                    num_warps=1)
+                                    num_warps=1, **pdl_launch(val))
     return out

@@ -16,6 +16,8 @@ from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softmax_fi
                                               softmax_update_scaled_v)
 from starshard.kernels.reference import attention_math
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -50,6 +52,7 @@ def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     # Cache lengths change every step: no variant per divisibility of the sizes.
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
@@ -63,7 +66,9 @@ if triton is not None:
         Hkv, G, Lq, Lk, chunk, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, IEEE: tl.constexpr, HAS_LK: tl.constexpr, FP8: tl.constexpr,
-    ):
+        USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         split = tl.program_id(0)
         if HAS_LK:  # valid keys read on the device (CUDA-graph decode: the cache length changes per replay)
             Lk = tl.load(LK_PTR)
@@ -195,8 +200,9 @@ if triton is not None:
         s_sb, s_sh,
         Hkv, G, Lq, Lk, cap, chunk, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_LK: tl.constexpr, TMA: tl.constexpr,
-    ):
+        HAS_LK: tl.constexpr, TMA: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         split = tl.program_id(0)
         if HAS_LK:
             Lk = tl.load(LK_PTR)
@@ -244,8 +250,9 @@ if triton is not None:
         OP, LP, O, LSE,
         s_ob, s_oh, s_om, s_od,
         Hq, Lq, n_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    ):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0)  # flat (b, hq, qi)
         qi = row % Lq
         bh = row // Lq
@@ -374,7 +381,7 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
             *q.stride(), *k.stride(), *v.stride(), k_scale.stride(0), k_scale.stride(1),
             Hkv, G, Lq, Lk, cap, chunk, num_splits,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, HAS_LK=length is not None, TMA=tma,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl_launch(q),
         )
     else:
         _decode_split_kernel[grid](
@@ -386,7 +393,7 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
             Hkv, G, Lq, Lk, chunk, num_splits,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
             CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None, FP8=fp8,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **pdl_launch(q),
         )
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
@@ -395,6 +402,6 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
         *out.stride(),
         Hq, Lq, num_splits,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(64, triton.next_power_of_2(num_splits)),
-        num_warps=4 if block_d >= 128 else 2,
+        num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part),
     )
     return out, lse

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -44,19 +46,27 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _gemv_kernel(X, W, S, BIAS, RES, Y, N, K, s_xm, s_wn, s_rm, s_ym, HAS_SCALE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
         """Y[m, n-slice] = sum_k W[n, k] (-> float32) * X[m, k] (* S[n]) (+ BIAS) (+ RES[m, n-slice], after
-        rounding the product to Y's dtype)."""
+        rounding the product to Y's dtype). USE_PDL: the first weight tile is loaded while the kernel ahead
+        still runs (weights are no kernel's output), the rest after pdl_wait."""
+        pdl_trigger(USE_PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1).to(tl.int64)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = W + offs_n[:, None].to(tl.int64) * s_wn
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
+        x = tl.load(X + m * s_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k_ok = k0 + offs_k < K
             x = tl.load(X + m * s_xm + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -97,5 +107,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bi
             residual if residual is not None else y, y, N, K,
             x.stride(0), w.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["warps"])
+            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["warps"], **pdl_launch(x))
     return y

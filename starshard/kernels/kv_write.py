@@ -24,6 +24,8 @@ import torch
 
 from starshard.kernels.fp8 import e4m3_scale, e4m3_values, quantize_rows
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -48,6 +50,7 @@ def write_kv_slot_reference(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scal
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _store_row(X, s_xd, C, s_cd, S, D, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -68,8 +71,11 @@ if triton is not None:
                               s_kb, s_kh, s_kd, s_vb, s_vh, s_vd,
                               s_ckb, s_ckh, s_cks, s_ckd, s_cvb, s_cvh, s_cvs, s_cvd,
                               s_ksb, s_ksh, s_kss, s_vsb, s_vsh, s_vss, s_pos,
-                              SLOT_ON_DEVICE: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+                              SLOT_ON_DEVICE: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
         """One (batch, KV head) row of k and of v per program; program 0 also stores the position."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0)
         b = (row // H).to(tl.int64)
         h = (row % H).to(tl.int64)
@@ -113,4 +119,4 @@ def write_kv_slot(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scale=None, v_
         k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3),
         *cache_k.stride(), *cache_v.stride(), *ks_strides, *vs_strides, cache_pos.stride(0),
         SLOT_ON_DEVICE=on_device, QUANTIZE=quantize, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=1 if D <= 256 else 4)
+        num_warps=1 if D <= 256 else 4, **pdl_launch(k))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -40,10 +42,13 @@ DOWN_TILE = dict(block_n=1, block_k=1024, warps=1)
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _route_kernel(logit_ptr, weight_ptr, expert_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                      BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                      BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         logit = tl.load(logit_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -69,7 +74,9 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, exp_ptr, w_ptr, out_ptr, K, F, top_k, stride_x, stride_we, stride_wn, stride_o,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         p = tl.program_id(0)  # pair p = token p // top_k's (p % top_k)-th expert
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < F
@@ -91,7 +98,10 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(a_ptr, exp_ptr, pw_ptr, w_ptr, res_ptr, out_ptr, K, N, stride_a, stride_we, stride_wn, stride_r,
-                     stride_o, TOP_K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     stride_o, TOP_K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
@@ -138,7 +148,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _route_kernel[(T,)](logits, weights, experts, E, logits.stride(0), TOP_K=top_k,
                         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
-                        RENORMALIZE=renormalize, num_warps=1 if E <= 256 else 4)
+                        RENORMALIZE=renormalize, num_warps=1 if E <= 256 else 4, **pdl_launch(logits))
     return weights, experts
 
 
@@ -157,7 +167,7 @@ def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     _gate_up_kernel[(T * k, triton.cdiv(F, block_n))](
         x, experts.contiguous(), w13, out, H, F, k, x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x))
     return out
 
 
@@ -180,5 +190,6 @@ def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     _down_kernel[(T, triton.cdiv(H, block_n))](
         act, experts.contiguous(), weights.float().contiguous(), w2, residual if residual is not None else out, out,
         F, H, act.stride(0), w2.stride(0), w2.stride(1), residual.stride(0) if residual is not None else 0,
-        out.stride(0), TOP_K=k, HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        out.stride(0), TOP_K=k, HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl_launch(act))
     return out

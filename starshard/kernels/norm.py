@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -30,15 +32,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, rows, D, s_xm, s_ym, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(X, W, Y, rows, D, s_xm, s_ym, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
         ok = (r < rows)[:, None] & (d < D)[None, :]
+        w = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)  # a weight: no kernel's output
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         x = tl.load(X + r[:, None].to(tl.int64) * s_xm + d[None, :], mask=ok, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
-        w = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
         y = x * inv[:, None] * w[None, :]
         tl.store(Y + r[:, None].to(tl.int64) * s_ym + d[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
@@ -66,5 +72,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows:
         _rms_norm_kernel[(triton.cdiv(rows, block_r),)](x2, weight, y, rows, D, x2.stride(0), y.stride(0), eps,
                                                         BLOCK_R=block_r, BLOCK_D=block_d,
-                                                        num_warps=4 if block_d * block_r >= 2048 else 2)
+                                                        num_warps=4 if block_d * block_r >= 2048 else 2,
+                                                        **pdl_launch(x))
     return y.view(x.shape)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from starshard.kernels.pdl import pdl_launch
+
 try:
     import triton
     import triton.language as tl
@@ -60,6 +62,7 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 if triton is not None:
+    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _rope_heads(X, Y, W, COS, SIN, b, l, cos_off, s_cd, h0, H, HALF, D, eps,
@@ -100,8 +103,10 @@ if triton is not None:
                         s_qb, s_qh, s_ql, s_qd, s_kb, s_kh, s_kl, s_kd,
                         s_qob, s_qoh, s_qol, s_kob, s_koh, s_kol, s_cb, s_cl, s_cd,
                         NORM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                        BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
+                        BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Grid (B * L, q head blocks + k head blocks): one token's block of q or k heads per program."""
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         t = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         b, l = t // L, t % L
@@ -158,5 +163,5 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         L, HQ, HKV, half, D, eps,
         *q.stride(), *k.stride(), *qo.stride()[:3], *ko.stride()[:3], *cos.stride(),
         NORM=norm, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
-        num_warps=4 if block_hq * block_d >= 2048 else 2)
+        num_warps=4 if block_hq * block_d >= 2048 else 2, **pdl_launch(q))
     return qo, ko
