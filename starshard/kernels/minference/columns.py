@@ -8,9 +8,9 @@ past its last row, packed in order into col[..., m, :], their number into col_co
 them every row of the block sees (j <= b) into col_full: what `index.vs_index` computes with a
 searchsorted, a cumsum and a scatter over [B, nH, nM, KV] temporaries (2.1 ms of a SmolLM2 layer's
 index build at 128K on one H200, bench/results/2026-11-25-h200/sparse_components_128k.json).
-Run (first, last) covers j at b iff b - j lies in [first - BM + 1, last + 1): read from seg [B, nH,
-KS, 2] as 2 KS increasing bounds (unused runs: a large value), j is inside a range iff the number of
-bounds <= b - j is odd (a binary search here).
+Run (first, last) covers j at b iff b - j lies in [first - BM + 1, last + 1): the used runs of seg
+[B, nH, KS, 2] read as 2 * seg_count increasing bounds, j is inside a range iff the number of bounds
+<= b - j is odd (a binary search over the used runs only).
 Runs on CUDA or under TRITON_INTERPRET=1; col must be zero-filled by the caller.
 """
 from __future__ import annotations
@@ -82,5 +82,5 @@ def vs_columns(v: torch.Tensor, seg: torch.Tensor, seg_count: torch.Tensor, col:
     if B * nH * nM == 0 or KV == 0:
         return
     _columns_kernel[(nM, B * nH)](v.contiguous(), seg.contiguous(), seg_count.contiguous(), col, col_count, col_full,
-                                  KV, NB, Lk, offset, nM, BM=block_size, BLOCK_KV=min(BLOCK_KV, triton.next_power_of_2(KV)),
-                                  num_warps=4)
+                                  KV, NB, Lk, offset, nM, BM=block_size,
+                                  BLOCK_KV=min(BLOCK_KV, triton.next_power_of_2(KV)), num_warps=4)

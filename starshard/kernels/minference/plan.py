@@ -11,8 +11,8 @@ import torch
 from starshard.kernels.common import INT32_MAX, cdiv, to_device
 from starshard.kernels.minference.columns import use_columns_kernel
 from starshard.kernels.minference.index import BSIndex, VSIndex, bs_select, vs_index, vs_segments, vs_select
-from starshard.kernels.minference.runs import vs_runs_kernel
 from starshard.kernels.minference.patterns import AShape, Dense
+from starshard.kernels.minference.runs import vs_runs_kernel
 
 
 @dataclass

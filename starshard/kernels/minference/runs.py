@@ -9,7 +9,8 @@ tensors (the build ran at the host's launch speed: on one H200 at 128K keys its 
 sorted diagonals in chunks: a run starts where the gap to the previous diagonal exceeds BM and ends
 before the next start; the runs are packed in order into seg (first, last) and each run's score
 entries are summed in closed form (the same clamped ramps as `slash_cost`, in int64).
-Runs on CUDA or under TRITON_INTERPRET=1; seg must be zero-filled by the caller.
+Runs on CUDA or under TRITON_INTERPRET=1 (the kernel writes the used runs only: `vs_runs_kernel`
+hands it a zero-filled seg).
 """
 from __future__ import annotations
 
