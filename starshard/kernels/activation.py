@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from starshard.kernels.fp8 import FP8_DTYPE, WEIGHT_ONLY_MAX_ROWS, e4m3_scale, e4m3_values, quantize_rows
 from starshard.kernels.norm import rms_norm_reference
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -93,7 +93,6 @@ def use_fused_quant(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _store_quantized(Y_row, y, offs, ok, scale):

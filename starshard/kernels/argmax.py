@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -36,7 +36,6 @@ def use_argmax_kernel(logits: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _winner(best, best_i, valid):

@@ -16,7 +16,7 @@ from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softmax_fi
                                               softmax_update_scaled_v)
 from starshard.kernels.reference import attention_math
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -52,8 +52,6 @@ def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
-
     # Cache lengths change every step: no variant per divisibility of the sizes.
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_kernel(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -46,7 +46,6 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _gemv_kernel(X, W, S, BIAS, RES, Y, N, K, s_xm, s_wn, s_rm, s_ym, HAS_SCALE: tl.constexpr,

@@ -24,7 +24,7 @@ import torch
 
 from starshard.kernels.fp8 import e4m3_scale, e4m3_values, quantize_rows
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -50,7 +50,6 @@ def write_kv_slot_reference(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scal
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _store_row(X, s_xd, C, s_cd, S, D, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -42,7 +42,6 @@ DOWN_TILE = dict(block_n=1, block_k=1024, warps=1)
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _route_kernel(logit_ptr, weight_ptr, expert_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -32,7 +32,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _rms_norm_kernel(X, W, Y, rows, D, s_xm, s_ym, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -67,7 +67,15 @@ def pdl_launch(x: torch.Tensor) -> dict:
     return _ON if x.is_cuda and torch.cuda.is_current_stream_capturing() and pdl_enabled(x.device) else _OFF
 
 
-if triton is not None:
+if triton is None:  # the names import; no kernel uses them without triton
+
+    def pdl_trigger(USE_PDL):
+        pass
+
+    def pdl_wait(USE_PDL):
+        pass
+
+else:
 
     @triton.jit
     def pdl_trigger(USE_PDL: tl.constexpr):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from starshard.kernels.pdl import pdl_launch
+from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
     import triton
@@ -62,7 +62,6 @@ def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 
 
 if triton is not None:
-    from starshard.kernels.pdl import pdl_trigger, pdl_wait
 
     @triton.jit
     def _rope_heads(X, Y, W, COS, SIN, b, l, cos_off, s_cd, h0, H, HALF, D, eps,
