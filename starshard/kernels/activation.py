@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 from starshard.kernels.fp8 import FP8_DTYPE, WEIGHT_ONLY_MAX_ROWS, e4m3_scale, e4m3_values, quantize_rows
 from starshard.kernels.norm import rms_norm_reference
-
 from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:

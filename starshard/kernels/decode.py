@@ -14,9 +14,8 @@ import torch
 from starshard.kernels.common import as_positions, check_kernel_inputs, check_shapes, sm_count
 from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softmax_finish, softmax_init, softmax_update,
                                               softmax_update_scaled_v)
-from starshard.kernels.reference import attention_math
-
 from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
+from starshard.kernels.reference import attention_math
 
 try:
     import triton
@@ -52,6 +51,7 @@ def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
 
 
 if triton is not None:
+
     # Cache lengths change every step: no variant per divisibility of the sizes.
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_kernel(

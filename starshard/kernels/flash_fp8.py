@@ -1,6 +1,7 @@
 """8-bit causal flash-attention forward for a square prefill call (issue 19 item 4), Triton.
 
     out, lse = flash_fp8_attention(q, k, v, variant="s")        # `--fp8 attention`: int8 q . k, smoothed K
+    out, lse = flash_fp8_attention(q, k, v, variant="t")        # s's scores with b's e4m3 P . V (measured)
     out, lse = flash_fp8_attention(q, k, v, variant="a")        # quantize K (and V) once, then attend
     kv = quantize_kv(k, v, variant="b"); out, lse = flash_fp8_attention(q, k, v, variant="b", kv=kv)
     out, lse = flash_fp8_reference(q, k, v, variant="a")        # the same blockwise algorithm in torch
@@ -32,6 +33,7 @@ our own scales):
   by the pre-pass, because Hopper's FP8 wgmma reads its second operand only along the reduction
   dimension (the keys). The channel scale and the 2^8 leave in the epilogue (the row sum l carries
   the same 2^8).
+  Variant "t": "s"'s int8 scores with "b"'s e4m3 P and V (both flags of the kernel).
 - The output accumulates in float32 and is written in q's dtype, never in e4m3.
 Causal work: key blocks wholly below the diagonal run without mask arithmetic; only the blocks on it
 are masked; blocks above it are never visited.
@@ -43,7 +45,10 @@ whatever the scale granularity) put the output ~10% off with a peaked softmax (q
 variant s 1.09x cuDNN (1.04x in the model's strided layout) at 3.3% output error on the same inputs
 (variant a there: 10.2%), and 2.2% vs 7.8% on SmolLM2's real q / k / v; a Llama-8B-shaped 128K prefill
 with `--fp8 linear,kv,attention` 9.54 s vs 10.07 s without `attention` (bf16 11.33 s)
-(bench/results/2026-11-26-h200-int8-attention).
+(bench/results/2026-11-26-h200-int8-attention). Variant t, measured in the model's layout at 128K on
+one H200: 1.31x cuDNN (s: 1.10x, b: 1.39x), 4.3% output error on the q x 4 inputs, 3.0% vs s's 2.3% on
+SmolLM2's real q / k / v (bench/results/2026-11-26-h200-fp8-pv); not wired to `--fp8` until a harness
+run on the GPU kernel shows its accuracy.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests); the interpreter's float32 -> e4m3 cast drops
 the carry when a value rounds up across a power of two (kernels/kv_write.py), so interpreted kernels
@@ -69,13 +74,15 @@ except ImportError:  # installs without triton: the torch reference still import
 KV_BLOCK = 128  # keys per K scale; the kernel's BLOCK_N divides it
 P_LOG2_SCALE = 8  # variant "b": probabilities times 2^8 before the e4m3 cast
 INT8_MAX = 127.0  # variant "s": symmetric int8, scale = amax / 127
-VARIANTS = ("a", "b", "s")
+VARIANTS = ("a", "b", "s", "t")
+INT8_QK_VARIANTS = ("s", "t")  # int8 q . (k - mean k)
+FP8_PV_VARIANTS = ("b", "t")  # P and V in e4m3
 _TINY = 1e-12
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per variant at head_dim <= 128, K / V through tensor
 # descriptors (tma): the fastest of bench/fp8_prefill_attention.py's sweep on one H100 at 32K, still the
 # fastest of the sweep's top three at 128K (bench/results/2026-11-25-h100-fp8-attention): a 13.7 ms,
 # b 11.2 ms at 32K (8 warps for b: 12.9 ms).
-DEFAULT_CONFIG = {"a": (128, 128, 8, 3), "b": (64, 128, 4, 3), "s": (128, 128, 8, 3)}
+DEFAULT_CONFIG = {"a": (128, 128, 8, 3), "b": (64, 128, 4, 3), "s": (128, 128, 8, 3), "t": (64, 128, 4, 3)}
 
 
 if triton is not None:
@@ -280,7 +287,9 @@ class Fp8KV:
 
     @property
     def variant(self) -> str:
-        return "s" if self.k_mean is not None else "a" if self.v8t is None else "b"
+        if self.k_mean is not None:
+            return "s" if self.v8t is None else "t"
+        return "a" if self.v8t is None else "b"
 
 
 def _check_variant(variant: str) -> None:
@@ -320,21 +329,23 @@ def _quantize_kv_torch(k, v, variant: str) -> Fp8KV:
     """quantize_kv in torch (CPU, and the reference): the kernel's numerics, float32 division."""
     B, Hkv, L, D = k.shape
     Lp = -(-L // KV_BLOCK) * KV_BLOCK
-    if variant == "s":
+    km = None
+    if variant in INT8_QK_VARIANTS:
         km = _k_mean(k)
         kp = torch.nn.functional.pad(k.float() - km[:, :, None], (0, 0, 0, Lp - L))
         kp = kp.view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D)
         ks = kp.abs().amax((-1, -2)).clamp_min(_TINY) / INT8_MAX
-        return Fp8KV(int8_round(kp / ks[..., None, None]).view(B, Hkv, Lp, D), ks, k_mean=km)
-    kp = torch.nn.functional.pad(k.float(), (0, 0, 0, Lp - L)).view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D)
-    ks = kp.abs().amax((-1, -2)).clamp_min(_TINY) / E4M3_MAX
-    k8 = (kp / ks[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).view(B, Hkv, Lp, D)
-    if variant == "a":
-        return Fp8KV(k8, ks)
+        k8 = int8_round(kp / ks[..., None, None]).view(B, Hkv, Lp, D)
+    else:
+        kp = torch.nn.functional.pad(k.float(), (0, 0, 0, Lp - L)).view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D)
+        ks = kp.abs().amax((-1, -2)).clamp_min(_TINY) / E4M3_MAX
+        k8 = (kp / ks[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).view(B, Hkv, Lp, D)
+    if variant not in FP8_PV_VARIANTS:
+        return Fp8KV(k8, ks, k_mean=km)
     vs = _v_channel_scale(v)
     vp = torch.nn.functional.pad(v.float(), (0, 0, 0, Lp - L))
     v8t = (vp / vs[:, :, None, :]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).transpose(2, 3).contiguous()
-    return Fp8KV(k8, ks, v8t, vs)
+    return Fp8KV(k8, ks, v8t, vs, km)
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, variant: str = "a", *, use_triton: bool | None = None) -> Fp8KV:
@@ -349,10 +360,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, variant: str = "a", *, use_tri
         return _quantize_kv_torch(k, v, variant)
     nblk = -(-L // KV_BLOCK)
     Lp = nblk * KV_BLOCK
-    k8 = torch.empty(B, Hkv, Lp, D, dtype=torch.int8 if variant == "s" else FP8_DTYPE, device=k.device)
+    int8_k, quant_v = variant in INT8_QK_VARIANTS, variant in FP8_PV_VARIANTS
+    k8 = torch.empty(B, Hkv, Lp, D, dtype=torch.int8 if int8_k else FP8_DTYPE, device=k.device)
     ks = torch.empty(B, Hkv, nblk, dtype=torch.float32, device=k.device)
-    km = _k_mean(k) if variant == "s" else None
-    if variant == "b":
+    km = _k_mean(k) if int8_k else None
+    if quant_v:
         vs = _v_channel_scale(v)
         v8t = torch.empty(B, Hkv, D, Lp, dtype=FP8_DTYPE, device=k.device)
     else:
@@ -361,7 +373,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, variant: str = "a", *, use_tri
         _quantize_kv_kernel[(nblk, B * Hkv)](
             k, v, k8, ks, v8t if v8t is not None else k8, vs if vs is not None else ks, km if km is not None else ks,
             L, Lp, *k.stride(), *v.stride(), Hkv,
-            HEAD_DIM=D, KV_BLOCK=KV_BLOCK, QUANT_V=variant == "b", INT8_K=variant == "s",
+            HEAD_DIM=D, KV_BLOCK=KV_BLOCK, QUANT_V=quant_v, INT8_K=int8_k,
             INTERPRET=triton_interpreted(_quantize_kv_kernel), num_warps=4 if D <= 64 else 8)
     return Fp8KV(k8, ks, v8t, vs, km)
 
@@ -397,7 +409,7 @@ def flash_fp8_attention(q, k, v, *, variant: str = "a", scale=None, kv: Fp8KV | 
     if KV_BLOCK % block_n:
         raise ValueError(f"flash_fp8_attention: BLOCK_N {block_n} must divide KV_BLOCK {KV_BLOCK}")
     Lp = kv.k8.shape[2]
-    fp8_pv = variant == "b"
+    fp8_pv = variant in FP8_PV_VARIANTS
     v_arg = kv.v8t if fp8_pv else v
     interp = triton_interpreted(_flash_fp8_fwd_kernel)
     if tma is None:
@@ -420,7 +432,7 @@ def flash_fp8_attention(q, k, v, *, variant: str = "a", scale=None, kv: Fp8KV | 
         *q.stride(), *v.stride(), *out.stride(),
         Hq, Hq // Hkv, Hkv, L, Lp, n_qblocks,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, KV_BLOCK=KV_BLOCK,
-        FP8_PV=fp8_pv, INT8_QK=variant == "s", USE_TMA=bool(tma), INTERPRET=interp,
+        FP8_PV=fp8_pv, INT8_QK=variant in INT8_QK_VARIANTS, USE_TMA=bool(tma), INTERPRET=interp,
         num_warps=warps, num_stages=stages,
     )
     return out, lse
@@ -467,7 +479,7 @@ def flash_fp8_reference(q, k, v, *, variant: str = "a", scale=None, block_m: int
     # Q: one scale per (batch, head, block_m rows); rows past L do not exist (no padding in the amax)
     nqb = -(-L // block_m)
     qp = torch.nn.functional.pad(q.float(), (0, 0, 0, nqb * block_m - L)).view(B, Hq, nqb, block_m, D)
-    if variant == "s":
+    if variant in INT8_QK_VARIANTS:
         qs = qp.abs().amax((-1, -2)).clamp_min(_TINY) / INT8_MAX
         q8 = int8_round(qp / qs[..., None, None])
     else:
@@ -478,7 +490,8 @@ def flash_fp8_reference(q, k, v, *, variant: str = "a", scale=None, block_m: int
     Lp = kv.k8.shape[2]
     kd = (kv.k8.to(f64).view(B, Hkv, Lp // KV_BLOCK, KV_BLOCK, D) * kv.k_scale[..., None, None].to(f64))
     kd = kd.view(B, Hkv, Lp, D)[:, :, :L].repeat_interleave(g, 1)
-    if variant == "b":
+    fp8_pv = variant in FP8_PV_VARIANTS
+    if fp8_pv:
         vd = kv.v8t.to(f64).transpose(2, 3)[:, :, :L]  # e4m3 values; the channel scale comes last
     else:
         vd = v.to(f64)
@@ -494,7 +507,7 @@ def flash_fp8_reference(q, k, v, *, variant: str = "a", scale=None, block_m: int
         sb = s[..., start : start + block_n]
         m_new = torch.maximum(m, sb.amax(-1))
         m_use = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-        if variant == "b":
+        if fp8_pv:
             p = torch.exp2(sb - (m_use - P_LOG2_SCALE)[..., None])
             pq = _e4m3_round(p)
         else:
@@ -506,9 +519,9 @@ def flash_fp8_reference(q, k, v, *, variant: str = "a", scale=None, block_m: int
         m = m_new
     out = acc / l[..., None]
     lse = (m + torch.log2(l)) * math.log(2.0)
-    if variant == "b":
+    if fp8_pv:
         out = out * kv.v_scale.to(f64).repeat_interleave(g, 1)[:, :, None, :]
         lse = lse - P_LOG2_SCALE * math.log(2.0)
-    if variant == "s":  # the smoothed-out q . mean(K), from q as given
+    if variant in INT8_QK_VARIANTS:  # the smoothed-out q . mean(K), from q as given
         lse = lse + (q.to(f64) @ kv.k_mean.to(f64).repeat_interleave(g, 1)[..., None])[..., 0] * scale
     return out.to(q.dtype), lse.float()

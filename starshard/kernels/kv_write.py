@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from starshard.kernels.fp8 import e4m3_scale, e4m3_values, quantize_rows
-
 from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 
 try:
