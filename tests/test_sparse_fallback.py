@@ -96,6 +96,16 @@ def check_split(out, lse, q, k, v, pos, dense_heads, sparse_vis, dtype):
 # ---- cost counting -------------------------------------------------------------------------------
 
 
+def random_diagonals(rng, ndiag: int, ks: int) -> torch.Tensor:
+    """[2, 3, ks] sorted diagonal ids, each (batch, head) row a random number of them, padded with ndiag."""
+    s_idx = torch.full((2, 3, ks), ndiag, dtype=torch.long)
+    for b in range(2):
+        for h in range(3):
+            d = sorted(rng.sample(range(ndiag), rng.randint(0, ks)))
+            s_idx[b, h, : len(d)] = torch.tensor(d, dtype=torch.long)
+    return s_idx
+
+
 def test_slash_cost_closed_form_matches_chunk_loops():
     """The closed form (used by kernel_cost and the fallback) against the kernel's chunk loop, over
     random runs, offsets, keys shorter or longer than the rows, partial last blocks."""
@@ -106,11 +116,7 @@ def test_slash_cost_closed_form_matches_chunk_loops():
         lk = rng.choice([lq + off, rng.randint(1, lq + off + 100)])
         ndiag = lq + off
         ks = rng.randint(0, min(ndiag, 30))
-        s_idx = torch.full((2, 3, ks), ndiag, dtype=torch.long)
-        for b in range(2):
-            for h in range(3):
-                d = sorted(rng.sample(range(ndiag), rng.randint(0, ks)))
-                s_idx[b, h, : len(d)] = torch.tensor(d, dtype=torch.long)
+        s_idx = random_diagonals(rng, ndiag, ks)
         seg, cnt = mi.vs_segments(s_idx, ndiag, bm)
         got = mi.slash_cost(seg, cnt, Lq=lq, Lk=lk, offset=off, block_size=bm)
         for b in range(2):
@@ -139,11 +145,7 @@ def test_runs_kernel_equals_torch_ops(monkeypatch, chunk):
         lk = rng.choice([lq + off, rng.randint(1, lq + off + 100)])
         ndiag = lq + off
         ks = 0 if trial == 0 else rng.randint(1, min(ndiag, 120))
-        s_idx = torch.full((2, 3, ks), ndiag, dtype=torch.long)
-        for b in range(2):
-            for h in range(3):
-                d = sorted(rng.sample(range(ndiag), rng.randint(0, ks)))
-                s_idx[b, h, : len(d)] = torch.tensor(d, dtype=torch.long)
+        s_idx = random_diagonals(rng, ndiag, ks)
         seg, cnt = mi.vs_segments(s_idx, ndiag, bm)
         cost = mi.slash_cost(seg, cnt, Lq=lq, Lk=lk, offset=off, block_size=bm)
         seg_k, cnt_k, cost_k = runs.vs_runs_kernel(s_idx, ndiag=ndiag, Lq=lq, Lk=lk, offset=off, block_size=bm)

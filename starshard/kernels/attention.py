@@ -24,6 +24,7 @@ from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
 from starshard.kernels.fp8 import dequantize
 from starshard.kernels.flash import flash_attention
+from starshard.kernels.flash_fp8 import HEAD_DIMS as FP8_HEAD_DIMS  # other head dims run `attention`
 from starshard.kernels.flash_fp8 import flash_fp8_attention, int8_scores_operands
 from starshard.kernels.merge import merge_partials
 from starshard.kernels.reference import attention_math
@@ -231,9 +232,6 @@ def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
     return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
 
 
-INT8_SCORE_HEAD_DIMS = (32, 64, 128, 256)  # the kernel's tensor-core tiles; other head dims run `attention`
-
-
 def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None):
     """Square causal prefill attention with 8-bit scores (`--fp8 attention`): q . k from int8 q (per
     128 rows) and int8 K minus its mean (per 128 keys; the mean shifts every score of a row alike, so
@@ -243,7 +241,7 @@ def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None):
     runs `attention` unchanged."""
     check_shapes(q, k, v)
     L = q.shape[2]
-    if (L <= DECODE_MAX_ROWS or k.shape[2] != L or q.shape[-1] not in INT8_SCORE_HEAD_DIMS
+    if (L <= DECODE_MAX_ROWS or k.shape[2] != L or q.shape[-1] not in FP8_HEAD_DIMS
             or mask_mode(q_pos, k_pos, True) != "causal"):
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -73,6 +73,7 @@ except ImportError:  # installs without triton: the torch reference still import
     triton = None
 
 KV_BLOCK = 128  # keys per K scale; the kernel's BLOCK_N divides it
+HEAD_DIMS = (32, 64, 128, 256)  # the 8-bit tensor-core tiles the kernel builds
 P_LOG2_SCALE = 8  # variant "b": probabilities times 2^8 before the e4m3 cast
 INT8_MAX = 127.0  # variant "s": symmetric int8, scale = amax / 127
 VARIANTS = ("a", "b", "s", "t")
@@ -304,7 +305,7 @@ def _check_inputs(q, k, v, name: str) -> None:
         raise ValueError(f"{name} is a square causal prefill: as many keys as query rows, got {q.shape[2]} rows and "
                          f"{k.shape[2]} keys")
     D = q.shape[-1]
-    if D not in (32, 64, 128, 256):
+    if D not in HEAD_DIMS:
         raise ValueError(f"{name} supports head_dim 32, 64, 128 or 256 (e4m3 tensor-core tiles), got {D}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"{name} takes float16 / bfloat16 / float32 q, k, v of one dtype, got {q.dtype}, {k.dtype}, "
