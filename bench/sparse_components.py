@@ -216,7 +216,7 @@ def minference_part(name: str, pattern, q, k, v, timer: Timer, launches: list, d
     cudnn = dense_rate(dense)
     sweep = []
     for launch in launches:
-        ent = {"launch": list(launch) if launch else "default " + str(list(mi.default_launch(max(16, 1 << (D - 1).bit_length()))))}
+        ent = {"launch": list(launch) if launch else "default " + json.dumps(mi.default_settings(max(16, 1 << (D - 1).bit_length())))}
         try:
             ent["kernel_ms"] = timer.ms(lambda: mi.attention_from_plan(q, k, v, groups, offset=off, scale=scale,
                                                                        block_size=BM, backend=backend, launch=launch))

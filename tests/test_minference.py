@@ -34,6 +34,7 @@ LAYOUTS = {
     "square": (1, 4, 2, 100, 100, 32, 0),
     "tail": (1, 4, 4, 40, 100, 32, 60),  # the query block is the last 40 of 100 keys
     "batch_gqa_d24": (2, 4, 1, 72, 72, 24, 0),
+    "gqa_d96": (1, 4, 2, 100, 100, 96, 0),  # padded to 128: the default launch streams runs flat
 }
 
 
@@ -184,10 +185,11 @@ ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "IDX", "CNT", "CFULL"}
 for dt, modes in (("bf16", (0, 1, 2)), ("fp32", (1,))):
     sig = {n: "*i32" if n in ints else ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     sig.update({n: "*" + dt for n in ("Q", "K", "V", "O")}, LSE="*fp32")
-    sig.update({n: "constexpr" for n in ("MODE", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE")})
+    sig.update({n: "constexpr" for n in ("MODE", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE", "FLAT")})
     for mode in modes:
-        warps, stages = mk.default_launch(128)
-        consts = dict(MODE=mode, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, IEEE=dt == "fp32")
+        warps, stages = mk.default_launch(128, kind=("a_shape", "vertical_slash", "block_sparse")[mode])
+        consts = dict(MODE=mode, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, IEEE=dt == "fp32",
+                      FLAT=mode == 1 and mk.default_flat(128))
         k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages})
         assert "wgmma" in k.asm["ptx"] or dt == "fp32", (dt, mode)

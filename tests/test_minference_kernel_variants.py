@@ -146,12 +146,19 @@ def test_computed_entries_are_the_kernels_flops(dot_flops, lq, lk):
 
 def test_launch_specs():
     L = mk.Launch
-    assert mk.as_launch(None) == L() and mk.as_launch((8, 3)) == L(8, 3)
+    assert mk.as_launch(None) == L(flat=None) and mk.as_launch((8, 3)) == L(8, 3)
     assert mk.as_launch("pair+flat:8,2") == L(8, 2, pair=True, flat=True)
     assert mk.as_launch("wide") == L(wide=True) and mk.as_launch("4,2") == L(4, 2)
     assert L.parse("flat+pair").name() == "pair+flat" and L(4, 3).name() == "default:4,3"
     assert L().settings(64, False) == {"num_warps": 4, "num_stages": 2}
     assert L(pair=True).settings(64, True) == {"num_warps": 8, "num_stages": 2}
+    # head dim 128: 4 warps (2x faster than 8 on an H100), 3 stages except Vertical-Slash, flat by default
+    assert L().settings(128, False) == {"num_warps": 4, "num_stages": 2}
+    assert L().settings(128, False, "a_shape") == L().settings(128, False, "block_sparse") == {"num_warps": 4, "num_stages": 3}
+    assert mk.as_launch(None).flat_for(128) and not mk.as_launch(None).flat_for(64)
+    assert not L().flat_for(128) and L(flat=True).flat_for(64)  # an explicit launch is taken as given
+    assert mk.default_settings(128) == {"a_shape": [4, 3], "vertical_slash": [4, 2], "block_sparse": [4, 3],
+                                        "vertical_slash_flat": True}
     with pytest.raises(ValueError, match="unknown"):
         L.parse("pairs")
     with pytest.raises(ValueError, match="num_warps"):

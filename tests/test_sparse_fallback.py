@@ -34,10 +34,12 @@ from sparse_reference import assert_matches, masked_reference  # noqa: E402
 
 BM = 16
 L = 512
-# The H200 rates without the index terms: at these test sizes the per-key index cost alone outweighs
-# a dense call (which is right on a GPU, and why min_length exists); the kernel-side rule is what
-# most tests below exercise.
-KERNEL_ONLY = dataclasses.replace(mi.H200_RATES, bs_index=0.0)
+# The rates measured for these tests' head dim (32: the head-dim-64 kernels) without the index terms:
+# at these test sizes the per-key index cost alone outweighs a dense call (which is right on a GPU, and
+# why min_length exists); the kernel-side rule is what most tests below exercise.
+RATES = mi.measured_rates(32)
+KERNEL_ONLY = dataclasses.replace(RATES, bs_index=0.0)
+ANCHOR_RATES = an.measured_anchor_rates(32)
 
 
 def inputs(kind, dtype=torch.float32, *, H=4, Hkv=2, D=32, seed=0, n=L):
@@ -183,11 +185,11 @@ def test_dense_like_pattern_runs_the_dense_kernel(backend):
     kernel, and the call returns exactly the dense dispatcher's (out, lse)."""
     q, k, v, pos = inputs("random")
     pat = pattern(mi.VerticalSlash(16, 64), mi.Dense(), mi.VerticalSlash(10**6, 10**6), mi.AShape(0, 10**6))
-    plan = mi.plan_with_fallback(q, k, pat, offset=0, rates=mi.H200_RATES)
+    plan = mi.plan_with_fallback(q, k, pat, offset=0, rates=RATES)
     assert plan.dense == [0, 1, 2, 3] and plan.groups == []
     assert min(plan.density) > 0.9  # the pattern keeps about every block
     rep = SparseReport()
-    out, lse = mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=pat, rates=mi.H200_RATES, report=rep,
+    out, lse = mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=pat, rates=RATES, report=rep,
                                        backend=backend)
     want = attention(q, k, v, q_pos=pos, k_pos=pos)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
@@ -203,7 +205,7 @@ def test_sparse_like_pattern_keeps_its_kernel(backend):
     q, k, v, pos = inputs("structured")
     pat = pattern(mi.VerticalSlash(8, 16), mi.AShape(4, 32), mi.VerticalSlash(8, 16), mi.AShape(2, 24))
     plan = mi.plan_with_fallback(q, k, pat, offset=0, rates=KERNEL_ONLY)
-    assert plan.dense == [] and max(plan.density) < mi.H200_RATES.vertical_slash
+    assert plan.dense == [] and max(plan.density) < RATES.vertical_slash
     rep = SparseReport()
     out, lse = mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=pat, rates=KERNEL_ONLY, report=rep,
                                        backend=backend)
@@ -216,10 +218,10 @@ def test_sparse_like_pattern_keeps_its_kernel(backend):
     assert d["mean_density"] == pytest.approx(sum(plan.density) / 4)
     # A Vertical-Slash index is built whole before its choice, so no index term weighs on it; a
     # Block-Sparse index is not: at 512 keys its pooled selection costs more than the dense call.
-    assert mi.plan_with_fallback(q, k, pat, offset=0, rates=mi.H200_RATES).dense == []
+    assert mi.plan_with_fallback(q, k, pat, offset=0, rates=RATES).dense == []
     bs = pattern(mi.VerticalSlash(8, 16), mi.BlockSparse(2), mi.VerticalSlash(8, 16), mi.BlockSparse(2))
     assert mi.plan_with_fallback(q, k, bs, offset=0, rates=KERNEL_ONLY).dense == []
-    assert mi.plan_with_fallback(q, k, bs, offset=0, rates=mi.H200_RATES).dense == [1, 3]
+    assert mi.plan_with_fallback(q, k, bs, offset=0, rates=RATES).dense == [1, 3]
 
 
 @pytest.mark.parametrize("case", ["torch-fp32-groups", "triton-fp32-groups", "triton-fp16-split", "torch-fp32-split"])
@@ -314,13 +316,25 @@ def test_query_block_after_its_keys_and_batch():
 
 
 def test_kernel_rates_rule():
-    r = mi.H200_RATES
-    assert r.sparse_wins("vertical_slash", 0.2, 1.0) and not r.sparse_wins("vertical_slash", 0.3, 1.0)
-    assert r.sparse_wins("block_sparse", 0.4, 1.0) and not r.sparse_wins("a_shape", 0.35, 1.0)
+    r = mi.KernelRates(dense=1e12, a_shape=0.3, vertical_slash=0.5, block_sparse=0.7)
+    assert r.sparse_wins("vertical_slash", 0.45, 1.0) and not r.sparse_wins("vertical_slash", 0.55, 1.0)
+    assert r.sparse_wins("block_sparse", 0.65, 1.0) and not r.sparse_wins("a_shape", 0.35, 1.0)
     # seconds of index work count against the sparse side
-    dense_e = 1e9  # entries: ~0.8 ms dense
+    dense_e = 1e9  # entries: 1 ms dense
     assert r.sparse_wins("vertical_slash", 0.1 * dense_e, dense_e) and not r.sparse_wins(
         "vertical_slash", 0.1 * dense_e, dense_e, index_s=1e-3)
+
+
+def test_measured_rates_by_head_dim():
+    """Each head dim gets the rates measured for its launch; unmeasured wide heads the slowest known."""
+    assert mi.measured_rates(32) is mi.measured_rates(64) is mi.MEASURED_RATES[64]
+    assert mi.measured_rates(96) is mi.measured_rates(128) is mi.MEASURED_RATES[128]
+    wide = mi.measured_rates(256)
+    for kind in ("a_shape", "vertical_slash", "block_sparse"):
+        assert wide.fraction(kind) < min(r.fraction(kind) for r in mi.MEASURED_RATES.values())
+    assert an.measured_anchor_rates(64) is an.MEASURED_ANCHOR_RATES[64]
+    assert an.measured_anchor_rates(128) is an.MEASURED_ANCHOR_RATES[128]
+    assert an.measured_anchor_rates(256).kernel < min(r.kernel for r in an.MEASURED_ANCHOR_RATES.values())
 
 
 # ---- AnchorAttention -----------------------------------------------------------------------------
@@ -338,10 +352,10 @@ def test_anchor_falls_back_where_stripes_keep_most_keys(backend):
     cfg = an.AnchorConfig(theta=2.0, block_q=16, block_k=16, init_tokens=4, step=1)
     idx = an.build_index(q, k, cfg, offset=0, backend=backend)
     dens = an.head_density(idx, cfg, Lq=n, Lk=n, offset=0)[0].tolist()
-    assert dens[0] < 0.2 and min(dens[1:]) > an.H200_ANCHOR_RATES.kernel
+    assert dens[0] < 0.2 and min(dens[1:]) > ANCHOR_RATES.kernel
     rep = SparseReport()
     out, lse = an.anchor_attention(q, k, v, q_pos=pos, k_pos=pos, config=cfg, backend=backend,
-                                   rates=an.H200_ANCHOR_RATES, report=rep)
+                                   rates=ANCHOR_RATES, report=rep)
     rows = torch.arange(n)
     vis = an.anchor_region(cfg, Lq=n, Lk=n, offset=0, rows=rows) | an.selected_mask(idx, n)[:, :, rows // 16]
     check_split(out, lse, q, k, v, pos, [1, 2, 3], vis, torch.float32)
@@ -351,11 +365,11 @@ def test_anchor_falls_back_where_stripes_keep_most_keys(backend):
         return
     # every head dense-like (random inputs): the whole call is the dense dispatcher's
     out, lse = an.anchor_attention(qr, kr, vr, q_pos=pos, k_pos=pos, config=cfg, backend=backend,
-                                   rates=an.H200_ANCHOR_RATES)
+                                   rates=ANCHOR_RATES)
     want = attention(qr, kr, vr, q_pos=pos, k_pos=pos)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     # sparse-like everywhere: nothing changes against the plain call
-    a = an.anchor_attention(qs, ks, vs, q_pos=pos, k_pos=pos, config=cfg, backend=backend, rates=an.H200_ANCHOR_RATES)
+    a = an.anchor_attention(qs, ks, vs, q_pos=pos, k_pos=pos, config=cfg, backend=backend, rates=ANCHOR_RATES)
     b = an.anchor_attention(qs, ks, vs, q_pos=pos, k_pos=pos, config=cfg, backend=backend)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
@@ -405,12 +419,12 @@ def test_defaults_per_device_and_validation():
     assert MIN_LENGTH == 65537  # more than 64K keys (measured crossover, kernels/sparse.py)
     assert (m.min_length(cuda), m.min_length(cpu)) == (65537, 0)
     assert (a.min_length(cuda), a.min_length(cpu)) == (65537, 0)
-    assert m.rates(cuda) is mi.H200_RATES and a.rates(cuda) is an.H200_ANCHOR_RATES
-    assert m.rates(cpu) is None and a.rates(cpu) is None  # nothing measured on CPU: patterns as asked
+    assert m.rates(cuda, 128) is mi.MEASURED_RATES[128] and a.rates(cuda, 64) is an.MEASURED_ANCHOR_RATES[64]
+    assert m.rates(cpu, 64) is None and a.rates(cpu, 64) is None  # nothing measured on CPU: patterns as asked
     forced = load_sparse_method(SparseConfig("minference", min_length=0, fallback=False))
-    assert forced.min_length(cuda) == 0 and forced.rates(cuda) is None
+    assert forced.min_length(cuda) == 0 and forced.rates(cuda, 64) is None
     on = load_sparse_method(SparseConfig("minference", fallback=True))
-    assert on.rates(cpu) is mi.H200_RATES
+    assert on.rates(cpu, 64) is mi.MEASURED_RATES[64]
     for bad in (-1, 1.5):
         with pytest.raises(ValueError, match="min_length"):
             SparseConfig("minference", min_length=bad)

@@ -164,7 +164,7 @@ def run(args) -> dict:
         "triton": getattr(mi.triton, "__version__", None),
         "config": {"heads": H, "kv_heads": Hkv, "head_dim": D, "dtype": args.dtype, "block_size": args.block_size,
                    "inputs": args.inputs, "repeats": args.repeats, "warmup": args.warmup, "sparse_backend": backend,
-                   "launch": launch or mi.default_launch(max(16, 1 << (D - 1).bit_length()))},
+                   "launch": launch or mi.default_settings(max(16, 1 << (D - 1).bit_length()))},
         "results": [],
     }
     for L in (int(x) for x in args.lengths.split(",")):

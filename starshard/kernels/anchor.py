@@ -142,12 +142,22 @@ class AnchorRates:
         return density < self.kernel
 
 
-# One H200, bf16, 32 heads x d128, the paper's pooling (128-row blocks, step 16), structured inputs:
-# bench/results/2026-11-23-h200-anchor/anchor.json (`launch/bench.py anchor`, 7e24a21). density *
-# dense_cudnn_ms / kernel_ms over theta 4 / 8 / 12 at 32K, 64K, 128K lies in 0.319-0.468, lowest
-# where the stripes keep most keys (theta 12: 0.319 at 32K, 0.340 at 64K, 0.344 at 128K); the
-# smallest is taken, so a head goes sparse only where it wins at every measured point.
-H200_ANCHOR_RATES = AnchorRates(kernel=0.319)
+# Measured per head dim (the launch depends on it): one H100 (the H200's sm_90 kernels), bf16, the
+# paper's pooling (128-row blocks, step 16), structured inputs, the default launches of 2026-11-26
+# (`launch/bench.py anchor`, bench/results/2026-11-26-h100-vs-block128/run_e.sh). density *
+# dense_cudnn_ms / kernel_ms over theta 4 / 8 / 12 at 32K and 128K: head dim 128 (32 / 8 heads)
+# 0.411-0.632, head dim 64 (9 / 3) 0.399-0.560, lowest at theta 4 and 32K; the smallest is taken, so a
+# head goes sparse only where it wins at every measured point.
+MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399), 128: AnchorRates(kernel=0.411)}
+# Head dims above 128 (unmeasured launch): the 8-warp head-dim-128 kernel's rate on one H200
+# (bench/results/2026-11-23-h200-anchor), the slowest measured.
+WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319)
+
+
+def measured_anchor_rates(head_dim: int) -> AnchorRates:
+    if head_dim <= 64:
+        return MEASURED_ANCHOR_RATES[64]
+    return MEASURED_ANCHOR_RATES[128] if head_dim <= 128 else WIDE_HEAD_ANCHOR_RATES
 
 
 @dataclass
@@ -468,10 +478,15 @@ def triton_available(q: torch.Tensor) -> bool:
 
 
 def default_launch(head_dim: int, block_q: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the sparse kernel; 8 warps for 128-row blocks or wide heads."""
-    if block_q >= 128 or head_dim > 64:
-        return 8, 2 if head_dim <= 128 else 1
-    return 4, 2
+    """(num_warps, num_stages) of the sparse kernel, by measurement on an H100 at 128K, theta 12
+    (bench/results/2026-11-26-h100-vs-block128, run_d): head_dim 128 runs 4 warps, 1.8-2.0x faster than
+    8 (128-row blocks 4,2: 559 -> 305 ms; 64-row 4,3: 623 -> 315 ms); head_dim 64 keeps 8 warps for
+    128-row blocks (4,2 took 80 ms against 66) and 4 for smaller ones; wider heads 8 warps, 1 stage."""
+    if head_dim > 128:
+        return 8, 1
+    if head_dim > 64:
+        return (4, 2) if block_q >= 128 else (4, 3)
+    return (8, 2) if block_q >= 128 else (4, 2)
 
 
 def _use_triton(q, backend) -> bool:
@@ -589,7 +604,7 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     """AnchorAttention sparse prefill with lse. backend: None (Triton where it runs, else torch),
     "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense.
 
-    rates (e.g. H200_ANCHOR_RATES): after identification, heads whose stripes keep so many keys that
+    rates (e.g. measured_anchor_rates(head_dim)): after identification, heads whose stripes keep so many keys that
     the stripe kernel would not beat the dense kernel run the dense dispatcher instead (exactly dense
     attention's (out, lse) for them). report: anything with record(sparse_densities, dense_heads)."""
     if isinstance(config, dict):
@@ -695,5 +710,5 @@ def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offse
 __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
-    "head_density", "kernel_cost", "AnchorRates", "H200_ANCHOR_RATES", "triton_available", "default_launch",
+    "head_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "measured_anchor_rates", "triton_available", "default_launch",
 ]

@@ -12,8 +12,8 @@ estimated from the whole key range of a row, which no ring step sees.
 Never slower than dense (`load_sparse_method` wraps the method in `FallbackSparse`): a call with
 fewer keys than `SparseConfig.min_length` runs the dense kernel without estimating anything (the
 measured crossover, `MIN_LENGTH`); a longer one estimates its pattern, and every head whose sparse
-kernel would not beat the dense kernel by the measured rates (minference.H200_RATES,
-anchor.H200_ANCHOR_RATES) runs the dense kernel, so its (out, lse) are exactly dense attention's.
+kernel would not beat the dense kernel by the rates measured for its head dim
+(minference.measured_rates, anchor.measured_anchor_rates) runs the dense kernel, so its (out, lse) are exactly dense attention's.
 `SparseReport` (the method's `report`, `sparse_report(model)`) counts what ran.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Protocol
 
 import torch
 
-from starshard.kernels.anchor import H200_ANCHOR_RATES, AnchorConfig
+from starshard.kernels.anchor import AnchorConfig, measured_anchor_rates
 from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.kernels.attention import attention
 from starshard.kernels.common import DECODE_MAX_ROWS, MIN_SPARSE_ROWS
-from starshard.kernels.minference import H200_RATES, MInferenceConfig
+from starshard.kernels.minference import MInferenceConfig, measured_rates
 
 SPARSE_METHODS = ("minference", "anchor")
 
@@ -66,7 +66,7 @@ class SparseConfig:
     min_length: calls over fewer keys run dense, nothing estimated (None: MIN_LENGTH, i.e. more than
     64K keys, on CUDA, 0 elsewhere; 0 estimates at every length). fallback: after the estimate,
     heads whose sparse kernel would not beat the dense kernel run dense (None: on CUDA only, where
-    the rates were measured; True: everywhere, with the H200 rates; False: never, every head runs
+    the rates were measured; True: everywhere, with the measured rates; False: never, every head runs
     its pattern)."""
 
     method: str
@@ -159,11 +159,11 @@ class FallbackSparse:
             return self.config.min_length
         return MIN_LENGTH if device.type == "cuda" else 0
 
-    def rates(self, device: torch.device):
+    def rates(self, device: torch.device, head_dim: int):
         on = self.config.fallback if self.config.fallback is not None else device.type == "cuda"
         if not on:
             return None
-        return H200_ANCHOR_RATES if self.config.method == "anchor" else H200_RATES
+        return (measured_anchor_rates if self.config.method == "anchor" else measured_rates)(head_dim)
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class GuardedPattern:
             own.report.skip(q.shape[1])
             return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
         return self.spec.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale,
-                                   rates=own.rates(q.device), report=own.report)
+                                   rates=own.rates(q.device, q.shape[-1]), report=own.report)
 
 
 def load_sparse_method(cfg: SparseConfig) -> FallbackSparse:

@@ -59,7 +59,7 @@ def minference_attention(q, k, v, *, q_pos, k_pos, pattern, scale=None, causal=T
     "triton" or "torch". Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
     exact dense attention.
 
-    rates: the cost model (plan.KernelRates, e.g. plan.H200_RATES): heads whose sparse kernel would not
+    rates: the cost model (plan.KernelRates, e.g. plan.measured_rates(head_dim)): heads whose sparse kernel would not
     beat the dense kernel run the dense dispatcher instead (`plan_with_fallback`, in two steps), so their (out, lse)
     are exactly dense attention's. report: anything with record(sparse_densities, dense_heads) (the
     installed method's counter, kernels/sparse.py), told what each call ran."""

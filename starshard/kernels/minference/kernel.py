@@ -2,9 +2,10 @@
 dense heads stream two key spans, Vertical-Slash heads their diagonal ranges then their gathered
 columns, Block-Sparse heads their selected key blocks. Runs on CUDA or under TRITON_INTERPRET=1.
 
-`Launch` picks a variant (issue 18, item 3; the default is the kernel as it was: on an H100 at 128K
-none beat it on the default pattern, `flat` was 1.17x faster on a small-budget one and `pair` 3x
-slower, bench/results/2026-11-25-gpu-kernel-variants): `pair` runs two index row blocks per program
+`Launch` picks a variant (issue 18, item 3; bench/results/2026-11-25-gpu-kernel-variants and
+2026-11-26-h100-vs-block128, one H100 at 128K): by default Vertical-Slash heads run `flat` where the
+head dim is above 64 (1.08-1.18x the per-run loops at d128; at d64 it lost on the default pattern),
+and `default_launch` sets warps and stages per head dim and kind; `pair` (3x slower) runs two index row blocks per program
 (A-shape heads as one 2*block_size-row tile, Vertical-Slash heads in `_vs_pair_fwd`, which loads each
 diagonal-run key chunk once for both blocks), `flat` streams all diagonal runs of a row block in one
 loop (one software pipeline instead of one per run), `wide` takes the mask-free chunks of contiguous
@@ -393,16 +394,31 @@ def triton_available(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and triton_interpreted(_minference_fwd)
 
 
-def default_launch(head_dim: int, pair: bool = False) -> tuple[int, int]:
-    """(num_warps, num_stages) for a 64-row block. Chosen so that ptxas (sm_90a) reports no register
-    spills; at head_dim 64, 4,2 ran 1.3x faster than 4,3 on an H100 (bench/minference_kernel_variants.py). pair: the paired
-    variants, two softmax states per program: 8 warps keep them unspilled at head_dim 64 (about 235
-    registers; 4 warps spill a little); at 128 they spill whatever the launch."""
+def default_launch(head_dim: int, pair: bool = False, kind: str = "vertical_slash") -> tuple[int, int]:
+    """(num_warps, num_stages) for a 64-row block of `kind` heads, by measurement on an H100 at 128K
+    (bench/minference_kernel_variants.py, structured inputs). head_dim 64: 4,2 (1.3x 4,3). head_dim
+    128: 4 warps, 2x faster than 8 (Vertical-Slash 0.29 -> 0.63 of cuDNN's rate, A-shape 0.36 -> 0.76,
+    Block-Sparse 0.48 -> 0.70; 2026-11-26-h100-vs-block128), 2 stages for Vertical-Slash, 3 for the
+    others. pair: the paired variants, two softmax states per program: 8 warps keep them unspilled at
+    head_dim 64 (about 235 registers; 4 warps spill a little); at 128 they spill whatever the launch."""
     if pair:
         return 8, 2
     if head_dim <= 64:
         return 4, 2
-    return (8, 2) if head_dim <= 128 else (8, 1)
+    if head_dim <= 128:
+        return (4, 2) if kind == "vertical_slash" else (4, 3)
+    return 8, 1
+
+
+def default_flat(head_dim: int) -> bool:
+    """Whether Vertical-Slash heads stream their diagonal runs in one loop by default (`Launch.flat`)."""
+    return head_dim > 64
+
+
+def default_settings(head_dim: int) -> dict:
+    """The default launch of each kind at `head_dim` (the padded BLOCK_D), as benchmarks record it."""
+    return {**{kind: list(default_launch(head_dim, kind=kind)) for kind in ("a_shape", "vertical_slash", "block_sparse")},
+            "vertical_slash_flat": default_flat(head_dim)}
 
 
 @dataclass(frozen=True)
@@ -416,7 +432,7 @@ class Launch:
     warps: int | None = None
     stages: int | None = None
     pair: bool = False
-    flat: bool = False
+    flat: bool | None = False  # None: `default_flat` (the default launch)
     wide: bool = False
 
     @classmethod
@@ -437,16 +453,20 @@ class Launch:
         words = "+".join(w for w in ("pair", "flat", "wide") if getattr(self, w)) or "default"
         return words + (f":{self.warps},{self.stages}" if self.warps else "")
 
-    def settings(self, block_d: int, paired: bool) -> dict:
+    def settings(self, block_d: int, paired: bool, kind: str = "vertical_slash") -> dict:
         """num_warps / num_stages of one launch (`paired`: the group runs a paired variant)."""
-        w, s = (self.warps, self.stages) if self.warps is not None else default_launch(block_d, paired)
+        w, s = (self.warps, self.stages) if self.warps is not None else default_launch(block_d, paired, kind)
         return {"num_warps": w, "num_stages": s}
+
+    def flat_for(self, block_d: int) -> bool:
+        return default_flat(block_d) if self.flat is None else self.flat
 
 
 def as_launch(launch) -> Launch:
-    """None, (num_warps, num_stages), a Launch or its `Launch.parse` spec -> Launch."""
+    """None (the default: `default_launch`, `default_flat`), (num_warps, num_stages), a Launch or its
+    `Launch.parse` spec -> Launch."""
     if launch is None:
-        return Launch()
+        return Launch(flat=None)
     if isinstance(launch, Launch):
         return launch
     if isinstance(launch, str):
@@ -510,8 +530,9 @@ def computed_entries(grp, *, B: int, Lq: int, Lk: int, offset: int, block_size: 
 
 
 def attention_triton(q, k, v, groups, *, offset, scale, block_size, launch=None):
-    """Run `groups` (plan.HeadGroup with indices) through the kernels. launch: None (today's kernel,
-    `default_launch`), (num_warps, num_stages), or a `Launch` (a variant; see the module docstring)."""
+    """Run `groups` (plan.HeadGroup with indices) through the kernels. launch: None (the default:
+    `default_launch`, `default_flat`), (num_warps, num_stages) (per-run loops), or a `Launch` (a
+    variant; see the module docstring)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
@@ -524,21 +545,22 @@ def attention_triton(q, k, v, groups, *, offset, scale, block_size, launch=None)
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
     for grp in groups:
         common = dict(HEAD_DIM=D, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-                      **run.settings(block_d, run.pair and grp.kind != "block_sparse"))
+                      **run.settings(block_d, run.pair and grp.kind != "block_sparse", grp.kind))
+        flat = run.flat_for(block_d)
         nH = len(grp.heads)
         heads_t = to_device(grp.heads, dev, torch.int32)
         dummy = heads_t
         if grp.kind == "vertical_slash" and run.pair:
             ix = grp.index
             seg, segn, thin = ix.seg, ix.seg_count, dummy
-            if run.flat and seg.shape[2] > 0:
+            if flat and seg.shape[2] > 0:
                 seg, thin = _thin_first(seg, segn)
             ks, ki = seg.shape[2], ix.col.shape[3]
             n_pairs = cdiv(n_qblocks, 2)
             _vs_pair_fwd[(n_pairs, B * nH)](
                 q, k, v, out, lse, heads_t, seg if ks else dummy, segn, thin, ix.col if ki else dummy, ix.col_count,
                 ix.col_full, scale * LOG2E, *strides, nH, Hq, Hq // Hkv, Lq, Lk, offset, n_qblocks, n_pairs, ks, ki,
-                BM=BM, FLAT=run.flat and ks > 0, WIDE=run.wide, **common,
+                BM=BM, FLAT=flat and ks > 0, WIDE=run.wide, **common,
             )
             continue
         p0 = p1 = seg = segn = idx = cnt = cfull = dummy
@@ -568,6 +590,6 @@ def attention_triton(q, k, v, groups, *, offset, scale, block_size, launch=None)
             q, k, v, out, lse, heads_t, p0, p1, seg, segn, idx, cnt, cfull,
             scale * LOG2E, *strides,
             nH, Hq, Hq // Hkv, Lq, Lk, offset, nqb, ks, ki,
-            MODE=mode, BLOCK_M=bm, BLOCK_N=BM, FLAT=run.flat and mode == 1, WIDE=run.wide and mode != 2, **common,
+            MODE=mode, BLOCK_M=bm, BLOCK_N=BM, FLAT=flat and mode == 1, WIDE=run.wide and mode != 2, **common,
         )
     return out, lse

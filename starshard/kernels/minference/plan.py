@@ -236,16 +236,30 @@ class KernelRates:
         return entries / (self.fraction(kind) * self.dense) + index_s < dense_entries / self.dense
 
 
-# One H200, bf16, 32 heads x d128, 64-row blocks, structured inputs (`launch/bench.py sparse`):
-# bench/results/2026-11-23-h200/sparse.json (32K and 128K, commit 4800ea2) and
-# bench/results/2026-11-23-h200-runtime-serve/vs_128k.json (128K again, 4c3b91b). Each fraction is
-# density * dense_cudnn_ms / kernel_ms, the smaller of the two lengths (a head goes sparse only where
-# it wins at both): Vertical-Slash 0.275 (32K) / 0.299 (128K), A-shape 0.312 / 0.368, Block-Sparse
-# 0.459 / 0.489. dense: dense_cost(L, L) * 32 / dense_cudnn_ms = 1.24e12 entries/s at 32K (1.09e12
-# at 128K; the larger makes index work weigh more). bs_index: index_ms / (32 * L) = 1.54e-9 (32K),
-# 1.74e-9 (128K) s per head-key, the larger.
-H200_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275, block_sparse=0.459,
-                         bs_index=1.74e-9)
+# Measured per head dim (the kernels' launch depends on it): one H100 (sm_90, the same kernels as an
+# H200), bf16, 64-row blocks, structured inputs, the default launches of 2026-11-26 (`launch/bench.py
+# sparse`, bench/results/2026-11-26-h100-vs-block128/run_e.sh). Each fraction is density *
+# dense_cudnn_ms / kernel_ms at 32K and 128K, the smaller taken (a head goes sparse only where it wins
+# at both): head dim 128 (32 / 8 heads): Vertical-Slash (1000, 6096) 0.566 / 0.656, A-shape (1024,
+# 4096) 0.768 / 0.756, Block-Sparse (100) 0.690 / 0.733; head dim 64 (9 / 3 heads): 0.620 / 0.630,
+# 0.803 / 0.884, 0.833 / 0.859. dense: dense_cost(L, L) * heads / dense_cudnn_ms at 32K. bs_index:
+# index_ms / (heads * L), the larger of the two lengths (d128 1.47e-9 / 1.78e-9, d64 3.7e-9 / 2.0e-9).
+MEASURED_RATES = {
+    64: KernelRates(dense=1.80e12, a_shape=0.803, vertical_slash=0.620, block_sparse=0.833, bs_index=3.7e-9),
+    128: KernelRates(dense=1.23e12, a_shape=0.756, vertical_slash=0.566, block_sparse=0.690, bs_index=1.78e-9),
+}
+# Head dims above 128 (8 warps, 1 stage: not measured): the slowest rates ever measured, the 8-warp
+# head-dim-128 kernel's on one H200 (bench/results/2026-11-23-h200/sparse.json), so such heads go
+# sparse only where they surely win.
+WIDE_HEAD_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275, block_sparse=0.459,
+                              bs_index=1.74e-9)
+
+
+def measured_rates(head_dim: int) -> KernelRates:
+    """The cost model's rates for heads of `head_dim` (padded to the kernel's tile as it is launched)."""
+    if head_dim <= 64:
+        return MEASURED_RATES[64]
+    return MEASURED_RATES[128] if head_dim <= 128 else WIDE_HEAD_RATES
 
 
 def _take(index, pos: list[int], heads: list[int]):
