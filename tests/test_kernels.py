@@ -19,6 +19,7 @@ ref_mod = importlib.import_module("starshard.kernels.reference")  # attention_ma
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_math, cuda_backend, mask_mode  # noqa: E402
 from starshard.kernels.decode import decode_attention, merge_partials  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
+from starshard.kernels.merge import merge_stacked  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2), torch.float64: (1e-12, 1e-6)}  # lse is float32 by contract
 
@@ -117,6 +118,30 @@ def test_flash_partials_merge_to_full():
     o2, l2 = flash_attention(q, k[:, :, 50:], v[:, :, 50:], q_pos=qp, k_pos=kp[50:], config=cfg)
     out, lse = merge_partials(torch.stack([o1, o2], -2), torch.stack([l1, l2], -1))
     assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("parts,d", [(1, 64), (3, 24), (4, 64), (5, 32)])
+def test_merge_stacked_matches_reference(parts, d, dtype, use_triton):
+    """The CP group's decode merge: partials over disjoint key sets, packed [S, B, H, L, D + 1], against
+    float64 attention over every key; rows empty in some partials and in all of them."""
+    B, hq, hkv, lq = 2, 4, 2, 3
+    lk = 7 * parts
+    q, k, v = qkv(B, hq, hkv, lq, lk, d, dtype, seed=parts)
+    qp = torch.tensor([-1, 5, 1000])  # row 0 sees no key at all; row 1 only the first partial's
+    kp = torch.arange(lk)
+    owner = torch.randperm(lk, generator=torch.Generator().manual_seed(d)) % parts  # scattered key sets
+    owner[:6] = 0
+    packed = []
+    for r in range(parts):
+        sel = (owner == r).nonzero().flatten()
+        o, l = attention(q, k[:, :, sel], v[:, :, sel], q_pos=qp, k_pos=kp[sel], causal=True)
+        packed.append(torch.cat([o.float(), l.unsqueeze(-1)], -1))
+    out, lse = merge_stacked(torch.stack(packed), dtype, use_triton=use_triton)
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=B * hq)
+    with pytest.raises(ValueError, match="float32"):
+        merge_stacked(torch.stack(packed).half(), dtype)
 
 
 # name, B, Hq, Hkv, Lq, Lk, D, q_pos, k_pos, causal, num_splits, rows without a visible key per batch

@@ -1,13 +1,21 @@
-"""Combine two partial attention results over disjoint key sets by log-sum-exp (exact).
+"""Combine partial attention results over disjoint key sets by log-sum-exp (exact).
 
-Every split of one query block's keys merges here: ring steps and APB's passing blocks
-(parallel/context, which re-exports it), the service's cascade (runtime/cascade.py), and a chunked
-prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_attend). The split-KV
-decode kernel's S-way merge of float32 partials is decode.py's own.
+`merge_partials` (two results): every split of one query block's keys merges here: ring steps and APB's
+passing blocks (parallel/context, which re-exports it), the service's cascade (runtime/cascade.py), and
+a chunked prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_attend).
+`merge_stacked` (S results packed in one float32 tensor, out then lse in the last column): the merge of
+a decode step over the CP group after one all-gather (parallel/context/group_merge.py), one Triton
+launch on CUDA. The split-KV decode kernel's S-way merge of its own partials is decode.py's.
 """
 from __future__ import annotations
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # installs without triton (non-Linux CPU) keep the torch path
+    triton = None
 
 
 def merge_partials(out1, lse1, out2, lse2):
@@ -23,3 +31,51 @@ def merge_partials(out1, lse1, out2, lse2):
     out = out1.to(torch.float32, copy=True).mul_(w1)
     out.add_(out2.to(torch.float32, copy=True).mul_(w2))
     return out.to(out1.dtype), lse
+
+
+def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | None = None):
+    """(out, lse) of attention over the union of S disjoint key sets, from their partials stacked and
+    packed: packed [S, B, H, L, D + 1] float32, [..., :D] a partial out, [..., D] its lse. Returns out
+    [B, H, L, D] in `dtype` and lse [B, H, L] float32; rows empty in every partial get out = 0, lse =
+    -inf. `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU)."""
+    if packed.dim() < 2 or packed.dtype != torch.float32 or packed.shape[-1] < 2:
+        raise ValueError(f"merge_stacked wants float32 [S, ..., D + 1] partials, got {packed.dtype} {tuple(packed.shape)}")
+    use_triton = packed.is_cuda if use_triton is None else use_triton
+    S, rest, D = packed.shape[0], packed.shape[1:-1], packed.shape[-1] - 1
+    if not use_triton or triton is None:
+        outs, lses = packed[..., :D], packed[..., D]
+        lse = torch.logsumexp(lses, 0)
+        w = torch.exp(lses - lse.nan_to_num(neginf=0.0))  # all -inf rows: weights 0, not NaN
+        return (w.unsqueeze(-1) * outs).sum(0).to(dtype), lse
+    packed = packed.contiguous()
+    rows = packed[0, ..., 0].numel()
+    out = torch.empty(*rest, D, dtype=dtype, device=packed.device)
+    lse = torch.empty(rest, dtype=torch.float32, device=packed.device)
+    if rows:
+        _merge_stacked_kernel[(rows,)](packed, out, lse, rows, S, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+                                       BLOCK_S=triton.next_power_of_2(S))
+    return out, lse
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["rows", "n_parts"])
+    def _merge_stacked_kernel(P, O, LSE, rows, n_parts, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        """One program per row: its S partials' lse and out read at once, weighted by exp(lse - max)."""
+        row = tl.program_id(0)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < n_parts
+        d_ok = offs_d < HEAD_DIM
+        base = (offs_s.to(tl.int64) * rows + row) * (HEAD_DIM + 1)
+        lp = tl.load(P + base + HEAD_DIM, mask=s_ok, other=float("-inf"))
+        o = tl.load(P + base[:, None] + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        m = tl.max(lp, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lp - m_use)
+        den = tl.sum(w, 0)
+        empty = den == 0.0
+        out = tl.sum(w[:, None] * o, 0) / tl.where(empty, 1.0, den)
+        tl.store(O + row.to(tl.int64) * HEAD_DIM + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + row, tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, den))))

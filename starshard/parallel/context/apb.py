@@ -76,6 +76,7 @@ from starshard.kernels.rope import apply_rope
 from starshard.kernels.sparse import pattern_for
 from starshard.layout import apb_bounds, apb_default_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
@@ -551,8 +552,7 @@ class APBAttention(ContextStrategy):
             buf[:, :, :m, row : 2 * row] = pack_fp8(vs) if fp8 else vs
             buf[:, :, :m, 2 * row :] = ps.to(torch.int64).contiguous()[..., None].view(dt)
         out = torch.empty(self.cp * B, Hkv, M, 2 * row + w, dtype=dt, device=like.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
-        work = gather(out, buf, group=self.group, async_op=True)
+        work = all_gather_into(out, buf, self.group, async_op=True)
         self.wire.add(nbytes(buf) * (self.cp - 1))  # positions ride along: 8 bytes of 2*row + w per entry
 
         def finish():

@@ -4,21 +4,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from starshard.kernels.merge import merge_stacked
+from starshard.parallel.context.collectives import all_gather_into
+
 
 def merge_over_group(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, H, L, D], lse [B, H, L] float32 on each rank -> the merged (out, lse) on every rank.
 
-    One all-reduce of the max lse, then one of the weighted sums (numerator and denominator packed
-    into one tensor). Rows empty on every rank stay out = 0, lse = -inf. group=None: a single rank.
+    One all-gather of every rank's (out, lse) packed in float32, then the merge on each rank
+    (`merge_stacked`: one launch on CUDA). Before: an all-reduce of the max lse, then one of the weighted
+    sums, and about a dozen small kernels around them, per layer of every decode step. Rows empty on
+    every rank stay out = 0, lse = -inf. group=None: a single rank.
     """
     if group is None or dist.get_world_size(group) == 1:
         return out, lse
-    m = lse.clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    m_safe = m.nan_to_num(neginf=0.0)
-    w = torch.exp(lse - m_safe)  # 0 for ranks whose rows saw nothing
-    packed = torch.cat([out.float() * w.unsqueeze(-1), w.unsqueeze(-1)], dim=-1)
-    dist.all_reduce(packed, group=group)
-    num, den = packed[..., :-1], packed[..., -1]
-    merged = torch.where(den.unsqueeze(-1) > 0, num / den.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(num))
-    return merged.to(out.dtype), torch.where(den > 0, m_safe + torch.log(den), torch.full_like(den, float("-inf")))
+    packed = torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1)
+    cp = dist.get_world_size(group)
+    gathered = packed.new_empty((cp * packed.shape[0],) + packed.shape[1:])  # gloo wants ranks along dim 0
+    all_gather_into(gathered, packed, group)
+    return merge_stacked(gathered.view((cp,) + packed.shape), out.dtype)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from starshard.kernels.attention import attention
 from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
+from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
@@ -151,23 +152,18 @@ def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor],
                     q_pos.numel(), k_len, len(_runs(q_pos.cpu())), k_pos, plan_steps(q_pos, k_pos_per_rank, rank))
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
-    gather(out, inp, group=group)
-
-
 def gather_ring_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> RingPlan:
     """A plan for arbitrary shards: all-gathers the key positions (two tiny collectives, one host sync)."""
     cp = dist.get_world_size(group)
     _check_pos("q_pos", q_pos, q_pos.numel())
     _check_pos("k_pos", k_pos, k_pos.numel())
     lens = torch.empty(cp, dtype=torch.long, device=k_pos.device)
-    _all_gather(lens, torch.tensor([k_pos.numel()], device=k_pos.device), group)
+    all_gather_into(lens, torch.tensor([k_pos.numel()], device=k_pos.device), group)
     if len(set(lens.tolist())) != 1:  # every rank sees the same lengths, so every rank raises
         raise ValueError(f"ring attention needs equal key shard lengths on every rank, got {lens.tolist()} "
                          "(pad with the sharding.py helpers)")
     gathered = torch.empty(cp * k_pos.numel(), dtype=k_pos.dtype, device=k_pos.device)
-    _all_gather(gathered, k_pos.contiguous(), group)
+    all_gather_into(gathered, k_pos.contiguous(), group)
     per_rank = list(gathered.cpu().view(cp, -1))
     plan = build_ring_plan(q_pos.cpu(), per_rank, group)
     return replace(plan, k_pos=gathered.view(cp, -1))  # keep the device copy: no re-upload

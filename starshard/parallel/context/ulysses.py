@@ -21,6 +21,7 @@ import torch.distributed as dist
 from starshard.kernels.attention import attention
 from starshard.kernels.sparse import LayerSparse, pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
+from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.sharding import contiguous_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
@@ -92,8 +93,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_1d(x: torch.Tensor, group) -> torch.Tensor:
     cp = group_size(group)
     out = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # name since torch 2.13
-    gather(out, x.contiguous(), group=group)
+    all_gather_into(out, x.contiguous(), group)
     return out.view(cp, -1)
 
 
