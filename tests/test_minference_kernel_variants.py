@@ -154,7 +154,8 @@ def test_launch_specs():
     assert L(pair=True).settings(64, True) == {"num_warps": 8, "num_stages": 2}
     # head dim 128: 4 warps (2x faster than 8 on an H100), 3 stages except Vertical-Slash, flat by default
     assert L().settings(128, False) == {"num_warps": 4, "num_stages": 2}
-    assert L().settings(128, False, "a_shape") == L().settings(128, False, "block_sparse") == {"num_warps": 4, "num_stages": 3}
+    three = {"num_warps": 4, "num_stages": 3}
+    assert L().settings(128, False, "a_shape") == L().settings(128, False, "block_sparse") == three
     assert mk.as_launch(None).flat_for(128) and not mk.as_launch(None).flat_for(64)
     assert not L().flat_for(128) and L(flat=True).flat_for(64)  # an explicit launch is taken as given
     assert mk.default_settings(128) == {"a_shape": [4, 3], "vertical_slash": [4, 2], "block_sparse": [4, 3],

@@ -419,7 +419,8 @@ def test_defaults_per_device_and_validation():
     assert MIN_LENGTH == 65537  # more than 64K keys (measured crossover, kernels/sparse.py)
     assert (m.min_length(cuda), m.min_length(cpu)) == (65537, 0)
     assert (a.min_length(cuda), a.min_length(cpu)) == (65537, 0)
-    assert m.rates(cuda, 128) is mi.MEASURED_RATES[128] and a.rates(cuda, 64) is an.MEASURED_ANCHOR_RATES[64]
+    assert m.rates(cuda, 128) is mi.MEASURED_RATES[128]
+    assert a.rates(cuda, 64) is an.MEASURED_ANCHOR_RATES[64]
     assert m.rates(cpu, 64) is None and a.rates(cpu, 64) is None  # nothing measured on CPU: patterns as asked
     forced = load_sparse_method(SparseConfig("minference", min_length=0, fallback=False))
     assert forced.min_length(cuda) == 0 and forced.rates(cuda, 64) is None

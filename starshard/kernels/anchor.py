@@ -604,9 +604,9 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     """AnchorAttention sparse prefill with lse. backend: None (Triton where it runs, else torch),
     "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense.
 
-    rates (e.g. measured_anchor_rates(head_dim)): after identification, heads whose stripes keep so many keys that
-    the stripe kernel would not beat the dense kernel run the dense dispatcher instead (exactly dense
-    attention's (out, lse) for them). report: anything with record(sparse_densities, dense_heads)."""
+    rates (e.g. measured_anchor_rates(head_dim)): after identification, heads whose stripes keep so
+    many keys that the stripe kernel would not beat the dense kernel run the dense dispatcher instead
+    (exactly dense attention's (out, lse) for them). report: anything with record(sparse_densities, dense_heads)."""
     if isinstance(config, dict):
         config = AnchorConfig.from_dict(config)
     if not isinstance(config, AnchorConfig):
@@ -710,5 +710,6 @@ def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offse
 __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
-    "head_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "measured_anchor_rates", "triton_available", "default_launch",
+    "head_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "measured_anchor_rates", "triton_available",
+    "default_launch",
 ]

@@ -39,7 +39,8 @@ def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | N
     [B, H, L, D] in `dtype` and lse [B, H, L] float32; rows empty in every partial get out = 0, lse =
     -inf. `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU)."""
     if packed.dim() < 2 or packed.dtype != torch.float32 or packed.shape[-1] < 2:
-        raise ValueError(f"merge_stacked wants float32 [S, ..., D + 1] partials, got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(f"merge_stacked wants float32 [S, ..., D + 1] partials, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
     use_triton = packed.is_cuda if use_triton is None else use_triton
     S, rest, D = packed.shape[0], packed.shape[1:-1], packed.shape[-1] - 1
     if not use_triton or triton is None:

@@ -13,7 +13,8 @@ Never slower than dense (`load_sparse_method` wraps the method in `FallbackSpars
 fewer keys than `SparseConfig.min_length` runs the dense kernel without estimating anything (the
 measured crossover, `MIN_LENGTH`); a longer one estimates its pattern, and every head whose sparse
 kernel would not beat the dense kernel by the rates measured for its head dim
-(minference.measured_rates, anchor.measured_anchor_rates) runs the dense kernel, so its (out, lse) are exactly dense attention's.
+(minference.measured_rates, anchor.measured_anchor_rates) runs the dense kernel, so its (out, lse) are
+exactly dense attention's.
 `SparseReport` (the method's `report`, `sparse_report(model)`) counts what ran.
 """
 from __future__ import annotations

@@ -45,8 +45,8 @@ from starshard.kernels.minference.patterns import (
     PUBLISHED_BLOCK_TOPK, AShape, BlockSparse, Dense, HeadPattern, VerticalSlash, head_pattern,
 )
 from starshard.kernels.minference.plan import (
-    MEASURED_RATES, FallbackPlan, HeadGroup, KernelRates, block_sparse_cost, build_plan, column_cost, dense_cost, group_mask,
-    kernel_cost, measured_rates, plan_with_fallback, slash_cost, vs_runs,
+    MEASURED_RATES, FallbackPlan, HeadGroup, KernelRates, block_sparse_cost, build_plan, column_cost, dense_cost,
+    group_mask, kernel_cost, measured_rates, plan_with_fallback, slash_cost, vs_runs,
 )
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "SparsePattern", "MInferenceConfig", "minference_attention", "attention_from_plan", "query_offset",
     "MIN_SPARSE_ROWS", "vs_estimate", "vs_scores", "vs_pick", "pick_vertical", "pick_slash", "vs_select",
     "vs_segments", "vs_index", "bs_select", "VSIndex", "BSIndex", "HeadGroup", "build_plan", "group_mask",
-    "kernel_cost", "dense_cost", "default_launch", "default_settings", "triton_available", "KernelRates", "MEASURED_RATES", "measured_rates", "FallbackPlan",
+    "kernel_cost", "dense_cost", "default_launch", "default_settings", "triton_available", "KernelRates",
+    "MEASURED_RATES", "measured_rates", "FallbackPlan",
     "plan_with_fallback", "attention_with_fallback", "slash_cost", "column_cost", "block_sparse_cost", "vs_runs",
 ]

@@ -5,12 +5,12 @@ columns, Block-Sparse heads their selected key blocks. Runs on CUDA or under TRI
 `Launch` picks a variant (issue 18, item 3; bench/results/2026-11-25-gpu-kernel-variants and
 2026-11-26-h100-vs-block128, one H100 at 128K): by default Vertical-Slash heads run `flat` where the
 head dim is above 64 (1.08-1.18x the per-run loops at d128; at d64 it lost on the default pattern),
-and `default_launch` sets warps and stages per head dim and kind; `pair` (3x slower) runs two index row blocks per program
-(A-shape heads as one 2*block_size-row tile, Vertical-Slash heads in `_vs_pair_fwd`, which loads each
-diagonal-run key chunk once for both blocks), `flat` streams all diagonal runs of a row block in one
-loop (one software pipeline instead of one per run), `wide` takes the mask-free chunks of contiguous
-spans two at a time. Every variant computes exactly the same visibility as the index says
-(tests/test_minference_kernel_variants.py)."""
+and `default_launch` sets warps and stages per head dim and kind; `pair` (3x slower) runs two index
+row blocks per program (A-shape heads as one 2*block_size-row tile, Vertical-Slash heads in
+`_vs_pair_fwd`, which loads each diagonal-run key chunk once for both blocks), `flat` streams all
+diagonal runs of a row block in one loop (one software pipeline instead of one per run), `wide` takes
+the mask-free chunks of contiguous spans two at a time. Every variant computes exactly the same
+visibility as the index says (tests/test_minference_kernel_variants.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -417,7 +417,8 @@ def default_flat(head_dim: int) -> bool:
 
 def default_settings(head_dim: int) -> dict:
     """The default launch of each kind at `head_dim` (the padded BLOCK_D), as benchmarks record it."""
-    return {**{kind: list(default_launch(head_dim, kind=kind)) for kind in ("a_shape", "vertical_slash", "block_sparse")},
+    kinds = ("a_shape", "vertical_slash", "block_sparse")
+    return {**{kind: list(default_launch(head_dim, kind=kind)) for kind in kinds},
             "vertical_slash_flat": default_flat(head_dim)}
 
 
