@@ -9,6 +9,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -150,10 +151,40 @@ def test_identification_matches_paper_formula(layout, cfg_name, backend):
     index = an.identify_stripes(q, k, xa, cfg, offset=off, backend=backend)
     assert index.idx.dtype == index.count.dtype == torch.int32
     assert_selection_matches(index, sel, margin, 1e-4)
+    if backend == "triton":  # the KV-grouped kernel: the same lists, also with a theta per head
+        grouped = an.identify_stripes(q, k, xa, cfg, offset=off, backend=backend, group_heads=True)
+        assert torch.equal(grouped.count, index.count)
+        assert_selection_matches(grouped, sel, margin, 1e-4)
+        per_head = dataclasses.replace(cfg, theta=tuple(cfg.theta + 0.5 * h for h in range(q.shape[1])))
+        want = an.identify_stripes(q, k, xa, per_head, offset=off, backend="torch")
+        got = an.identify_stripes(q, k, xa, per_head, offset=off, backend=backend, group_heads=True)
+        assert torch.equal(got.count, want.count)
+        for b, h, gi in zip(*[t.tolist() for t in torch.nonzero(want.count >= 0, as_tuple=True)]):
+            n = int(want.count[b, h, gi])
+            assert torch.equal(got.idx[b, h, gi, :n], want.idx[b, h, gi, :n])
     counts = [len(x) for x in sel.values()]
     cands = sum(len(m) for m in margin.values())
     if layout != "past_keys":  # the test is only meaningful if theta keeps some candidates, not all
         assert 0 < sum(counts) < cands
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("L", [64, 71, 9])
+def test_pool_blocks_are_block_means(L, dtype):
+    """Block means of q (strided, as the model passes it) and of the anchors, the last block over its
+    real rows only; a -inf anchor makes its block's mean -inf."""
+    g = torch.Generator().manual_seed(L)
+    q = torch.randn(2, L, 3, 24, generator=g).to(dtype).transpose(1, 2)  # [B, Hq, L, D], not contiguous
+    xa = torch.randn(2, 3, L, generator=g)
+    xa[1, 2, L - 1] = -math.inf
+    qbar, xbar = an.pool_blocks(q, xa, 16)
+    want_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert qbar.dtype == xbar.dtype == want_dtype and qbar.shape == (2, 3, -(-L // 16), 24)
+    for m in range(qbar.shape[2]):
+        rows = slice(16 * m, min(16 * m + 16, L))
+        torch.testing.assert_close(qbar[:, :, m].double(), q[:, :, rows].double().mean(2), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(xbar[:, :, m].double(), xa[:, :, rows].double().mean(2), rtol=1e-6, atol=1e-6)
+    assert xbar[1, 2, -1] == -math.inf
 
 
 def test_identification_theta_extremes():
@@ -276,9 +307,10 @@ from triton.compiler import ASTSource
 from starshard.kernels import anchor as an
 ptrs = {"_anchor_max_fwd": {"Q": "q", "K": "q", "XA": "fp32"},
         "_identify_fwd": {"QP": "fp32", "XP": "fp32", "K": "q", "IDX": "i32", "CNT": "i32", "TH": "fp32"},
+        "_identify_gqa_fwd": {"QP": "fp32", "XP": "fp32", "K": "q", "IDX": "i32", "CNT": "i32", "TH": "fp32"},
         "_anchor_sparse_fwd": {"Q": "q", "K": "q", "V": "q", "O": "q", "LSE": "fp32", "IDX": "i32", "CNT": "i32"}}
 floats = {"qk_scale", "theta"}
-consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 64, "STEP_P": 16, "IEEE": False}
+consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 64, "STEP_P": 16, "G_P": 4, "IEEE": False}
 for name, p in ptrs.items():
     fn = getattr(an, name)
     for dt in ("bf16",):  # the GPU dtype; an fp32 build of the 128-row sparse kernel takes minutes
@@ -294,7 +326,7 @@ for name, p in ptrs.items():
         warps, stages = an.default_launch(128, 128)
         k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages})
-        assert name == "_identify_fwd" or "wgmma" in k.asm["ptx"], name
+        assert name.startswith("_identify") or "wgmma" in k.asm["ptx"], name
 print("compiled")
 """
 
@@ -311,7 +343,8 @@ def test_bench_script_runs_on_cpu(tmp_path):
     cmd = [sys.executable, str(ROOT / "launch" / "bench.py"), "anchor", "--device", "cpu", "--quick",
            "--lengths", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dtype", "float32",
            "--block-q", "16", "--block-k", "16", "--init-tokens", "16", "--step", "2", "--thetas", "3", "--vs", "8,32",
-           "--vs-block-size", "16", "--repeats", "1", "--warmup", "0", "--recall-blocks", "2", "--out", str(out)]
+           "--vs-block-size", "16", "--repeats", "1", "--warmup", "0", "--recall-blocks", "2", "--group-heads",
+           "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
@@ -323,6 +356,7 @@ def test_bench_script_runs_on_cpu(tmp_path):
     for key in ("dense_sdpa_cpu_ms",):
         assert row[key] > 0
     assert a["identify_ms"] > 0 and a["kernel_ms"] > 0 and a["total_ms"] > 0
+    assert a["identify_grouped_ms"] > 0 and a["grouped_same_lists"] is True
 
 
 def test_gapped_positions_query_is_tail_of_keys():

@@ -11,7 +11,9 @@ events on GPU); density (computed (row, key) pairs / causal pairs), recall (shar
 mass of the visible keys that the selection keeps) and the relative output error against a masked
 reference, both on --recall-blocks query blocks spread over the sequence (last included). Per
 Vertical-Slash budget (--vs): the same numbers for MInference's kernel, and for each theta the
-fastest VS budget whose recall is at least AnchorAttention's ("vs_at_matched_recall").
+fastest VS budget whose recall is at least AnchorAttention's ("vs_at_matched_recall"). With
+--group-heads, identification again with the KV-grouped stripe kernel ("identify_grouped_ms") and
+whether it kept the same lists ("grouped_same_lists").
 
 Inputs: `launch/bench.py sparse`'s "structured" (local bands, planted columns, sinks) or "random".
 """
@@ -80,6 +82,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     p.add_argument("--recall-blocks", type=int, default=4, help="query blocks for recall / error")
     p.add_argument("--launch", default=None, help="num_warps,num_stages of the sparse kernel (default: built-in)")
+    p.add_argument("--group-heads", action="store_true",
+                   help="also time identification with the KV-grouped kernel (identify_stripes group_heads: each "
+                        "key tile loaded once for a KV head's query heads) and check it keeps the same lists")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--out", default=None, help="JSON output path (also printed)")
 
@@ -167,6 +172,14 @@ def run(args) -> dict:
             index = ident()
             entry = {"theta": theta, "config": cfg.to_dict()}
             entry["identify_ms"] = timed_median(ident, dev, args.repeats, args.warmup) * 1e3
+            if args.group_heads:
+                grouped = lambda: an.build_index(q, k, cfg, offset=0, scale=scale, backend=backend,  # noqa: E731
+                                                 group_heads=True)
+                g_index = grouped()
+                entry["identify_grouped_ms"] = timed_median(grouped, dev, args.repeats, args.warmup) * 1e3
+                kept = torch.arange(index.idx.shape[-1], device=dev) < index.count[..., None]
+                entry["grouped_same_lists"] = bool(torch.equal(g_index.count, index.count)
+                                                   and torch.equal(g_index.idx * kept, index.idx * kept))
             kernel = lambda: an.sparse_attention(q, k, v, index, cfg, offset=0, scale=scale,  # noqa: E731
                                                  backend=backend, launch=launch)
             entry["kernel_ms"] = timed_median(kernel, dev, args.repeats, args.warmup) * 1e3

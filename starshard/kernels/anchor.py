@@ -214,15 +214,19 @@ def _accum(q: torch.Tensor) -> torch.dtype:
 def pool_blocks(q: torch.Tensor, xa: torch.Tensor, block_q: int):
     """Block means of query rows [B, Hq, nM, D] and of anchors [B, Hq, nM] (float32, float64 for float64);
     the last block averages only its real rows."""
-    B, Hq, Lq, D = q.shape
-    nM = cdiv(Lq, block_q)
-    pad = nM * block_q - Lq
+    Lq = q.shape[2]
+    nM, whole = cdiv(Lq, block_q), Lq // block_q
     acc = _accum(q)
-    qs = torch.nn.functional.pad(q.to(acc), (0, 0, 0, pad)).view(B, Hq, nM, block_q, D).sum(3)
-    xs = torch.nn.functional.pad(xa.to(acc), (0, pad)).view(B, Hq, nM, block_q).sum(3)
+
+    def block_sums(x):  # the reduction accumulates in `acc`: no float32 (or padded) copy of q is made
+        sums = [x[:, :, : whole * block_q].unflatten(2, (whole, block_q)).sum(3, dtype=acc)]
+        if whole < nM:  # the last, partial block
+            sums.append(x[:, :, whole * block_q :].sum(2, keepdim=True, dtype=acc))
+        return torch.cat(sums, 2) if len(sums) > 1 else sums[0]
+
     n = torch.full((nM,), float(block_q), dtype=acc, device=q.device)
-    n[-1] = block_q - pad
-    return qs / n[:, None], xs / n
+    n[-1] = Lq - (nM - 1) * block_q
+    return block_sums(q) / n[:, None], block_sums(xa) / n
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,6 +409,59 @@ if triton is not None:
         tl.store(CNT + pid.to(tl.int64) * n_groups + gi, cnt)
 
     @triton.jit
+    def _identify_gqa_fwd(
+        QP, XP, K, IDX, CNT, TH, qk_scale,
+        s_kb, s_kh, s_kn, s_kd,
+        Hq, Hkv, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STEP_P: tl.constexpr, G_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # `_identify_fwd` with one program per (group, batch x KV head): the G query heads of the KV
+        # head stacked as G_P x STEP_P pooled rows, so each key tile is loaded once for all of them
+        # (and the product has G times the rows); hits and lists stay per head.
+        R: tl.constexpr = G_P * STEP_P
+        gi = tl.program_id(0)
+        pid = tl.program_id(1)
+        b = pid // Hkv
+        kvh = pid % Hkv
+        r = tl.arange(0, R)
+        hh = r // STEP_P  # the row's head within the KV group
+        offs_s = gi * step + r % STEP_P
+        s_ok = (hh < G) & (r % STEP_P < step) & (offs_s < nM)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_ok = offs_d < HEAD_DIM
+        row_bh = (b * Hq + kvh * G + hh).to(tl.int64)  # the pooled tensors' (batch x head) of each row
+        qp = tl.load(QP + (row_bh * nM + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        xp = tl.load(XP + row_bh * nM + offs_s, mask=s_ok, other=0.0)
+        theta = tl.load(TH + kvh * G + hh, mask=hh < G, other=0.0)
+        thr = tl.where(s_ok, xp - theta, float("inf"))
+        heads = tl.arange(0, G_P)
+        h_ok = heads < G
+        bh = (b * Hq + kvh * G + heads).to(tl.int64)
+        kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
+        ws = tl.maximum(gi * rows_per_group + off - local_window, 0)
+        hi = tl.minimum(ws, Lk)
+        out_ptr = IDX + (bh * n_groups + gi) * KI  # [G_P]
+        cnt = tl.zeros([G_P], dtype=tl.int32)
+        for start in range(init_tokens, hi, BLOCK_N):
+            cols = start + offs_n
+            ok = cols < hi
+            kt = tl.load(kt_base + cols[None, :] * s_kn, mask=ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+            if IEEE:
+                sc = tl.dot(qp, kt, input_precision="ieee") * qk_scale
+            else:
+                sc = tl.dot(qp, kt) * qk_scale
+            gap = tl.reshape(sc - thr[:, None], (G_P, STEP_P, BLOCK_N))
+            hit = (tl.max(gap, 1) >= 0) & ok[None, :] & h_ok[:, None]  # [G_P, BLOCK_N]
+            hit_i = hit.to(tl.int32)
+            pos = cnt[:, None] + tl.cumsum(hit_i, 1) - 1
+            tl.store(out_ptr[:, None] + pos, tl.broadcast_to(cols[None, :], (G_P, BLOCK_N)), mask=hit)
+            cnt += tl.sum(hit_i, 1)
+        tl.store(CNT + bh * n_groups + gi, cnt, mask=h_ok)
+
+    @triton.jit
     def _anchor_sparse_fwd(
         Q, K, V, O, LSE, IDX, CNT, qk_scale,
         s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om, s_od,
@@ -533,10 +590,12 @@ def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backen
 
 
 def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None, backend=None,
-                     launch=None) -> StripeIndex:
+                     launch=None, group_heads: bool = False) -> StripeIndex:
     """Stage 2: per group of `step` query blocks, the candidate keys (init_tokens <= j < ws_g) with
     xbar_m - qbar_m . k_j * scale <= theta for some block m of the group, as compact ascending lists.
-    launch: (num_warps, num_stages) of the Triton kernel (default 4, 2)."""
+    launch: (num_warps, num_stages) of the Triton kernel (default 4, 2). group_heads: the Triton kernel
+    takes the query heads of one KV head together (each key tile loaded once for them, G times the rows
+    per product; the same lists); not yet timed on a GPU, so off by default."""
     check_shapes(q, k, k)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -550,14 +609,18 @@ def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None,
     idx = torch.empty(B, Hq, G, max(KI, 1), dtype=torch.int32, device=q.device)
     count = torch.empty(B, Hq, G, dtype=torch.int32, device=q.device)
     warps, stages = launch or (4, 2)
-    _identify_fwd[(G, B * Hq)](
-        qbar.contiguous(), xbar.contiguous(), k, idx, count, config.head_thetas(Hq, q.device), float(scale),
-        *k.stride(),
-        Hq, Hq // Hkv, nM, G, max(KI, 1), config.step, config.init_tokens, Lk, offset, config.local_window,
-        config.block_q * config.step,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), STEP_P=max(16, triton.next_power_of_2(config.step)),
-        BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
-    )
+    common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), STEP_P=max(16, triton.next_power_of_2(config.step)),
+                  BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    thetas = config.head_thetas(Hq, q.device)
+    tail = (nM, G, max(KI, 1), config.step, config.init_tokens, Lk, offset, config.local_window,
+            config.block_q * config.step)
+    if group_heads:
+        g = Hq // Hkv
+        _identify_gqa_fwd[(G, B * Hkv)](qbar.contiguous(), xbar.contiguous(), k, idx, count, thetas, float(scale),
+                                        *k.stride(), Hq, Hkv, g, *tail, G_P=triton.next_power_of_2(g), **common)
+    else:
+        _identify_fwd[(G, B * Hq)](qbar.contiguous(), xbar.contiguous(), k, idx, count, thetas, float(scale),
+                                   *k.stride(), Hq, Hq // Hkv, *tail, **common)
     return StripeIndex(idx[..., :KI], count)
 
 
@@ -592,11 +655,12 @@ def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offse
 
 
 def build_index(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None, anchor_launch=None,
-                identify_launch=None) -> StripeIndex:
+                identify_launch=None, group_heads: bool = False) -> StripeIndex:
     """Stages 1 and 2 (what benchmarks time as identification); *_launch: each kernel's (num_warps,
-    num_stages), see `anchor_scores` / `identify_stripes`."""
+    num_stages), see `anchor_scores` / `identify_stripes` (also for group_heads)."""
     xa = anchor_scores(q, k, config, offset=offset, scale=scale, backend=backend, launch=anchor_launch)
-    return identify_stripes(q, k, xa, config, offset=offset, scale=scale, backend=backend, launch=identify_launch)
+    return identify_stripes(q, k, xa, config, offset=offset, scale=scale, backend=backend, launch=identify_launch,
+                            group_heads=group_heads)
 
 
 def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None, causal=True, backend=None,
@@ -606,7 +670,8 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
 
     rates (e.g. measured_anchor_rates(head_dim)): after identification, heads whose stripes keep so
     many keys that the stripe kernel would not beat the dense kernel run the dense dispatcher instead
-    (exactly dense attention's (out, lse) for them). report: anything with record(sparse_densities, dense_heads)."""
+    (exactly dense attention's (out, lse) for them). report: anything with record(sparse_densities,
+    dense_heads)."""
     if isinstance(config, dict):
         config = AnchorConfig.from_dict(config)
     if not isinstance(config, AnchorConfig):
