@@ -19,7 +19,7 @@ ref_mod = importlib.import_module("starshard.kernels.reference")  # attention_ma
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_math, cuda_backend, mask_mode  # noqa: E402
 from starshard.kernels.decode import decode_attention, merge_partials  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
-from starshard.kernels.merge import merge_stacked  # noqa: E402
+from starshard.kernels.merge import merge_into, merge_stacked  # noqa: E402
 from sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2), torch.float64: (1e-12, 1e-6)}  # lse is float32 by contract
@@ -145,6 +145,33 @@ def test_merge_stacked_matches_reference(parts, d, dtype, use_triton):
         merge_stacked(torch.stack(packed).half(), dtype)
 
 
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [64, 24])
+def test_merge_into_matches_reference(d, dtype, use_triton):
+    """The ring's in-place accumulate: a slice of a float32 accumulator merged with a partial in the
+    model's strided layout, against float64 attention over both key sets; rows empty in the
+    accumulator, in the partial, and in both."""
+    B, hq, hkv, lq = 2, 4, 2, 40
+    q, k, v = qkv(B, hq, hkv, lq, 60, d, dtype, seed=d)
+    qp = torch.arange(lq) - 5  # rows 0..4 see no key at all; the first partial holds keys 0..19
+    kp = torch.arange(60)
+    o1, l1 = attention(q, k[:, :, :20], v[:, :, :20], q_pos=qp, k_pos=kp[:20], causal=True)
+    o2, l2 = attention(q, k[:, :, 20:], v[:, :, 20:], q_pos=qp, k_pos=kp[20:], causal=True)
+    acc_out = torch.full((B, hq, lq + 7, d), 7.0)  # the accumulator is wider: only the slice may change
+    acc_lse = torch.full((B, hq, lq + 7), 7.0)
+    acc_out[:, :, 3 : 3 + lq], acc_lse[:, :, 3 : 3 + lq] = o1.float(), l1
+    o2s = o2.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, H, D] storage, as attention returns it
+    merge_into(acc_out[:, :, 3 : 3 + lq], acc_lse[:, :, 3 : 3 + lq], o2s, l2, use_triton=use_triton)
+    out, lse = acc_out[:, :, 3 : 3 + lq].to(dtype), acc_lse[:, :, 3 : 3 + lq]
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=B * hq * 5)
+    assert (acc_out[:, :, :3] == 7).all() and (acc_out[:, :, 3 + lq :] == 7).all() and (acc_lse[:, :, :3] == 7).all()
+    with pytest.raises(ValueError, match="float32"):
+        merge_into(acc_out[:, :, :lq].half(), acc_lse[:, :, :lq], o2, l2)
+    with pytest.raises(ValueError, match="shapes"):
+        merge_into(acc_out[:, :, :lq - 1], acc_lse[:, :, :lq - 1], o2, l2)
+
+
 _MERGE_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -156,12 +183,17 @@ sig = {"P": "*fp32", "O": "*bf16", "LSE": "*fp32", "rows": "i32", "n_parts": "i3
 for d, s in ((128, 2), (64, 8)):
     consts = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_S=s)
     triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+fn = merge._merge_into_kernel
+sig = {n: "i32" for n in fn.arg_names}
+sig.update(AO="*fp32", AL="*fp32", O="*bf16", LP="*fp32", HEAD_DIM="constexpr", BLOCK_D="constexpr", BLOCK_R="constexpr")
+triton.compile(ASTSource(fn, sig, constexprs=dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=32)),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("compiled")
 """
 
 
-def test_merge_stacked_compiles_for_sm90(tmp_path):
-    """The interpreter skips Triton's compiler: build the CP merge kernel for sm_90a (no GPU needed)."""
+def test_merge_kernels_compile_for_sm90(tmp_path):
+    """The interpreter skips Triton's compiler: build the merge kernels for sm_90a (no GPU needed)."""
     assert_compiles_for_sm90(_MERGE_COMPILE, tmp_path)
 
 

@@ -3,6 +3,8 @@
 `merge_partials` (two results): every split of one query block's keys merges here: ring steps and APB's
 passing blocks (parallel/context, which re-exports it), the service's cascade (runtime/cascade.py), and
 a chunked prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_attend).
+`merge_into` (a running float32 result and one more partial, in place): the ring's accumulator
+(parallel/context/ring.py), one Triton pass on CUDA instead of merge_partials' float32 copies.
 `merge_stacked` (S results packed in one float32 tensor, out then lse in the last column): the merge of
 a decode step over the CP group after one all-gather (parallel/context/group_merge.py), one Triton
 launch on CUDA. The split-KV decode kernel's S-way merge of its own partials is decode.py's.
@@ -33,6 +35,34 @@ def merge_partials(out1, lse1, out2, lse2):
     return out.to(out1.dtype), lse
 
 
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               use_triton: bool | None = None) -> None:
+    """acc <- the merge of acc and one more partial over disjoint keys, in place. acc_out [B, H, L, D]
+    float32 and acc_lse [B, H, L] float32 (views allowed: a slice of a larger accumulator); out [B, H, L,
+    D] any float dtype, lse [B, H, L] float32 (any strides). On CUDA one pass that reads both and writes
+    acc (10 bytes per element from bf16 partials; merge_partials + the copy back move ~50); elsewhere
+    merge_partials. `use_triton` defaults to CUDA inputs (TRITON_INTERPRET on CPU for tests)."""
+    if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise ValueError(f"merge_into accumulates in float32, got acc {acc_out.dtype} / {acc_lse.dtype}, "
+                         f"lse {lse.dtype}")
+    if acc_out.shape != out.shape or acc_lse.shape != lse.shape or acc_out.shape[:-1] != acc_lse.shape:
+        raise ValueError(f"merge_into shapes differ: acc {tuple(acc_out.shape)} / {tuple(acc_lse.shape)}, "
+                         f"partial {tuple(out.shape)} / {tuple(lse.shape)}")
+    use_triton = acc_out.is_cuda if use_triton is None else use_triton
+    if not use_triton or triton is None:
+        o, l = merge_partials(acc_out, acc_lse, out, lse)
+        acc_out.copy_(o)
+        acc_lse.copy_(l)
+        return
+    B, H, L, D = acc_out.shape
+    if B * H * L == 0:
+        return
+    BLOCK_R = 32
+    _merge_into_kernel[(triton.cdiv(L, BLOCK_R), B * H)](
+        acc_out, acc_lse, out, lse, *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(), H, L,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+
+
 def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | None = None):
     """(out, lse) of attention over the union of S disjoint key sets, from their partials stacked and
     packed: packed [S, B, H, L, D + 1] float32, [..., :D] a partial out, [..., D] its lse. Returns out
@@ -59,6 +89,34 @@ def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | N
 
 
 if triton is not None:
+
+    @triton.jit(do_not_specialize=["L"])
+    def _merge_into_kernel(AO, AL, O, LP,
+                           s_ab, s_ah, s_am, s_ad, s_lb, s_lh, s_lm, s_ob, s_oh, s_om, s_od, s_pb, s_ph, s_pm,
+                           H, L, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        """BLOCK_R rows of one (batch, head): acc and partial weighted by exp(lse - max), written back."""
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # r x row stride can pass 2^31
+        d = tl.arange(0, BLOCK_D)
+        r_ok = r < L
+        ok = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+        al_ptr = AL + b * s_lb + h * s_lh + r * s_lm
+        l1 = tl.load(al_ptr, mask=r_ok, other=float("-inf"))
+        l2 = tl.load(LP + b * s_pb + h * s_ph + r * s_pm, mask=r_ok, other=float("-inf"))
+        ao_ptr = AO + b * s_ab + h * s_ah + r[:, None] * s_am + d[None, :] * s_ad
+        o1 = tl.load(ao_ptr, mask=ok, other=0.0)
+        o2 = tl.load(O + b * s_ob + h * s_oh + r[:, None] * s_om + d[None, :] * s_od, mask=ok, other=0.0)
+        m = tl.maximum(l1, l2)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w1 = tl.exp(l1 - m_use)
+        w2 = tl.exp(l2 - m_use)
+        den = w1 + w2
+        empty = den == 0.0
+        inv = 1.0 / tl.where(empty, 1.0, den)
+        tl.store(ao_ptr, (w1 * inv)[:, None] * o1 + (w2 * inv)[:, None] * o2.to(tl.float32), mask=ok)
+        tl.store(al_ptr, tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, den))), mask=r_ok)
 
     @triton.jit(do_not_specialize=["rows", "n_parts"])
     def _merge_stacked_kernel(P, O, LSE, rows, n_parts, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -2,6 +2,6 @@
 re-exported for the context strategies."""
 from __future__ import annotations
 
-from starshard.kernels.merge import merge_partials
+from starshard.kernels.merge import merge_into, merge_partials
 
-__all__ = ["merge_partials"]
+__all__ = ["merge_into", "merge_partials"]

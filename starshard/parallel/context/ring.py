@@ -29,7 +29,7 @@ from starshard.kernels.attention import attention
 from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.collectives import all_gather_into
-from starshard.parallel.context.merge import merge_partials
+from starshard.parallel.context.merge import merge_into
 from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
@@ -188,9 +188,10 @@ class _Partial:
     def add(self, call: Call, o: torch.Tensor, l: torch.Tensor) -> None:
         a, b = call.q
         if any(self.written[i] for i in call.runs):
-            o, l = merge_partials(self.out[:, :, a:b], self.lse[:, :, a:b], o, l)
-        self.out[:, :, a:b] = o
-        self.lse[:, :, a:b] = l
+            merge_into(self.out[:, :, a:b], self.lse[:, :, a:b], o, l)  # in place
+        else:
+            self.out[:, :, a:b] = o
+            self.lse[:, :, a:b] = l
         for i in call.runs:
             self.written[i] = True
 
