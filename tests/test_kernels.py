@@ -20,6 +20,7 @@ from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_ma
 from starshard.kernels.decode import decode_attention, merge_partials  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
 from starshard.kernels.merge import merge_into, merge_stacked  # noqa: E402
+from starshard.kernels.merge import merge_partials as merge_two  # noqa: E402  (decode.py: S-way)
 from sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2), torch.float64: (1e-12, 1e-6)}  # lse is float32 by contract
@@ -172,6 +173,23 @@ def test_merge_into_matches_reference(d, dtype, use_triton):
         merge_into(acc_out[:, :, :lq - 1], acc_lse[:, :, :lq - 1], o2, l2)
 
 
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_partials_matches_reference(dtype, use_triton):
+    """Two partials (one in the model's strided layout) merged into a new result in the first's dtype,
+    against float64 attention over both key sets; rows empty in one partial and in both."""
+    B, hq, hkv, lq, d = 2, 4, 2, 33, 40
+    q, k, v = qkv(B, hq, hkv, lq, 50, d, dtype, seed=3)
+    qp = torch.arange(lq) - 3  # rows 0..2 see nothing; rows 3..12 only the first partial's keys
+    kp = torch.arange(50)
+    o1, l1 = attention(q, k[:, :, :10], v[:, :, :10], q_pos=qp, k_pos=kp[:10], causal=True)
+    o2, l2 = attention(q, k[:, :, 10:], v[:, :, 10:], q_pos=qp, k_pos=kp[10:], causal=True)
+    o2s = o2.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = merge_two(o1, l1, o2s, l2, use_triton=use_triton)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, lse, q, k, v, qp, kp, expect_empty=B * hq * 3)
+
+
 _MERGE_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -183,11 +201,13 @@ sig = {"P": "*fp32", "O": "*bf16", "LSE": "*fp32", "rows": "i32", "n_parts": "i3
 for d, s in ((128, 2), (64, 8)):
     consts = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_S=s)
     triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-fn = merge._merge_into_kernel
-sig = {n: "i32" for n in fn.arg_names}
-sig.update(AO="*fp32", AL="*fp32", O="*bf16", LP="*fp32", HEAD_DIM="constexpr", BLOCK_D="constexpr", BLOCK_R="constexpr")
-triton.compile(ASTSource(fn, sig, constexprs=dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=32)),
-               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+fn = merge._merge_two_kernel
+for a, o in (("fp32", "fp32"), ("bf16", "bf16")):  # merge_into's accumulator; merge_partials on bf16
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(A="*" + a, LA="*fp32", P="*bf16", LP="*fp32", O="*" + o, LO="*fp32", HEAD_DIM="constexpr",
+               BLOCK_D="constexpr", BLOCK_R="constexpr")
+    triton.compile(ASTSource(fn, sig, constexprs=dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=32)),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("compiled")
 """
 

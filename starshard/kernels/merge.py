@@ -1,10 +1,12 @@
 """Combine partial attention results over disjoint key sets by log-sum-exp (exact).
 
-`merge_partials` (two results): every split of one query block's keys merges here: ring steps and APB's
-passing blocks (parallel/context, which re-exports it), the service's cascade (runtime/cascade.py), and
-a chunked prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_attend).
+`merge_partials` (two results): every split of one query block's keys merges here: APB's passing
+blocks (parallel/context, which re-exports it), the service's cascade (runtime/cascade.py), a query
+block after its offset keys (attention.causal_attention_at: Star's [anchor; block]), and a chunked
+prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_attend).
 `merge_into` (a running float32 result and one more partial, in place): the ring's accumulator
-(parallel/context/ring.py), one Triton pass on CUDA instead of merge_partials' float32 copies.
+(parallel/context/ring.py). On CUDA both are one Triton pass (`_merge_two_kernel`) instead of float32
+copies.
 `merge_stacked` (S results packed in one float32 tensor, out then lse in the last column): the merge of
 a decode step over the CP group after one all-gather (parallel/context/group_merge.py), one Triton
 launch on CUDA. The split-KV decode kernel's S-way merge of its own partials is decode.py's.
@@ -20,11 +22,20 @@ except ImportError:  # installs without triton (non-Linux CPU) keep the torch pa
     triton = None
 
 
-def merge_partials(out1, lse1, out2, lse2):
+def merge_partials(out1, lse1, out2, lse2, use_triton: bool | None = None):
     """(out, lse) of attention over the union of two disjoint key sets.
 
-    out*: [B, H, L, D], lse*: [B, H, L] float32. Rows empty in both stay out = 0, lse = -inf.
+    out*: [B, H, L, D], lse*: [B, H, L] float32. Rows empty in both stay out = 0, lse = -inf. On CUDA
+    (`use_triton` defaults to it) one Triton pass reads both partials and writes the result in out1's
+    dtype (6 bytes per element from bf16 partials; the torch ops' float32 copies move ~40).
     """
+    use_triton = out1.is_cuda if use_triton is None else use_triton
+    if (use_triton and triton is not None and out1.dim() == 4 and out1.shape == out2.shape
+            and lse1.shape == lse2.shape == out1.shape[:-1] and lse1.dtype == lse2.dtype == torch.float32):
+        out = torch.empty(out1.shape, dtype=out1.dtype, device=out1.device)
+        lse = torch.empty(lse1.shape, dtype=torch.float32, device=out1.device)
+        _launch_merge(out1, lse1, out2, lse2, out, lse)
+        return out, lse
     lse = torch.logaddexp(lse1, lse2)
     safe = lse.nan_to_num(neginf=0.0)
     w1 = torch.exp(lse1 - safe).nan_to_num(nan=0.0).unsqueeze(-1)
@@ -40,8 +51,8 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     """acc <- the merge of acc and one more partial over disjoint keys, in place. acc_out [B, H, L, D]
     float32 and acc_lse [B, H, L] float32 (views allowed: a slice of a larger accumulator); out [B, H, L,
     D] any float dtype, lse [B, H, L] float32 (any strides). On CUDA one pass that reads both and writes
-    acc (10 bytes per element from bf16 partials; merge_partials + the copy back move ~50); elsewhere
-    merge_partials. `use_triton` defaults to CUDA inputs (TRITON_INTERPRET on CPU for tests)."""
+    acc (10 bytes per element from bf16 partials; the torch ops + the copy back move ~50); elsewhere
+    merge_partials' torch ops. `use_triton` defaults to CUDA inputs (TRITON_INTERPRET on CPU for tests)."""
     if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or lse.dtype != torch.float32:
         raise ValueError(f"merge_into accumulates in float32, got acc {acc_out.dtype} / {acc_lse.dtype}, "
                          f"lse {lse.dtype}")
@@ -50,17 +61,22 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
                          f"partial {tuple(out.shape)} / {tuple(lse.shape)}")
     use_triton = acc_out.is_cuda if use_triton is None else use_triton
     if not use_triton or triton is None:
-        o, l = merge_partials(acc_out, acc_lse, out, lse)
+        o, l = merge_partials(acc_out, acc_lse, out, lse, use_triton=False)
         acc_out.copy_(o)
         acc_lse.copy_(l)
         return
-    B, H, L, D = acc_out.shape
+    _launch_merge(acc_out, acc_lse, out, lse, acc_out, acc_lse)  # the result written over the accumulator
+
+
+def _launch_merge(o1, l1, o2, l2, out, lse) -> None:
+    """out, lse <- the merge of (o1, l1) and (o2, l2), all [B, H, L(, D)] with any strides (out may be o1)."""
+    B, H, L, D = o1.shape
     if B * H * L == 0:
         return
     BLOCK_R = 32
-    _merge_into_kernel[(triton.cdiv(L, BLOCK_R), B * H)](
-        acc_out, acc_lse, out, lse, *acc_out.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(), H, L,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+    _merge_two_kernel[(triton.cdiv(L, BLOCK_R), B * H)](
+        o1, l1, o2, l2, out, lse, *o1.stride(), *l1.stride(), *o2.stride(), *l2.stride(), *out.stride(),
+        *lse.stride(), H, L, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
 
 
 def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | None = None):
@@ -91,10 +107,12 @@ def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | N
 if triton is not None:
 
     @triton.jit(do_not_specialize=["L"])
-    def _merge_into_kernel(AO, AL, O, LP,
-                           s_ab, s_ah, s_am, s_ad, s_lb, s_lh, s_lm, s_ob, s_oh, s_om, s_od, s_pb, s_ph, s_pm,
-                           H, L, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-        """BLOCK_R rows of one (batch, head): acc and partial weighted by exp(lse - max), written back."""
+    def _merge_two_kernel(A, LA, P, LP, O, LO,
+                          s_ab, s_ah, s_am, s_ad, s_lb, s_lh, s_lm, s_pb, s_ph, s_pm, s_pd, s_qb, s_qh, s_qm,
+                          s_ob, s_oh, s_om, s_od, s_rb, s_rh, s_rm,
+                          H, L, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        """BLOCK_R rows of one (batch, head): two partials weighted by exp(lse - max), written to O / LO
+        (which may be A / LA: each program reads its tile before writing it)."""
         bh = tl.program_id(1)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
@@ -102,12 +120,10 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         r_ok = r < L
         ok = r_ok[:, None] & (d < HEAD_DIM)[None, :]
-        al_ptr = AL + b * s_lb + h * s_lh + r * s_lm
-        l1 = tl.load(al_ptr, mask=r_ok, other=float("-inf"))
-        l2 = tl.load(LP + b * s_pb + h * s_ph + r * s_pm, mask=r_ok, other=float("-inf"))
-        ao_ptr = AO + b * s_ab + h * s_ah + r[:, None] * s_am + d[None, :] * s_ad
-        o1 = tl.load(ao_ptr, mask=ok, other=0.0)
-        o2 = tl.load(O + b * s_ob + h * s_oh + r[:, None] * s_om + d[None, :] * s_od, mask=ok, other=0.0)
+        l1 = tl.load(LA + b * s_lb + h * s_lh + r * s_lm, mask=r_ok, other=float("-inf"))
+        l2 = tl.load(LP + b * s_qb + h * s_qh + r * s_qm, mask=r_ok, other=float("-inf"))
+        o1 = tl.load(A + b * s_ab + h * s_ah + r[:, None] * s_am + d[None, :] * s_ad, mask=ok, other=0.0)
+        o2 = tl.load(P + b * s_pb + h * s_ph + r[:, None] * s_pm + d[None, :] * s_pd, mask=ok, other=0.0)
         m = tl.maximum(l1, l2)
         m_use = tl.where(m == float("-inf"), 0.0, m)
         w1 = tl.exp(l1 - m_use)
@@ -115,8 +131,10 @@ if triton is not None:
         den = w1 + w2
         empty = den == 0.0
         inv = 1.0 / tl.where(empty, 1.0, den)
-        tl.store(ao_ptr, (w1 * inv)[:, None] * o1 + (w2 * inv)[:, None] * o2.to(tl.float32), mask=ok)
-        tl.store(al_ptr, tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, den))), mask=r_ok)
+        res = (w1 * inv)[:, None] * o1.to(tl.float32) + (w2 * inv)[:, None] * o2.to(tl.float32)
+        tl.store(O + b * s_ob + h * s_oh + r[:, None] * s_om + d[None, :] * s_od, res.to(O.dtype.element_ty), mask=ok)
+        lse = tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, den)))
+        tl.store(LO + b * s_rb + h * s_rh + r * s_rm, lse, mask=r_ok)
 
     @triton.jit(do_not_specialize=["rows", "n_parts"])
     def _merge_stacked_kernel(P, O, LSE, rows, n_parts, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
