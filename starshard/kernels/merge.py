@@ -22,6 +22,9 @@ except ImportError:  # installs without triton (non-Linux CPU) keep the torch pa
     triton = None
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernel computes in float32
+
+
 def merge_partials(out1, lse1, out2, lse2, use_triton: bool | None = None):
     """(out, lse) of attention over the union of two disjoint key sets.
 
@@ -31,7 +34,8 @@ def merge_partials(out1, lse1, out2, lse2, use_triton: bool | None = None):
     """
     use_triton = out1.is_cuda if use_triton is None else use_triton
     if (use_triton and triton is not None and out1.dim() == 4 and out1.shape == out2.shape
-            and lse1.shape == lse2.shape == out1.shape[:-1] and lse1.dtype == lse2.dtype == torch.float32):
+            and lse1.shape == lse2.shape == out1.shape[:-1] and lse1.dtype == lse2.dtype == torch.float32
+            and out1.dtype in _KERNEL_DTYPES and out2.dtype in _KERNEL_DTYPES):  # else the torch ops below
         out = torch.empty(out1.shape, dtype=out1.dtype, device=out1.device)
         lse = torch.empty(lse1.shape, dtype=torch.float32, device=out1.device)
         _launch_merge(out1, lse1, out2, lse2, out, lse)
@@ -49,18 +53,18 @@ def merge_partials(out1, lse1, out2, lse2, use_triton: bool | None = None):
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                use_triton: bool | None = None) -> None:
     """acc <- the merge of acc and one more partial over disjoint keys, in place. acc_out [B, H, L, D]
-    float32 and acc_lse [B, H, L] float32 (views allowed: a slice of a larger accumulator); out [B, H, L,
-    D] any float dtype, lse [B, H, L] float32 (any strides). On CUDA one pass that reads both and writes
-    acc (10 bytes per element from bf16 partials; the torch ops + the copy back move ~50); elsewhere
-    merge_partials' torch ops. `use_triton` defaults to CUDA inputs (TRITON_INTERPRET on CPU for tests)."""
-    if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32 or lse.dtype != torch.float32:
-        raise ValueError(f"merge_into accumulates in float32, got acc {acc_out.dtype} / {acc_lse.dtype}, "
-                         f"lse {lse.dtype}")
+    float32 and acc_lse [B, H, L] float32 (views allowed: a slice of a larger accumulator); out [B, H,
+    L, D] and lse [B, H, L], any strides. On CUDA one pass that reads both and writes acc (10 bytes per
+    element from bf16 partials; the torch ops + the copy back move ~50); elsewhere merge_partials' torch
+    ops. `use_triton` defaults to CUDA inputs (TRITON_INTERPRET on CPU for tests)."""
+    if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32:
+        raise ValueError(f"merge_into accumulates in float32, got acc {acc_out.dtype} / {acc_lse.dtype}")
+    lse = lse.float()  # float32 by the attention contract; anything else is converted, not refused
     if acc_out.shape != out.shape or acc_lse.shape != lse.shape or acc_out.shape[:-1] != acc_lse.shape:
         raise ValueError(f"merge_into shapes differ: acc {tuple(acc_out.shape)} / {tuple(acc_lse.shape)}, "
                          f"partial {tuple(out.shape)} / {tuple(lse.shape)}")
     use_triton = acc_out.is_cuda if use_triton is None else use_triton
-    if not use_triton or triton is None:
+    if not use_triton or triton is None or out.dtype not in _KERNEL_DTYPES:
         o, l = merge_partials(acc_out, acc_lse, out, lse, use_triton=False)
         acc_out.copy_(o)
         acc_lse.copy_(l)
