@@ -17,10 +17,10 @@ pytest.importorskip("triton")
 attn_mod = importlib.import_module("starshard.kernels.attention")  # the package re-exports the function
 ref_mod = importlib.import_module("starshard.kernels.reference")  # attention_math and its score budget
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_math, cuda_backend, mask_mode  # noqa: E402
-from starshard.kernels.decode import decode_attention, merge_partials  # noqa: E402
+from starshard.kernels.decode import decode_attention  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
-from starshard.kernels.merge import merge_into, merge_stacked  # noqa: E402
-from starshard.kernels.merge import merge_partials as merge_two  # noqa: E402  (decode.py: S-way)
+from starshard.kernels.merge import merge_into, merge_many, merge_stacked  # noqa: E402
+from starshard.kernels.merge import merge_partials as merge_two  # noqa: E402
 from sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2), torch.float64: (1e-12, 1e-6)}  # lse is float32 by contract
@@ -118,7 +118,7 @@ def test_flash_partials_merge_to_full():
     cfg = (16, 32, 4, 1)
     o1, l1 = flash_attention(q, k[:, :, :50], v[:, :, :50], q_pos=qp, k_pos=kp[:50], config=cfg)
     o2, l2 = flash_attention(q, k[:, :, 50:], v[:, :, 50:], q_pos=qp, k_pos=kp[50:], config=cfg)
-    out, lse = merge_partials(torch.stack([o1, o2], -2), torch.stack([l1, l2], -1))
+    out, lse = merge_many(torch.stack([o1, o2], -2), torch.stack([l1, l2], -1))
     assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
 
 

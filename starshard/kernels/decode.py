@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from starshard.kernels.common import as_positions, check_kernel_inputs, check_shapes, sm_count
+from starshard.kernels.merge import merge_many
 from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softmax_finish, softmax_init, softmax_update,
                                               softmax_update_scaled_v)
 from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
@@ -30,13 +31,6 @@ except ImportError:  # older triton: plain loads
 _MIN_CHUNK = 256  # keys per split: below this the merge costs more than the parallelism buys
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine partial results over disjoint key sets: outs [..., S, D] float32, lses [..., S]."""
-    lse = torch.logsumexp(lses, dim=-1)
-    w = torch.exp(lses - lse.nan_to_num(neginf=0.0)[..., None])  # all -inf rows: weights 0, not NaN
-    return (w[..., None] * outs).sum(-2), lse
-
-
 def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
     """The split-and-merge in torch (CPU, and the reference of the kernel); k, v dequantized already."""
     Lk = k.shape[2]
@@ -46,7 +40,7 @@ def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
                        q_pos=q_pos, k_pos=k_pos[..., s : s + chunk], causal=causal, scale=scale)
         for s in range(0, Lk, chunk)
     ]
-    out, lse = merge_partials(torch.stack([p[0] for p in parts], -2), torch.stack([p[1] for p in parts], -1))
+    out, lse = merge_many(torch.stack([p[0] for p in parts], -2), torch.stack([p[1] for p in parts], -1))
     return out.to(q.dtype), lse
 
 

@@ -9,7 +9,8 @@ prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_att
 copies.
 `merge_stacked` (S results packed in one float32 tensor, out then lse in the last column): the merge of
 a decode step over the CP group after one all-gather (parallel/context/group_merge.py), one Triton
-launch on CUDA. The split-KV decode kernel's S-way merge of its own partials is decode.py's.
+launch on CUDA. `merge_many` (S float32 partials stacked next to their head dim): the torch S-way merge,
+also the split-KV decode's torch path (decode.py; its kernel merges its own partials in registers).
 """
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ def merge_partials(out1, lse1, out2, lse2, use_triton: bool | None = None):
     out = out1.to(torch.float32, copy=True).mul_(w1)
     out.add_(out2.to(torch.float32, copy=True).mul_(w2))
     return out.to(out1.dtype), lse
+
+
+def merge_many(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine partial results over disjoint key sets: outs [..., S, D] float32, lses [..., S]."""
+    lse = torch.logsumexp(lses, dim=-1)
+    w = torch.exp(lses - lse.nan_to_num(neginf=0.0)[..., None])  # all -inf rows: weights 0, not NaN
+    return (w[..., None] * outs).sum(-2), lse
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -94,10 +102,8 @@ def merge_stacked(packed: torch.Tensor, dtype: torch.dtype, use_triton: bool | N
     use_triton = packed.is_cuda if use_triton is None else use_triton
     S, rest, D = packed.shape[0], packed.shape[1:-1], packed.shape[-1] - 1
     if not use_triton or triton is None:
-        outs, lses = packed[..., :D], packed[..., D]
-        lse = torch.logsumexp(lses, 0)
-        w = torch.exp(lses - lse.nan_to_num(neginf=0.0))  # all -inf rows: weights 0, not NaN
-        return (w.unsqueeze(-1) * outs).sum(0).to(dtype), lse
+        out, lse = merge_many(packed[..., :D].movedim(0, -2), packed[..., D].movedim(0, -1))
+        return out.to(dtype), lse
     packed = packed.contiguous()
     rows = packed[0, ..., 0].numel()
     out = torch.empty(*rest, D, dtype=dtype, device=packed.device)
