@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from starshard.kernels.attention import attention, causal_attention_at, head_subset
-from starshard.kernels.common import MIN_SPARSE_ROWS, cdiv, check_shapes, query_offset, to_device, triton_interpreted
+from starshard.kernels.common import (MIN_SPARSE_ROWS, cdiv, check_shapes, for_head_dim, query_offset, to_device,
+                                      triton_interpreted)
 from starshard.kernels.online_softmax import LOG2E, key_chunk, key_span, softmax_finish, softmax_init
 
 try:
@@ -155,9 +156,7 @@ WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319)
 
 
 def measured_anchor_rates(head_dim: int) -> AnchorRates:
-    if head_dim <= 64:
-        return MEASURED_ANCHOR_RATES[64]
-    return MEASURED_ANCHOR_RATES[128] if head_dim <= 128 else WIDE_HEAD_ANCHOR_RATES
+    return for_head_dim(MEASURED_ANCHOR_RATES, head_dim, WIDE_HEAD_ANCHOR_RATES)
 
 
 @dataclass

@@ -26,6 +26,13 @@ def cdiv(a: int, b: int) -> int:
 _ARANGES: dict[int, tuple] = {}
 
 
+def for_head_dim(measured: dict, head_dim: int, wider):
+    """The entry of `measured` (keyed by head dim) for the smallest measured head dim >= head_dim (the
+    kernels' tiles pad a head dim up to that), else `wider`: what the rates measured per head dim hand
+    to the sparse cost models (minference.measured_rates, anchor.measured_anchor_rates)."""
+    return next((measured[d] for d in sorted(measured) if head_dim <= d), wider)
+
+
 def mark_arange(pos: torch.Tensor, start: int) -> torch.Tensor:
     """Note on the host that 1-D `pos` holds start, start + 1, ... (made by torch.arange and never
     written afterwards), so that `query_offset` and `attention.mask_mode` take its layout from here

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from starshard.kernels.common import INT32_MAX, cdiv, to_device
+from starshard.kernels.common import INT32_MAX, cdiv, for_head_dim, to_device
 from starshard.kernels.minference.columns import use_columns_kernel
 from starshard.kernels.minference.index import BSIndex, VSIndex, bs_select, vs_index, vs_segments, vs_select
 from starshard.kernels.minference.patterns import AShape, Dense
@@ -257,9 +257,7 @@ WIDE_HEAD_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275
 
 def measured_rates(head_dim: int) -> KernelRates:
     """The cost model's rates for heads of `head_dim` (padded to the kernel's tile as it is launched)."""
-    if head_dim <= 64:
-        return MEASURED_RATES[64]
-    return MEASURED_RATES[128] if head_dim <= 128 else WIDE_HEAD_RATES
+    return for_head_dim(MEASURED_RATES, head_dim, WIDE_HEAD_RATES)
 
 
 def _take(index, pos: list[int], heads: list[int]):
