@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Correctness on a GPU (the CPU test suite cannot reach the CUDA paths): the attention dispatcher in
-every mask mode, and the exact CP strategies' attention under torchrun (NCCL), against float64.
+every mask mode, the Triton lse merges, and the exact CP strategies' attention under torchrun (NCCL),
+against float64.
 
     python launch/gpu_check.py                                   # dispatcher
     torchrun --nproc-per-node 2 launch/gpu_check.py --cp         # + ring / ulysses over NCCL
@@ -66,6 +67,38 @@ def check_dispatcher(dev) -> list[dict]:
     return rows
 
 
+def check_merges(dev) -> list[dict]:
+    """The Triton merges (ring's in-place accumulate, the two-partial merge, the decode group's stacked
+    merge) against float64 attention over both key sets, rows empty in a partial and in both."""
+    from starshard.kernels.merge import merge_into, merge_partials, merge_stacked
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(1)
+    L, half = 1031, 400
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q = torch.randn(1, 32, L, 128, dtype=dtype, device=dev, generator=g)
+        k = torch.randn(1, 8, L, 128, dtype=dtype, device=dev, generator=g)
+        v = torch.randn(1, 8, L, 128, dtype=dtype, device=dev, generator=g)
+        qp, kp = torch.arange(L, device=dev) - 7, torch.arange(L, device=dev)  # rows 0..6 see no key
+        ref, ref_lse = attention_math(q.double(), k.double(), v.double(), q_pos=qp, k_pos=kp)
+        o1, l1 = attention(q, k[:, :, :half], v[:, :, :half], q_pos=qp, k_pos=kp[:half])
+        o2, l2 = attention(q, k[:, :, half:], v[:, :, half:], q_pos=qp, k_pos=kp[half:])
+        acc_o, acc_l = o1.float().clone(), l1.float().clone()  # merge_into writes in place
+        merge_into(acc_o, acc_l, o2, l2, use_triton=True)
+        two_o, two_l = merge_partials(o1, l1, o2, l2, use_triton=True)
+        packed = torch.stack([torch.cat([o.float(), l.unsqueeze(-1)], -1) for o, l in ((o1, l1), (o2, l2))])
+        st_o, st_l = merge_stacked(packed, dtype, use_triton=True)
+        fin = torch.isfinite(ref_lse)
+        for name, out, lse in (("merge_into", acc_o, acc_l), ("merge_partials", two_o, two_l),
+                               ("merge_stacked", st_o, st_l)):
+            lse_err = (lse[fin] - ref_lse[fin].float()).abs().max().item()
+            empty_ok = bool(torch.isneginf(lse[~fin]).all()) and bool((out[~fin.unsqueeze(-1).expand_as(out)] == 0).all())
+            e = rel(out.to(dtype), ref)
+            rows.append({"check": f"merge/{name}", "dtype": str(dtype), "rel_err": e, "lse_abs_err": lse_err,
+                         "empty_rows_ok": empty_ok, "ok": e <= BOUND[dtype] and lse_err < 0.05 and empty_ok})
+    return rows
+
+
 def check_cp(dev) -> list[dict]:
     from starshard.parallel.context import make_strategy
 
@@ -101,10 +134,13 @@ def main():
         dev = topo.device
         rows += check_cp(dev)
         if topo.rank == 0:
-            rows += check_dispatcher(dev)
+            rows += check_dispatcher(dev) + check_merges(dev)
+        # Ranks reach the NCCL teardown together: with ranks 1.. waiting there while rank 0 ran the
+        # one-GPU checks, a 4-GPU run printed every row and then hung in exit (H200 x4, 2026-11-26).
+        dist.barrier(device_ids=[dev.index])
     else:
         dev = torch.device("cuda")
-        rows += check_dispatcher(dev)
+        rows += check_dispatcher(dev) + check_merges(dev)
     for r in rows:
         print(json.dumps(r), flush=True)
     ok = all(r["ok"] for r in rows)

@@ -168,6 +168,15 @@ def test_identification_matches_paper_formula(layout, cfg_name, backend):
         assert 0 < sum(counts) < cands
 
 
+@pytest.mark.parametrize("head_dim,keys,group,want", [(128, 1 << 17, 4, True), (128, 1 << 20, 8, True),
+                                                       (128, 1 << 15, 4, False), (64, 1 << 17, 3, False),
+                                                       (128, 1 << 17, 1, False)])
+def test_default_stripe_kernel_follows_the_measurements(head_dim, keys, group, want):
+    """The KV-grouped stripe kernel by default only where it was timed faster: head dim 128 from 128K
+    keys with GQA (MHA has nothing to group)."""
+    assert an.grouped_identify(head_dim, keys, group) is want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("L", [64, 71, 9])
 def test_pool_blocks_are_block_means(L, dtype):

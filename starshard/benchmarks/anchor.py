@@ -11,9 +11,10 @@ events on GPU); density (computed (row, key) pairs / causal pairs), recall (shar
 mass of the visible keys that the selection keeps) and the relative output error against a masked
 reference, both on --recall-blocks query blocks spread over the sequence (last included). Per
 Vertical-Slash budget (--vs): the same numbers for MInference's kernel, and for each theta the
-fastest VS budget whose recall is at least AnchorAttention's ("vs_at_matched_recall"). With
---group-heads, identification again with the KV-grouped stripe kernel ("identify_grouped_ms") and
-whether it kept the same lists ("grouped_same_lists").
+fastest VS budget whose recall is at least AnchorAttention's ("vs_at_matched_recall"). Identification
+takes the model's default stripe kernel (kernels/anchor.py grouped_identify); with --group-heads, also
+the per-head and the KV-grouped kernels each ("identify_per_head_ms", "identify_grouped_ms") and
+whether they kept the same lists ("grouped_same_lists").
 
 Inputs: `launch/bench.py sparse`'s "structured" (local bands, planted columns, sinks) or "random".
 """
@@ -83,8 +84,9 @@ def add_arguments(p) -> None:
     p.add_argument("--recall-blocks", type=int, default=4, help="query blocks for recall / error")
     p.add_argument("--launch", default=None, help="num_warps,num_stages of the sparse kernel (default: built-in)")
     p.add_argument("--group-heads", action="store_true",
-                   help="also time identification with the KV-grouped kernel (identify_stripes group_heads: each "
-                        "key tile loaded once for a KV head's query heads) and check it keeps the same lists")
+                   help="also time identification with the per-head and the KV-grouped stripe kernels (identify_stripes "
+                        "group_heads: each key tile loaded once for a KV head's query heads) and check they keep "
+                        "the same lists")
     p.add_argument("--seed", type=int, default=0, help="input seed")
     p.add_argument("--out", default=None, help="JSON output path (also printed)")
 
@@ -173,13 +175,16 @@ def run(args) -> dict:
             entry = {"theta": theta, "config": cfg.to_dict()}
             entry["identify_ms"] = timed_median(ident, dev, args.repeats, args.warmup) * 1e3
             if args.group_heads:
+                per_head = lambda: an.build_index(q, k, cfg, offset=0, scale=scale, backend=backend,  # noqa: E731
+                                                  group_heads=False)
                 grouped = lambda: an.build_index(q, k, cfg, offset=0, scale=scale, backend=backend,  # noqa: E731
                                                  group_heads=True)
-                g_index = grouped()
+                h_index, g_index = per_head(), grouped()
+                entry["identify_per_head_ms"] = timed_median(per_head, dev, args.repeats, args.warmup) * 1e3
                 entry["identify_grouped_ms"] = timed_median(grouped, dev, args.repeats, args.warmup) * 1e3
-                kept = torch.arange(index.idx.shape[-1], device=dev) < index.count[..., None]
-                entry["grouped_same_lists"] = bool(torch.equal(g_index.count, index.count)
-                                                   and torch.equal(g_index.idx * kept, index.idx * kept))
+                kept = torch.arange(h_index.idx.shape[-1], device=dev) < h_index.count[..., None]
+                entry["grouped_same_lists"] = bool(torch.equal(g_index.count, h_index.count)
+                                                   and torch.equal(g_index.idx * kept, h_index.idx * kept))
             kernel = lambda: an.sparse_attention(q, k, v, index, cfg, offset=0, scale=scale,  # noqa: E731
                                                  backend=backend, launch=launch)
             entry["kernel_ms"] = timed_median(kernel, dev, args.repeats, args.warmup) * 1e3

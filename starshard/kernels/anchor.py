@@ -588,19 +588,30 @@ def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backen
     return xa
 
 
+def grouped_identify(head_dim: int, keys: int, kv_group: int) -> bool:
+    """Whether identification takes the KV-grouped stripe kernel by default. Timed against the per-head
+    one (bench/results/2026-11-26-gpu-anchor-grouped; GQA 4 / 3, theta 12): faster at head dim 128 with
+    128K keys (10.4 vs 12.9 ms on an H100, 10.3 vs 11.2 on an H200), slower at 32K keys (7% at d 128, 11%
+    at d 64) and at d 64 with 128K keys (15%; 4% faster at 512K)."""
+    return kv_group > 1 and head_dim >= 128 and keys >= 1 << 17
+
+
 def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None, backend=None,
-                     launch=None, group_heads: bool = False) -> StripeIndex:
+                     launch=None, group_heads: bool | None = None) -> StripeIndex:
     """Stage 2: per group of `step` query blocks, the candidate keys (init_tokens <= j < ws_g) with
     xbar_m - qbar_m . k_j * scale <= theta for some block m of the group, as compact ascending lists.
     launch: (num_warps, num_stages) of the Triton kernel (default 4, 2). group_heads: the Triton kernel
     takes the query heads of one KV head together (each key tile loaded once for them, G times the rows
-    per product; the same lists); not yet timed on a GPU, so off by default."""
+    per product; the same selection up to exact ties at theta, whose products round differently);
+    None picks by `grouped_identify`."""
     check_shapes(q, k, k)
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
     if not _use_triton(q, backend):
         return _identify_torch(q, k, xa, config, offset=offset, scale=scale)
+    if group_heads is None:
+        group_heads = grouped_identify(D, Lk, Hq // Hkv)
     qbar, xbar = pool_blocks(q, xa, config.block_q)
     nM = qbar.shape[2]
     G = cdiv(nM, config.step)
@@ -654,7 +665,7 @@ def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offse
 
 
 def build_index(q, k, config: AnchorConfig, *, offset: int, scale=None, backend=None, anchor_launch=None,
-                identify_launch=None, group_heads: bool = False) -> StripeIndex:
+                identify_launch=None, group_heads: bool | None = None) -> StripeIndex:
     """Stages 1 and 2 (what benchmarks time as identification); *_launch: each kernel's (num_warps,
     num_stages), see `anchor_scores` / `identify_stripes` (also for group_heads)."""
     xa = anchor_scores(q, k, config, offset=offset, scale=scale, backend=backend, launch=anchor_launch)
