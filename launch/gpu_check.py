@@ -111,8 +111,9 @@ def check_cp(dev) -> list[dict]:
         v = torch.randn(1, 8, L, 128, dtype=torch.bfloat16, device=dev, generator=g)
         pos = torch.arange(L, device=dev)
         ref, _ = attention_math(q.double(), k.double(), v.double(), q_pos=pos, k_pos=pos)
-        for name in ("ring", "ulysses"):
-            s = make_strategy(name, group)
+        for name in ("ring", "ulysses", "ulysses-int8"):
+            s = make_strategy(name.split("-")[0], group)
+            s.int8_scores = name.endswith("int8")  # --fp8 attention: 8-bit scores after the all-to-all
             seg = s.segments(L, L)[0].to(dev)
             out = s.prefill_attend(seg)(q[:, :, seg.index], k[:, :, seg.index], v[:, :, seg.index], seg.positions, None)
             real = seg.cache_rows
@@ -123,7 +124,8 @@ def check_cp(dev) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cp", action="store_true", help="also check ring/ulysses over the torchrun world")
+    ap.add_argument("--cp", action="store_true",
+                    help="also check ring / ulysses (and ulysses with --fp8 attention's 8-bit scores) over the torchrun world")
     args = ap.parse_args()
     rows = []
     if args.cp:

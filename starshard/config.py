@@ -347,7 +347,7 @@ class ParallelConfig:
 
 
 FP8_ITEMS = ("linear", "kv", "attention")
-FP8_ATTENTION_STRATEGIES = ("dense", "star")  # where --fp8 attention's square causal prefill calls are wired
+FP8_ATTENTION_STRATEGIES = ("dense", "star", "ulysses")  # where --fp8 attention's square causal prefill calls are wired
 # The decoder projections `--fp8 linear` holds in e4m3 (module names inside a layer): quantized at load
 # time (parallel/fp8.py) or stored so by the converter (checkpoints/convert.py --fp8 linear).
 FP8_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -368,8 +368,8 @@ class Fp8Config:
     kv:     the KV cache stores e4m3 keys / values with one scale per (KV head, token) (engine/kv_cache.py).
     attention: 8-bit prefill scores (engine/model.py dense_attend_int8_scores, kernels/flash_fp8.py variant "s"):
             q . k from int8 q (per 128 rows) and int8 keys minus their mean (per 128 keys), P . V in the
-            compute dtype, for a prefill block that starts the cache on the dense path and for Star's
-            [anchor; block] context calls (no sparse).
+            compute dtype, for a prefill block that starts the cache on the dense path, Star's
+            [anchor; block] context calls and Ulysses' whole-sequence call after its all-to-all (no sparse).
             e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
             (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
     """
@@ -407,11 +407,13 @@ class Fp8Config:
 
     def layout_error(self, cp: int, cp_strategy: str, sparse: bool) -> str | None:
         """Why this setting cannot run with that layout (None: it can): 8-bit scores are wired into the
-        dense one-device attention (each tp / pp rank's own) and Star's context blocks, without --sparse."""
+        dense one-device attention (each tp / pp rank's own), Star's context blocks and Ulysses' call after
+        its all-to-all, without --sparse (ring, USP and APB attend partial key blocks)."""
         if self.attention and (cp_strategy not in FP8_ATTENTION_STRATEGIES or sparse):
-            return ("--fp8 attention (8-bit prefill scores) runs on the dense path and in Star's context blocks, "
-                    f"without --sparse; got --cp {cp} --cp-strategy {cp_strategy}" + (" with --sparse" if sparse else "")
-                    + ": drop `attention` from --fp8, or use --cp-strategy dense / star without --sparse")
+            return ("--fp8 attention (8-bit prefill scores) runs on the dense path, in Star's context blocks and "
+                    f"in Ulysses, without --sparse; got --cp {cp} --cp-strategy {cp_strategy}"
+                    + (" with --sparse" if sparse else "")
+                    + ": drop `attention` from --fp8, or use --cp-strategy dense / star / ulysses without --sparse")
         return None
 
 

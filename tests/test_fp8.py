@@ -294,7 +294,7 @@ def test_fp8_attention_one_process(tmp_path, monkeypatch):
             assert llm.generate(ids, max_new_tokens=STEPS).token_ids == base.generate(ids, max_new_tokens=STEPS).token_ids
 
 
-def _star_int8_rank(rank, world, path, ids):
+def _int8_rank(rank, world, path, ids, strategy):
     import importlib
 
     attention_mod = importlib.import_module("starshard.kernels.attention")
@@ -303,24 +303,29 @@ def _star_int8_rank(rank, world, path, ids):
     attention_mod.int8_scores_operands = lambda q, k: calls.append(q.shape[2]) or real(q, k)
     row = {}
     for fp8 in (None, "attention"):
-        llm = LLM(path, parallel=ParallelConfig(cp=world, cp_strategy="star"), fp8=fp8)
+        llm = LLM(path, parallel=ParallelConfig(cp=world, cp_strategy=strategy), fp8=fp8)
         calls.clear()
         row[fp8] = {"logits": _last_logits(llm, ids), "calls": list(calls), "layers": len(llm.model.layers),
                     "tokens": llm.generate(ids, max_new_tokens=STEPS).token_ids}
     return row
 
 
-def test_fp8_attention_in_star_context_blocks(tmp_path):
-    """--fp8 attention with Star on 2 gloo ranks: each rank's [anchor; block] context call takes the
-    8-bit scores once per layer (the query phase and decode stay exact); logits within a bound of Star
-    without it, not equal, and the same greedy tokens."""
+@pytest.mark.parametrize("strategy", ["star", "ulysses"])
+def test_fp8_attention_in_context_strategies(tmp_path, strategy):
+    """--fp8 attention on 2 gloo ranks: Star's [anchor; block] context call and Ulysses' whole-sequence
+    call after its all-to-all (half the heads per rank; the 89 prefilled tokens leave a padding row on
+    the last shard, after every real one) take the 8-bit scores once per layer on every rank (Star's
+    query phase and decode stay exact); logits within a bound of the same strategy without it, not
+    equal, and the same greedy tokens."""
     _, path = make_hf_model("llama", tmp_path, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
                             eos_token_id=None)
     ids = torch.randint(0, 211, (90,), generator=torch.Generator().manual_seed(9)).tolist()
-    results = run_ranks(_star_int8_rank, 2, path, ids)
+    results = run_ranks(_int8_rank, 2, path, ids, strategy)
     for rank, r in enumerate(results):
         att = r["attention"]
         assert r[None]["calls"] == [] and len(att["calls"]) == att["layers"], (rank, att["calls"])
+        if strategy == "ulysses":
+            assert set(att["calls"]) == {len(ids)}  # 89 prefilled + 1 padding row on each rank after the all-to-all
         assert r["attention"]["tokens"] == r[None]["tokens"]
     got, want = results[-1]["attention"]["logits"], results[-1][None]["logits"]  # the query rank's
     assert 1e-6 < rel(got, want) < 5e-3, rel(got, want)
@@ -380,14 +385,14 @@ def test_bad_fp8_values_name_the_valid_ones():
     args.cp, args.cp_strategy = 1, None
     assert "valid: linear, kv, attention" in layout_error(args)
     assert fp8_config(ap.parse_args(["--fp8", "kv"])).kv
-    # 8-bit scores live on the dense path and in Star's context blocks: another strategy or --sparse with
+    # 8-bit scores live on the dense path, in Star's context blocks and in Ulysses: another strategy or --sparse with
     # them is refused before any model loads, by the CLI and by LLM alike
     for argv in (["--fp8", "attention", "--cp", "2"], ["--fp8", "linear,attention", "--cp-strategy", "apb"]):
         ap2 = argparse.ArgumentParser()
         add_fp8_arguments(ap2)
         add_layout_arguments(ap2)
         add_sparse_arguments(ap2)
-        assert "runs on the dense path and in Star's context blocks" in layout_error(ap2.parse_args(argv)), argv
+        assert "runs on the dense path, in Star's context blocks and in Ulysses" in layout_error(ap2.parse_args(argv)), argv
     with pytest.raises(LayoutError, match="--cp 2 --cp-strategy ring: drop `attention` from --fp8"):
         LLM(random_weights="tiny", fp8="attention", parallel=ParallelConfig(cp=2, cp_strategy="ring"))
     with pytest.raises(LayoutError, match="with --sparse"):

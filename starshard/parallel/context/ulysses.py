@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from starshard.kernels.attention import attention
+from starshard.kernels.attention import attention, causal_attention_int8_scores
 from starshard.kernels.sparse import LayerSparse, pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.collectives import all_gather_into
@@ -160,7 +160,7 @@ def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool =
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       group, *, scale: float | None = None, need_lse: bool = True, sparse: LayerSparse | None = None,
-                      fp8: bool = False, stats: WireStats | None = None):
+                      fp8: bool = False, stats: WireStats | None = None, int8_scores: bool = False):
     """Causal attention of this rank's sequence shard over the whole sequence held by `group`.
 
     q [B, Hq, n, D], k/v [B, Hkv, m, D], q_pos [n], k_pos [m]: this rank's shard; n, m equal on every
@@ -169,11 +169,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     `sparse`: the layer's sparse method; after the all-to-all this rank holds heads
     rank*Hq/cp .. (rank+1)*Hq/cp - 1 of the whole sequence, so their patterns apply as on one device.
     fp8: k, v travel as e4m3 + scales (an FP8 KV cache); `stats` counts the K/V bytes sent.
+    int8_scores (`--fp8 attention`): after the all-to-all each rank's call is one square causal prefill over
+    the whole sequence, the call the dense path gives 8-bit scores (kernels/attention.py
+    causal_attention_int8_scores; it keeps `attention` for any other mask); not with a sparse pattern.
     """
     offset = 0 if group is None else dist.get_rank(group) * (q.shape[1] // group_size(group))
 
     def dense(qh, kh, vh, qp, kp, packed):
-        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern_for(sparse, qh, offset))
+        pattern = pattern_for(sparse, qh, offset)
+        if int8_scores and pattern is None:
+            return causal_attention_int8_scores(qh, kh, vh, q_pos=qp, k_pos=kp, scale=scale)
+        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern)
 
     return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse, fp8=fp8, stats=stats)
 
@@ -201,7 +207,8 @@ class UlyssesAttention(ContextStrategy):
         def attend(q, k, v, pos, cache, sparse=None):
             cache_append(cache, k, v, pos, rows)
             return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False,
-                                     sparse=sparse, fp8=fp8_wire(cache), stats=self.wire)[0]
+                                     sparse=sparse, fp8=fp8_wire(cache), stats=self.wire,
+                                     int8_scores=self.int8_scores)[0]
 
         return attend
 
