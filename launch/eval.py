@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 import sys
 import time
 from pathlib import Path

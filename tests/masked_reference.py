@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from starshard.engine.kv_cache import KVCache
-
 
 def masked_attend(visible: torch.Tensor):
     """AttendFn for a full sequence with a boolean [L, L] visibility matrix (row = query)."""

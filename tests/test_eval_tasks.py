@@ -4,7 +4,6 @@ the real dense model above a pinned floor."""
 import importlib.util
 import json
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace

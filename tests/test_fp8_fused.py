@@ -19,7 +19,7 @@ from starshard.kernels.activation import (  # noqa: E402
     silu_mul_quant,
     silu_mul_quant_reference,
 )
-from starshard.kernels.fp8 import E4M3_MAX, FP8_DTYPE, dequantize, fp8_linear_reference, quantize_rows  # noqa: E402
+from starshard.kernels.fp8 import E4M3_MAX, FP8_DTYPE, dequantize, fp8_linear_reference  # noqa: E402
 from starshard.parallel import fp8 as fp8_module  # noqa: E402
 from starshard.parallel.fp8 import DeferredRMSNorm, Fp8Linear, fuse_inputs, quantize_linears  # noqa: E402
 from starshard.presets import PRESETS  # noqa: E402

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hf_models import make_hf_model
 from mp_harness import run_ranks
 from starshard.checkpoints.convert import convert
-from starshard.checkpoints.load import CheckpointError, load_model
+from starshard.checkpoints.load import CheckpointError
 from starshard.config import ParallelConfig, SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.tensor import VocabShard, vocab_parallel_sample

@@ -1,6 +1,5 @@
 """The embedded default model (SmolLM2-135M-Instruct GGUF): parity with transformers, and a real
 long-context answer."""
-import random
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ is a function of (name, seed) only, so a tp=2 run, a one-process run and a bench
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path

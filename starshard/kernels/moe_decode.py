@@ -158,7 +158,7 @@ def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
     token t's j-th expert), w13 [E, 2F, H] (each expert's F gate rows, then its F up rows) -> [T * k, F]
     in x.dtype, row t * k + j for token t's j-th expert."""
     _check(w13, "w13")
-    (T, k), (E, F2, H) = experts.shape, w13.shape
+    (T, k), (_, F2, H) = experts.shape, w13.shape
     F = F2 // 2
     out = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
     if T * k == 0:
@@ -179,7 +179,7 @@ def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     -> [T, H] in out_dtype (default act.dtype). residual [T, H]: + residual, added in the kernel after the
     sum is rounded to out_dtype (what `expert_down(...) + residual` gives)."""
     _check(w2, "w2")
-    (T, k), (E, H, F) = experts.shape, w2.shape
+    (T, k), (_, H, F) = experts.shape, w2.shape
     out = torch.empty(T, H, dtype=out_dtype or act.dtype, device=act.device)
     if T * k == 0:
         return out.zero_() if residual is None else out.copy_(residual)

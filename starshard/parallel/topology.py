@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
