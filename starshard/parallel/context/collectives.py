@@ -12,3 +12,11 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool 
     # it); looked up per call, so a wrapper installed on torch.distributed (tests count bytes) sees it
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_1d(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D `x` (the same length everywhere) stacked in rank order: [world, x.numel()]."""
+    world = dist.get_world_size(group)
+    out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x.contiguous(), group)
+    return out.view(world, x.numel())

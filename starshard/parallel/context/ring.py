@@ -28,7 +28,7 @@ import torch.distributed as dist
 from starshard.kernels.attention import attention
 from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
-from starshard.parallel.context.collectives import all_gather_into
+from starshard.parallel.context.collectives import all_gather_1d
 from starshard.parallel.context.merge import merge_into
 from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
@@ -154,19 +154,15 @@ def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor],
 
 def gather_ring_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> RingPlan:
     """A plan for arbitrary shards: all-gathers the key positions (two tiny collectives, one host sync)."""
-    cp = dist.get_world_size(group)
     _check_pos("q_pos", q_pos, q_pos.numel())
     _check_pos("k_pos", k_pos, k_pos.numel())
-    lens = torch.empty(cp, dtype=torch.long, device=k_pos.device)
-    all_gather_into(lens, torch.tensor([k_pos.numel()], device=k_pos.device), group)
-    if len(set(lens.tolist())) != 1:  # every rank sees the same lengths, so every rank raises
-        raise ValueError(f"ring attention needs equal key shard lengths on every rank, got {lens.tolist()} "
+    lens = all_gather_1d(torch.tensor([k_pos.numel()], device=k_pos.device), group).flatten().tolist()
+    if len(set(lens)) != 1:  # every rank sees the same lengths, so every rank raises
+        raise ValueError(f"ring attention needs equal key shard lengths on every rank, got {lens} "
                          "(pad with the sharding.py helpers)")
-    gathered = torch.empty(cp * k_pos.numel(), dtype=k_pos.dtype, device=k_pos.device)
-    all_gather_into(gathered, k_pos.contiguous(), group)
-    per_rank = list(gathered.cpu().view(cp, -1))
-    plan = build_ring_plan(q_pos.cpu(), per_rank, group)
-    return replace(plan, k_pos=gathered.view(cp, -1))  # keep the device copy: no re-upload
+    gathered = all_gather_1d(k_pos, group)  # [cp, k_len]
+    plan = build_ring_plan(q_pos.cpu(), list(gathered.cpu()), group)
+    return replace(plan, k_pos=gathered)  # keep the device copy: no re-upload
 
 
 def zigzag_ring_plan(seq_len: int, group, device: torch.device | str | None = None) -> RingPlan:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from starshard.kernels.attention import attention, causal_attention_int8_scores
 from starshard.kernels.sparse import LayerSparse, pattern_for
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
-from starshard.parallel.context.collectives import all_gather_into
+from starshard.parallel.context.collectives import all_gather_1d
 from starshard.parallel.context.sharding import contiguous_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
@@ -90,19 +90,12 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(B, cp * h, L // cp, *rest)
 
 
-def _gather_1d(x: torch.Tensor, group) -> torch.Tensor:
-    cp = group_size(group)
-    out = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
-    all_gather_into(out, x.contiguous(), group)
-    return out.view(cp, -1)
-
-
 def gather_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's positions in rank order (one all-gather; the same tensor twice for self-attention)."""
     if q_pos is k_pos:
-        p = _gather_1d(q_pos, group).reshape(-1)
+        p = all_gather_1d(q_pos, group).reshape(-1)
         return p, p
-    g = _gather_1d(torch.cat([q_pos, k_pos.to(q_pos.dtype)]), group)
+    g = all_gather_1d(torch.cat([q_pos, k_pos.to(q_pos.dtype)]), group)
     n = q_pos.numel()
     return g[:, :n].reshape(-1), g[:, n:].reshape(-1)
 
