@@ -1,14 +1,23 @@
 """kernels/moe_decode.py under the Triton interpreter: routing against engine/moe.py `route` and float64,
-the expert GEMVs against a float64 per-token reference, and MoEFeedForward's decode path against its
-torch path."""
+the expert GEMVs against a float64 per-token reference, the gate/up kernel that routes its tokens itself
+against routing + gate/up launched apart and float64, and MoEFeedForward's decode path against its torch
+path. Also: that kernel built for sm_90a waits on the kernels ahead before its first load."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from sm90_compile import assert_compiles_for_sm90  # noqa: E402
+
 from starshard.config import ModelConfig  # noqa: E402
 from starshard.engine.moe import MoEFeedForward, grouped_experts, route, use_decode_kernels  # noqa: E402
-from starshard.kernels.moe_decode import expert_down, expert_gate_up, route_topk  # noqa: E402
+from starshard.kernels.moe_decode import (  # noqa: E402
+    ROUTE_MAX_EXPERTS,
+    expert_down,
+    expert_gate_up,
+    route_topk,
+    routed_gate_up,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -97,6 +106,110 @@ def test_fused_gate_up_and_down_against_float64(T, dtype, tol):
     assert torch.equal(fused, y + res)
 
 
+def _gate_up64(x, experts, w13):
+    """float64 silu(gate) * up of every (token, expert) pair, row t * k + j."""
+    F = w13.shape[1] // 2
+    k = experts.shape[1]
+    h = torch.einsum("pnh,ph->pn", w13.double()[experts.reshape(-1).long()], x.double().repeat_interleave(k, 0))
+    return torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("E,k", [(8, 1), (8, 8), (60, 2), (128, 8), (128, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("T", [1, 3])
+def test_routed_gate_up_matches_route_topk_and_gate_up(T, E, k, renormalize, dtype, tol):
+    """One launch against route_topk + expert_gate_up (the same bits) and against float64 (softmax, top k,
+    renormalization, the pairs' GEMVs). F = 37 is no multiple of the column slice; T = 3 takes small tiles
+    (masked K tiles too) and logits / x rows with a stride wider than a row; T = 1 the engine's tiles."""
+    g = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
+    H, F = 40, 37
+    logits = torch.zeros(T, E + 5, dtype=dtype)
+    logits[:, :E] = untied_logits(T, E, g, dtype)
+    logits = logits[:, :E] if T == 3 else logits[:, :E].contiguous()
+    x = torch.randn(T, H + 8, generator=g).to(dtype)[:, :H]
+    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.2).to(dtype)
+    tile = dict(block_n=16, block_k=32, warps=1) if T == 3 else {}
+    act, w, e = routed_gate_up(x, logits, w13, k, renormalize, **tile)
+    assert act.shape == (T * k, F) and act.dtype == dtype
+    assert w.shape == e.shape == (T, k) and w.dtype == torch.float32 and e.dtype == torch.int32
+    want_w, want_e = route_topk(logits, k, renormalize)
+    assert torch.equal(w, want_w) and torch.equal(e, want_e)
+    assert torch.equal(act, expert_gate_up(x, want_e, w13, **tile))
+    p64, e64 = logits.double().softmax(-1).topk(k, dim=-1)  # float64; untied: one top k whoever breaks ties
+    if renormalize:
+        p64 = p64 / p64.sum(-1, keepdim=True)
+    assert torch.equal(e.long(), e64) and torch.allclose(w.double(), p64, rtol=2e-6, atol=1e-8)
+    assert rel(act, _gate_up64(x, e64, w13)) <= tol
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routed_gate_up_ties_take_the_lowest_id(renormalize):
+    """Equal logits: the lowest expert id first, as route_topk; a row of all-equal logits too."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0], [0.5] * 6, [3.0, -1.0, 3.0, 0.0, 0.0, 0.0]])
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    w13 = torch.randn(6, 2 * 5, 8, generator=torch.Generator().manual_seed(1))
+    act, w, e = routed_gate_up(x, logits, w13, 3, renormalize)
+    assert e.tolist() == [[1, 3, 4], [0, 1, 2], [0, 2, 3]]
+    want_w, want_e = route_topk(logits, 3, renormalize)
+    assert torch.equal(w, want_w) and torch.equal(e, want_e)
+    p = logits.softmax(-1).gather(-1, e.long())
+    assert torch.allclose(w, p / p.sum(-1, keepdim=True) if renormalize else p, rtol=1e-6)
+    assert torch.equal(act, expert_gate_up(x, e, w13))
+
+
+def test_routed_gate_up_no_tokens():
+    act, w, e = routed_gate_up(torch.zeros(0, 8), torch.zeros(0, 6), torch.zeros(6, 10, 8), 2, True)
+    assert act.shape == (0, 5) and w.shape == e.shape == (0, 2)
+
+
+def test_routed_gate_up_rejects_bad_inputs():
+    x, logits, w13 = torch.zeros(2, 8), torch.zeros(2, 6), torch.zeros(6, 10, 8)
+    with pytest.raises(ValueError, match="top_k=0 of 6 experts"):
+        routed_gate_up(x, logits, w13, 0, True)
+    with pytest.raises(ValueError, match="top_k=7 of 6 experts"):
+        routed_gate_up(x, logits, w13, 7, True)
+    E = ROUTE_MAX_EXPERTS + 1
+    with pytest.raises(ValueError, match=f"of {E} experts \\(at most {ROUTE_MAX_EXPERTS}\\)"):
+        routed_gate_up(x, torch.zeros(2, E), torch.zeros(E, 2, 8), 2, True)
+    with pytest.raises(ValueError, match="router logits must be"):
+        routed_gate_up(x, logits[0], w13, 2, True)
+    with pytest.raises(ValueError, match="6 router logits per token for 5 experts"):
+        routed_gate_up(x, logits, w13[:5], 2, True)
+    with pytest.raises(ValueError, match="x must be"):
+        routed_gate_up(torch.zeros(2, 7), logits, w13, 2, True)  # hidden size
+    with pytest.raises(ValueError, match="x must be"):
+        routed_gate_up(torch.zeros(3, 8), logits, w13, 2, True)  # tokens
+    with pytest.raises(ValueError, match="w13 must be"):
+        routed_gate_up(x, logits, torch.zeros(6, 8, 10).transpose(1, 2), 2, True)
+
+
+_COMPILE_ROUTED = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from starshard.kernels.moe_decode import _routed_gate_up_kernel as fn
+ptrs = "x_ptr logit_ptr w_ptr out_ptr weight_ptr expert_ptr".split()
+for use in (False, True):
+    sig = {n: ("*fp32" if n in ("weight_ptr", "logit_ptr") else "*i32" if n == "expert_ptr" else "*bf16")
+           if n in ptrs else "constexpr" if fn.params[i].is_constexpr else "i32" for i, n in enumerate(fn.arg_names)}
+    const = dict(TOP_K=8, K_PAD=8, BLOCK_E=128, RENORMALIZE=True, BLOCK_N=4, BLOCK_K=512, USE_PDL=use)
+    ptx = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 2}).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == use and ("griddepcontrol.launch_dependents" in ptx) == use
+    if use:  # no load or store of global memory before the wait
+        first = min(ptx.index(op) for op in ("ld.global", "st.global"))
+        assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait") < first
+print("compiled")
+"""
+
+
+def test_routed_gate_up_pdl_compiles_for_sm90(tmp_path):
+    """kernels/pdl.py's rule: the logits and x are written by the kernels ahead, and which expert rows to
+    load depends on the logits, so nothing of global memory is touched before the wait."""
+    assert_compiles_for_sm90(_COMPILE_ROUTED, tmp_path)
+
+
 def _moe_layer(E, k, renormalize, H=48, F=24, seed=0):
     cfg = ModelConfig(arch="qwen3_moe", vocab_size=32, hidden_size=H, intermediate_size=64, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=12, num_experts=E, num_experts_per_tok=k,
@@ -110,10 +223,11 @@ def _moe_layer(E, k, renormalize, H=48, F=24, seed=0):
     return moe
 
 
-@pytest.mark.parametrize("E,k,renormalize", [(128, 8, False), (8, 2, True)])
+@pytest.mark.parametrize("E,k,renormalize", [(128, 8, False), (8, 2, True), (60, 1, True)])
 def test_moe_layer_decode_path_matches_torch_path(E, k, renormalize):
-    """MoEFeedForward on decode-sized inputs: routing + gate/up + down kernels (forced on the CPU) against
-    the layer's torch path (route + grouped experts), with the same experts chosen."""
+    """MoEFeedForward on decode-sized inputs: gate/up with the routing + down kernels (forced on the CPU)
+    against the layer's torch path (route + grouped experts), with the same experts chosen, and bit-equal
+    to routing, gate/up and down launched apart (grouped_experts' "gemv" path)."""
     moe = _moe_layer(E, k, renormalize)
     x = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(1))  # [B, L, H]: 3 decode tokens
     assert not use_decode_kernels(x.view(-1, 48), k, E)  # CPU: the torch path by default
@@ -127,9 +241,15 @@ def test_moe_layer_decode_path_matches_torch_path(E, k, renormalize):
         want64 = _reference(x.view(-1, 48), *route(logits, k, renormalize), moe.experts.w13, moe.experts.w2)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert rel(got, want) <= 1e-6 and rel(got.view(-1, 48), want64) <= 1e-6
+    with torch.no_grad():
+        w, e = route_topk(logits, k, renormalize)
+        apart = grouped_experts(x.view(-1, 48), w, e, moe.experts.w13, moe.experts.w2, impl="gemv")
+    assert torch.equal(got.view(-1, 48), apart)
     r = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(moe(x, residual=r), got + r)  # residual into the down kernel (one device)
+        moe.combine = lambda t: t.clone()  # as tensor parallelism's all-reduce: the residual added after it
+        assert torch.equal(moe(x, residual=r), got + r)
         moe.decode_kernels = False
         assert torch.equal(moe(x, residual=r), want + r)
     for impl in ("gather", "padded"):  # the grouped reference paths, on the kernels' routing

@@ -11,9 +11,10 @@ expert's rows are contiguous, then `grouped_mm` multiplies every segment by its 
 one call. No Python loop over experts: the work and the weights read follow the tokens' choices,
 and an expert no token picked costs nothing.
 
-Decode on the GPU (up to GEMV_MAX_PAIRS (token, expert) pairs) runs the expert side in three Triton
-launches after the router's GEMV (kernels/moe_decode.py): routing, the experts' gate/up GEMVs, and their
-down GEMVs summed per token; no sort, no per-pair bookkeeping in torch. The CPU keeps the torch path.
+Decode on the GPU (up to GEMV_MAX_PAIRS (token, expert) pairs) runs the expert side in two Triton
+launches after the router's GEMV (kernels/moe_decode.py): the experts' gate/up GEMVs, which route the
+tokens themselves, and their down GEMVs summed per token; no sort, no per-pair bookkeeping in torch. The
+CPU keeps the torch path.
 
 Tensor parallelism (parallel/tensor.py) cuts every expert's F columns over the ranks, as the dense
 MLP's: each rank computes a partial output over its columns, and `combine` (identity on one device)
@@ -35,7 +36,7 @@ from starshard.kernels.moe_decode import (
     ROUTE_MAX_EXPERTS,
     expert_down,
     expert_gate_up,
-    route_topk,
+    routed_gate_up,
     triton,
 )
 
@@ -67,8 +68,8 @@ def use_expert_gemvs(x: torch.Tensor, top_k: int) -> bool:
 
 
 def use_decode_kernels(x: torch.Tensor, top_k: int, num_experts: int) -> bool:
-    """Whether tokens x [T, H] take the whole Triton decode path: the expert GEMVs and the routing
-    kernel (which holds one token's logits in registers: up to ROUTE_MAX_EXPERTS)."""
+    """Whether tokens x [T, H] take the whole Triton decode path: the expert GEMVs with the routing in
+    the gate/up kernel (one token's logits in one program's registers: up to ROUTE_MAX_EXPERTS)."""
     return use_expert_gemvs(x, top_k) and num_experts <= ROUTE_MAX_EXPERTS
 
 
@@ -196,10 +197,10 @@ class MoEFeedForward(nn.Module):
             decode = use_decode_kernels(x, self.top_k, logits.shape[-1])
         # the residual goes into the down kernel where nothing follows it (one device: combine is identity)
         fused = residual is not None and decode and self.combine is _identity
-        if decode:  # routing, gate/up, down: three launches, no host sync (CUDA-graph safe)
-            weights, experts = route_topk(logits, self.top_k, self.renormalize)
-            out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2, impl="gemv",
-                                  residual=residual.reshape(-1, shape[-1]) if fused else None)
+        if decode:  # gate/up with the routing, then down: two launches, no host sync (CUDA-graph safe)
+            act, weights, experts = routed_gate_up(x, logits, self.experts.w13, self.top_k, self.renormalize)
+            out = expert_down(act, experts, weights, self.experts.w2, out_dtype=x.dtype,
+                              residual=residual.reshape(-1, shape[-1]) if fused else None)
         else:
             weights, experts = route(logits, self.top_k, self.renormalize)
             out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)

@@ -1,9 +1,14 @@
-"""The expert side of an MoE decode step in three launches: routing, the experts' gate/up GEMVs, their
-down GEMVs summed per token.
+"""The expert side of an MoE decode step in two launches: the experts' gate/up GEMVs, each program routing
+its token itself, then their down GEMVs summed per token.
+
+    act, weights, experts = routed_gate_up(x, router_logits, w13, top_k, renormalize)
+    # act [T * k, F]: silu(gate) * up; weights [T, k] float32, experts [T, k] int32 (for expert_down)
+    y = expert_down(act, experts, weights, w2)                         # [T, H]: sum_j weights[t, j] * down_j
+
+routed_gate_up is bit-equal to the routing and the GEMVs launched apart (the same code):
 
     weights, experts = route_topk(router_logits, top_k, renormalize)   # [T, k] float32, [T, k] int32
-    act = expert_gate_up(x, experts, w13)                              # [T * k, F]: silu(gate) * up
-    y = expert_down(act, experts, weights, w2)                         # [T, H]: sum_j weights[t, j] * down_j
+    act = expert_gate_up(x, experts, w13)                              # [T * k, F]
 
 A decode step routes each token to k experts: P = tokens x k (token, expert) pairs of one row each, pair
 p = t * k + j being token t's j-th choice. A grouped GEMM gives every pair a GEMM tile of its own that is
@@ -13,8 +18,10 @@ in order, and never copied), in pair order, so nothing is sorted. The gate and u
 are read by the same program and SiLU-mul is applied on the float32 accumulators. The down kernel runs
 one program per (token, output slice) and loops over the token's k experts in slot order, scaling each
 product by its routing weight in float32: a fixed summation order, no atomics, so every run and every
-tensor-parallel rank gives the same bits. Routing (softmax, top k, renormalization) is one program per
-token. Together they replace the small torch kernels around the GEMVs (softmax, topk and its sort, the
+tensor-parallel rank gives the same bits. Routing (softmax, top k, renormalization) takes one token's
+logits in one program's registers; in routed_gate_up every program of the token's pairs recomputes it
+instead of waiting on a launch of its own (route_topk: ~2.5 us per layer on an H200, mostly launch and
+drain). Together they replace the small torch kernels around the GEMVs (softmax, topk and its sort, the
 renormalizing sum, casts, the pair -> token index, the per-token weighted sum), which at decode cost
 about as much as the GEMVs themselves (bench/results/2026-11-23-h200-decode-profile).
 """
@@ -44,43 +51,55 @@ DOWN_TILE = dict(block_n=1, block_k=1024, warps=1)
 if triton is not None:
 
     @triton.jit
+    def _fixed_sum(v):
+        """The sum of values in [0, 1] (at most ROUTE_MAX_EXPERTS of them) in int64 units of 2^-52: integer
+        adds in any order give the same bits, so the routing weights do not depend on the launch's warps
+        (route_topk and routed_gate_up launch with different ones); the error is far below float32's."""
+        return tl.sum((v * 4503599627370496.0).to(tl.int64), axis=0).to(tl.float32) * 2.220446049250313e-16
+
+    @triton.jit
+    def _route(logit_row, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+               RENORMALIZE: tl.constexpr):
+        """One token's routing, shared by route_topk and routed_gate_up so both give the same bits: its
+        logits [E] -> (weights [K_PAD] float32, expert ids [K_PAD] int32), slots past TOP_K zero."""
+        e = tl.arange(0, BLOCK_E)
+        logit = tl.load(logit_row + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        # Choose on the float32 logits (exact order; the probabilities' rounding can only merge neighbours
+        # into ties), k rounds of argmax-and-mask; among equal logits the lowest expert id wins.
+        left = logit
+        slot = tl.arange(0, K_PAD)
+        chosen_v = tl.full([K_PAD], float("-inf"), dtype=tl.float32)
+        chosen_e = tl.zeros([K_PAD], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            v, best = tl.max(left, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            chosen_v = tl.where(slot == j, v, chosen_v)
+            chosen_e = tl.where(slot == j, best.to(tl.int32), chosen_e)
+            left = tl.where(e == best, float("-inf"), left)
+            if j == 0:
+                top = v  # the largest logit: every exp(logit - top) is in [0, 1]
+        chosen_w = tl.exp(chosen_v - top) / _fixed_sum(tl.exp(logit - top))  # the padding slots hold zeros
+        if RENORMALIZE:
+            chosen_w = chosen_w / _fixed_sum(chosen_w)
+        return chosen_w, chosen_e
+
+    @triton.jit
     def _route_kernel(logit_ptr, weight_ptr, expert_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                       BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         t = tl.program_id(0)
-        e = tl.arange(0, BLOCK_E)
-        logit = tl.load(logit_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        num = tl.exp(logit - tl.max(logit, axis=0))
-        probs = num / tl.sum(num, axis=0)
-        # Choose on the float32 logits (exact order; the probabilities' rounding can only merge neighbours
-        # into ties), k rounds of argmax-and-mask; among equal logits the lowest expert id wins.
-        left = logit
+        chosen_w, chosen_e = _route(logit_ptr + t.to(tl.int64) * stride_l, E, TOP_K, K_PAD, BLOCK_E, RENORMALIZE)
         slot = tl.arange(0, K_PAD)
-        chosen_w = tl.zeros([K_PAD], dtype=tl.float32)
-        chosen_e = tl.zeros([K_PAD], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.argmax(left, axis=0, tie_break_left=True)
-            w = tl.sum(tl.where(e == best, probs, 0.0), axis=0)
-            chosen_w = tl.where(slot == j, w, chosen_w)
-            chosen_e = tl.where(slot == j, best.to(tl.int32), chosen_e)
-            left = tl.where(e == best, float("-inf"), left)
-        if RENORMALIZE:
-            chosen_w = chosen_w / tl.sum(chosen_w, axis=0)  # the padding slots hold zeros
         ok = slot < TOP_K
         tl.store(weight_ptr + t * TOP_K + slot, chosen_w, mask=ok)
         tl.store(expert_ptr + t * TOP_K + slot, chosen_e, mask=ok)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, exp_ptr, w_ptr, out_ptr, K, F, top_k, stride_x, stride_we, stride_wn, stride_o,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-        pdl_trigger(USE_PDL)
-        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
-        p = tl.program_id(0)  # pair p = token p // top_k's (p % top_k)-th expert
+    def _gate_up_rows(x_row, w, out_row, K, F, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """silu(gate) * up of this program's column slice of one (token, expert) pair: x_row [K], w the
+        expert's [2F, K] rows (gate, then up), out_row [F]."""
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < F
-        x_row = x_ptr + (p // top_k).to(tl.int64) * stride_x
-        w = w_ptr + tl.load(exp_ptr + p).to(tl.int64) * stride_we
         gate = tl.zeros([BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -93,7 +112,41 @@ if triton is not None:
             gate += tl.sum(wg * xv, axis=1)
             up += tl.sum(wu * xv, axis=1)
         act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + p.to(tl.int64) * stride_o + n, act.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out_row + n, act.to(out_row.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, exp_ptr, w_ptr, out_ptr, K, F, top_k, stride_x, stride_we, stride_wn, stride_o,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
+        p = tl.program_id(0)  # pair p = token p // top_k's (p % top_k)-th expert
+        w = w_ptr + tl.load(exp_ptr + p).to(tl.int64) * stride_we
+        _gate_up_rows(x_ptr + (p // top_k).to(tl.int64) * stride_x, w, out_ptr + p.to(tl.int64) * stride_o, K, F,
+                      stride_wn, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _routed_gate_up_kernel(x_ptr, logit_ptr, w_ptr, out_ptr, weight_ptr, expert_ptr, E, K, F, stride_x,
+                               stride_l, stride_we, stride_wn, stride_o, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                               BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_trigger(USE_PDL)
+        # kernels/pdl.py: nothing of the kernels ahead is read before this; the expert rows to load
+        # depend on the logits, so there is nothing to prefetch either
+        pdl_wait(USE_PDL)
+        p = tl.program_id(0)  # pair p = token t's j-th expert
+        t = p // TOP_K
+        j = p % TOP_K
+        # Every program routes its token again (k + 1 reductions over the E logits in registers) instead of
+        # waiting on a routing launch; the same code as route_topk, so the same bits.
+        chosen_w, chosen_e = _route(logit_ptr + t.to(tl.int64) * stride_l, E, TOP_K, K_PAD, BLOCK_E, RENORMALIZE)
+        slot = tl.arange(0, K_PAD)
+        mine = slot == j
+        if tl.program_id(1) == 0:  # one program per pair writes its slot for the down kernel
+            tl.store(weight_ptr + t * TOP_K + slot, chosen_w, mask=mine)
+            tl.store(expert_ptr + t * TOP_K + slot, chosen_e, mask=mine)
+        w = w_ptr + tl.sum(tl.where(mine, chosen_e, 0), axis=0).to(tl.int64) * stride_we
+        _gate_up_rows(x_ptr + t.to(tl.int64) * stride_x, w, out_ptr + p.to(tl.int64) * stride_o, K, F, stride_wn,
+                      BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _down_kernel(a_ptr, exp_ptr, pw_ptr, w_ptr, res_ptr, out_ptr, K, N, stride_a, stride_we, stride_wn, stride_r,
@@ -137,11 +190,8 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     softmax over all experts in float32, the k most probable (largest first), renormalized to sum to 1
     if asked, as engine/moe.py `route` (transformers). Ties: torch.topk does not say which of equal
     values it returns; this kernel takes the lowest expert id among equal logits."""
+    weights, experts = _routing_outputs("route_topk", logits, top_k)
     T, E = logits.shape
-    if not 0 < top_k <= E or E > ROUTE_MAX_EXPERTS:
-        raise ValueError(f"route_topk: top_k={top_k} of {E} experts (at most {ROUTE_MAX_EXPERTS})")
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    experts = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
         return weights, experts
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -149,6 +199,17 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
                         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                         RENORMALIZE=renormalize, num_warps=1 if E <= 256 else 4, **pdl_launch(logits))
     return weights, experts
+
+
+def _routing_outputs(name: str, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks router logits [T, E] and top_k; the empty weights [T, k] float32 and expert ids [T, k] int32."""
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: router logits must be [tokens, experts], got shape {tuple(logits.shape)}")
+    T, E = logits.shape
+    if not 0 < top_k <= E or E > ROUTE_MAX_EXPERTS:
+        raise ValueError(f"{name}: top_k={top_k} of {E} experts (at most {ROUTE_MAX_EXPERTS})")
+    return (torch.empty(T, top_k, dtype=torch.float32, device=logits.device),
+            torch.empty(T, top_k, dtype=torch.int32, device=logits.device))
 
 
 def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
@@ -168,6 +229,34 @@ def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
         x, experts.contiguous(), w13, out, H, F, k, x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x))
     return out
+
+
+def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, top_k: int, renormalize: bool,
+                   block_n: int = GATE_UP_TILE["block_n"], block_k: int = GATE_UP_TILE["block_k"],
+                   warps: int = GATE_UP_TILE["warps"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_topk and expert_gate_up in one launch: x [T, H] (rows unit-stride), router logits [T, E],
+    w13 [E, 2F, H] -> (act [T * k, F] in x.dtype, weights [T, k] float32, expert ids [T, k] int32), each
+    bit-equal to `w, e = route_topk(logits, top_k, renormalize); act = expert_gate_up(x, e, w13)` at the
+    same tile (the same routing and GEMV code). weights and experts feed expert_down."""
+    _check(w13, "w13")
+    weights, experts = _routing_outputs("routed_gate_up", logits, top_k)
+    (T, E), (_, F2, H) = logits.shape, w13.shape
+    if w13.shape[0] != E:
+        raise ValueError(f"routed_gate_up: {E} router logits per token for {w13.shape[0]} experts in w13")
+    if x.dim() != 2 or tuple(x.shape) != (T, H):
+        raise ValueError(f"routed_gate_up: x must be [{T}, {H}] (tokens of the logits, w13's hidden size), "
+                         f"got shape {tuple(x.shape)}")
+    F = F2 // 2
+    act = torch.empty(T * top_k, F, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return act, weights, experts
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    _routed_gate_up_kernel[(T * top_k, triton.cdiv(F, block_n))](
+        x, logits, w13, act, weights, experts, E, H, F, x.stride(0), logits.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+        RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x))
+    return act, weights, experts
 
 
 def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor,
