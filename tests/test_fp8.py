@@ -74,6 +74,26 @@ def test_fp8_linear_reference_against_float64():
     assert lin.weight.dtype == FP8_DTYPE and lin(x).shape == (5, 9, 48)
 
 
+def test_scaled_mm_asks_for_fast_accumulation(monkeypatch):
+    """The prefill GEMM runs with the tensor cores' own accumulation unless STARSHARD_FP8_FAST_ACCUM=0
+    (measured in bench/results/2026-11-26-gpu-fp8-prefill); the op itself is CUDA-only, so it is faked."""
+    seen = {}
+
+    def fake(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum):
+        seen.update(shapes=(a.shape, b.shape, scale_a.shape, scale_b.shape), fast=use_fast_accum)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    x8, sx = quantize_rows(torch.randn(70, 32))
+    w8, sw = quantize_rows(torch.randn(16, 32))
+    y = fp8_kernels.scaled_mm(x8, sx, w8, sw, torch.ones(16, dtype=torch.bfloat16), torch.bfloat16)
+    assert seen == dict(shapes=((70, 32), (32, 16), (70, 1), (1, 16)), fast=True) and fp8_kernels.FAST_ACCUM
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.ones(70, 16, dtype=torch.bfloat16))
+    monkeypatch.setattr(fp8_kernels, "FAST_ACCUM", False)
+    fp8_kernels.scaled_mm(x8, sx, w8, sw, None, torch.bfloat16)
+    assert seen["fast"] is False
+
+
 @pytest.mark.parametrize("M", [1, 3])
 def test_weight_only_gemv_against_float64(M, monkeypatch):
     """The decode GEMV kernel (up to GEMV_MAX_ROWS rows), interpreted on the CPU: odd N and K, a bias.
