@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
-from starshard.kernels.kv_write import use_kv_write_kernel, write_kv_slot, write_kv_slot_reference
+from starshard.kernels.kv_write import use_kv_write_kernel, write_kv_block, write_kv_slot, write_kv_slot_reference
 
 
 @dataclass
@@ -80,7 +80,9 @@ class LayerKV:
             self.k_scale, self.v_scale = grown(self.k_scale, 2), grown(self.v_scale, 2)
 
     def _put(self, k, v, start: int, end: int) -> None:
-        if self.fp8:
+        if self.fp8 and use_kv_write_kernel(self.k):  # one launch, no copies of k / v first
+            write_kv_block(k, v, start, self.k, self.v, self.k_scale, self.v_scale)
+        elif self.fp8:
             k8, ks = quantize_rows(k)
             v8, vs = quantize_rows(v)
             self.k[:, :, start:end], self.k_scale[:, :, start:end] = k8, ks

@@ -1,14 +1,21 @@
-"""A decode step's KV-cache write as one Triton launch (issue 19).
+"""KV-cache writes as one Triton launch (issue 19): a decode step's token, a prefill block's tokens.
 
     write_kv_slot(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scale, v_scale)
     # cache_k[:, :, slot] = k (FP8: quantized per (batch, KV head) row, scale into k_scale[:, :, slot]);
     # likewise v; cache_pos[slot] = pos
+    write_kv_block(k, v, start, cache_k, cache_v, k_scale, v_scale)
+    # an e4m3 cache's rows start .. start + n quantized from k, v [B, Hkv, n, D] (any strides)
 
 Why: the torch path (write_kv_slot_reference, what LayerKV.write_slot ran) is two quantize_rows
 launches plus five index_copy_ launches per layer for an FP8 cache (three for a plain one): ~0.38 ms
 of a 4.1 ms Llama-8B decode step at 8K on one H200, for a few kilobytes of data. Here one program per
 (batch, KV head) row quantizes and stores that row of k and of v with their scales, and the first one
 also stores the position.
+
+write_kv_block: a prefill block into an e4m3 cache. The torch path (LayerKV._put) made a contiguous copy
+of v (a view of the projection), quantized k and v into new tensors, then copied bytes and scales into the
+cache: ~0.9 ms per layer of a 128K prefill on an H100 (bench/results/2026-11-26-gpu-fp8-prefill); here each
+program quantizes BLOCK_T rows of k and of v straight from their strides into the cache.
 
 `slot` is a device tensor [1] (a captured CUDA-graph step: nothing read on the host) or a host int
 (eager decode, where the cache length is known on the host). It must be < capacity; nothing checks.
@@ -89,6 +96,35 @@ if triton is not None:
             tl.store(CPOS + slot * s_pos, tl.load(POS))
 
 
+    @triton.jit
+    def _store_rows(X, s_xt, s_xd, C, s_ct, s_cd, S, s_st, t, n, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows t .. t + BLOCK_T (< n) of X quantized into C (strides per row / per element), scales into S."""
+        d = tl.arange(0, BLOCK_D)
+        ok = (t < n)[:, None] & (d < D)[None, :]
+        x = tl.load(X + t[:, None] * s_xt + d[None, :] * s_xd, mask=ok, other=0.0).to(tl.float32)
+        scale = e4m3_scale(tl.max(tl.abs(x), 1))
+        tl.store(C + t[:, None] * s_ct + d[None, :] * s_cd, e4m3_values(x, scale[:, None]).to(C.dtype.element_ty),
+                 mask=ok)
+        tl.store(S + t * s_st, scale, mask=t < n)
+
+    @triton.jit(do_not_specialize=["start", "n"])  # block offsets change every chunk: no recompiles
+    def _write_kv_block_kernel(K, V, CK, CV, KS, VS, start, n, H, D,
+                               s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+                               s_ckb, s_ckh, s_ckt, s_ckd, s_cvb, s_cvh, s_cvt, s_cvd,
+                               s_ksb, s_ksh, s_kst, s_vsb, s_vsh, s_vst,
+                               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """BLOCK_T tokens of one (batch, KV head) row of k and of v per program."""
+        row = tl.program_id(0)
+        b = (row // H).to(tl.int64)
+        h = (row % H).to(tl.int64)
+        t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        at = start.to(tl.int64)
+        _store_rows(K + b * s_kb + h * s_kh, s_kt, s_kd, CK + b * s_ckb + h * s_ckh + at * s_ckt, s_ckt, s_ckd,
+                    KS + b * s_ksb + h * s_ksh + at * s_kst, s_kst, t, n, D, BLOCK_T, BLOCK_D)
+        _store_rows(V + b * s_vb + h * s_vh, s_vt, s_vd, CV + b * s_cvb + h * s_cvh + at * s_cvt, s_cvt, s_cvd,
+                    VS + b * s_vsb + h * s_vsh + at * s_vst, s_vst, t, n, D, BLOCK_T, BLOCK_D)
+
+
 def use_kv_write_kernel(cache_k: torch.Tensor) -> bool:
     """Whether write_kv_slot runs for a cache: on CUDA with triton (the CPU keeps the torch path)."""
     return cache_k.is_cuda and triton is not None
@@ -118,3 +154,25 @@ def write_kv_slot(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scale=None, v_
         *cache_k.stride(), *cache_v.stride(), *ks_strides, *vs_strides, cache_pos.stride(0),
         SLOT_ON_DEVICE=on_device, QUANTIZE=quantize, BLOCK_D=triton.next_power_of_2(D),
         num_warps=1 if D <= 256 else 4, **pdl_launch(k))
+
+
+def write_kv_block(k, v, start: int, cache_k, cache_v, k_scale, v_scale) -> None:
+    """Quantize k, v [B, Hkv, n, D] (any strides) per (batch, KV head, token) row as quantize_rows does
+    into rows start .. start + n of an e4m3 cache_k / cache_v [B, Hkv, capacity, D] and their scales
+    k_scale / v_scale [B, Hkv, capacity] (float32), in one Triton launch (CUDA, or the interpreter; a
+    float32 cache gets the values before the e4m3 cast). The rows must fit: start + n <= capacity."""
+    if triton is None:
+        raise RuntimeError("write_kv_block: the Triton kernel needs the triton package")
+    B, H, n, D = k.shape
+    if v.shape != k.shape or cache_k.shape[:2] != (B, H) or cache_k.shape[3] != D or cache_v.shape != cache_k.shape:
+        raise ValueError(f"write_kv_block: k, v [B, Hkv, n, D] into [B, Hkv, capacity, D]; got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, cache {tuple(cache_k.shape)} / {tuple(cache_v.shape)}")
+    if not 0 <= start <= start + n <= cache_k.shape[2]:
+        raise ValueError(f"write_kv_block: rows {start} .. {start + n} of a cache of {cache_k.shape[2]}")
+    if n == 0:
+        return
+    block_d = triton.next_power_of_2(D)
+    block_t = max(1, 2048 // block_d)  # ~2K values of k and of v per program
+    _write_kv_block_kernel[(B * H, triton.cdiv(n, block_t))](
+        k, v, cache_k, cache_v, k_scale, v_scale, start, n, H, D, *k.stride(), *v.stride(), *cache_k.stride(),
+        *cache_v.stride(), *k_scale.stride(), *v_scale.stride(), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
