@@ -13,12 +13,11 @@
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, timed_median
 from starshard.kernels.fp8 import quantize_rows_cuda
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,17 +31,7 @@ SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": 
 
 
 def time_ms(fn, repeats=args.repeats):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return 1e3 * timed_median(fn, dev, repeats, warmup=1)
 
 
 g = torch.Generator(device=dev).manual_seed(0)

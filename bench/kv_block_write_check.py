@@ -6,11 +6,10 @@ for a Llama-3.1-8B-shaped block (8 KV heads, d 128; k contiguous, v a view of th
 """
 import argparse
 import json
-import statistics
 
 import torch
 
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, timed_median
 from starshard.engine import kv_cache
 from starshard.engine.kv_cache import LayerKV
 
@@ -34,17 +33,7 @@ def store(kernel: bool) -> LayerKV:
 
 
 def ms(kernel: bool) -> float:
-    store(kernel)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        store(kernel)
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return 1e3 * timed_median(lambda: store(kernel), dev, repeats=7, warmup=1)
 
 
 ref, got = store(False), store(True)

@@ -95,7 +95,6 @@ if triton is not None:
         if row == 0:
             tl.store(CPOS + slot * s_pos, tl.load(POS))
 
-
     @triton.jit
     def _store_rows(X, s_xt, s_xd, C, s_ct, s_cd, S, s_st, t, n, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """Rows t .. t + BLOCK_T (< n) of X quantized into C (strides per row / per element), scales into S."""
