@@ -125,7 +125,7 @@ if triton is not None:
 
 
 def use_kv_write_kernel(cache_k: torch.Tensor) -> bool:
-    """Whether write_kv_slot runs for a cache: on CUDA with triton (the CPU keeps the torch path)."""
+    """Whether write_kv_slot / write_kv_block run for a cache: on CUDA with triton (the CPU keeps the torch path)."""
     return cache_k.is_cuda and triton is not None
 
 
