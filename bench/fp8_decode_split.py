@@ -106,7 +106,7 @@ def launch_before(q, c, length, splits=None):
     B, Hq, Lq, _ = q.shape
     Lk = k8.shape[2]
     G = Hq // HKV
-    n = splits or dk._num_splits(q.device, B * HKV, Lk)
+    n = splits or dk._num_splits(q.device, B * HKV, Lk, True)
     chunk = -(-(-(-Lk // n)) // 128) * 128
     n = -(-Lk // chunk)
     op = torch.empty(B, Hq, Lq, n, D, dtype=torch.float32, device=q.device)
@@ -253,7 +253,7 @@ def run_keys(Lk, args, res):
         variants.append(("before (again)", lambda i: launch_before(q, caches[i], length), None))
         variants.append(("default (again)", prod(), dk._decode_split_kernel))
     # stream ceiling, same grid as the default split count
-    n = dk._num_splits(dev, HKV, Lk)
+    n = dk._num_splits(dev, HKV, Lk, True)
     for bn, w, st in [(128, 4, 3)]:
         chunk = -(-(-(-Lk // n)) // bn) * bn
         ns = -(-Lk // chunk)
@@ -287,7 +287,7 @@ def run_keys(Lk, args, res):
     if not args.quick:
         rows += l2_proxy(q, length, args)
     # the merge kernels alone, on partials of the default split count
-    n = dk._num_splits(dev, HKV, Lk)
+    n = dk._num_splits(dev, HKV, Lk, True)
     op = torch.randn(1, HQ, 1, n, D, device=dev)
     lp = torch.randn(1, HQ, 1, n, device=dev)
     out = torch.empty(1, HQ, 1, D, device=dev, dtype=torch.bfloat16)

@@ -4,7 +4,9 @@
         [--fp8 linear,kv] [--sort cuda_time_total]
 
 The CUDA-graph replays are traced by the profiler kernel by kernel: `--sort cuda_time_total` lists the
-device kernels of a step with their counts (kernels per layer = count / (5 steps x layers)).
+device kernels of a step with their counts (kernels per layer = count / (5 steps x layers)). Run it with
+STARSHARD_PDL=0 for kernel times: with PDL (kernels/pdl.py) each kernel starts early and its span includes
+the wait for the kernel ahead (one H100, Qwen3-30B-A3B shape: RMSNorm 20.8 us per call with PDL, ~1.7 without).
 """
 import argparse
 import time

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 attn_mod = importlib.import_module("starshard.kernels.attention")  # the package re-exports the function
 ref_mod = importlib.import_module("starshard.kernels.reference")  # attention_math and its score budget
 from starshard.kernels.attention import DECODE_MAX_ROWS, attention, attention_math, cuda_backend, mask_mode  # noqa: E402
+from starshard.kernels import decode as dk  # noqa: E402
 from starshard.kernels.decode import decode_attention  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
 from starshard.kernels.merge import merge_into, merge_many, merge_stacked  # noqa: E402
@@ -245,6 +246,22 @@ def test_decode_default_splits_and_config():
     assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
     out, lse = decode_attention(q, k, v, q_pos=qp, k_pos=kp, use_triton=True, num_splits=5, config=(32, 4, 1))
     assert_close(out, lse, q, k, v, qp, kp, expect_empty=0)
+
+
+def test_decode_split_count_fills_one_round(monkeypatch):
+    """The built-in split count: as many programs as fit one round (one per multiprocessor for 16-bit caches,
+    two for e4m3), never a partial second round, no split under _MIN_CHUNK keys."""
+    monkeypatch.setattr(dk, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    for fp8, per_sm in ((False, 1), (True, 2)):
+        for programs_per_split in (1, 3, 4, 8, 17, 132, 300):
+            for Lk in (1, 100, 4096, 131072):
+                n = dk._num_splits(cuda, programs_per_split, Lk, fp8)
+                assert n >= 1 and (n == 1 or n * programs_per_split <= per_sm * 132), (fp8, programs_per_split, Lk, n)
+                assert n == 1 or -(-Lk // n) >= dk._MIN_CHUNK
+                if Lk == 131072 and programs_per_split <= per_sm * 132:
+                    assert (n + 1) * programs_per_split > per_sm * 132  # the round is filled
+    assert dk._num_splits(cuda, 8, 131072) == 16 and dk._num_splits(cuda, 8, 131072, fp8=True) == 33
 
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])

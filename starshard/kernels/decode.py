@@ -28,7 +28,13 @@ try:
 except ImportError:  # older triton: plain loads
     TensorDescriptor = None
 
-_MIN_CHUNK = 256  # keys per split: below this the merge costs more than the parallelism buys
+# Keys per split at least, and the programs aimed at per multiprocessor, never more: one for 16-bit caches,
+# two for e4m3 (half the bytes per key). Measured on an H100 (bench/decode_splits.py,
+# bench/results/2026-11-26-gpu-decode-launches): two 16-bit programs per multiprocessor read slower than one,
+# and a few programs past a whole wave cost as much as a wave (Llama-8B heads at 128K keys: 33 splits
+# 208 us, 17 splits 204 us, 16 splits 181 us).
+_MIN_CHUNK = 128
+_PROGRAMS_PER_SM = {False: 1, True: 2}
 
 
 def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
@@ -64,6 +70,7 @@ if triton is not None:
         split = tl.program_id(0)
         if HAS_LK:  # valid keys read on the device (CUDA-graph decode: the cache length changes per replay)
             Lk = tl.load(LK_PTR)
+            chunk = tl.cdiv(tl.cdiv(Lk, n_splits), BLOCK_N) * BLOCK_N  # every split gets work, not just the first
         row_block = tl.program_id(1)
         pid_bk = tl.program_id(2)
         b = pid_bk // Hkv
@@ -198,6 +205,7 @@ if triton is not None:
         split = tl.program_id(0)
         if HAS_LK:
             Lk = tl.load(LK_PTR)
+            chunk = tl.cdiv(tl.cdiv(Lk, n_splits), BLOCK_N) * BLOCK_N
         row_block = tl.program_id(1)
         pid_bk = tl.program_id(2)
         b = pid_bk // Hkv
@@ -286,10 +294,11 @@ if triton is not None:
 _FP8_OPTIONS = {"even": True, "tma": False, "config": (128, 4, 3)}
 
 
-def _num_splits(device: torch.device, programs_per_split: int, Lk: int) -> int:
-    """Enough splits for about two programs per multiprocessor, no chunk under _MIN_CHUNK keys."""
-    target = 2 * sm_count(device) if device.type == "cuda" else 8
-    want = -(-target // max(1, programs_per_split))
+def _num_splits(device: torch.device, programs_per_split: int, Lk: int, fp8: bool = False) -> int:
+    """As many splits as fit _PROGRAMS_PER_SM programs per multiprocessor (fp8: an e4m3 cache) in one
+    round, no chunk under _MIN_CHUNK keys."""
+    target = _PROGRAMS_PER_SM[fp8] * sm_count(device) if device.type == "cuda" else 8
+    want = target // max(1, programs_per_split)
     return max(1, min(want, -(-Lk // _MIN_CHUNK)))
 
 
@@ -335,7 +344,7 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     row_blocks = -(-rows // block_m)
     if num_splits is None:
-        num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk)
+        num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk, fp8)
     block_d = max(16, triton.next_power_of_2(D))
     opts = {**_FP8_OPTIONS, **(options or {})}
     # e4m3 cache, 16-bit queries, no causal mask, options "even": the kernel without per-block masks
