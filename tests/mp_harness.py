@@ -23,7 +23,10 @@ def _worker(rank, world, port, out_dir, fn, args):
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    # The ranks meet through a file in this run's own directory, not a TCP port: a port picked free can be
+    # taken by another process (a second pytest run) before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
