@@ -148,11 +148,12 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
 def dense_attend_int8_scores(q, k, v, pos, cache: LayerKV | None, sparse=None):
     """dense_attend, except that a prefill block starting an empty cache (the whole prompt unless
     prefill is chunked) attends itself with 8-bit scores (`--fp8 attention`,
-    kernels/attention.py causal_attention_int8_scores); decode steps and later chunks are dense_attend's."""
-    if sparse is None and q.shape[2] > DECODE_MAX_ROWS and (cache is None or cache.length == 0):
+    kernels/attention.py causal_attention_int8_scores, which keeps 16-bit scores where the layer's sparse
+    pattern applies); decode steps and later chunks are dense_attend's."""
+    if q.shape[2] > DECODE_MAX_ROWS and (cache is None or cache.length == 0):
         if cache is not None:
             cache.store(k, v, pos)
-        out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos)
+        out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos, sparse=pattern_for(sparse, q))
         return out
     return dense_attend(q, k, v, pos, cache, sparse)
 

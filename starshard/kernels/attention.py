@@ -232,18 +232,19 @@ def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
     return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
 
 
-def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None):
+def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None, sparse=None):
     """Square causal prefill attention with 8-bit scores (`--fp8 attention`): q . k from int8 q (per
     128 rows) and int8 K minus its mean (per 128 keys; the mean shifts every score of a row alike, so
     the softmax never sees it and the lse gets it back), P @ V in q's dtype. CUDA: one Triton kernel
     (kernels/flash_fp8.py variant "s") when the positions are plain index-causal; the CPU runs the same
-    quantization through the exact path (slow reference). Any other mask, or a decode-sized call,
-    runs `attention` unchanged."""
+    quantization through the exact path (slow reference). A sparse pattern (`sparse`, kernels/sparse.py:
+    its kernels read 16-bit scores), any other mask, or a decode-sized call runs `attention` unchanged:
+    every caller of `--fp8 attention` (the dense path, Star's context blocks, Ulysses) decides here."""
     check_shapes(q, k, v)
     L = q.shape[2]
-    if (L <= DECODE_MAX_ROWS or k.shape[2] != L or q.shape[-1] not in FP8_HEAD_DIMS
+    if (sparse is not None or L <= DECODE_MAX_ROWS or k.shape[2] != L or q.shape[-1] not in FP8_HEAD_DIMS
             or mask_mode(q_pos, k_pos, True) != "causal"):
-        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale, sparse=sparse)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.device.type == "cuda":
         return flash_fp8_attention(q, k, v, variant="s", scale=scale)

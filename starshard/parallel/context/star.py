@@ -65,8 +65,8 @@ class StarAttention(ContextStrategy):
             # rank stay invisible (each block is encoded independently). A square index-causal call:
             # --fp8 attention takes it with 8-bit scores.
             pattern = pattern_for(sparse, q)
-            if self.int8_scores and pattern is None:
-                out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos)
+            if self.int8_scores:
+                out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos, sparse=pattern)
             else:
                 out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern)
             cache_append(cache, k, v, pos, rows)

@@ -170,8 +170,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 
     def dense(qh, kh, vh, qp, kp, packed):
         pattern = pattern_for(sparse, qh, offset)
-        if int8_scores and pattern is None:
-            return causal_attention_int8_scores(qh, kh, vh, q_pos=qp, k_pos=kp, scale=scale)
+        if int8_scores:
+            return causal_attention_int8_scores(qh, kh, vh, q_pos=qp, k_pos=kp, scale=scale, sparse=pattern)
         return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern)
 
     return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse, fp8=fp8, stats=stats)
