@@ -369,7 +369,9 @@ class Fp8Config:
     attention: 8-bit prefill scores (engine/model.py dense_attend_int8_scores, kernels/flash_fp8.py variant "s"):
             q . k from int8 q (per 128 rows) and int8 keys minus their mean (per 128 keys), P . V in the
             compute dtype, for a prefill block that starts the cache on the dense path, Star's
-            [anchor; block] context calls and Ulysses' whole-sequence call after its all-to-all (no sparse).
+            [anchor; block] context calls and Ulysses' whole-sequence call after its all-to-all (no sparse);
+            on CUDA only calls of at least 96K keys (kernels/attention.py INT8_SCORES_MIN_LENGTH: shorter ones
+            measured no faster than cuDNN and keep exact scores).
             e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
             (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
     """

@@ -7,6 +7,7 @@ float64 torch) tightly, and against plain float64 attention with a bound (FP8 sc
 percent off, never exact). On a CUDA machine (no interpreter) the compiled kernels are checked the
 same way in bfloat16; the CPU-only kernel tests skip there.
 """
+import importlib
 import math
 
 import pytest
@@ -315,3 +316,23 @@ def test_int8_scores_dispatch_on_cpu():
         got, got_lse = causal_attention_int8_scores(*args[:3], q_pos=args[3], k_pos=args[4])
         want, want_lse = attention(*args[:3], q_pos=args[3], k_pos=args[4], causal=True)
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+def test_int8_scores_decision(monkeypatch):
+    # uses_int8_scores, the one place `--fp8 attention` is decided: a sparse pattern declines (and
+    # causal_attention_int8_scores then runs `attention` with it), and on CUDA so does a call shorter than
+    # INT8_SCORES_MIN_LENGTH keys (measured slower than cuDNN there), while the CPU reference takes any length.
+    att = importlib.import_module("starshard.kernels.attention")  # the module (the package exports the function)
+
+    q, k, v = inputs(1, 6, 2, 300, 32, torch.float32, seed=12)
+    pos = torch.arange(300)
+    assert att.uses_int8_scores(q, k, pos, pos)
+    assert not att.uses_int8_scores(q, k, pos, pos, sparse=object())
+    assert not att.uses_int8_scores(q, k, pos, pos, device_type="cuda")  # 300 < 96K keys
+    monkeypatch.setattr(att, "INT8_SCORES_MIN_LENGTH", 300)
+    assert att.uses_int8_scores(q, k, pos, pos, device_type="cuda")
+    assert not att.uses_int8_scores(q[:, :, :299], k[:, :, :299], pos[:299], pos[:299], device_type="cuda")
+    calls = []
+    monkeypatch.setattr(att, "attention", lambda *a, **kw: calls.append(kw["sparse"]) or ("out", "lse"))
+    assert att.causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos, sparse="pattern") == ("out", "lse")
+    assert calls == ["pattern"]

@@ -30,7 +30,8 @@ from starshard.kernels.merge import merge_partials
 from starshard.kernels.reference import attention_math
 
 __all__ = [
-    "attention", "attention_after_held", "causal_attention", "causal_attention_int8_scores", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
+    "attention", "attention_after_held", "causal_attention", "causal_attention_int8_scores", "uses_int8_scores",
+    "INT8_SCORES_MIN_LENGTH", "attention_math", "check_shapes", "as_positions", "mask_mode", "cuda_backend", "DECODE_MAX_ROWS",
     "SHORT_QUERY_ROWS", "sm_count", "head_subset",
 ]
 
@@ -232,18 +233,35 @@ def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
     return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
 
 
+# `--fp8 attention` on CUDA from this many keys: below it the 8-bit kernel (with its pre-pass) measured slower than
+# cuDNN's bf16 one (one H100, Llama-8B heads: 0.83x at 16K, 0.91x at 64K, 0.98x at 96K, 1.00x at 128K; end to end
+# `linear,kv,attention` vs `linear,kv` 0.96x at 64K, 1.007x at 96K; an H200 1.00x at 32K, 1.04-1.09x at 128K:
+# bench/results/2026-11-26-gpu-int8-scores-floor/), so shorter calls keep exact scores at no cost in speed.
+INT8_SCORES_MIN_LENGTH = 96 * 1024
+
+
+def uses_int8_scores(q, k, q_pos, k_pos, sparse=None, device_type: str | None = None) -> bool:
+    """Whether causal_attention_int8_scores gives this call 8-bit scores: a square index-causal prefill call
+    (more than DECODE_MAX_ROWS rows) of a head dim the kernel has, without a sparse pattern, and on CUDA
+    at least INT8_SCORES_MIN_LENGTH keys (the CPU's reference path takes every length: it is there to show
+    the kernel's numerics). device_type: q's unless given."""
+    L = q.shape[2]
+    on_cuda = (device_type or q.device.type) == "cuda"
+    return (sparse is None and L > DECODE_MAX_ROWS and k.shape[2] == L and q.shape[-1] in FP8_HEAD_DIMS
+            and (not on_cuda or L >= INT8_SCORES_MIN_LENGTH) and mask_mode(q_pos, k_pos, True) == "causal")
+
+
 def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None, sparse=None):
     """Square causal prefill attention with 8-bit scores (`--fp8 attention`): q . k from int8 q (per
     128 rows) and int8 K minus its mean (per 128 keys; the mean shifts every score of a row alike, so
     the softmax never sees it and the lse gets it back), P @ V in q's dtype. CUDA: one Triton kernel
     (kernels/flash_fp8.py variant "s") when the positions are plain index-causal; the CPU runs the same
-    quantization through the exact path (slow reference). A sparse pattern (`sparse`, kernels/sparse.py:
-    its kernels read 16-bit scores), any other mask, or a decode-sized call runs `attention` unchanged:
-    every caller of `--fp8 attention` (the dense path, Star's context blocks, Ulysses) decides here."""
+    quantization through the exact path (slow reference). A call `uses_int8_scores` declines (a sparse
+    pattern, whose kernels read 16-bit scores; any other mask; a decode-sized call; on CUDA, fewer than
+    INT8_SCORES_MIN_LENGTH keys) runs `attention` unchanged: every caller of `--fp8 attention` (the dense
+    path, Star's context blocks, Ulysses) decides here."""
     check_shapes(q, k, v)
-    L = q.shape[2]
-    if (sparse is not None or L <= DECODE_MAX_ROWS or k.shape[2] != L or q.shape[-1] not in FP8_HEAD_DIMS
-            or mask_mode(q_pos, k_pos, True) != "causal"):
+    if not uses_int8_scores(q, k, q_pos, k_pos, sparse):
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale, sparse=sparse)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.device.type == "cuda":
