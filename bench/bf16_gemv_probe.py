@@ -1,9 +1,10 @@
 """Does a Triton one-row GEMV read a bf16 weight faster than cuBLAS (F.linear) at decode? (issue 20: the
 Qwen3-30B-A3B decode step's attention projections ran at ~1.9 TB/s on an H200, ~2.5x their bytes.)
-kernels/fp8.py's GEMV kernel run on bf16 weights (channel scales of one) over a few tiles, against
+The GEMV kernel on bf16 weights over a few tiles (kernels/gemv.py `gemv`, the engine's path for one 16-bit
+row since 2026-11-25; the runs before that took it through kernels/fp8.py with channel scales of one), against
 F.linear, one row, each call reading its weight from HBM (copies cycled, >= 256 MB in all), CUDA graph.
 
-    python bench/bf16_gemv_probe.py --out bf16_gemv_probe.json
+    python bench/bf16_gemv_probe.py --out bf16_gemv_probe.json [--shapes qwen3moe.wo,...] [--tiles 4x1024x4,...]
 """
 import argparse
 import json
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from starshard.benchmarks.common import commit, graph_time_us
-from starshard.kernels import fp8 as fk
+from starshard.kernels.gemv import gemv
 
 SHAPES = {  # [N, K]
     "qwen3moe.wqkv": (5120, 2048), "qwen3moe.wo": (2048, 4096), "qwen3moe.router": (128, 2048),
@@ -26,24 +27,28 @@ TILES = [(4, 512, 2), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (2, 1024, 2), (8,
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
+                    help="comma-separated BLOCK_NxBLOCK_Kxwarps")
     args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(), "rows": []}
-    for name, (N, K) in SHAPES.items():
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
         copies = max(2, -(-256 * 2**20 // (N * K * 2)))
         ws = [torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) / K**0.5 for _ in range(copies)]
-        ones = torch.ones(N, device=dev, dtype=torch.float32)
         x = torch.randn(1, K, device=dev, generator=g, dtype=torch.bfloat16)
         ref = F.linear(x.float(), ws[0].float())
         row = {"name": name, "N": N, "K": K, "bytes": N * K * 2,
                "cublas_us": graph_time_us(lambda i: F.linear(x, ws[i]), 24, best=True, copies=copies)}
         best = None
-        for bn, bk, w in TILES:
+        for bn, bk, w in tiles:
             tile = dict(block_n=bn, block_k=bk, warps=w)
-            y = fk.weight_only_linear(x, ws[0], ones, gemv_tile=tile)
+            y = gemv(x, ws[0], tile=tile)
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            us = graph_time_us(lambda i: fk.weight_only_linear(x, ws[i], ones, gemv_tile=tile), 24, best=True, copies=copies)
+            us = graph_time_us(lambda i: gemv(x, ws[i], tile=tile), 24, best=True, copies=copies)
             row[f"triton_{bn}x{bk}x{w}_us"] = us
             if best is None or us < best[0]:
                 best = (us, f"{bn}x{bk}x{w}", err)
@@ -51,7 +56,7 @@ def main():
                    cublas_tb_s=row["bytes"] / row["cublas_us"] / 1e6, triton_tb_s=row["bytes"] / best[0] / 1e6)
         res["rows"].append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-        del ws
+        ws.clear()
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from starshard.engine.linear import Linear, project_add  # noqa: E402
-from starshard.kernels.gemv import GEMV_MAX_ROWS, gemv, use_gemv  # noqa: E402
+from starshard.kernels.gemv import GEMV_16BIT_TILE, GEMV_MAX_ROWS, gemv, gemv_16bit_tile, use_gemv  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -27,6 +27,19 @@ def test_gemv_16bit_against_float64(M, bias):
     want = x.double() @ w.double().t() + (b.double() if bias else 0)
     assert y.dtype == torch.float16 and y.shape == (M, N)
     assert ((y.double() - want).norm() / want.norm()).item() < 1e-3  # the output's fp16 rounding
+
+
+def test_default_tiles_by_shape():
+    """The tile gemv takes without one: 1024 columns per step at K = 2048 with many rows; up to 4096 where K
+    >= 4096 or the weight has few rows; the wide tile over a K past 4096 with a partial last step is exact."""
+    assert gemv_16bit_tile(5120, 2048) == GEMV_16BIT_TILE and gemv_16bit_tile(49152, 576) == GEMV_16BIT_TILE
+    assert gemv_16bit_tile(2048, 4096)["block_k"] == 4096 and gemv_16bit_tile(4096, 14336)["block_k"] == 4096
+    assert gemv_16bit_tile(128, 2048)["block_k"] == 2048 and gemv_16bit_tile(64, 300)["block_k"] == 1024
+    g = torch.Generator().manual_seed(4)
+    N, K = 6, 4100
+    w, x = (torch.randn(N, K, generator=g) / K**0.5).half(), torch.randn(1, K, generator=g).half()
+    want = x.double() @ w.double().t()
+    assert ((gemv(x, w).double() - want).norm() / want.norm()).item() < 1e-3
 
 
 def test_gemv_residual_rounds_as_torch():

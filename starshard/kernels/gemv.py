@@ -29,12 +29,27 @@ except ImportError:  # installs without triton keep F.linear
     triton = None
 
 GEMV_MAX_ROWS = 4  # rows up to which a GEMV per row beats a tensor-core tile (weights re-read per row from L2)
-# Within 3% of the best tile on every probed shape on an H100; on an H200 up to 9% behind cuBLAS on wide
+# Within 3% of the best 1024-wide tile on every probed shape on an H100; on an H200 up to 9% behind cuBLAS on wide
 # projections (Llama-8B wqkv, w13) while ahead on small ones (bench/results/2026-11-25-gpu-decode call J).
 GEMV_16BIT_TILE = dict(block_n=4, block_k=1024, warps=4)
+# Where K is 4096 or more, or the weight has few rows (a router), a program requests up to 4096 columns at once:
+# on an H100 Qwen3-30B-A3B's wo 7.87 -> 6.55 us, router 1.78 -> 1.50, Llama-8B's wqkv 20.2 -> 17.6, w2 41.4 ->
+# 39.5; at K = 2048 with many rows (Qwen3-30B-A3B's wqkv) the 1024-wide tile stays ahead (7.78 vs 8.26 us)
+# (bench/results/2026-11-26-gpu-gemv-tiles; not measured on an H200).
+GEMV_16BIT_MAX_BLOCK_K = 4096
+GEMV_FEW_ROWS = 1024
 # 16-bit weights take the GEMV for one row only: that is what was measured against cuBLAS; with more rows
 # (batched decode) cuBLAS reads the weight once for all of them, the GEMV once per row.
 GEMV_16BIT_MAX_ROWS = 1
+
+
+def gemv_16bit_tile(N: int, K: int) -> dict:
+    """The tile `gemv` takes for a 16-bit weight [N, K] when none is given: GEMV_16BIT_TILE, its K width raised
+    to K's power of two (at most GEMV_16BIT_MAX_BLOCK_K) where K >= 4096 or N < GEMV_FEW_ROWS."""
+    if K >= 4096 or N < GEMV_FEW_ROWS:
+        wide = min(GEMV_16BIT_MAX_BLOCK_K, 1 << max(0, K - 1).bit_length())
+        return dict(GEMV_16BIT_TILE, block_k=max(GEMV_16BIT_TILE["block_k"], wide))
+    return GEMV_16BIT_TILE
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -83,7 +98,7 @@ if triton is not None:
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
          residual: torch.Tensor | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) @ w [N, K].T (* scale [N], float32) (+ bias [N]) (+ residual [M, N])
-    -> [M, N] in x's dtype. tile: dict(block_n=, block_k=, warps=) (GEMV_16BIT_TILE if not given)."""
+    -> [M, N] in x's dtype. tile: dict(block_n=, block_k=, warps=) (`gemv_16bit_tile` if not given)."""
     if triton is None:
         raise RuntimeError("gemv needs the triton package")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -98,7 +113,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, bi
         raise ValueError("gemv: the weight's rows must be contiguous")
     if residual is not None and (residual.shape != (M, N) or residual.stride(-1) != 1):
         residual = residual.reshape(M, N).contiguous()
-    t = tile or GEMV_16BIT_TILE
+    t = tile or gemv_16bit_tile(N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
         _gemv_kernel[(triton.cdiv(N, t["block_n"]), M)](
