@@ -25,7 +25,10 @@ Why our own module rather than torchao's float8 inference path (torchao 0.18, wh
 (their own weight handling and communication), so they would need re-implementing either way; its
 dynamic-activation path quantizes activations in separate eager ops (measured in issue 19: 1.02x
 bf16 at 8K rows, 13x slower than bf16 at one row), and decode needs a weight-only kernel it does not
-have. The matmul itself is torch._scaled_mm, the same op torchao calls (kernels/fp8.py).
+have. The matmul itself is torch._scaled_mm, the same op torchao calls (kernels/fp8.py). NVIDIA's
+Transformer Engine (te.pytorch.Linear / fp8_autocast, FP8 GEMMs with their own scaling recipes) is the other
+maintained route; its PyTorch extension builds against the machine's CUDA toolkit and cannot be installed on
+the device machines this project measures on, so it is an alternative left untested here.
 """
 from __future__ import annotations
 
