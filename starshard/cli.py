@@ -59,7 +59,9 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
                     help="--sparse minference: per-layer, per-head patterns (JSON from `python -m "
                     "starshard.tools.minference_search`, or MInference's published per-model config); default: "
-                    "Vertical-Slash (1000, 6096) on every head. --sparse anchor: per-layer, per-head thresholds and "
+                    "Vertical-Slash (1000, 6096) on every head, except on the embedded default model (no --model), "
+                    "which takes the patterns searched for it (starshard/checkpoints/smollm2_minference.json, "
+                    "recall 0.99). --sparse anchor: per-layer, per-head thresholds and "
                     "the pooling, calibrated for the model to a recall target (JSON from `python -m "
                     "starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / --anchor-step")
     sp.add_argument("--anchor-theta", type=float, default=12.0,

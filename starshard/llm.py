@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.default import default_checkpoint, default_model_sparse
 from starshard.checkpoints.load import load_model
 from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
@@ -92,7 +92,9 @@ class LLM:
     random_weights: a preset name (starshard.presets) or a config.json path: random weights of
     that shape, no checkpoint (benchmarks); prompts must then be token ids. The weights depend only
     on (shape, weights_seed), not on the layout: a tp=2 run and a one-process run agree.
-    sparse: a kernels.sparse.SparseConfig (sparse prefill inside each shard).
+    sparse: a kernels.sparse.SparseConfig (sparse prefill inside each shard). On the embedded default model
+    (no path, no random weights) `minference` without a config file takes the patterns searched for it
+    (checkpoints/default.py DEFAULT_MINFERENCE_CONFIG); `self.sparse` is the config that ran.
     fp8: what runs in FP8 e4m3 (config.Fp8Config, or "linear,kv" / ["linear", "kv"]; default none =
     the compute dtype): `linear` the decoder's projections (parallel/fp8.py), `kv` the KV cache
     (engine/kv_cache.py). Needs a GPU of compute capability >= 8.9 (and bfloat16 for `linear`); on
@@ -125,6 +127,8 @@ class LLM:
             cfg = preset_config(random_weights)
         else:
             self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
+            if path is None:
+                sparse = default_model_sparse(sparse)
             src = weight_source(self.path, is_default=path is None)
             cfg = read_config(src) if sliced else None
         stored_fp8 = check_source_fp8(src, fp8.linear)  # a --fp8 linear checkpoint needs --fp8 linear
@@ -140,6 +144,7 @@ class LLM:
         if fp8.linear:
             quantize_linears(model, topo.tp_group if p.tp > 1 else None)
             fuse_inputs(model)  # prefill: norm / silu-mul and activation quantization in one kernel
+        self.sparse = sparse
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)

@@ -642,3 +642,30 @@ def test_bench_runs_on_cpu(tmp_path):
     for p in row["patterns"]:
         assert 0 < p["density"] < 1 and 0 < p["recall"] <= 1 and p["rel_err"] < 1e-4
         assert p["index_ms"] >= 0 and p["kernel_ms"] > 0 and p["total_ms"] > 0
+
+
+def test_default_model_takes_its_searched_config():
+    """--sparse minference on the embedded default model (no path) runs the shipped recall-0.99 patterns;
+    a given config file, AnchorAttention and any other model keep what they were given."""
+    from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG, default_model_sparse
+    from starshard.kernels.sparse import SparseConfig
+
+    cfg = mi.MInferenceConfig.load(DEFAULT_MINFERENCE_CONFIG)  # shipped with the package, SmolLM2's shape
+    assert len(cfg.layers) == 30 and all(len(layer) == 9 for layer in cfg.layers)
+    assert cfg.meta["target_recall"] == 0.99
+    got = default_model_sparse(SparseConfig("minference", min_length=0))
+    assert got.config_path == str(DEFAULT_MINFERENCE_CONFIG) and got.min_length == 0
+    own = SparseConfig("minference", config_path=str(DEFAULT_MINFERENCE_CONFIG.parent / "__init__.py"))
+    assert default_model_sparse(own) is own and default_model_sparse(None) is None
+    anchor = SparseConfig("anchor")
+    assert default_model_sparse(anchor) is anchor
+    ckpt = _default_checkpoint()
+    import starshard
+    from starshard.kernels.sparse import sparse_report
+
+    llm = starshard.LLM(progress=False, sparse=SparseConfig("minference"))
+    assert llm.sparse.config_path == str(DEFAULT_MINFERENCE_CONFIG)
+    assert llm.model.layers[0].attention.sparse.method.method.meta["source"] == str(DEFAULT_MINFERENCE_CONFIG)
+    assert sparse_report(llm.model) is not None
+    other = starshard.LLM(ckpt, progress=False, sparse=SparseConfig("minference"))  # a path: no shipped config
+    assert other.sparse.config_path is None

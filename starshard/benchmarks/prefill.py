@@ -225,6 +225,7 @@ def run(args) -> None:
         if topo.rank == 0:
             print(json.dumps(row), file=sys.stderr, flush=True)
     result = header("prefill", topo.device, topo.world_size, args)
+    result["sparse_config_file"] = llm.sparse.config_path if llm.sparse is not None else None  # the one that ran
     result["prompt"] = ({"kind": "text file", "file": args.prompt_file, "file_tokens": len(text),
                          "repeated_at": [L for L in args.lengths if L > len(text)]} if text is not None else
                         {"kind": "random token ids", "seed": "the length"})

