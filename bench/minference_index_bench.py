@@ -107,9 +107,25 @@ def main():
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
     res["plan_ms_wall"] = sorted(walls)[len(walls) // 2]
-    if args.profile:  # where the Triton build's time goes, kernel by kernel
-        from torch.profiler import ProfilerActivity, profile
+    # Issue 18's measure: the plan's kernels' summed device time (torch.profiler, 5 plans; its host launches,
+    # which a model overlaps with the layer before, excluded), beside its GPU span above. The sparse kernel on
+    # this index is timed too, but random q / k pick scattered diagonals (thousands of one-key runs), far
+    # slower than a real model's bands: compare the build with the kernel on structured inputs
+    # (`launch/bench.py sparse`), not with this.
+    from torch.profiler import ProfilerActivity, profile
 
+    v = torch.randn(1, Hkv, L, D, device=dev, generator=g).to(dt)
+    pos = torch.arange(L, device=dev)
+    made = plan()
+    res["sparse_kernel_ms_random_index"] = median_ms(lambda: mi.attention_with_fallback(q, k, v, made, q_pos=pos, k_pos=pos, offset=0))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            plan()
+        torch.cuda.synchronize()
+    res["plan_kernels_ms"] = sum(e.self_device_time_total for e in prof.key_averages()
+                                 if str(e.device_type).endswith("CUDA")) / 5 / 1e3
+    if args.profile:  # where the Triton build's time goes, kernel by kernel
         def build():
             v, s_ = mi.vs_select(q, k, use_triton=True, **kw)
             mi.vs_index(v, s_, Lq=L, Lk=L, offset=0, block_size=64, use_triton=True)
