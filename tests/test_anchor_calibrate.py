@@ -249,3 +249,6 @@ def test_bench_prompt_file_is_repeated_or_truncated(tmp_path):
         prefill.text_ids(None, str(f))
     ns = argparse.Namespace(random_weights="tiny", model=None, prompt_file=str(f))
     assert "needs --model" in prefill.check(ns)
+    p = argparse.ArgumentParser()
+    prefill.add_arguments(p)
+    assert prefill.check(p.parse_args(["--prompt-file", str(f)])) is None  # neither: the embedded SmolLM2

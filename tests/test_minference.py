@@ -669,3 +669,20 @@ def test_default_model_takes_its_searched_config():
     assert sparse_report(llm.model) is not None
     other = starshard.LLM(ckpt, progress=False, sparse=SparseConfig("minference"))  # a path: no shipped config
     assert other.sparse.config_path is None
+
+
+def test_bench_prefill_on_the_embedded_default(tmp_path):
+    """launch/bench.py prefill without --model or --random-weights runs the embedded SmolLM2 (as bench.py serve
+    does), and its JSON names the checkpoint and the shipped MInference config that ran."""
+    from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG
+
+    _default_checkpoint()
+    out = tmp_path / "b.json"
+    subprocess.run([sys.executable, str(ROOT / "launch" / "bench.py"), "prefill", "--lengths", "200", "--repeats", "1",
+                    "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--cp-strategy", "dense", "--sparse", "minference",
+                    "--sparse-min-length", "0", "--decode-steps", "0", "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert r["sparse_config_file"] == str(DEFAULT_MINFERENCE_CONFIG) and r["weights"] == "real"
+    assert r["checkpoint"].endswith("smollm2-135m-instruct-q4_1-f32")
+    assert r["results"][0]["length"] == 200 and r["results"][0]["sparse_report"]["heads_sparse"] > 0

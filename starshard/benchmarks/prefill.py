@@ -3,6 +3,7 @@ starshard.LLM (the runner chosen in llm.choose_runner, random weights seeded in 
 
     python launch/bench.py prefill --random-weights llama-3.1-8b --cp-strategy dense --lengths 8192,32768 --out r.json
     torchrun --nproc-per-node 2 launch/bench.py prefill --cp 2 --cp-strategy ring --random-weights llama-3.1-8b ...
+    python launch/bench.py prefill --prompt-file essay.txt --sparse minference --lengths 131072   # the embedded SmolLM2
 
 Per length: the prefill (--warmup untimed, then the median of --repeats; the local runner runs the model
 on the whole prompt, logits for the last token only; a context strategy's runner its prefill_logits with
@@ -94,7 +95,8 @@ def add_arguments(p) -> None:
     p.add_argument("--random-weights", default=None,
                    help="preset name (llama-3.1-8b, tiny) or config.json: fine for dense and CP speed, never for "
                    "sparse speed (no attention structure: every head is dense-like; use --model and --prompt-file)")
-    p.add_argument("--model", default=None, help="real checkpoint instead of --random-weights")
+    p.add_argument("--model", default=None,
+                   help="real checkpoint instead of --random-weights (neither: the embedded SmolLM2, as `bench.py serve`)")
     p.add_argument("--prompt-file", default=None, metavar="PATH",
                    help="natural text, tokenized with --model's tokenizer and repeated (blank line between copies) or "
                    "truncated to each length; the JSON names the file and whether it was repeated (default: random "
@@ -116,10 +118,8 @@ def add_arguments(p) -> None:
 
 
 def check(args) -> str | None:
-    if not (args.random_weights or args.model):
-        return "prefill needs --random-weights NAME or --model PATH"
-    if args.prompt_file is not None and not args.model:
-        return "--prompt-file needs --model PATH (its tokenizer reads the text)"
+    if args.prompt_file is not None and args.random_weights:
+        return "--prompt-file needs --model PATH or the embedded SmolLM2 (no --random-weights): a real tokenizer reads the text"
     if args.prompt_file is not None and not Path(args.prompt_file).is_file():
         return f"--prompt-file {args.prompt_file} does not exist"
     return layout_error(args)
@@ -230,6 +230,7 @@ def run(args) -> None:
                          "repeated_at": [L for L in args.lengths if L > len(text)]} if text is not None else
                         {"kind": "random token ids", "seed": "the length"})
     result["weights"] = "random" if args.random_weights else "real"
+    result["checkpoint"] = str(llm.path) if llm.path is not None else None  # the embedded default's when no --model
     result.update(strategy=parallel.cp_strategy, cp=args.cp, fp8=llm.fp8.describe(), matmul_peak_tflops=peak / 1e12, results=rows)
     if topo.rank == 0:
         write(args.out, result)
