@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--splits", default="4,8,16,32,64,128,256,512")
+    ap.add_argument("--configs", default="", help="also time these launches at the built-in split count, "
+                    "';'-separated BLOCK_N,warps,stages (e.g. '64,4,3;128,4,2')")
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -53,10 +55,10 @@ def main():
                 pos = torch.arange(cap, device=dev)
                 qpos = torch.tensor([ctx - 1], device=dev)
 
-                def call(i, n=None):
+                def call(i, n=None, config=None):
                     k, v, ks, vs = kvs[i]
                     return dk.decode_attention(q, k, v, q_pos=qpos, k_pos=pos, causal=False, num_splits=n,
-                                               length=length, k_scale=ks, v_scale=vs)
+                                               length=length, k_scale=ks, v_scale=vs, config=config)
 
                 auto = dk._num_splits(dev, Hkv, cap, fp8)
                 ref = call(0)[0].float()
@@ -69,6 +71,12 @@ def main():
                     err = ((call(0, n)[0].float() - ref).abs().max() / ref.abs().max()).item()
                     row["forced"][n] = {"us": graph_time_us(lambda i: call(i, n), 20, best=True, copies=copies),
                                         "max_rel_diff": err}
+                row["configs"] = {}
+                for c in filter(None, args.configs.split(";")):
+                    cfg = tuple(int(x) for x in c.split(","))
+                    err = ((call(0, None, cfg)[0].float() - ref).abs().max() / ref.abs().max()).item()
+                    row["configs"][c] = {"us": graph_time_us(lambda i: call(i, None, cfg), 20, best=True, copies=copies),
+                                         "max_rel_diff": err}
                 best = min(row["forced"].items(), key=lambda kv: kv[1]["us"])
                 row["best_splits"], row["best_us"] = best[0], best[1]["us"]
                 row["auto_tb_s"] = row["kv_bytes"] / row["auto_us"] / 1e6
