@@ -58,18 +58,20 @@ def write_kv_slot_reference(k, v, pos, slot, cache_k, cache_v, cache_pos, k_scal
 if triton is not None:
 
     @triton.jit
-    def _store_row(X, s_xd, C, s_cd, S, D, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):
-        """C[:D] = X[:D] (strides s_xd, s_cd); QUANTIZE: divided by the row's scale and clamped, the scale to S."""
+    def _store_rows(X, s_xt, s_xd, C, s_ct, s_cd, S, s_st, t, n, D, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows t ([BLOCK_T] row indices; those >= n skipped) of X into C (strides per row / per element);
+        QUANTIZE: each row divided by its scale and clamped, the scales into S (stride s_st)."""
         d = tl.arange(0, BLOCK_D)
-        ok = d < D
-        x = tl.load(X + d * s_xd, mask=ok, other=0.0)
+        ok = (t < n)[:, None] & (d < D)[None, :]
+        x = tl.load(X + t[:, None] * s_xt + d[None, :] * s_xd, mask=ok, other=0.0)
         if QUANTIZE:
             xf = x.to(tl.float32)
-            scale = e4m3_scale(tl.max(tl.abs(xf), 0))
-            tl.store(C + d * s_cd, e4m3_values(xf, scale).to(C.dtype.element_ty), mask=ok)
-            tl.store(S, scale)
+            scale = e4m3_scale(tl.max(tl.abs(xf), 1))
+            tl.store(C + t[:, None] * s_ct + d[None, :] * s_cd,
+                     e4m3_values(xf, scale[:, None]).to(C.dtype.element_ty), mask=ok)
+            tl.store(S + t * s_st, scale, mask=t < n)
         else:
-            tl.store(C + d * s_cd, x.to(C.dtype.element_ty), mask=ok)
+            tl.store(C + t[:, None] * s_ct + d[None, :] * s_cd, x.to(C.dtype.element_ty), mask=ok)
 
     @triton.jit(do_not_specialize=["slot_value"])  # a host slot changes every step: no recompiles
     def _write_kv_slot_kernel(K, V, POS, SLOT, slot_value, CK, CV, CPOS, KS, VS, H, D,
@@ -88,23 +90,13 @@ if triton is not None:
             slot = tl.load(SLOT).to(tl.int64)
         else:
             slot = slot_value.to(tl.int64)
-        _store_row(K + b * s_kb + h * s_kh, s_kd, CK + b * s_ckb + h * s_ckh + slot * s_cks, s_ckd,
-                   KS + b * s_ksb + h * s_ksh + slot * s_kss, D, QUANTIZE, BLOCK_D)
-        _store_row(V + b * s_vb + h * s_vh, s_vd, CV + b * s_cvb + h * s_cvh + slot * s_cvs, s_cvd,
-                   VS + b * s_vsb + h * s_vsh + slot * s_vss, D, QUANTIZE, BLOCK_D)
+        one = tl.arange(0, 1)  # the token's row: a one-row tile (row strides unused)
+        _store_rows(K + b * s_kb + h * s_kh, 0, s_kd, CK + b * s_ckb + h * s_ckh + slot * s_cks, 0, s_ckd,
+                    KS + b * s_ksb + h * s_ksh + slot * s_kss, 0, one, 1, D, QUANTIZE, BLOCK_D)
+        _store_rows(V + b * s_vb + h * s_vh, 0, s_vd, CV + b * s_cvb + h * s_cvh + slot * s_cvs, 0, s_cvd,
+                    VS + b * s_vsb + h * s_vsh + slot * s_vss, 0, one, 1, D, QUANTIZE, BLOCK_D)
         if row == 0:
             tl.store(CPOS + slot * s_pos, tl.load(POS))
-
-    @triton.jit
-    def _store_rows(X, s_xt, s_xd, C, s_ct, s_cd, S, s_st, t, n, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Rows t .. t + BLOCK_T (< n) of X quantized into C (strides per row / per element), scales into S."""
-        d = tl.arange(0, BLOCK_D)
-        ok = (t < n)[:, None] & (d < D)[None, :]
-        x = tl.load(X + t[:, None] * s_xt + d[None, :] * s_xd, mask=ok, other=0.0).to(tl.float32)
-        scale = e4m3_scale(tl.max(tl.abs(x), 1))
-        tl.store(C + t[:, None] * s_ct + d[None, :] * s_cd, e4m3_values(x, scale[:, None]).to(C.dtype.element_ty),
-                 mask=ok)
-        tl.store(S + t * s_st, scale, mask=t < n)
 
     @triton.jit(do_not_specialize=["start", "n"])  # block offsets change every chunk: no recompiles
     def _write_kv_block_kernel(K, V, CK, CV, KS, VS, start, n, H, D,
@@ -119,9 +111,9 @@ if triton is not None:
         t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         at = start.to(tl.int64)
         _store_rows(K + b * s_kb + h * s_kh, s_kt, s_kd, CK + b * s_ckb + h * s_ckh + at * s_ckt, s_ckt, s_ckd,
-                    KS + b * s_ksb + h * s_ksh + at * s_kst, s_kst, t, n, D, BLOCK_T, BLOCK_D)
+                    KS + b * s_ksb + h * s_ksh + at * s_kst, s_kst, t, n, D, True, BLOCK_D)
         _store_rows(V + b * s_vb + h * s_vh, s_vt, s_vd, CV + b * s_cvb + h * s_cvh + at * s_cvt, s_cvt, s_cvd,
-                    VS + b * s_vsb + h * s_vsh + at * s_vst, s_vst, t, n, D, BLOCK_T, BLOCK_D)
+                    VS + b * s_vsb + h * s_vsh + at * s_vst, s_vst, t, n, D, True, BLOCK_D)
 
 
 def use_kv_write_kernel(cache_k: torch.Tensor) -> bool:
