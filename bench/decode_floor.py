@@ -11,7 +11,7 @@ prefetch theirs), everything else (expert rows chosen by the router, the cached 
 after it. So the chain's time is a floor for this design: real kernels also compute, route and
 reduce, and read experts scattered over 128.
 
-    python bench/decode_floor.py [--preset qwen3-30b-a3b] [--context 4096] [--hbm-bandwidth 3.35e12]
+    python bench/decode_floor.py [--preset qwen3-30b-a3b] [--context 4096] [--hbm-bandwidth B]
         [--out decode_floor.json]
 
 Timed, each as one CUDA graph replayed (median of --repeats, CUDA events):
@@ -21,7 +21,7 @@ Timed, each as one CUDA graph replayed (median of --repeats, CUDA events):
   ops_nopdl  `ops` launched without PDL (each kernel waits for the one before to end)
   ops_prefetch[_evict_first]  `ops` with the next layer's wqkv and wo read into L2 on a side stream during
              the MLP part (the experts' loads hinted evict_first in the second)
-and each against the bytes bound: step bytes / --hbm-bandwidth (give the card's nominal figure:
+and each against the bytes bound: step bytes / --hbm-bandwidth (default: the card's nominal figure,
 H100 SXM 3.35e12, H200 4.8e12). Read kernels: BLOCK elements of int32 per program, one tile, the
 fastest of a few (BLOCK, warps) for `one_read`, chosen once and used throughout.
 """
@@ -32,19 +32,22 @@ import torch
 import triton
 import triton.language as tl
 
-from starshard.benchmarks.common import commit, timed_median
+from starshard.benchmarks.common import commit, nominal_hbm_bandwidth, timed_median
 from starshard.kernels.pdl import pdl_enabled, pdl_trigger, pdl_wait
 from starshard.presets import preset_config
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--preset", default="qwen3-30b-a3b")
 ap.add_argument("--context", type=int, default=4096, help="cached tokens the step attends")
-ap.add_argument("--hbm-bandwidth", type=float, default=3.35e12, help="the card's nominal HBM bytes per second")
+ap.add_argument("--hbm-bandwidth", type=float, default=None,
+                help="HBM bytes per second of the bound (default: the card's nominal, benchmarks/common.py)")
 ap.add_argument("--repeats", type=int, default=20)
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 dev = torch.device("cuda")
 assert pdl_enabled(dev), "needs a GPU with PDL (compute capability >= 9) and triton grid dependency control"
+args.hbm_bandwidth = args.hbm_bandwidth or nominal_hbm_bandwidth(dev)
+assert args.hbm_bandwidth, f"no nominal HBM figure for {torch.cuda.get_device_name(dev)}: pass --hbm-bandwidth"
 
 
 @triton.jit

@@ -35,6 +35,22 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+# Nominal HBM bytes per second by device name (vendor datasheets), for bytes-bound figures: the first
+# key contained in torch.cuda.get_device_name() wins (the H100 SXM part reports "H100 80GB HBM3").
+NOMINAL_HBM_BYTES_PER_SECOND = {
+    "H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+    "A100-SXM4-80GB": 2.039e12, "A100 80GB PCIe": 1.935e12, "A100": 1.555e12,
+}
+
+
+def nominal_hbm_bandwidth(device: torch.device) -> float | None:
+    """The device's nominal HBM bytes per second from NOMINAL_HBM_BYTES_PER_SECOND, None if not listed."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for key, v in NOMINAL_HBM_BYTES_PER_SECOND.items() if key in name), None)
+
+
 def timed(fn, device: torch.device, repeats: int, warmup: int = 1, barrier=None) -> list[float]:
     """Seconds per call of fn(): `warmup` untimed calls, then `repeats` timed ones, each synchronised
     (CUDA events on GPU, perf_counter on CPU). barrier: called before each timed call, so that every

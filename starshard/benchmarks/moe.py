@@ -13,8 +13,10 @@ qwen3-30b-a3b) with random weights, starshard against transformers in the same r
     untimed prefill of the context. With it, the bytes a step reads: attention weights and norms,
     every layer's router and its k active experts, one embedding row, the final norm and the LM
     head (planner.decode_read_elements), plus the K and V of the context; the time those bytes take
-    at --hbm-bandwidth (default 4.8e12 B/s, the H200's nominal), measured / that time, and the
-    fraction of the bandwidth reached. A device-to-device copy's bandwidth is measured for reference.
+    at --hbm-bandwidth (default: the GPU's nominal figure, common.NOMINAL_HBM_BYTES_PER_SECOND, e.g.
+    4.8e12 B/s on an H200 and 3.35e12 on an H100 SXM; a GPU not listed takes the measured copy
+    bandwidth; the JSON's hbm_bandwidth_source says which; on the CPU, no bound), measured / that
+    time, and the fraction of the bandwidth reached. A device-to-device copy's bandwidth is measured for reference.
 
     python launch/bench.py moe --out moe.json                             # one H200
     python launch/bench.py moe --random-weights tiny-moe --device cpu --dtype float32 \\
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from starshard.benchmarks.common import DTYPES, header, ints, median, timed, write
+from starshard.benchmarks.common import DTYPES, header, ints, median, nominal_hbm_bandwidth, timed, write
 from starshard.benchmarks.prefill import prefill_flops
 from starshard.checkpoints.sources import RandomSource
 from starshard.config import SamplingConfig
@@ -38,7 +40,6 @@ from starshard.planner import active_experts, decode_read_elements
 from starshard.presets import PRESETS, preset_config
 
 HELP = "MoE prefill vs transformers and decode step vs the bytes it reads (one GPU)"
-H200_HBM_BYTES_PER_SECOND = 4.8e12
 _MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
 
 
@@ -52,8 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed prefills per length and model first")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and compute dtype")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_SECOND,
-                   help="bytes per second the bytes-bound decode time assumes (default: H200 nominal 4.8e12)")
+    p.add_argument("--hbm-bandwidth", type=float, default=None,
+                   help="bytes per second the bytes-bound decode time assumes (default: this GPU's nominal HBM "
+                        "figure, e.g. 4.8e12 on an H200, 3.35e12 on an H100 SXM; else the measured copy bandwidth)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly")
     p.add_argument("--skip-hf", action="store_true", help="starshard only (no transformers prefill)")
     p.add_argument("--out", default=None, help="write the JSON here (also printed)")
@@ -153,11 +155,11 @@ def run_starshard(args, cfg, dev, dtype) -> tuple[list[dict], list[dict], dict[i
             times = timed(step, dev, args.decode_steps, warmup=2)
         t = median(times)
         nbytes = decode_bytes(cfg, C + 2, torch.empty(0, dtype=dtype).element_size())
-        bound = nbytes["total"] / args.hbm_bandwidth
+        bound = nbytes["total"] / args.hbm_bandwidth if args.hbm_bandwidth else None
         row = {"context": C, "step_seconds": t, "all_seconds": times, "cuda_graphs": runner.cuda_graphs,
                "graph_error": graph_error, "bytes_read": nbytes, "bytes_bound_seconds": bound,
-               "measured_over_bytes_bound": t / bound, "bandwidth_fraction": bound / t,
-               "achieved_bytes_per_second": nbytes["total"] / t}
+               "measured_over_bytes_bound": t / bound if bound else None,
+               "bandwidth_fraction": bound / t if bound else None, "achieved_bytes_per_second": nbytes["total"] / t}
         decode_rows.append(row)
         print(json.dumps({"starshard_decode": row}), file=sys.stderr, flush=True)
         runner.end_generation()  # the CUDA graph holds this cache
@@ -226,6 +228,12 @@ def run(args) -> None:
     dtype = DTYPES[args.dtype]
     cfg = preset_config(args.random_weights)
     bandwidth = copy_bandwidth(dev)
+    source = "--hbm-bandwidth"
+    if args.hbm_bandwidth is None:  # the CPU has neither: no bytes bound
+        nominal = nominal_hbm_bandwidth(dev)
+        args.hbm_bandwidth = nominal or bandwidth
+        source = (f"nominal for {torch.cuda.get_device_name(dev)}" if nominal else
+                  "measured copy bandwidth" if bandwidth else None)
     _free()
     prefill, decode, logits = run_starshard(args, cfg, dev, dtype)
     _free()
@@ -247,7 +255,8 @@ def run(args) -> None:
                "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
                "expert_width": cfg.moe_intermediate_size, "vocab": cfg.vocab_size, "weights": "random",
                "active_experts_per_decode_step": active_experts(cfg, 1)},
-        dtype=args.dtype, hbm_bytes_per_second=args.hbm_bandwidth, copy_bytes_per_second=bandwidth,
+        dtype=args.dtype, hbm_bytes_per_second=args.hbm_bandwidth, hbm_bandwidth_source=source,
+        copy_bytes_per_second=bandwidth,
         prompt={"kind": "random token ids", "seed": "the length"},
         prefill=prefill, hf=hf_info, hf_prefill=hf_rows, decode=decode)
     write(args.out, result)
