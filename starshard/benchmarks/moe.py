@@ -16,7 +16,8 @@ qwen3-30b-a3b) with random weights, starshard against transformers in the same r
     at --hbm-bandwidth (default: the GPU's nominal figure, common.NOMINAL_HBM_BYTES_PER_SECOND, e.g.
     4.8e12 B/s on an H200 and 3.35e12 on an H100 SXM; a GPU not listed takes the measured copy
     bandwidth; the JSON's hbm_bandwidth_source says which; on the CPU, no bound), measured / that
-    time, and the fraction of the bandwidth reached. A device-to-device copy's bandwidth is measured for reference.
+    time, and the fraction of the bandwidth reached. A device-to-device copy's bandwidth is measured
+    for reference.
 
     python launch/bench.py moe --out moe.json                             # one H200
     python launch/bench.py moe --random-weights tiny-moe --device cpu --dtype float32 \\
