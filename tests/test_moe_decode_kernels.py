@@ -11,6 +11,7 @@ from sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 from starshard.config import ModelConfig  # noqa: E402
 from starshard.engine.moe import MoEFeedForward, grouped_experts, route, use_decode_kernels  # noqa: E402
+from starshard.kernels.fp8 import dequantize, quantize_rows  # noqa: E402
 from starshard.kernels.moe_decode import (  # noqa: E402
     ROUTE_MAX_EXPERTS,
     expert_down,
@@ -106,6 +107,30 @@ def test_fused_gate_up_and_down_against_float64(T, dtype, tol):
     assert torch.equal(fused, y + res)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_e4m3_experts_against_float64(T):
+    """e4m3 expert weights with one float32 scale per row (quantize_rows, as --fp8 experts stores them): the
+    routed gate/up, the pre-routed gate/up and down kernels against float64 products with the dequantized
+    weights; odd widths and small tiles so that rows and K tiles are masked."""
+    g = torch.Generator().manual_seed(10 + T)
+    E, k, H, F = 16, 4, 40, 37
+    x = torch.randn(T, H, generator=g)
+    w13_8, s13 = quantize_rows(torch.randn(E, 2 * F, H, generator=g) * 0.2)
+    w2_8, s2 = quantize_rows(torch.randn(E, H, F, generator=g) * 0.2)
+    assert w13_8.dtype == torch.float8_e4m3fn and s13.shape == (E, 2 * F) and s2.shape == (E, H)
+    w13, w2 = dequantize(w13_8, s13, torch.float64), dequantize(w2_8, s2, torch.float64)
+    logits = untied_logits(T, E, g, torch.float32)
+    act, weights, experts = routed_gate_up(x, logits, w13_8, k, True, block_n=16, block_k=32, warps=1, w13_scale=s13)
+    assert rel(act, _gate_up64(x, experts, w13)) <= 1e-6
+    assert torch.equal(act, expert_gate_up(x, experts, w13_8, block_n=16, block_k=32, warps=1, w13_scale=s13))
+    y = expert_down(act, experts, weights, w2_8, block_n=16, block_k=16, warps=1, w2_scale=s2)
+    assert rel(y, _reference(x, weights, experts.long(), w13, w2)) <= 1e-6
+    with pytest.raises(ValueError, match="w2_scale must be float32"):
+        expert_down(act, experts, weights, w2_8, w2_scale=s2[:, :-1])
+    with pytest.raises(ValueError, match="w13_scale must be float32"):
+        routed_gate_up(x, logits, w13_8, k, True, w13_scale=s13.double())
+
+
 def _gate_up64(x, experts, w13):
     """float64 silu(gate) * up of every (token, expert) pair, row t * k + j."""
     F = w13.shape[1] // 2
@@ -189,11 +214,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from starshard.kernels.moe_decode import _routed_gate_up_kernel as fn
-ptrs = "x_ptr logit_ptr w_ptr out_ptr weight_ptr expert_ptr".split()
-for use in (False, True):
-    sig = {n: ("*fp32" if n in ("weight_ptr", "logit_ptr") else "*i32" if n == "expert_ptr" else "*bf16")
-           if n in ptrs else "constexpr" if fn.params[i].is_constexpr else "i32" for i, n in enumerate(fn.arg_names)}
-    const = dict(TOP_K=8, K_PAD=8, BLOCK_E=128, RENORMALIZE=True, BLOCK_N=4, BLOCK_K=512, USE_PDL=use)
+ptrs = "x_ptr logit_ptr w_ptr s_ptr out_ptr weight_ptr expert_ptr".split()
+for use, scaled in ((False, False), (True, False), (True, True)):
+    kind = {"weight_ptr": "*fp32", "logit_ptr": "*fp32", "s_ptr": "*fp32", "expert_ptr": "*i32",
+            "w_ptr": "*fp8e4nv" if scaled else "*bf16"}
+    sig = {n: kind.get(n, "*bf16") if n in ptrs else "constexpr" if fn.params[i].is_constexpr else "i32"
+           for i, n in enumerate(fn.arg_names)}
+    const = dict(TOP_K=8, K_PAD=8, BLOCK_E=128, RENORMALIZE=True, HAS_SCALE=scaled, BLOCK_N=4, BLOCK_K=512,
+                 USE_PDL=use)
     ptx = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 2}).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == use and ("griddepcontrol.launch_dependents" in ptx) == use

@@ -26,8 +26,8 @@ kernels = [gemv._gemv_kernel, norm._rms_norm_kernel, rope._rope_qk_kernel, kv_wr
            activation._silu_mul_rows_kernel]
 ptrs = {"_gemv_kernel": "X W S BIAS RES Y", "_rms_norm_kernel": "X W Y", "_rope_qk_kernel": "Q K QO KO QW KW COS SIN",
         "_write_kv_slot_kernel": "K V POS SLOT CK CV CPOS KS VS", "_decode_merge_kernel": None,
-        "_route_kernel": "logit_ptr weight_ptr expert_ptr", "_gate_up_kernel": "x_ptr exp_ptr w_ptr out_ptr",
-        "_down_kernel": "a_ptr exp_ptr pw_ptr w_ptr res_ptr out_ptr", "_argmax_chunks_kernel": "X VAL IDX",
+        "_route_kernel": "logit_ptr weight_ptr expert_ptr", "_gate_up_kernel": "x_ptr exp_ptr w_ptr s_ptr out_ptr",
+        "_down_kernel": "a_ptr exp_ptr pw_ptr w_ptr s_ptr res_ptr out_ptr", "_argmax_chunks_kernel": "X VAL IDX",
         "_argmax_reduce_kernel": "VAL IDX OUT", "_silu_mul_rows_kernel": "G Y"}
 ints = {"TOP_K": 2, "K_PAD": 2, "BLOCK_E": 16, "BLOCK_N": 4, "BLOCK_K": 64, "BLOCK_R": 2, "BLOCK_D": 64,
         "BLOCK_HQ": 2, "BLOCK_HK": 2, "BLOCK_HALF": 32, "BLOCK_REST": 0, "CHUNK": 256, "BLOCK": 256, "BLOCK_C": 16,

@@ -95,9 +95,10 @@ if triton is not None:
         tl.store(expert_ptr + t * TOP_K + slot, chosen_e, mask=ok)
 
     @triton.jit
-    def _gate_up_rows(x_row, w, out_row, K, F, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_rows(x_row, w, s, out_row, K, F, stride_wn, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
         """silu(gate) * up of this program's column slice of one (token, expert) pair: x_row [K], w the
-        expert's [2F, K] rows (gate, then up), out_row [F]."""
+        expert's [2F, K] rows (gate, then up), s their [2F] channel scales (HAS_SCALE: e4m3 rows), out_row [F]."""
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < F
         gate = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -111,24 +112,29 @@ if triton is not None:
             wu = tl.load(w + (n[:, None] + F) * stride_wn + k[None, :], mask=m, other=0.0).to(tl.float32)
             gate += tl.sum(wg * xv, axis=1)
             up += tl.sum(wu * xv, axis=1)
+        if HAS_SCALE:  # the channel scale on the float32 sum, as kernels/gemv.py
+            gate = gate * tl.load(s + n, mask=n_ok, other=0.0)
+            up = up * tl.load(s + n + F, mask=n_ok, other=0.0)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_row + n, act.to(out_row.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, exp_ptr, w_ptr, out_ptr, K, F, top_k, stride_x, stride_we, stride_wn, stride_o,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _gate_up_kernel(x_ptr, exp_ptr, w_ptr, s_ptr, out_ptr, K, F, top_k, stride_x, stride_we, stride_wn,
+                        stride_se, stride_o, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         p = tl.program_id(0)  # pair p = token p // top_k's (p % top_k)-th expert
-        w = w_ptr + tl.load(exp_ptr + p).to(tl.int64) * stride_we
-        _gate_up_rows(x_ptr + (p // top_k).to(tl.int64) * stride_x, w, out_ptr + p.to(tl.int64) * stride_o, K, F,
-                      stride_wn, BLOCK_N, BLOCK_K)
+        e = tl.load(exp_ptr + p).to(tl.int64)
+        _gate_up_rows(x_ptr + (p // top_k).to(tl.int64) * stride_x, w_ptr + e * stride_we, s_ptr + e * stride_se,
+                      out_ptr + p.to(tl.int64) * stride_o, K, F, stride_wn, HAS_SCALE, BLOCK_N, BLOCK_K)
 
     @triton.jit
-    def _routed_gate_up_kernel(x_ptr, logit_ptr, w_ptr, out_ptr, weight_ptr, expert_ptr, E, K, F, stride_x,
-                               stride_l, stride_we, stride_wn, stride_o, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                               BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    def _routed_gate_up_kernel(x_ptr, logit_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, expert_ptr, E, K, F, stride_x,
+                               stride_l, stride_we, stride_wn, stride_se, stride_o, TOP_K: tl.constexpr,
+                               K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+                               HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               USE_PDL: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         # kernels/pdl.py: nothing of the kernels ahead is read before this; the expert rows to load
         # depend on the logits, so there is nothing to prefetch either
@@ -144,14 +150,14 @@ if triton is not None:
         if tl.program_id(1) == 0:  # one program per pair writes its slot for the down kernel
             tl.store(weight_ptr + t * TOP_K + slot, chosen_w, mask=mine)
             tl.store(expert_ptr + t * TOP_K + slot, chosen_e, mask=mine)
-        w = w_ptr + tl.sum(tl.where(mine, chosen_e, 0), axis=0).to(tl.int64) * stride_we
-        _gate_up_rows(x_ptr + t.to(tl.int64) * stride_x, w, out_ptr + p.to(tl.int64) * stride_o, K, F, stride_wn,
-                      BLOCK_N, BLOCK_K)
+        e = tl.sum(tl.where(mine, chosen_e, 0), axis=0).to(tl.int64)
+        _gate_up_rows(x_ptr + t.to(tl.int64) * stride_x, w_ptr + e * stride_we, s_ptr + e * stride_se,
+                      out_ptr + p.to(tl.int64) * stride_o, K, F, stride_wn, HAS_SCALE, BLOCK_N, BLOCK_K)
 
     @triton.jit
-    def _down_kernel(a_ptr, exp_ptr, pw_ptr, w_ptr, res_ptr, out_ptr, K, N, stride_a, stride_we, stride_wn, stride_r,
-                     stride_o, TOP_K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+    def _down_kernel(a_ptr, exp_ptr, pw_ptr, w_ptr, s_ptr, res_ptr, out_ptr, K, N, stride_a, stride_we, stride_wn,
+                     stride_se, stride_r, stride_o, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         t = tl.program_id(0)
@@ -163,7 +169,8 @@ if triton is not None:
         for j in tl.static_range(TOP_K):
             p = t * TOP_K + j
             a_row = a_ptr + p.to(tl.int64) * stride_a
-            w = w_ptr + tl.load(exp_ptr + p).to(tl.int64) * stride_we
+            e = tl.load(exp_ptr + p).to(tl.int64)
+            w = w_ptr + e * stride_we
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
@@ -172,6 +179,8 @@ if triton is not None:
                 wv = tl.load(w + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                              other=0.0)
                 acc += tl.sum(wv.to(tl.float32) * av, axis=1)
+            if HAS_SCALE:  # e4m3 rows: their channel scales on the float32 sum
+                acc = acc * tl.load(s_ptr + e * stride_se + n, mask=n_ok, other=0.0)
             total += acc * tl.load(pw_ptr + p)
         if HAS_RES:  # the block's residual, added as `moe(x) + residual` rounds: the sum first to out's dtype
             total = total.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(
@@ -179,10 +188,18 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _check(w: torch.Tensor, name: str) -> None:
+def _check(w: torch.Tensor, name: str, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Checks an expert weight [E, N, K] and its optional channel scales [E, N] (float32, an e4m3 weight's);
+    returns the scales contiguous."""
     if w.dim() != 3 or w.stride(-1) != 1:
         raise ValueError(f"{name} must be [E, N, K] with unit stride along K, got shape {tuple(w.shape)} "
                          f"strides {w.stride()}")
+    if scale is None:
+        return None
+    if tuple(scale.shape) != tuple(w.shape[:2]) or scale.dtype != torch.float32:
+        raise ValueError(f"{name}_scale must be float32 [E, N] = {tuple(w.shape[:2])} (one per expert row), got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+    return scale.contiguous()
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,31 +231,36 @@ def _routing_outputs(name: str, logits: torch.Tensor, top_k: int) -> tuple[torch
 
 def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
                    block_n: int = GATE_UP_TILE["block_n"], block_k: int = GATE_UP_TILE["block_k"],
-                   warps: int = GATE_UP_TILE["warps"]) -> torch.Tensor:
+                   warps: int = GATE_UP_TILE["warps"], w13_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of every (token, expert) pair: x [T, H] (rows unit-stride), experts [T, k] (int;
     token t's j-th expert), w13 [E, 2F, H] (each expert's F gate rows, then its F up rows) -> [T * k, F]
-    in x.dtype, row t * k + j for token t's j-th expert."""
-    _check(w13, "w13")
+    in x.dtype, row t * k + j for token t's j-th expert. w13_scale [E, 2F] float32: w13 is e4m3 with these
+    channel scales (applied to each row's float32 sum before silu-mul)."""
+    w13_scale = _check(w13, "w13", w13_scale)
     (T, k), (_, F2, H) = experts.shape, w13.shape
     F = F2 // 2
     out = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
     if T * k == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
+    scale = w13_scale if w13_scale is not None else out  # an unused pointer without scales
     _gate_up_kernel[(T * k, triton.cdiv(F, block_n))](
-        x, experts.contiguous(), w13, out, H, F, k, x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
+        x, experts.contiguous(), w13, scale, out, H, F, k, x.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0) if w13_scale is not None else 0, out.stride(0), HAS_SCALE=w13_scale is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x))
     return out
 
 
 def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, top_k: int, renormalize: bool,
                    block_n: int = GATE_UP_TILE["block_n"], block_k: int = GATE_UP_TILE["block_k"],
-                   warps: int = GATE_UP_TILE["warps"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   warps: int = GATE_UP_TILE["warps"], w13_scale: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_topk and expert_gate_up in one launch: x [T, H] (rows unit-stride), router logits [T, E],
-    w13 [E, 2F, H] -> (act [T * k, F] in x.dtype, weights [T, k] float32, expert ids [T, k] int32), each
-    bit-equal to `w, e = route_topk(logits, top_k, renormalize); act = expert_gate_up(x, e, w13)` at the
-    same tile (the same routing and GEMV code). weights and experts feed expert_down."""
-    _check(w13, "w13")
+    w13 [E, 2F, H] (e4m3 with w13_scale [E, 2F], or 16-bit) -> (act [T * k, F] in x.dtype, weights [T, k]
+    float32, expert ids [T, k] int32), each bit-equal to `w, e = route_topk(logits, top_k, renormalize);
+    act = expert_gate_up(x, e, w13, w13_scale=w13_scale)` at the same tile (the same routing and GEMV code).
+    weights and experts feed expert_down."""
+    w13_scale = _check(w13, "w13", w13_scale)
     weights, experts = _routing_outputs("routed_gate_up", logits, top_k)
     (T, E), (_, F2, H) = logits.shape, w13.shape
     if w13.shape[0] != E:
@@ -253,21 +275,24 @@ def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, top
     x = x if x.stride(-1) == 1 else x.contiguous()
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _routed_gate_up_kernel[(T * top_k, triton.cdiv(F, block_n))](
-        x, logits, w13, act, weights, experts, E, H, F, x.stride(0), logits.stride(0), w13.stride(0), w13.stride(1),
+        x, logits, w13, w13_scale if w13_scale is not None else act, act, weights, experts, E, H, F, x.stride(0),
+        logits.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if w13_scale is not None else 0,
         act.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
-        RENORMALIZE=renormalize, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x))
+        RENORMALIZE=renormalize, HAS_SCALE=w13_scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl_launch(x))
     return act, weights, experts
 
 
 def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor,
                 out_dtype: torch.dtype | None = None, block_n: int = DOWN_TILE["block_n"],
                 block_k: int = DOWN_TILE["block_k"], warps: int = DOWN_TILE["warps"],
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * (w2[experts[t, j]] @ act[t * k + j]) of every token, in float32, in slot
     order: act [T * k, F] (expert_gate_up's output), experts [T, k] (int), weights [T, k], w2 [E, H, F]
     -> [T, H] in out_dtype (default act.dtype). residual [T, H]: + residual, added in the kernel after the
-    sum is rounded to out_dtype (what `expert_down(...) + residual` gives)."""
-    _check(w2, "w2")
+    sum is rounded to out_dtype (what `expert_down(...) + residual` gives). w2_scale [E, H] float32: w2 is
+    e4m3 with these channel scales (each expert's product scaled before its routing weight)."""
+    w2_scale = _check(w2, "w2", w2_scale)
     (T, k), (_, H, F) = experts.shape, w2.shape
     out = torch.empty(T, H, dtype=out_dtype or act.dtype, device=act.device)
     if T * k == 0:
@@ -276,8 +301,9 @@ def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     _down_kernel[(T, triton.cdiv(H, block_n))](
-        act, experts.contiguous(), weights.float().contiguous(), w2, residual if residual is not None else out, out,
-        F, H, act.stride(0), w2.stride(0), w2.stride(1), residual.stride(0) if residual is not None else 0,
-        out.stride(0), TOP_K=k, HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **pdl_launch(act))
+        act, experts.contiguous(), weights.float().contiguous(), w2, w2_scale if w2_scale is not None else out,
+        residual if residual is not None else out, out, F, H, act.stride(0), w2.stride(0), w2.stride(1),
+        w2_scale.stride(0) if w2_scale is not None else 0, residual.stride(0) if residual is not None else 0,
+        out.stride(0), TOP_K=k, HAS_SCALE=w2_scale is not None, HAS_RES=residual is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, **pdl_launch(act))
     return out
