@@ -234,7 +234,7 @@ def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
                  args.block_size, args.anchor_size, args.query_rank)
     fp8 = fp8_config(args)
     work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
-                    fp8_kv=fp8.kv, fp8_linear=fp8.linear)
+                    fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts)
     return lay, work
 
 

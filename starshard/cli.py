@@ -92,8 +92,10 @@ def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
                     "attention = 8-bit prefill scores: q . k from int8 q and int8 keys minus their mean (e4m3 scores measured ~8%% "
                     "off), P . V in the compute dtype, for the prompt's prefill on the dense path, in Star's context blocks "
                     "and in Ulysses, on the GPU for calls of at least 96K keys (shorter ones measured no faster and keep "
-                    "exact scores; not with ring / USP / APB or --sparse; decode unchanged). Needs an Ada / Hopper GPU (compute capability >= 8.9) and --dtype "
-                    "bfloat16 for linear. Usual choice: --fp8 linear,kv")
+                    "exact scores; not with ring / USP / APB or --sparse; decode unchanged); experts = an MoE model's "
+                    "experts in e4m3 with one scale per expert row, quantized at load time (decode reads them as stored, "
+                    "prefill multiplies them dequantized; MoE models only). Needs an Ada / Hopper GPU (compute capability "
+                    ">= 8.9) and --dtype bfloat16 for linear. Usual choice: --fp8 linear,kv (MoE: linear,kv,experts)")
 
 
 def fp8_config(args) -> Fp8Config:

@@ -346,7 +346,7 @@ class ParallelConfig:
         return self.tp * self.pp * self.cp
 
 
-FP8_ITEMS = ("linear", "kv", "attention")
+FP8_ITEMS = ("linear", "kv", "attention", "experts")
 FP8_ATTENTION_STRATEGIES = ("dense", "star", "ulysses")  # where --fp8 attention's square causal prefill calls are wired
 # The decoder projections `--fp8 linear` holds in e4m3 (module names inside a layer): quantized at load
 # time (parallel/fp8.py) or stored so by the converter (checkpoints/convert.py --fp8 linear).
@@ -374,11 +374,15 @@ class Fp8Config:
             measured no faster than cuDNN and keep exact scores).
             e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
             (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
+    experts: an MoE model's stacked experts hold e4m3 weights with one scale per expert row, quantized at
+            load time (parallel/fp8.py Fp8GroupedExperts): decode's expert GEMVs read them as stored; prefill
+            and the CPU multiply them dequantized to the compute dtype, one layer at a time.
     """
 
     linear: bool = False
     kv: bool = False
     attention: bool = False
+    experts: bool = False
 
     @classmethod
     def parse(cls, items: "str | list[str] | tuple[str, ...] | Fp8Config | None") -> "Fp8Config":
@@ -399,7 +403,7 @@ class Fp8Config:
 
     @property
     def any(self) -> bool:
-        return self.linear or self.kv or self.attention
+        return self.linear or self.kv or self.attention or self.experts
 
     def items(self) -> list[str]:
         return [x for x in FP8_ITEMS if getattr(self, x)]

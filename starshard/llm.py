@@ -23,7 +23,7 @@ from starshard.engine.model import dense_attend_int8_scores
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
 from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
 from starshard.parallel.context import make_strategy, strategy_options
-from starshard.parallel.fp8 import fuse_inputs, quantize_linears
+from starshard.parallel.fp8 import fuse_inputs, quantize_experts, quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
 from starshard.presets import preset_config
@@ -97,7 +97,7 @@ class LLM:
     (checkpoints/default.py DEFAULT_MINFERENCE_CONFIG); `self.sparse` is the config that ran.
     fp8: what runs in FP8 e4m3 (config.Fp8Config, or "linear,kv" / ["linear", "kv"]; default none =
     the compute dtype): `linear` the decoder's projections (parallel/fp8.py), `kv` the KV cache
-    (engine/kv_cache.py). Needs a GPU of compute capability >= 8.9 (and bfloat16 for `linear`); on
+    (engine/kv_cache.py), `attention` 8-bit prefill scores, `experts` an MoE model's experts. Needs a GPU of compute capability >= 8.9 (and bfloat16 for `linear`); on
     the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
     (CheckpointError otherwise) and loads its e4m3 weights as stored.
     """
@@ -144,6 +144,11 @@ class LLM:
         if fp8.linear:
             quantize_linears(model, topo.tp_group if p.tp > 1 else None)
             fuse_inputs(model)  # prefill: norm / silu-mul and activation quantization in one kernel
+        if fp8.experts:
+            if not model.config.num_experts:
+                raise LayoutError(f"--fp8 experts: {model.config.arch} has no MoE layers (no experts to store in "
+                                  "e4m3); drop `experts` from --fp8 (linear holds a dense model's MLP in e4m3)")
+            quantize_experts(model)  # this stage's MoE layers (a stage may hold none)
         self.sparse = sparse
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's

@@ -10,7 +10,9 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                columns; MoE layers: the router and every expert (1/tp of each one's width); the
                vocabulary padded to a multiple of tp, the embedding on the first stage, the
                final norm + LM head on the last (a tied head shares the embedding when both are here).
-               What a decode step reads (active experts only) is `decode_read_elements`.
+               What a decode step reads (active experts only) is `decode_read_elements`. FP8: --fp8
+               linear's projections and --fp8 experts' experts at one byte plus a float32 scale per
+               output row.
   kv_cache     K and V of the rank's layers for the tokens it keeps, plus one int64 position per token
                and layer (the cache stores positions). dense: prompt + decode budget; ring / usp
                (zigzag shards) and ulysses: the rank's sequence shard; star / apb: the rank's context
@@ -31,7 +33,8 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                the merge's two float32 buffers (hq d (b + 8) bytes per row), and the held keys are
                dequantized FP8_PREFILL_KEY_BLOCK at a time (k and v of one block and the float32
                temporary of the second: hkv d (2b + 4) bytes per key), never the whole prefix; decode
-               reads e4m3 in the kernel. (A sparse prefill
+               reads e4m3 in the kernel. --fp8 experts: one layer's experts dequantized for the grouped
+               GEMM (a float32 temporary and the compute-dtype copy; counted whatever the rows). (A sparse prefill
                method, and Star / APB query phases, are not counted for this block.)
 """
 from __future__ import annotations
@@ -90,6 +93,7 @@ class Workload:
     batch: int = 1
     fp8_kv: bool = False  # --fp8 kv: e4m3 k / v plus a float32 scale per (KV head, token)
     fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
+    fp8_experts: bool = False  # --fp8 experts: e4m3 expert weights plus a float32 scale per expert row
 
     def __post_init__(self):
         if self.prompt_tokens < 1:
@@ -157,7 +161,7 @@ class MemoryPlan:
 
 
 def _fp8_note(w: Workload) -> str:
-    parts = [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on]
+    parts = [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv), ("experts", w.fp8_experts)) if on]
     return f" (fp8: {','.join(parts)})" if parts else ""
 
 
@@ -291,6 +295,10 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     if w.fp8_linear:  # steady state (quantizing at load time holds the compute-dtype weights first; an FP8 checkpoint never does)
         elems, channels = projection_sizes(cfg, lay.tp, layers, ids)
         weights += elems * (1 - b) + channels * 4
+    moe_layers = sum(cfg.is_moe_layer(i) for i in ids)
+    if w.fp8_experts and moe_layers:  # e4m3 experts + a float32 scale per expert row (w13's 2F, w2's h)
+        fe = cfg.moe_intermediate_size // lay.tp
+        weights += moe_layers * cfg.num_experts * (3 * fe * h * (1 - b) + (2 * fe + h) * 4)
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
     attn_bytes = b * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
@@ -306,6 +314,9 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
         act += B * hkv * d * (2 * b + 4) * min(kv_tok, FP8_PREFILL_KEY_BLOCK)  # + v's float32 temporary
     if w.fp8_linear:  # the e4m3 copy of a GEMM's input rows
         act += B * rows * max(h, ffn)
+    if w.fp8_experts and moe_layers:  # one layer's experts dequantized for the grouped GEMM (float32, then b)
+        fe = cfg.moe_intermediate_size // lay.tp
+        act += cfg.num_experts * 3 * fe * h * (4 + b)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
         act += B * rows * b * ((hq + 2 * hkv) * d + hq * d)
     act += B * flight * 2 * hkv * d * b

@@ -35,9 +35,9 @@ import torch
 from starshard.benchmarks.common import DTYPES, header, ints, median, nominal_hbm_bandwidth, timed, write
 from starshard.benchmarks.prefill import prefill_flops
 from starshard.checkpoints.sources import RandomSource
-from starshard.config import SamplingConfig
+from starshard.config import Fp8Config, SamplingConfig
 from starshard.llm import LLM
-from starshard.planner import active_experts, decode_read_elements
+from starshard.planner import active_experts, decode_read_elements, projection_sizes
 from starshard.presets import PRESETS, preset_config
 
 HELP = "MoE prefill vs transformers and decode step vs the bytes it reads (one GPU)"
@@ -57,6 +57,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hbm-bandwidth", type=float, default=None,
                    help="bytes per second the bytes-bound decode time assumes (default: this GPU's nominal HBM "
                         "figure, e.g. 4.8e12 on an H200, 3.35e12 on an H100 SXM; else the measured copy bandwidth)")
+    p.add_argument("--fp8", default=None, metavar="LIST",
+                   help="as infer.py --fp8 (e.g. linear,kv,experts): starshard runs these parts in e4m3 and the "
+                        "bytes bound counts them at one byte (needs --skip-hf: transformers runs bf16)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="time decode steps eagerly")
     p.add_argument("--skip-hf", action="store_true", help="starshard only (no transformers prefill)")
     p.add_argument("--out", default=None, help="write the JSON here (also printed)")
@@ -95,15 +98,26 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
     return 2 * nbytes / t  # x and y are freed with this frame
 
 
-def decode_bytes(cfg, context: int, dtype_bytes: int) -> dict:
-    """Bytes one decode step (one token) reads at `context` cached tokens, by part."""
-    weights = decode_read_elements(cfg, 1, cfg.num_layers, True, True, tokens=1) * dtype_bytes
-    kv = cfg.num_layers * context * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+def decode_bytes(cfg, context: int, dtype_bytes: int, fp8: Fp8Config | None = None) -> dict:
+    """Bytes one decode step (one token) reads at `context` cached tokens, by part; with `fp8`, the parts it
+    holds in e4m3 at one byte plus their float32 scales (projection / expert rows, KV (head, token) rows)."""
+    fp8 = fp8 or Fp8Config()
+    L, h, b = cfg.num_layers, cfg.hidden_size, dtype_bytes
+    weights = decode_read_elements(cfg, 1, L, True, True, tokens=1) * b
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
+    if fp8.linear:
+        elems, channels = projection_sizes(cfg, 1, L)
+        weights += elems * (1 - b) + channels * 4
+    if fp8.experts and moe_layers:
+        k, fe = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        weights += moe_layers * k * (3 * fe * h * (1 - b) + (2 * fe + h) * 4)
+    per_head = cfg.head_dim + 4 if fp8.kv else cfg.head_dim * b
+    kv = L * context * 2 * cfg.num_kv_heads * per_head
     return {"weights": int(weights), "kv": int(kv), "total": int(weights + kv)}
 
 
 def run_starshard(args, cfg, dev, dtype) -> tuple[list[dict], list[dict], dict[int, torch.Tensor]]:
-    llm = LLM(None, dtype=dtype, device=str(dev), progress=False, random_weights=args.random_weights)
+    llm = LLM(None, dtype=dtype, device=str(dev), progress=False, random_weights=args.random_weights, fp8=args.fp8)
     runner, model = llm.runner, llm.model
     runner.cuda_graphs = not args.no_cuda_graphs
     prefill_rows, decode_rows, last_logits = [], [], {}
@@ -155,7 +169,7 @@ def run_starshard(args, cfg, dev, dtype) -> tuple[list[dict], list[dict], dict[i
             start()
             times = timed(step, dev, args.decode_steps, warmup=2)
         t = median(times)
-        nbytes = decode_bytes(cfg, C + 2, torch.empty(0, dtype=dtype).element_size())
+        nbytes = decode_bytes(cfg, C + 2, torch.empty(0, dtype=dtype).element_size(), Fp8Config.parse(args.fp8))
         bound = nbytes["total"] / args.hbm_bandwidth if args.hbm_bandwidth else None
         row = {"context": C, "step_seconds": t, "all_seconds": times, "cuda_graphs": runner.cuda_graphs,
                "graph_error": graph_error, "bytes_read": nbytes, "bytes_bound_seconds": bound,
@@ -228,6 +242,9 @@ def run(args) -> None:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     cfg = preset_config(args.random_weights)
+    if Fp8Config.parse(args.fp8).any and not args.skip_hf:
+        raise ValueError(f"--fp8 {args.fp8}: transformers runs the bf16 model, so its prefill is no peer for this "
+                         "one: add --skip-hf")
     bandwidth = copy_bandwidth(dev)
     source = "--hbm-bandwidth"
     if args.hbm_bandwidth is None:  # the CPU has neither: no bytes bound
@@ -256,7 +273,8 @@ def run(args) -> None:
                "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
                "expert_width": cfg.moe_intermediate_size, "vocab": cfg.vocab_size, "weights": "random",
                "active_experts_per_decode_step": active_experts(cfg, 1)},
-        dtype=args.dtype, hbm_bytes_per_second=args.hbm_bandwidth, hbm_bandwidth_source=source,
+        dtype=args.dtype, fp8=Fp8Config.parse(args.fp8).describe(), hbm_bytes_per_second=args.hbm_bandwidth,
+        hbm_bandwidth_source=source,
         copy_bytes_per_second=bandwidth,
         prompt={"kind": "random token ids", "seed": "the length"},
         prefill=prefill, hf=hf_info, hf_prefill=hf_rows, decode=decode)

@@ -122,11 +122,12 @@ def fp8_specs(specs: list[TensorSpec], dtype: torch.dtype) -> list[TensorSpec]:
 
 
 def fp8_parts(fp8: str | Fp8Config | None) -> list[str]:
-    """What the converter stores in FP8: [] or ["linear"]; kv and attention are run-time choices."""
+    """What the converter stores in FP8: [] or ["linear"]; kv, attention and experts are run-time choices."""
     cfg = Fp8Config.parse(fp8)
-    if cfg.kv or cfg.attention:
+    if cfg.kv or cfg.attention or cfg.experts:
         raise ValueError(f"--fp8 {cfg.describe()}: the converter stores only `linear` (the projections' weights) in "
-                         "e4m3; the KV cache is made at run time: give --fp8 kv (or linear,kv) to infer / serve / eval")
+                         "e4m3; the KV cache, 8-bit scores and e4m3 experts are chosen at run time (experts are "
+                         "quantized as they load): give --fp8 kv / attention / experts to infer / serve / eval")
     return ["linear"] if cfg.linear else []
 
 

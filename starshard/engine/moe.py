@@ -14,7 +14,9 @@ and an expert no token picked costs nothing.
 Decode on the GPU (up to GEMV_MAX_PAIRS (token, expert) pairs) runs the expert side in two Triton
 launches after the router's GEMV (kernels/moe_decode.py): the experts' gate/up GEMVs, which route the
 tokens themselves, and their down GEMVs summed per token; no sort, no per-pair bookkeeping in torch. The
-CPU keeps the torch path.
+CPU keeps the torch path. With e4m3 experts (--fp8 experts, parallel/fp8.py Fp8GroupedExperts) the decode
+kernels read them as stored with their row scales; the torch path multiplies them dequantized
+(`GroupedExperts.weights`).
 
 Tensor parallelism (parallel/tensor.py) cuts every expert's F columns over the ranks, as the dense
 MLP's: each rank computes a partial output over its columns, and `combine` (identity on one device)
@@ -161,12 +163,20 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stacked: `w13` [E, 2F, H] (gate rows, then up rows, as FeedForward.w13 per
-    expert), `w2` [E, H, F]. F is this rank's share of the expert width under tensor parallelism."""
+    expert), `w2` [E, H, F]. F is this rank's share of the expert width under tensor parallelism.
+    `w13_scale` / `w2_scale`: None here; float32 [E, 2F] / [E, H] where the weights are e4m3
+    (parallel/fp8.py Fp8GroupedExperts, --fp8 experts), which the decode kernels read as stored."""
 
     def __init__(self, num_experts: int, hidden: int, width: int):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) to multiply in `dtype` (here: as held)."""
+        return self.w13, self.w2
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -197,12 +207,14 @@ class MoEFeedForward(nn.Module):
             decode = use_decode_kernels(x, self.top_k, logits.shape[-1])
         # the residual goes into the down kernel where nothing follows it (one device: combine is identity)
         fused = residual is not None and decode and self.combine is _identity
+        ex = self.experts
         if decode:  # gate/up with the routing, then down: two launches, no host sync (CUDA-graph safe)
-            act, weights, experts = routed_gate_up(x, logits, self.experts.w13, self.top_k, self.renormalize)
-            out = expert_down(act, experts, weights, self.experts.w2, out_dtype=x.dtype,
+            act, weights, experts = routed_gate_up(x, logits, ex.w13, self.top_k, self.renormalize,
+                                                   w13_scale=ex.w13_scale)
+            out = expert_down(act, experts, weights, ex.w2, out_dtype=x.dtype, w2_scale=ex.w2_scale,
                               residual=residual.reshape(-1, shape[-1]) if fused else None)
-        else:
+        else:  # e4m3 experts (--fp8 experts) are dequantized here, a layer at a time
             weights, experts = route(logits, self.top_k, self.renormalize)
-            out = grouped_experts(x, weights, experts, self.experts.w13, self.experts.w2)
+            out = grouped_experts(x, weights, experts, *ex.weights(x.dtype))
         out = self.combine(out).view(shape)
         return out if residual is None or fused else out + residual

@@ -2,6 +2,7 @@
 
     quantize_linears(model, tp_group)   # after the weights are loaded: wqkv, wo, w13, w2 -> Fp8Linear
     fuse_inputs(model)                  # the norms and the silu-mul before them move into them
+    quantize_experts(model)             # --fp8 experts: each MoE layer's experts -> Fp8GroupedExperts
 
 Each decoder projection keeps its (tensor-parallel) shard, now in e4m3 with one float32 scale per
 output channel (amax of the row / 448). Column-parallel layers (wqkv, w13) multiply their shard and
@@ -37,8 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from starshard.engine.model import FeedForward, RMSNorm
+from starshard.engine.moe import GroupedExperts, MoEFeedForward
 from starshard.kernels.activation import rms_norm_quant, silu_mul, silu_mul_quant, use_fused_quant
-from starshard.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_rows, scaled_mm
+from starshard.kernels.fp8 import FP8_DTYPE, dequantize, fp8_linear, quantize_rows, scaled_mm
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
@@ -189,3 +191,44 @@ def _fuse_block_inputs(block: nn.Module) -> None:
     if isinstance(ff.w2, Fp8Linear) and ff.w2.input_act is None:
         ff.act = nn.Identity()
         ff.w2.input_act = "silu_mul"
+
+
+class Fp8GroupedExperts(GroupedExperts):
+    """An MoE layer's stacked experts in e4m3 (--fp8 experts): `w13` [E, 2F, H] and `w2` [E, H, F] e4m3
+    buffers with one float32 scale per expert row, `w13_scale` [E, 2F] and `w2_scale` [E, H] (amax of the
+    row / 448, as quantize_rows). Under tensor parallelism each rank quantizes its own shard (w2's rows
+    then scale this rank's part of the width; the partial outputs are summed as before). The decode
+    kernels (kernels/moe_decode.py) read the e4m3 rows and scale each row's float32 sum; `weights`
+    dequantizes both tensors for the grouped GEMM of prefill and the CPU, a layer at a time."""
+
+    def __init__(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor):
+        nn.Module.__init__(self)
+        self.register_buffer("w13", w13)
+        self.register_buffer("w13_scale", w13_scale)
+        self.register_buffer("w2", w2)
+        self.register_buffer("w2_scale", w2_scale)
+
+    @classmethod
+    def quantize(cls, experts: GroupedExperts) -> Fp8GroupedExperts:
+        w13, s13 = quantize_rows(experts.w13.detach())
+        w2, s2 = quantize_rows(experts.w2.detach())
+        return cls(w13, s13, w2, s2)
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequantize(self.w13, self.w13_scale, dtype), dequantize(self.w2, self.w2_scale, dtype)
+
+    def extra_repr(self) -> str:
+        E, F2, H = self.w13.shape
+        return f"experts={E}, width={F2 // 2}, hidden={H}, e4m3 with row scales"
+
+
+def quantize_experts(model: nn.Module) -> int:
+    """Swap every MoE layer's GroupedExperts for Fp8GroupedExperts (in place; frees the 16-bit expert
+    weights); returns how many layers it swapped (0: no MoE layer here; calling it again swaps none)."""
+    swapped = 0
+    for block in model.layers:
+        ff = block.feed_forward
+        if isinstance(ff, MoEFeedForward) and not isinstance(ff.experts, Fp8GroupedExperts):
+            ff.experts = Fp8GroupedExperts.quantize(ff.experts)
+            swapped += 1
+    return swapped

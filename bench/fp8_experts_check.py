@@ -1,0 +1,73 @@
+"""--fp8 experts' decode kernels on one GPU: e4m3 experts with row scales against the bf16 ones.
+
+Qwen3-30B-A3B expert shapes (128 experts, 8 per token, hidden 2048, width 768), one token, each call routed
+to its own experts (router logits drawn per copy, so the experts come from HBM as in a decode step; 16
+routes cycled). For bf16 and e4m3 weights (quantize_rows: one float32 scale per expert row): the routed
+gate/up and the down kernel (kernels/moe_decode.py) in us per call from a CUDA graph with PDL, and their
+output against a float32 product on the weights they hold (bf16, or e4m3 dequantized), plus the e4m3
+output against the bf16 one (what quantizing the experts changes).
+
+    python bench/fp8_experts_check.py --out fp8_experts.json
+"""
+import argparse
+import json
+
+import torch
+
+from starshard.benchmarks.common import commit, graph_time_us
+from starshard.kernels.fp8 import dequantize, quantize_rows
+from starshard.kernels.moe_decode import expert_down, routed_gate_up
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--copies", type=int, default=16)
+ap.add_argument("--out", required=True)
+args = ap.parse_args()
+dev, E, k, H, Fw = torch.device("cuda"), 128, 8, 2048, 768
+g = torch.Generator(device=dev).manual_seed(0)
+w13 = (torch.randn(E, 2 * Fw, H, device=dev, generator=g) * 0.02).bfloat16()
+w2 = (torch.randn(E, H, Fw, device=dev, generator=g) * 0.02).bfloat16()
+x = torch.randn(1, H, device=dev, generator=g).bfloat16()
+logits = [torch.randn(1, E, device=dev, generator=g).bfloat16() for _ in range(args.copies)]
+w13_8, s13 = quantize_rows(w13)
+w2_8, s2 = quantize_rows(w2)
+held = {"bf16": (w13, None, w2, None), "e4m3": (w13_8, s13, w2_8, s2)}
+
+
+def step(name, i):
+    a, sa, b, sb = held[name]
+    act, weights, experts = routed_gate_up(x, logits[i], a, k, True, w13_scale=sa)
+    return expert_down(act, experts, weights, b, out_dtype=x.dtype, w2_scale=sb), act, weights, experts
+
+
+def reference(name, weights, experts):
+    a, sa, b, sb = held[name]
+    a = a.float() if sa is None else dequantize(a, sa, torch.float32)
+    b = b.float() if sb is None else dequantize(b, sb, torch.float32)
+    out = torch.zeros(1, H, device=dev)
+    for wj, ej in zip(weights[0], experts[0].long()):
+        h = a[ej] @ x[0].float()
+        out[0] += wj * (b[ej] @ (torch.nn.functional.silu(h[:Fw]) * h[Fw:]))
+    return out
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+res = {"bench": "fp8_experts_check", "device": torch.cuda.get_device_name(), "commit": commit(), "rows": []}
+outs = {}
+for name in held:
+    y, act, weights, experts = step(name, 0)
+    outs[name] = y
+    row = {"weights": name, "rel_err_vs_float32_of_held": rel(y, reference(name, weights, experts)),
+           "gate_up_us": graph_time_us(lambda i, n=name: routed_gate_up(x, logits[i], held[n][0], k, True,
+                                                                         w13_scale=held[n][1]),
+                                       16, best=True, copies=args.copies),
+           "step_us": graph_time_us(lambda i, n=name: step(n, i)[0], 16, best=True, copies=args.copies)}
+    row["down_us"] = row["step_us"] - row["gate_up_us"]
+    res["rows"].append(row)
+    print(json.dumps(row), flush=True)
+res["e4m3_vs_bf16_rel"] = rel(outs["e4m3"], outs["bf16"])
+print("e4m3 output vs bf16 output:", res["e4m3_vs_bf16_rel"], flush=True)
+with open(args.out, "w") as f:
+    json.dump(res, f, indent=1)

@@ -1,0 +1,124 @@
+"""--fp8 experts: an MoE model's experts in e4m3 with one float32 scale per expert row (parallel/fp8.py
+Fp8GroupedExperts). CPU: the reference path (dequantize, then the grouped GEMM) against the 16-bit model;
+the decode kernels (Triton interpreter) against that path; tp=2 on gloo against one process; the planner's
+and the MoE bench's bytes; the refusals."""
+import pytest
+import torch
+
+from mp_harness import run_ranks
+from starshard import LLM
+from starshard.benchmarks.moe import decode_bytes
+from starshard.checkpoints.convert import fp8_parts
+from starshard.config import Fp8Config, ModelConfig, ParallelConfig
+from starshard.engine.moe import MoEFeedForward
+from starshard.kernels.fp8 import FP8_DTYPE, dequantize
+from starshard.parallel.fp8 import Fp8GroupedExperts, quantize_experts
+from starshard.parallel.topology import LayoutError
+from starshard.planner import Layout, Workload, plan_memory
+from starshard.presets import preset_config
+
+IDS = [5, 17, 42, 99, 3, 250, 77, 8, 301, 12, 64, 7]
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _logits(llm):
+    with torch.inference_mode():
+        return llm.model(torch.tensor([IDS]))[0].float()
+
+
+def test_e4m3_experts_close_to_the_16bit_model():
+    base = LLM(random_weights="tiny-moe", dtype=torch.float32, progress=False)
+    fp8 = LLM(random_weights="tiny-moe", dtype=torch.float32, progress=False, fp8="experts")
+    for layer in fp8.model.layers:
+        ex = layer.feed_forward.experts
+        assert isinstance(ex, Fp8GroupedExperts) and ex.w13.dtype == FP8_DTYPE and ex.w2.dtype == FP8_DTYPE
+        assert ex.w13_scale.shape == ex.w13.shape[:2] and ex.w2_scale.shape == ex.w2.shape[:2]
+        assert layer.feed_forward.router.weight.dtype == torch.float32  # the router stays
+    assert not any(p.dtype == FP8_DTYPE for p in base.model.parameters())
+    err = rel(_logits(fp8), _logits(base))
+    assert 0 < err < 0.05, err  # e4m3 rounding of the experts only: a few % at most
+    assert fp8.generate(IDS, max_new_tokens=4).token_ids  # decode runs through it
+
+
+def _moe_layer(seed=0):
+    cfg = ModelConfig(arch="qwen3_moe", vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=12, num_experts=16, num_experts_per_tok=4,
+                      moe_intermediate_size=24, norm_topk_prob=True)
+    moe = MoEFeedForward(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.randn(16, 48, generator=g) * 0.5)
+        moe.experts.w13.copy_(torch.randn(16, 48, 48, generator=g) * 0.2)
+        moe.experts.w2.copy_(torch.randn(16, 48, 24, generator=g) * 0.2)
+    return moe
+
+
+def test_decode_kernels_read_the_e4m3_experts(monkeypatch):
+    """The decode kernels (interpreter, forced on the CPU) on the e4m3 rows and scales against the torch path
+    on the dequantized weights; the residual still goes into the down kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    moe = _moe_layer()
+    moe.experts = Fp8GroupedExperts.quantize(moe.experts)
+    w13, w2 = moe.experts.weights(torch.float32)
+    assert torch.equal(w13, dequantize(moe.experts.w13, moe.experts.w13_scale, torch.float32))
+    x = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(1))
+    r = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = moe(x, residual=r)
+        moe.decode_kernels = True
+        got = moe(x, residual=r)
+    assert rel(got, want) <= 1e-6
+
+
+def test_quantize_experts_swaps_moe_layers_once():
+    llm = LLM(random_weights="tiny-moe", dtype=torch.float32, progress=False)
+    assert quantize_experts(llm.model) == 2 and quantize_experts(llm.model) == 0
+    dense = LLM(random_weights="tiny", dtype=torch.float32, progress=False)
+    assert quantize_experts(dense.model) == 0
+
+
+def test_a_dense_model_refuses_fp8_experts():
+    with pytest.raises(LayoutError, match="no MoE layers.*drop `experts`"):
+        LLM(random_weights="tiny", dtype=torch.float32, progress=False, fp8="experts")
+
+
+def test_the_converter_refuses_fp8_experts():
+    with pytest.raises(ValueError, match="experts are quantized as they load"):
+        fp8_parts("linear,experts")
+    assert Fp8Config.parse("linear,experts") == Fp8Config(linear=True, experts=True)
+
+
+def _tp_rank(rank, world):
+    from starshard.parallel.tensor import gather_logits
+
+    llm = LLM(random_weights="tiny-moe", dtype=torch.float32, progress=False, parallel=ParallelConfig(tp=2),
+              fp8="experts")
+    ex = llm.model.layers[0].feed_forward.experts
+    with torch.inference_mode():
+        local = llm.model(torch.tensor([IDS]), last_only=True)[0, -1]
+    return {"logits": gather_logits(local[None], llm.runner.sampler.vocab)[0], "fp8": isinstance(ex, Fp8GroupedExperts),
+            "width": ex.w13.shape[1]}
+
+
+def test_fp8_experts_tensor_parallel():
+    """tp=2: each rank quantizes its half of every expert's width (w2's rows get this rank's scales); the
+    logits stay close to one process with --fp8 experts."""
+    one = LLM(random_weights="tiny-moe", dtype=torch.float32, progress=False, fp8="experts")
+    ref = _logits(one)[-1]
+    for r in run_ranks(_tp_rank, 2):
+        assert r["fp8"] and r["width"] == 2 * 32 // 2
+        assert rel(r["logits"], ref) < 0.03
+
+
+def test_planner_and_bench_count_e4m3_experts():
+    cfg = preset_config("qwen3-30b-a3b")
+    L, E, k, h, fe = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    bf16 = plan_memory(cfg, Layout(), Workload(4096)).worst
+    fp8 = plan_memory(cfg, Layout(), Workload(4096, fp8_experts=True)).worst
+    assert bf16.weights - fp8.weights == L * E * (3 * fe * h - (2 * fe + h) * 4)
+    assert fp8.activations - bf16.activations == E * 3 * fe * h * (4 + 2)  # one layer dequantized for prefill
+    plain, e4m3 = decode_bytes(cfg, 4096, 2), decode_bytes(cfg, 4096, 2, Fp8Config(experts=True))
+    assert plain["kv"] == e4m3["kv"] and plain["weights"] - e4m3["weights"] == L * k * (3 * fe * h - (2 * fe + h) * 4)
