@@ -21,12 +21,13 @@ ap.add_argument("--steps", type=int, default=64)
 ap.add_argument("--cp", type=int, default=1)
 ap.add_argument("--tp", type=int, default=1)
 ap.add_argument("--cp-strategy", default="dense")
+ap.add_argument("--fp8", default=None, help="as launch/infer.py --fp8 (e.g. linear,kv,experts)")
 args = ap.parse_args()
 llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights,
-          parallel=ParallelConfig(tp=args.tp, cp=args.cp, cp_strategy=args.cp_strategy))
+          parallel=ParallelConfig(tp=args.tp, cp=args.cp, cp_strategy=args.cp_strategy), fp8=args.fp8)
 ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 res = {"model": args.random_weights or "smollm2-135m", "prompt_len": args.prompt_len, "steps": args.steps,
-       "tp": args.tp, "cp": args.cp, "cp_strategy": args.cp_strategy}
+       "tp": args.tp, "cp": args.cp, "cp_strategy": args.cp_strategy, "fp8": args.fp8}
 for graphs in (False, True):
     llm.runner.cuda_graphs = graphs
     llm.generate(ids[:1000], max_new_tokens=8)  # warm-up (kernels, cuDNN plans)

@@ -20,6 +20,7 @@ from starshard.kernels.moe_decode import expert_down, routed_gate_up
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--copies", type=int, default=16)
+ap.add_argument("--sweep", action="store_true", help="also time e4m3 gate/up and down tiles, and dequantize")
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
 dev, E, k, H, Fw = torch.device("cuda"), 128, 8, 2048, 768
@@ -69,5 +70,33 @@ for name in held:
     print(json.dumps(row), flush=True)
 res["e4m3_vs_bf16_rel"] = rel(outs["e4m3"], outs["bf16"])
 print("e4m3 output vs bf16 output:", res["e4m3_vs_bf16_rel"], flush=True)
+if args.sweep:  # e4m3 tiles (BLOCK_N, BLOCK_K, warps): half the bytes per element of the bf16-tuned ones
+    res["gate_up_tiles"], res["down_tiles"] = [], []
+    ref_act = [routed_gate_up(x, lg, w13_8, k, True, w13_scale=s13) for lg in logits]
+    for n, kk, w in [(4, 512, 2), (4, 1024, 2), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8),
+                     (2, 2048, 2), (16, 1024, 4), (8, 512, 2), (2, 1024, 1)]:
+        tile = dict(block_n=n, block_k=kk, warps=w)
+        us = graph_time_us(lambda i: routed_gate_up(x, logits[i], w13_8, k, True, w13_scale=s13, **tile), 16,
+                           best=True, copies=args.copies)
+        row = {**tile, "us": us, "max_rel_diff": max(rel(routed_gate_up(x, lg, w13_8, k, True, w13_scale=s13, **tile)[0],
+                                                         r[0]) for lg, r in zip(logits, ref_act))}
+        res["gate_up_tiles"].append(row)
+        print("gate_up", json.dumps(row), flush=True)
+    for n, kk, w in [(1, 1024, 1), (2, 1024, 1), (2, 1024, 2), (4, 1024, 2), (4, 1024, 4), (8, 1024, 4), (1, 1024, 2),
+                     (4, 512, 2), (2, 512, 1)]:
+        tile = dict(block_n=n, block_k=kk, warps=w)
+        us = graph_time_us(lambda i: expert_down(ref_act[i][0], ref_act[i][2], ref_act[i][1], w2_8, out_dtype=x.dtype,
+                                                 w2_scale=s2, **tile), 16, best=True, copies=args.copies)
+        row = {**tile, "us": us}
+        res["down_tiles"].append(row)
+        print("down", json.dumps(row), flush=True)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(2):
+        t0.record()
+        dequantize(w13_8, s13, torch.bfloat16), dequantize(w2_8, s2, torch.bfloat16)
+        t1.record()
+        t1.synchronize()
+    res["dequantize_layer_ms"] = t0.elapsed_time(t1)
+    print("dequantize one layer's experts (ms):", res["dequantize_layer_ms"], flush=True)
 with open(args.out, "w") as f:
     json.dump(res, f, indent=1)

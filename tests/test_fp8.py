@@ -54,6 +54,18 @@ def test_quantize_rows_against_float64():
     assert (x8.float().abs().amax(-1)[nonzero] == E4M3_MAX).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_kernel_gives_the_torch_bits(monkeypatch, dtype):
+    """dequantize's one-pass Triton kernel (contiguous e4m3 on CUDA; the interpreter here) stores the torch
+    path's bits: the same float32 product, one rounding; rows wider than one block (2500 > 2048)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(5)
+    x8, s = quantize_rows(torch.randn(4, 3, 2500, generator=g) * 7)
+    got = fp8_kernels.dequantize_rows_cuda(x8, s, dtype)
+    assert got.dtype == dtype and got.shape == x8.shape
+    assert torch.equal(got, dequantize(x8, s, dtype))
+
+
 def test_fp8_linear_reference_against_float64():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(48, 72, generator=g) / 72**0.5

@@ -107,8 +107,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of quantize_rows, in `dtype` (float32 arithmetic, then one rounding). The scale is
+    """Inverse of quantize_rows, in `dtype` (float32 arithmetic, then one rounding). A contiguous e4m3 tensor
+    on CUDA goes through one Triton pass (the same float32 product and rounding: the same bits, without the
+    float32 temporary: an MoE layer's experts under --fp8 experts are ~10^9 values); elsewhere the scale is
     multiplied in place: one float32 temporary, not two (a prefill block's keys are ~10^8 values)."""
+    if (x8.is_cuda and triton is not None and x8.dtype == FP8_DTYPE and x8.is_contiguous() and x8.numel()
+            and scale.dtype == torch.float32):
+        return dequantize_rows_cuda(x8, scale.contiguous(), dtype)
     x = x8.float() if x8.dtype != torch.float32 else x8.clone()
     return x.mul_(scale[..., None]).to(dtype)
 
@@ -184,6 +189,15 @@ if triton is not None:
             tl.store(Y + row * s_ym + k0 + offs, e4m3_values(x, scale).to(Y.dtype.element_ty), mask=ok)
         tl.store(S + row, scale)
 
+    @triton.jit
+    def _dequantize_rows_kernel(X, S, Y, D, BLOCK: tl.constexpr):
+        """Y[row, block] = X[row, block] (e4m3 -> float32) * S[row], rounded once to Y's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < D
+        x = tl.load(X + row * D + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + row * D + offs, (x * tl.load(S + row)).to(Y.dtype.element_ty), mask=ok)
+
     # Decode reads each weight byte once: many programs with long K tiles keep enough loads in flight.
     _WO_CONFIGS = [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -217,6 +231,16 @@ if triton is not None:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None].to(tl.int64) * s_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def dequantize_rows_cuda(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize of a contiguous e4m3 tensor [..., D] with float32 scales [...] in one Triton pass."""
+    D = x8.shape[-1]
+    M = x8.numel() // D
+    y = torch.empty(x8.shape, dtype=dtype, device=x8.device)
+    block = min(2048, triton.next_power_of_2(D))
+    _dequantize_rows_kernel[(M, triton.cdiv(D, block))](x8, scale, y, D, BLOCK=block, num_warps=4)
+    return y
 
 
 def quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

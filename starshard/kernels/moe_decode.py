@@ -46,6 +46,17 @@ ROUTE_MAX_EXPERTS = 1024  # one token's logits in one program's registers
 # 24.5 us; bench/results/2026-11-24-h200/tune_moe_decode_d.json).
 GATE_UP_TILE = dict(block_n=4, block_k=512, warps=2)
 DOWN_TILE = dict(block_n=1, block_k=1024, warps=1)
+# e4m3 experts (--fp8 experts), one H100, each call routed to its own experts (bench/fp8_experts_check.py
+# --sweep, bench/results/2026-11-26-gpu-fp8-experts): gate/up 16 x 1024 with 4 warps 14.7 us (the bf16 tile
+# 16.6), down 2 x 1024 with 1 warp 10.5 us (12.0); the bf16 kernels take 21.8 / 11.4 us.
+GATE_UP_TILE_E4M3 = dict(block_n=16, block_k=1024, warps=4)
+DOWN_TILE_E4M3 = dict(block_n=2, block_k=1024, warps=1)
+
+
+def _tile(w: torch.Tensor, block_n, block_k, warps, e4m3: dict, other: dict) -> tuple[int, int, int]:
+    """The (BLOCK_N, BLOCK_K, warps) a call runs: the ones given, else the tile for w's dtype."""
+    t = e4m3 if w.dtype == torch.float8_e4m3fn else other
+    return (block_n or t["block_n"], block_k or t["block_k"], warps or t["warps"])
 
 
 if triton is not None:
@@ -229,14 +240,16 @@ def _routing_outputs(name: str, logits: torch.Tensor, top_k: int) -> tuple[torch
             torch.empty(T, top_k, dtype=torch.int32, device=logits.device))
 
 
-def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
-                   block_n: int = GATE_UP_TILE["block_n"], block_k: int = GATE_UP_TILE["block_k"],
-                   warps: int = GATE_UP_TILE["warps"], w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor, block_n: int | None = None,
+                   block_k: int | None = None, warps: int | None = None,
+                   w13_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of every (token, expert) pair: x [T, H] (rows unit-stride), experts [T, k] (int;
     token t's j-th expert), w13 [E, 2F, H] (each expert's F gate rows, then its F up rows) -> [T * k, F]
     in x.dtype, row t * k + j for token t's j-th expert. w13_scale [E, 2F] float32: w13 is e4m3 with these
-    channel scales (applied to each row's float32 sum before silu-mul)."""
+    channel scales (applied to each row's float32 sum before silu-mul). Tile: GATE_UP_TILE (16-bit) or
+    GATE_UP_TILE_E4M3 unless given."""
     w13_scale = _check(w13, "w13", w13_scale)
+    block_n, block_k, warps = _tile(w13, block_n, block_k, warps, GATE_UP_TILE_E4M3, GATE_UP_TILE)
     (T, k), (_, F2, H) = experts.shape, w13.shape
     F = F2 // 2
     out = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
@@ -252,15 +265,15 @@ def expert_gate_up(x: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
 
 
 def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, top_k: int, renormalize: bool,
-                   block_n: int = GATE_UP_TILE["block_n"], block_k: int = GATE_UP_TILE["block_k"],
-                   warps: int = GATE_UP_TILE["warps"], w13_scale: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   block_n: int | None = None, block_k: int | None = None, warps: int | None = None,
+                   w13_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_topk and expert_gate_up in one launch: x [T, H] (rows unit-stride), router logits [T, E],
     w13 [E, 2F, H] (e4m3 with w13_scale [E, 2F], or 16-bit) -> (act [T * k, F] in x.dtype, weights [T, k]
     float32, expert ids [T, k] int32), each bit-equal to `w, e = route_topk(logits, top_k, renormalize);
     act = expert_gate_up(x, e, w13, w13_scale=w13_scale)` at the same tile (the same routing and GEMV code).
-    weights and experts feed expert_down."""
+    weights and experts feed expert_down. Tile as expert_gate_up."""
     w13_scale = _check(w13, "w13", w13_scale)
+    block_n, block_k, warps = _tile(w13, block_n, block_k, warps, GATE_UP_TILE_E4M3, GATE_UP_TILE)
     weights, experts = _routing_outputs("routed_gate_up", logits, top_k)
     (T, E), (_, F2, H) = logits.shape, w13.shape
     if w13.shape[0] != E:
@@ -284,15 +297,17 @@ def routed_gate_up(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, top
 
 
 def expert_down(act: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w2: torch.Tensor,
-                out_dtype: torch.dtype | None = None, block_n: int = DOWN_TILE["block_n"],
-                block_k: int = DOWN_TILE["block_k"], warps: int = DOWN_TILE["warps"],
-                residual: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, block_n: int | None = None, block_k: int | None = None,
+                warps: int | None = None, residual: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * (w2[experts[t, j]] @ act[t * k + j]) of every token, in float32, in slot
     order: act [T * k, F] (expert_gate_up's output), experts [T, k] (int), weights [T, k], w2 [E, H, F]
     -> [T, H] in out_dtype (default act.dtype). residual [T, H]: + residual, added in the kernel after the
     sum is rounded to out_dtype (what `expert_down(...) + residual` gives). w2_scale [E, H] float32: w2 is
-    e4m3 with these channel scales (each expert's product scaled before its routing weight)."""
+    e4m3 with these channel scales (each expert's product scaled before its routing weight). Tile: DOWN_TILE
+    (16-bit) or DOWN_TILE_E4M3 unless given."""
     w2_scale = _check(w2, "w2", w2_scale)
+    block_n, block_k, warps = _tile(w2, block_n, block_k, warps, DOWN_TILE_E4M3, DOWN_TILE)
     (T, k), (_, H, F) = experts.shape, w2.shape
     out = torch.empty(T, H, dtype=out_dtype or act.dtype, device=act.device)
     if T * k == 0:
