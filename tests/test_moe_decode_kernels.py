@@ -129,6 +129,10 @@ def test_e4m3_experts_against_float64(T):
         expert_down(act, experts, weights, w2_8, w2_scale=s2[:, :-1])
     with pytest.raises(ValueError, match="w13_scale must be float32"):
         routed_gate_up(x, logits, w13_8, k, True, w13_scale=s13.double())
+    with pytest.raises(ValueError, match="e4m3 weights need their w13_scale"):
+        routed_gate_up(x, logits, w13_8, k, True)  # unscaled e4m3 would be silently wrong
+    with pytest.raises(ValueError, match="e4m3 weights need their w2_scale"):
+        expert_down(act, experts, weights, w2.float(), w2_scale=s2)
 
 
 def _gate_up64(x, experts, w13):

@@ -4,6 +4,7 @@ its token itself, then their down GEMVs summed per token.
     act, weights, experts = routed_gate_up(x, router_logits, w13, top_k, renormalize)
     # act [T * k, F]: silu(gate) * up; weights [T, k] float32, experts [T, k] int32 (for expert_down)
     y = expert_down(act, experts, weights, w2)                         # [T, H]: sum_j weights[t, j] * down_j
+    # e4m3 experts (--fp8 experts): w13 / w2 e4m3 with w13_scale= [E, 2F] / w2_scale= [E, H] float32 row scales
 
 routed_gate_up is bit-equal to the routing and the GEMVs launched apart (the same code):
 
@@ -205,6 +206,9 @@ def _check(w: torch.Tensor, name: str, scale: torch.Tensor | None = None) -> tor
     if w.dim() != 3 or w.stride(-1) != 1:
         raise ValueError(f"{name} must be [E, N, K] with unit stride along K, got shape {tuple(w.shape)} "
                          f"strides {w.stride()}")
+    if (w.dtype == torch.float8_e4m3fn) != (scale is not None):
+        raise ValueError(f"{name}: e4m3 weights need their {name}_scale [E, N] and 16-bit ones take none; got "
+                         f"{w.dtype} {'without' if scale is None else 'with'} a scale")
     if scale is None:
         return None
     if tuple(scale.shape) != tuple(w.shape[:2]) or scale.dtype != torch.float32:
