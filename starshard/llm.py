@@ -82,6 +82,13 @@ def check_fp8(fp8: Fp8Config, device, dtype) -> None:
                          f"run with --dtype bfloat16")
 
 
+def check_fp8_experts(cfg: ModelConfig) -> None:
+    """--fp8 experts needs a model with experts (LayoutError naming the fix otherwise)."""
+    if not cfg.num_experts:
+        raise LayoutError(f"--fp8 experts: {cfg.arch} has no MoE layers (no experts to store in e4m3); drop "
+                          "`experts` from --fp8 (linear holds a dense model's MLP in e4m3)")
+
+
 class LLM:
     """One model over this process's ranks.
 
@@ -132,6 +139,8 @@ class LLM:
             src = weight_source(self.path, is_default=path is None)
             cfg = read_config(src) if sliced else None
         stored_fp8 = check_source_fp8(src, fp8.linear)  # a --fp8 linear checkpoint needs --fp8 linear
+        if fp8.experts:  # refused before any weight loads
+            check_fp8_experts(cfg or read_config(src))
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
             plan = plan_parallel(cfg, p, src)  # also for cp alone: a checkpoint cut for another tp / pp is refused
         self.topology = topo = init_topology(p, str(device))
@@ -145,9 +154,6 @@ class LLM:
             quantize_linears(model, topo.tp_group if p.tp > 1 else None)
             fuse_inputs(model)  # prefill: norm / silu-mul and activation quantization in one kernel
         if fp8.experts:
-            if not model.config.num_experts:
-                raise LayoutError(f"--fp8 experts: {model.config.arch} has no MoE layers (no experts to store in "
-                                  "e4m3); drop `experts` from --fp8 (linear holds a dense model's MLP in e4m3)")
             quantize_experts(model)  # this stage's MoE layers (a stage may hold none)
         self.sparse = sparse
         if sparse is not None:

@@ -5,8 +5,10 @@ and the MoE bench's bytes; the refusals."""
 import pytest
 import torch
 
+from hf_models import make_hf_model
 from mp_harness import run_ranks
 from starshard import LLM
+from starshard import llm as llm_module
 from starshard.benchmarks.moe import decode_bytes
 from starshard.checkpoints.convert import fp8_parts
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig
@@ -80,9 +82,13 @@ def test_quantize_experts_swaps_moe_layers_once():
     assert quantize_experts(dense.model) == 0
 
 
-def test_a_dense_model_refuses_fp8_experts():
+def test_a_dense_model_refuses_fp8_experts(tmp_path, monkeypatch):
     with pytest.raises(LayoutError, match="no MoE layers.*drop `experts`"):
         LLM(random_weights="tiny", dtype=torch.float32, progress=False, fp8="experts")
+    _, path = make_hf_model("llama", tmp_path)
+    monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+    with pytest.raises(LayoutError, match="llama has no MoE layers"):
+        LLM(path, dtype=torch.float32, progress=False, fp8="experts")
 
 
 def test_the_converter_refuses_fp8_experts():
