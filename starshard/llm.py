@@ -104,8 +104,8 @@ class LLM:
     (checkpoints/default.py DEFAULT_MINFERENCE_CONFIG); `self.sparse` is the config that ran.
     fp8: what runs in FP8 e4m3 (config.Fp8Config, or "linear,kv" / ["linear", "kv"]; default none =
     the compute dtype): `linear` the decoder's projections (parallel/fp8.py), `kv` the KV cache
-    (engine/kv_cache.py), `attention` 8-bit prefill scores, `experts` an MoE model's experts. Needs a GPU of compute capability >= 8.9 (and bfloat16 for `linear`); on
-    the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
+    (engine/kv_cache.py), `attention` 8-bit prefill scores, `experts` an MoE model's experts. Needs a GPU
+    of compute capability >= 8.9 (and bfloat16 for `linear`); on the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
     (CheckpointError otherwise) and loads its e4m3 weights as stored.
     """
 
