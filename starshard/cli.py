@@ -94,7 +94,7 @@ def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
                     "and in Ulysses, on the GPU for calls of at least 96K keys (shorter ones measured no faster and keep "
                     "exact scores; not with ring / USP / APB or --sparse; decode unchanged); experts = an MoE model's "
                     "experts in e4m3 with one scale per expert row, quantized at load time (decode reads them as stored, "
-                    "prefill multiplies them dequantized; MoE models only). Needs an Ada / Hopper GPU (compute capability "
+                    "prefill runs FP8 grouped GEMMs; MoE models only). Needs an Ada / Hopper GPU (compute capability "
                     ">= 8.9) and --dtype bfloat16 for linear. Usual choice: --fp8 linear,kv (MoE: linear,kv,experts)")
 
 

@@ -375,8 +375,9 @@ class Fp8Config:
             e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
             (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
     experts: an MoE model's stacked experts hold e4m3 weights with one scale per expert row, quantized at
-            load time (parallel/fp8.py Fp8GroupedExperts): decode's expert GEMVs read them as stored; prefill
-            and the CPU multiply them dequantized to the compute dtype, one layer at a time.
+            load time (parallel/fp8.py Fp8GroupedExperts): decode's expert GEMVs read them as stored; prefill runs
+            FP8 grouped GEMMs on inputs quantized per row (engine/moe.py grouped_experts; the CPU: that rounding
+            on the weights dequantized to the compute dtype, one layer at a time).
     """
 
     linear: bool = False

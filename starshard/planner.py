@@ -33,9 +33,9 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                the merge's two float32 buffers (hq d (b + 8) bytes per row), and the held keys are
                dequantized FP8_PREFILL_KEY_BLOCK at a time (k and v of one block and the float32
                temporary of the second: hkv d (2b + 4) bytes per key), never the whole prefix; decode
-               reads e4m3 in the kernel. --fp8 experts: one layer's experts dequantized for the grouped
-               GEMM, counted at 4 + b bytes per element whatever the rows (the compute-dtype copy, and the
-               float32 temporary the CPU path makes; CUDA's one-pass kernel makes none). (A sparse prefill
+               reads e4m3 in the kernel. --fp8 experts: one layer's experts dequantized, counted at 4 + b
+               bytes per element whatever the rows (the reference path's compute-dtype copy and float32
+               temporary, where no FP8 grouped GEMM runs: an upper bound on the GPU). (A sparse prefill
                method, and Star / APB query phases, are not counted for this block.)
 """
 from __future__ import annotations
@@ -315,7 +315,7 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
         act += B * hkv * d * (2 * b + 4) * min(kv_tok, FP8_PREFILL_KEY_BLOCK)  # + v's float32 temporary
     if w.fp8_linear:  # the e4m3 copy of a GEMM's input rows
         act += B * rows * max(h, ffn)
-    if w.fp8_experts and moe_layers:  # one layer's experts dequantized for the grouped GEMM (module doc)
+    if w.fp8_experts and moe_layers:  # one layer's experts dequantized (module doc: an upper bound)
         fe = cfg.moe_intermediate_size // lay.tp
         act += cfg.num_experts * 3 * fe * h * (4 + b)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all

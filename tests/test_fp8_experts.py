@@ -12,8 +12,9 @@ from starshard import llm as llm_module
 from starshard.benchmarks.moe import decode_bytes
 from starshard.checkpoints.convert import fp8_parts
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig
-from starshard.engine.moe import MoEFeedForward
-from starshard.kernels.fp8 import FP8_DTYPE, dequantize
+from starshard.engine.moe import MoEFeedForward, grouped_experts, route
+from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
+from starshard.kernels.moe_decode import GEMV_MAX_PAIRS
 from starshard.parallel.fp8 import Fp8GroupedExperts, quantize_experts
 from starshard.parallel.topology import LayoutError
 from starshard.planner import Layout, Workload, plan_memory
@@ -64,8 +65,6 @@ def test_decode_kernels_read_the_e4m3_experts(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     moe = _moe_layer()
     moe.experts = Fp8GroupedExperts.quantize(moe.experts)
-    w13, w2 = moe.experts.weights(torch.float32)
-    assert torch.equal(w13, dequantize(moe.experts.w13, moe.experts.w13_scale, torch.float32))
     x = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(1))
     r = torch.randn(3, 1, 48, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -73,6 +72,34 @@ def test_decode_kernels_read_the_e4m3_experts(monkeypatch):
         moe.decode_kernels = True
         got = moe(x, residual=r)
     assert rel(got, want) <= 1e-6
+
+
+def test_prefill_sized_calls_round_their_inputs_as_the_fp8_gemms():
+    """Past GEMV_MAX_PAIRS (token, expert) pairs the reference path (the CPU) rounds the gathered rows and
+    silu(gate) * up per row through e4m3, as the GPU's FP8 grouped GEMMs take them; below, only the weights
+    are e4m3 (as the decode kernels). Checked against a float64 loop over the pairs."""
+    moe = _moe_layer()
+    moe.experts = Fp8GroupedExperts.quantize(moe.experts)
+    ex = moe.experts
+    w13, w2 = dequantize(ex.w13, ex.w13_scale, torch.float64), dequantize(ex.w2, ex.w2_scale, torch.float64)
+
+    def rounded(t):
+        return dequantize(*quantize_rows(t), torch.float64)
+
+    for T in (5, 40):  # 20 and 160 pairs (k = 4)
+        x = torch.randn(T, 48, generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            weights, experts = route(moe.router(x), 4, True)
+            got = grouped_experts(x, weights, experts, ex.w13, ex.w2, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
+        quantized = T * 4 > GEMV_MAX_PAIRS
+        want = torch.zeros(T, 48, dtype=torch.float64)
+        for t in range(T):
+            xt = rounded(x[t:t + 1].float())[0] if quantized else x[t].double()
+            for wj, ej in zip(weights[t].double(), experts[t]):
+                h = w13[ej] @ xt
+                a = torch.nn.functional.silu(h[:24]) * h[24:]
+                want[t] += wj * (w2[ej] @ (rounded(a[None].float())[0] if quantized else a))
+        assert rel(got, want) <= 1e-5, (T, rel(got, want))
 
 
 def test_quantize_experts_swaps_moe_layers_once():

@@ -15,8 +15,8 @@ Decode on the GPU (up to GEMV_MAX_PAIRS (token, expert) pairs) runs the expert s
 launches after the router's GEMV (kernels/moe_decode.py): the experts' gate/up GEMVs, which route the
 tokens themselves, and their down GEMVs summed per token; no sort, no per-pair bookkeeping in torch. The
 CPU keeps the torch path. With e4m3 experts (--fp8 experts, parallel/fp8.py Fp8GroupedExperts) the decode
-kernels read them as stored with their row scales; the torch path multiplies them dequantized
-(`GroupedExperts.weights`).
+kernels read them as stored with their row scales; prefill-sized calls run FP8 grouped GEMMs on per-row
+quantized inputs (torch._scaled_grouped_mm), or that rounding on the dequantized weights (the CPU).
 
 Tensor parallelism (parallel/tensor.py) cuts every expert's F columns over the ranks, as the dense
 MLP's: each rank computes a partial output over its columns, and `combine` (identity on one device)
@@ -33,6 +33,8 @@ from torch import nn
 
 from starshard.config import ModelConfig
 from starshard.engine.linear import Linear
+from starshard.kernels.activation import silu_mul_quant
+from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
 from starshard.kernels.moe_decode import (
     GEMV_MAX_PAIRS,
     ROUTE_MAX_EXPERTS,
@@ -44,6 +46,8 @@ from starshard.kernels.moe_decode import (
 
 # torch >= 2.10 exports it as F.grouped_mm; earlier releases (2.8, 2.9) as torch._grouped_mm.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# e4m3 x e4m3 with row / channel scales per group (CUDA, Hopper): --fp8 experts' prefill GEMMs.
+_SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
 GATHER_MAX_ROWS = 64  # fallback: up to this many (token, expert) pairs gather their experts' weights
 
 
@@ -59,6 +63,23 @@ def grouped_mm_works(device_type: str, device_index: int | None, dtype: torch.dt
         b = torch.ones(2, 16, 16, device=dev, dtype=dtype).transpose(-2, -1)
         out = _GROUPED_MM(a, b, offs=torch.tensor([1, 4], device=dev, dtype=torch.int32))
         return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@functools.cache
+def scaled_grouped_mm_works(device_index: int | None) -> bool:
+    """Whether this torch runs the e4m3 grouped GEMM (torch._scaled_grouped_mm with a float32 scale per row of
+    each operand) on this CUDA device, into bfloat16: probed once with a tiny product of two groups."""
+    if _SCALED_GROUPED_MM is None:
+        return False
+    dev = torch.device("cuda", device_index) if device_index is not None else torch.device("cuda")
+    try:
+        a = torch.ones(32, 32, device=dev).to(FP8_DTYPE)
+        b = torch.ones(2, 32, 32, device=dev).to(FP8_DTYPE)
+        out = _SCALED_GROUPED_MM(a, b.transpose(-2, -1), torch.ones(32, device=dev), torch.full((2, 32), 2.0, device=dev),
+                                 offs=torch.tensor([16, 32], device=dev, dtype=torch.int32), out_dtype=torch.bfloat16)
+        return bool((out.float() == 64).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -109,53 +130,80 @@ def _padded(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, impl: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                    w2: torch.Tensor, impl: str | None = None, residual: torch.Tensor | None = None,
+                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t. x [T, H]; w13 [E, 2F, H]
     (gate rows, then up rows); w2 [E, H, F]. impl: None picks, on a GPU with up to GEMV_MAX_PAIRS
     (token, expert) pairs (decode), "gemv" (the Triton expert GEMVs of kernels/moe_decode.py: no sort,
     weights read in place, SiLU-mul fused), else grouped_mm where the device and dtype run it, else
     "gather" for up to GATHER_MAX_ROWS pairs and "padded" above; tests name one.
+    e4m3 experts (--fp8 experts): w13 / w2 e4m3 with w13_scale [E, 2F] / w2_scale [E, H] (float32 row
+    scales). "gemv" reads them as stored; past GEMV_MAX_PAIRS pairs the GEMMs are FP8 as --fp8 linear's
+    prefill: each row of the gathered input and of silu(gate) * up quantized to e4m3, "grouped_fp8"
+    (torch._scaled_grouped_mm, on a GPU that runs it, bfloat16) or, elsewhere, the same rounding then the
+    16-bit paths on the dequantized weights (the CPU's reference).
     The weighted sum is taken in float32, in a fixed order (no atomics), so every TP rank and every
     run gives the same bits for the same inputs. residual [T, H]: returns the sum + residual (the "gemv"
     path adds it in its down kernel)."""
     T, k = experts.shape
     E = w13.shape[0]
     flat = experts.reshape(-1)
+    fp8 = w13_scale is not None
     if impl is None and use_expert_gemvs(x, k):
         impl = "gemv"  # decode: one row per pair, the Triton expert GEMVs (kernels/moe_decode.py), no sort
     if impl == "gemv":  # each token's k experts summed in the down kernel, in float32, in slot order
-        return expert_down(expert_gate_up(x, experts, w13), experts, weights, w2, out_dtype=x.dtype, residual=residual)
+        act = expert_gate_up(x, experts, w13, w13_scale=w13_scale)
+        return expert_down(act, experts, weights, w2, out_dtype=x.dtype, residual=residual, w2_scale=w2_scale)
     if residual is not None:
-        return grouped_experts(x, weights, experts, w13, w2, impl) + residual
+        return grouped_experts(x, weights, experts, w13, w2, impl, w13_scale=w13_scale, w2_scale=w2_scale) + residual
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-    rows = x[order // k]  # [T * k, H]
     counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0)
-    if impl is None:
-        idx = x.device.index if x.device.type == "cuda" else None
-        # grouped_mm wants 16-byte aligned rows (CPU and CUDA): widths of a multiple of 16 bytes.
-        aligned = (x.shape[-1] * x.element_size()) % 16 == 0 and (w2.shape[-1] * x.element_size()) % 16 == 0
-        if aligned and grouped_mm_works(x.device.type, idx, x.dtype):
-            impl = "grouped"
-        else:
-            impl = "gather" if T * k <= GATHER_MAX_ROWS else "padded"
-    if impl == "grouped":
+    # grouped_mm wants 16-byte aligned rows (CPU and CUDA): widths of a multiple of 16 bytes (e4m3: 16 elements).
+    aligned = (x.shape[-1] * x.element_size()) % 16 == 0 and (w2.shape[-1] * x.element_size()) % 16 == 0
+    quantize_acts = fp8 and T * k > GEMV_MAX_PAIRS  # the FP8 GEMMs' numerics (the kernels' below it)
+    if impl is None and fp8 and quantize_acts and x.is_cuda and x.dtype == torch.bfloat16 and aligned \
+            and x.shape[-1] % 16 == 0 and w2.shape[-1] % 16 == 0 and scaled_grouped_mm_works(x.device.index):
+        impl = "grouped_fp8"
+    if impl == "grouped_fp8":
         offs32 = offs.to(torch.int32)
-
-        def mm(a, w):
-            return _grouped(a, w, offs32)
-    elif impl == "gather":
-        sorted_experts = flat[order]
-
-        def mm(a, w):
-            return _gathered(a, w, sorted_experts)
-    elif impl == "padded":
-        def mm(a, w):
-            return _padded(a, w, counts, offs)
+        x8, sx = quantize_rows(x)  # T rows, then gathered: an eighth of quantizing the T * k pairs
+        src = order // k
+        h = _SCALED_GROUPED_MM(x8[src], w13.transpose(-2, -1), sx[src], w13_scale, offs=offs32, out_dtype=x.dtype)
+        a8, sa = silu_mul_quant(h)
+        y = _SCALED_GROUPED_MM(a8, w2.transpose(-2, -1), sa, w2_scale, offs=offs32, out_dtype=x.dtype)
     else:
-        raise ValueError(f"unknown expert GEMM {impl!r}; one of gemv, grouped, gather, padded")
-    gate, up = mm(rows, w13).chunk(2, dim=-1)
-    y = mm(F.silu(gate) * up, w2)  # [T * k, H], sorted by expert
+        if fp8:  # the reference: dequantized weights, the FP8 GEMMs' rounding of the inputs where they would run
+            w13, w2 = dequantize(w13, w13_scale, x.dtype), dequantize(w2, w2_scale, x.dtype)
+        rows = x[order // k]  # [T * k, H]
+        if quantize_acts:
+            rows = dequantize(*quantize_rows(rows), x.dtype)
+        if impl is None:
+            idx = x.device.index if x.device.type == "cuda" else None
+            if aligned and grouped_mm_works(x.device.type, idx, x.dtype):
+                impl = "grouped"
+            else:
+                impl = "gather" if T * k <= GATHER_MAX_ROWS else "padded"
+        if impl == "grouped":
+            offs32 = offs.to(torch.int32)
+
+            def mm(a, w):
+                return _grouped(a, w, offs32)
+        elif impl == "gather":
+            sorted_experts = flat[order]
+
+            def mm(a, w):
+                return _gathered(a, w, sorted_experts)
+        elif impl == "padded":
+            def mm(a, w):
+                return _padded(a, w, counts, offs)
+        else:
+            raise ValueError(f"unknown expert GEMM {impl!r}; one of gemv, grouped, grouped_fp8, gather, padded")
+        gate, up = mm(rows, w13).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        if quantize_acts:
+            act = dequantize(*quantize_rows(act), x.dtype)
+        y = mm(act, w2)  # [T * k, H], sorted by expert
     unsorted = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)
     out = (unsorted.float() * weights[..., None]).sum(dim=1)
     return out.to(x.dtype)
@@ -173,10 +221,6 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
-
-    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) to multiply in `dtype` (here: as held)."""
-        return self.w13, self.w2
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -213,8 +257,8 @@ class MoEFeedForward(nn.Module):
                                                    w13_scale=ex.w13_scale)
             out = expert_down(act, experts, weights, ex.w2, out_dtype=x.dtype, w2_scale=ex.w2_scale,
                               residual=residual.reshape(-1, shape[-1]) if fused else None)
-        else:  # e4m3 experts (--fp8 experts) are dequantized here, a layer at a time
+        else:
             weights, experts = route(logits, self.top_k, self.renormalize)
-            out = grouped_experts(x, weights, experts, *ex.weights(x.dtype))
+            out = grouped_experts(x, weights, experts, ex.w13, ex.w2, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
         out = self.combine(out).view(shape)
         return out if residual is None or fused else out + residual

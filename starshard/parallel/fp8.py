@@ -40,7 +40,7 @@ from torch import nn
 from starshard.engine.model import FeedForward, RMSNorm
 from starshard.engine.moe import GroupedExperts, MoEFeedForward
 from starshard.kernels.activation import rms_norm_quant, silu_mul, silu_mul_quant, use_fused_quant
-from starshard.kernels.fp8 import FP8_DTYPE, dequantize, fp8_linear, quantize_rows, scaled_mm
+from starshard.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_rows, scaled_mm
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
@@ -198,8 +198,8 @@ class Fp8GroupedExperts(GroupedExperts):
     buffers with one float32 scale per expert row, `w13_scale` [E, 2F] and `w2_scale` [E, H] (amax of the
     row / 448, as quantize_rows). Under tensor parallelism each rank quantizes its own shard (w2's rows
     then scale this rank's part of the width; the partial outputs are summed as before). The decode
-    kernels (kernels/moe_decode.py) read the e4m3 rows and scale each row's float32 sum; `weights`
-    dequantizes both tensors for the grouped GEMM of prefill and the CPU, a layer at a time."""
+    kernels (kernels/moe_decode.py) read the e4m3 rows and scale each row's float32 sum; prefill runs FP8
+    grouped GEMMs, the CPU a reference on the dequantized weights (engine/moe.py grouped_experts)."""
 
     def __init__(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor):
         nn.Module.__init__(self)
@@ -213,9 +213,6 @@ class Fp8GroupedExperts(GroupedExperts):
         w13, s13 = quantize_rows(experts.w13.detach())
         w2, s2 = quantize_rows(experts.w2.detach())
         return cls(w13, s13, w2, s2)
-
-    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return dequantize(self.w13, self.w13_scale, dtype), dequantize(self.w2, self.w2_scale, dtype)
 
     def extra_repr(self) -> str:
         E, F2, H = self.w13.shape
