@@ -296,9 +296,8 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     if w.fp8_linear:  # steady state (quantizing at load time holds the compute-dtype weights first; an FP8 checkpoint never does)
         elems, channels = projection_sizes(cfg, lay.tp, layers, ids)
         weights += elems * (1 - b) + channels * 4
-    moe_layers = sum(cfg.is_moe_layer(i) for i in ids)
+    moe_layers, fe = sum(cfg.is_moe_layer(i) for i in ids), cfg.moe_intermediate_size // lay.tp
     if w.fp8_experts and moe_layers:  # e4m3 experts + a float32 scale per expert row (w13's 2F, w2's h)
-        fe = cfg.moe_intermediate_size // lay.tp
         weights += moe_layers * cfg.num_experts * (3 * fe * h * (1 - b) + (2 * fe + h) * 4)
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
@@ -307,8 +306,8 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     if held_fp8:
         attn_bytes += hq * d * (b + 8)  # the own-keys partial and two float32 merge buffers
     mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
-    if any(cfg.is_moe_layer(i) for i in ids):  # engine/moe.py: k gathered rows per token, in expert order
-        k, fe = cfg.num_experts_per_tok, cfg.moe_intermediate_size // lay.tp
+    if moe_layers:  # engine/moe.py: k gathered rows per token, in expert order
+        k = cfg.num_experts_per_tok
         mlp_part = max(mlp_part, 4 * h + k * (3 * h + 3 * fe) + 2 * k * h)  # + the float32 weighted sum
     act = B * rows * max(attn_bytes, b * mlp_part)
     if held_fp8:  # the held keys dequantized a block at a time (kernels/attention.py): k and v of one block
@@ -316,7 +315,6 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     if w.fp8_linear:  # the e4m3 copy of a GEMM's input rows
         act += B * rows * max(h, ffn)
     if w.fp8_experts and moe_layers:  # one layer's experts dequantized (module doc: an upper bound)
-        fe = cfg.moe_intermediate_size // lay.tp
         act += cfg.num_experts * 3 * fe * h * (4 + b)
     if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
         act += B * rows * b * ((hq + 2 * hkv) * d + hq * d)

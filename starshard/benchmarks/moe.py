@@ -116,8 +116,8 @@ def decode_bytes(cfg, context: int, dtype_bytes: int, fp8: Fp8Config | None = No
     return {"weights": int(weights), "kv": int(kv), "total": int(weights + kv)}
 
 
-def run_starshard(args, cfg, dev, dtype) -> tuple[list[dict], list[dict], dict[int, torch.Tensor]]:
-    llm = LLM(None, dtype=dtype, device=str(dev), progress=False, random_weights=args.random_weights, fp8=args.fp8)
+def run_starshard(args, cfg, dev, dtype, fp8: Fp8Config) -> tuple[list[dict], list[dict], dict[int, torch.Tensor]]:
+    llm = LLM(None, dtype=dtype, device=str(dev), progress=False, random_weights=args.random_weights, fp8=fp8)
     runner, model = llm.runner, llm.model
     runner.cuda_graphs = not args.no_cuda_graphs
     prefill_rows, decode_rows, last_logits = [], [], {}
@@ -169,7 +169,7 @@ def run_starshard(args, cfg, dev, dtype) -> tuple[list[dict], list[dict], dict[i
             start()
             times = timed(step, dev, args.decode_steps, warmup=2)
         t = median(times)
-        nbytes = decode_bytes(cfg, C + 2, torch.empty(0, dtype=dtype).element_size(), Fp8Config.parse(args.fp8))
+        nbytes = decode_bytes(cfg, C + 2, torch.empty(0, dtype=dtype).element_size(), fp8)
         bound = nbytes["total"] / args.hbm_bandwidth if args.hbm_bandwidth else None
         row = {"context": C, "step_seconds": t, "all_seconds": times, "cuda_graphs": runner.cuda_graphs,
                "graph_error": graph_error, "bytes_read": nbytes, "bytes_bound_seconds": bound,
@@ -242,7 +242,8 @@ def run(args) -> None:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     cfg = preset_config(args.random_weights)
-    if Fp8Config.parse(args.fp8).any and not args.skip_hf:
+    fp8 = Fp8Config.parse(args.fp8)
+    if fp8.any and not args.skip_hf:
         raise ValueError(f"--fp8 {args.fp8}: transformers runs the bf16 model, so its prefill is no peer for this "
                          "one: add --skip-hf")
     bandwidth = copy_bandwidth(dev)
@@ -253,7 +254,7 @@ def run(args) -> None:
         source = (f"nominal for {torch.cuda.get_device_name(dev)}" if nominal else
                   "measured copy bandwidth" if bandwidth else None)
     _free()
-    prefill, decode, logits = run_starshard(args, cfg, dev, dtype)
+    prefill, decode, logits = run_starshard(args, cfg, dev, dtype, fp8)
     _free()
     held = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else None  # ~0: starshard's model is gone
     hf_rows, hf_info = ([], None) if args.skip_hf else run_hf(args, cfg, dev, dtype, logits)
@@ -273,7 +274,7 @@ def run(args) -> None:
                "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
                "expert_width": cfg.moe_intermediate_size, "vocab": cfg.vocab_size, "weights": "random",
                "active_experts_per_decode_step": active_experts(cfg, 1)},
-        dtype=args.dtype, fp8=Fp8Config.parse(args.fp8).describe(), hbm_bytes_per_second=args.hbm_bandwidth,
+        dtype=args.dtype, fp8=fp8.describe(), hbm_bytes_per_second=args.hbm_bandwidth,
         hbm_bandwidth_source=source,
         copy_bytes_per_second=bandwidth,
         prompt={"kind": "random token ids", "seed": "the length"},

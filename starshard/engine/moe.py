@@ -159,11 +159,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0)
-    # grouped_mm wants 16-byte aligned rows (CPU and CUDA): widths of a multiple of 16 bytes (e4m3: 16 elements).
-    aligned = (x.shape[-1] * x.element_size()) % 16 == 0 and (w2.shape[-1] * x.element_size()) % 16 == 0
     quantize_acts = fp8 and T * k > GEMV_MAX_PAIRS  # the FP8 GEMMs' numerics (the kernels' below it)
-    if impl is None and fp8 and quantize_acts and x.is_cuda and x.dtype == torch.bfloat16 and aligned \
-            and x.shape[-1] % 16 == 0 and w2.shape[-1] % 16 == 0 and scaled_grouped_mm_works(x.device.index):
+    if (impl is None and quantize_acts and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0
+            and w2.shape[-1] % 16 == 0 and scaled_grouped_mm_works(x.device.index)):  # e4m3 rows 16-byte aligned
         impl = "grouped_fp8"
     if impl == "grouped_fp8":
         offs32 = offs.to(torch.int32)
@@ -180,6 +178,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
             rows = dequantize(*quantize_rows(rows), x.dtype)
         if impl is None:
             idx = x.device.index if x.device.type == "cuda" else None
+            # grouped_mm wants 16-byte aligned rows (CPU and CUDA): widths of a multiple of 16 bytes.
+            aligned = (x.shape[-1] * x.element_size()) % 16 == 0 and (w2.shape[-1] * x.element_size()) % 16 == 0
             if aligned and grouped_mm_works(x.device.type, idx, x.dtype):
                 impl = "grouped"
             else:
