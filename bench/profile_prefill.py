@@ -35,6 +35,8 @@ ap.add_argument("--model", default=None, help="a checkpoint (real weights) inste
 ap.add_argument("--prompt-file", default=None, help="with --model: natural text, repeated to --prompt-len tokens")
 ap.add_argument("--sparse", default=None, choices=["minference", "anchor"], help="sparse prefill method")
 ap.add_argument("--sparse-config", default=None, help="its per-head config file")
+ap.add_argument("--gaps", type=int, default=0, help="also list the N longest idle gaps between device kernels "
+                "(with the kernels either side) and their sum")
 args = ap.parse_args()
 sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
@@ -75,6 +77,20 @@ for e in prof.key_averages():
         rows.append({"kernel": e.key[:160], "calls": e.count, "ms": dev_us / 1e3})
         total += dev_us / 1e3
 rows.sort(key=lambda r: -r["ms"])
+gaps = []
+if args.gaps:  # idle device time: from the trace, kernel and memcpy / memset intervals in time order
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.load(open(f"{tmp}/trace.json"))["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    end, before = spans[0][1], spans[0][2]
+    for s0, s1, name in spans[1:]:
+        if s0 > end:
+            gaps.append({"ms": (s0 - end) / 1e3, "after": before[:80], "before": name[:80]})
+        if s1 > end:
+            end, before = s1, name
+    gaps.sort(key=lambda g: -g["ms"])
 for r in rows:
     r["share"] = r["ms"] / total
 print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, fp8 {args.fp8 or 'none'}, "
@@ -82,9 +98,14 @@ print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, fp8 {a
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
     print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
+if args.gaps:
+    print(f"idle between kernels: {sum(g['ms'] for g in gaps):.1f} ms in {len(gaps)} gaps; longest:")
+    for g in gaps[: args.gaps]:
+        print(f"{g['ms']:10.2f} ms after {g['after']} | before {g['before']}")
 if args.out:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
                    "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
-                   "wall_s": times, "kernel_ms_total": total, "kernels": rows}, f, indent=1)
+                   "wall_s": times, "kernel_ms_total": total, "kernels": rows,
+                   "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps]}, f, indent=1)

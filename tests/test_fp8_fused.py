@@ -13,13 +13,15 @@ pytest.importorskip("triton")
 from starshard.config import ModelConfig  # noqa: E402
 from starshard.engine.model import FeedForward, RMSNorm, Transformer  # noqa: E402
 from starshard.kernels import activation  # noqa: E402
+from starshard.engine.linear import Linear, project_heads  # noqa: E402
 from starshard.kernels.activation import (  # noqa: E402
+    quantize_heads,
     rms_norm_quant,
     rms_norm_quant_reference,
     silu_mul_quant,
     silu_mul_quant_reference,
 )
-from starshard.kernels.fp8 import E4M3_MAX, FP8_DTYPE, dequantize, fp8_linear_reference  # noqa: E402
+from starshard.kernels.fp8 import E4M3_MAX, FP8_DTYPE, dequantize, fp8_linear_reference, quantize_rows  # noqa: E402
 from starshard.parallel import fp8 as fp8_module  # noqa: E402
 from starshard.parallel.fp8 import DeferredRMSNorm, Fp8Linear, fuse_inputs, quantize_linears  # noqa: E402
 from starshard.presets import PRESETS  # noqa: E402
@@ -82,6 +84,36 @@ def test_silu_mul_quant_against_float64(rows, F, tile, dtype, interpret):
     check_quantized(q32, s, exact, *silu_mul_quant_reference(gate_up.reshape(-1, 2 * F)))
 
 
+def _heads_layouts(B, H, L, D, dtype, g):
+    """Attention's output [B, H, L, D] as it may lie: contiguous, as a transposed [B, L, H, D] tensor, and
+    a slice of a wider tensor (strides that are neither)."""
+    base = 3 * torch.randn(B, H, L, D, generator=g) * torch.logspace(-2, 1, D)
+    base[0, :, 1] = 0  # an all-zero row (every head of one position): finite scale, zeros out
+    return {
+        "contiguous": base.to(dtype),
+        "from [B, L, H, D]": base.transpose(1, 2).contiguous().to(dtype).transpose(1, 2),
+        "sliced": torch.cat([base, base[..., :3]], -1).to(dtype)[..., :D],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B,H,L,D,block_l", [(1, 4, 37, 64, 16), (2, 3, 5, 80, 4), (2, 2, 33, 16, 8)])
+def test_quantize_heads_against_float64(B, H, L, D, block_l, dtype, interpret):
+    """quantize_heads(o) = quantize_rows of o's rows [B * L, H * D] for any layout of o (odd lengths, a head
+    width that is not a power of two, partial position blocks), against float64."""
+    g = torch.Generator().manual_seed(B * 1000 + L)
+    for name, o in _heads_layouts(B, H, L, D, dtype, g).items():
+        q32, s = quantize_heads(o, out_dtype=torch.float32, block_l=block_l)
+        assert q32.shape == (B * L, H * D) and s.shape == (B * L,) and s.dtype == torch.float32, name
+        rows = o.transpose(1, 2).reshape(B * L, H * D)
+        check_quantized(q32, s, rows.double(), *quantize_rows(rows))
+
+
+def test_quantize_heads_refuses_other_shapes():
+    with pytest.raises(ValueError, match=r"attention's output \[B, H, L, D\]"):
+        quantize_heads(torch.zeros(4, 64))
+
+
 def test_silu_mul_quant_refuses_odd_width():
     with pytest.raises(ValueError, match="odd width"):
         silu_mul_quant(torch.zeros(2, 5))
@@ -136,6 +168,31 @@ def test_fp8_linear_fused_branch(transform, interpret, monkeypatch):
     assert y.shape == (1, rows, N) and rel(y, want) < 1e-5
     # the activations were rounded through e4m3 (the test would see a missing quantization)
     assert rel(y, fp8_linear_reference(before, lin.weight, lin.weight_scale, lin.bias)) > 1e-4
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fp8_linear_forward_heads(fused, interpret, monkeypatch):
+    """project_heads(wo, o, residual) with an Fp8Linear: prefill-sized inputs (forced here: the branch is
+    CUDA-only) quantize o from the heads' layout and run one FP8 GEMM; the rest take the transposing copy.
+    Both equal the reference on the copied rows (rounded through e4m3 as prefill rows are), + residual; a plain
+    Linear takes the copy."""
+    monkeypatch.setattr(fp8_module, "use_fused_quant", lambda x, width=None: fused)
+    gemms = []
+    monkeypatch.setattr(fp8_module, "scaled_mm", lambda *a: gemms.append(a[0]) or _scaled_mm_reference(*a))
+    monkeypatch.setattr(fp8_module, "quantize_heads", _torch_cast(quantize_heads))
+    g = torch.Generator().manual_seed(8)
+    B, H, L, D, N = 2, 3, 67, 32, 40
+    lin = Fp8Linear.quantize(torch.nn.Linear(H * D, N).requires_grad_(False))
+    o = (torch.randn(B, L, H, D, generator=g) * 2).transpose(1, 2)  # a view, as attention may return
+    residual = torch.randn(B, L, N, generator=g)
+    y = project_heads(lin, o, residual)
+    rows = o.transpose(1, 2).reshape(B, L, H * D)
+    want = fp8_linear_reference(rows, lin.weight, lin.weight_scale, lin.bias, quantize_input=True) + residual
+    assert len(gemms) == int(fused) and y.shape == (B, L, N) and rel(y, want) < 1e-5
+    if fused:
+        assert gemms[0].dtype == FP8_DTYPE and gemms[0].shape == (B * L, H * D)
+    plain = Linear(H * D, N).requires_grad_(False)
+    assert torch.equal(project_heads(plain, o, residual), plain(rows) + residual)
 
 
 # ---------------------------------------------------------------------------- the model

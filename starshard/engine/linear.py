@@ -2,6 +2,7 @@
 
     y = Linear(K, N)(x)                      # F.linear, or on CUDA for one row (a decode step) the GEMV
     h = project_add(linear, x, residual)     # linear(x) + residual, added in the GEMV's epilogue if it can
+    h = project_heads(wo, out, residual)     # the same on attention's output out [B, H, L, D] as rows [B, L, H * D]
 
 Decode multiplies one row by each weight: cuBLAS's one-row path read bf16 projections up to 15% slower
 than kernels/gemv.py on an H100 (the Qwen3-MoE router 85%; bench/bf16_gemv_probe.py; on an H200 the wide
@@ -40,3 +41,13 @@ def project_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | Non
     if getattr(linear, "adds_residual", False):
         return linear(x, residual=residual)
     return linear(x) + residual
+
+
+def project_heads(linear: nn.Module, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """linear(out read as rows [B, L, H * D]) + residual, for attention's output out [B, H, L, D]. A projection
+    that reads the heads' layout itself (`reads_heads`: parallel/fp8.py Fp8Linear, whose prefill quantizes
+    straight from it) gets out as it is; the rest get the transposing copy, then project_add."""
+    if getattr(linear, "reads_heads", False):
+        return linear.forward_heads(out, residual)
+    B, H, L, D = out.shape
+    return project_add(linear, out.transpose(1, 2).reshape(B, L, H * D), residual)

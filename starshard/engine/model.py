@@ -18,7 +18,7 @@ from torch import nn
 
 from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
-from starshard.engine.linear import Linear, project_add
+from starshard.engine.linear import Linear, project_add, project_heads
 from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.activation import silu_mul
 from starshard.kernels.attention import (DECODE_MAX_ROWS, attention, attention_after_held,
@@ -196,7 +196,7 @@ class Attention(nn.Module):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attend(q, k, v, pos, cache, sparse=self.sparse)
-        return project_add(self.wo, out.transpose(1, 2).reshape(B, L, self.n_heads * d), residual)
+        return project_heads(self.wo, out, residual)
 
 
 class SiluMul(nn.Module):

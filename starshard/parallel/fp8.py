@@ -39,7 +39,7 @@ from torch import nn
 
 from starshard.engine.model import FeedForward, RMSNorm
 from starshard.engine.moe import GroupedExperts, MoEFeedForward
-from starshard.kernels.activation import rms_norm_quant, silu_mul, silu_mul_quant, use_fused_quant
+from starshard.kernels.activation import quantize_heads, rms_norm_quant, silu_mul, silu_mul_quant, use_fused_quant
 from starshard.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_rows, scaled_mm
 
 COLUMN_PARALLEL = ("attention.wqkv", "feed_forward.w13")
@@ -110,13 +110,33 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ W.T (+ bias) (+ residual: added after the row-parallel sum, as `linear(x) + residual`)."""
-        bias = self.bias if self.reduce_group is None else None
         if (self.input_norm is not None or self.input_act is not None) and use_fused_quant(x):
-            y = self.fused_forward(x, bias)
-        elif self.reduce_group is None:
-            return fp8_linear(self.transform_input(x), self.weight, self.weight_scale, bias, residual=residual)
-        else:
-            y = fp8_linear(self.transform_input(x), self.weight, self.weight_scale, bias)
+            return self.finish(self.fused_forward(x), residual)
+        if self.reduce_group is None:
+            return fp8_linear(self.transform_input(x), self.weight, self.weight_scale, self.bias, residual=residual)
+        return self.finish(fp8_linear(self.transform_input(x), self.weight, self.weight_scale), residual)
+
+    # engine/linear.py project_heads hands this layer attention's output in the heads' layout (wo).
+    reads_heads = True
+
+    def forward_heads(self, o: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This layer on attention's output o [B, H, L, D] read as rows [B, L, H * D] (+ residual). Prefill-
+        sized CUDA inputs are quantized straight from the heads' layout (kernels/activation.py
+        quantize_heads), without the transposing copy first; the rest take forward on that copy."""
+        B, H, L, D = o.shape
+        if self.input_norm is None and self.input_act is None and use_fused_quant(o, H * D):
+            x8, sx = quantize_heads(o)
+            y = scaled_mm(x8, sx, self.weight, self.weight_scale, self.local_bias, o.dtype)
+            return self.finish(y.view(B, L, self.out_features), residual)
+        return self(o.transpose(1, 2).reshape(B, L, H * D), residual)
+
+    @property
+    def local_bias(self) -> torch.Tensor | None:
+        """The bias to add to this rank's product: all of it, unless row-parallel (added after the sum)."""
+        return self.bias if self.reduce_group is None else None
+
+    def finish(self, y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """This rank's product with local_bias -> the layer's output: the row-parallel sum and bias, + residual."""
         if self.reduce_group is not None:
             dist.all_reduce(y, group=self.reduce_group)
             if self.bias is not None:
@@ -131,13 +151,13 @@ class Fp8Linear(nn.Module):
             return silu_mul(x)
         return x
 
-    def fused_forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Prefill: one kernel transforms and quantizes the input rows, then the FP8 GEMM."""
+    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill: one kernel transforms and quantizes the input rows, then the FP8 GEMM (+ local_bias)."""
         if self.input_norm is not None:
             x8, sx = rms_norm_quant(x, self.input_norm.weight, self.input_norm.eps)
         else:
             x8, sx = silu_mul_quant(x)
-        y = scaled_mm(x8, sx, self.weight, self.weight_scale, bias, x.dtype)
+        y = scaled_mm(x8, sx, self.weight, self.weight_scale, self.local_bias, x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

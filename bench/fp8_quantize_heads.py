@@ -1,0 +1,82 @@
+"""wo's FP8 input straight from attention's output layout (issue 19, the 128K prefill with `--fp8 linear,kv`).
+
+    python bench/fp8_quantize_heads.py [--out fp8_quantize_heads.json] [--lengths 8192 32768 131072]
+
+Attention returns o [B, H, L, D]; wo's FP8 GEMM takes e4m3 rows [B * L, H * D] with a scale per row.
+Before: the transposing copy (`o.transpose(1, 2).reshape(...)`, bf16 read and written) then quantize_rows;
+now: kernels/activation.py quantize_heads reads o where it lies. Llama-3.1-8B's 32 heads of 128, o
+contiguous [1, 32, L, 128] as cuDNN returns it, random bf16 values. Times: CUDA events, median of 20
+after 3 warm-ups, for the two-step path, the copy alone, quantize_rows alone, and quantize_heads with
+each (block_l, warps) tile; the e4m3 bytes and scales of quantize_heads against the two-step path (the
+share of bytes that differ; same numerics, so 0 up to float32 division ties). JSON to stdout (and --out).
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+
+from starshard.benchmarks.common import commit
+from starshard.kernels.activation import HEADS_BLOCK_L, quantize_heads
+from starshard.kernels.fp8 import quantize_rows_cuda
+
+TILES = [(4, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
+
+
+def timed(fn, reps=20):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return round(statistics.median(ts), 4)  # ms
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    H, D = args.heads, args.head_dim
+    rows = []
+    for L in args.lengths:
+        o = torch.randn(1, H, L, D, device="cuda", dtype=torch.bfloat16) * 3
+
+        def copy():
+            return o.transpose(1, 2).reshape(L, H * D)
+
+        def two_step():
+            return quantize_rows_cuda(copy())
+
+        flat = copy()
+        want8, want_s = two_step()
+        got8, got_s = quantize_heads(o)
+        r = {"length": L, "heads": H, "head_dim": D, "copy_then_quantize_rows_ms": timed(two_step),
+             "copy_ms": timed(copy), "quantize_rows_ms": timed(lambda: quantize_rows_cuda(flat)),
+             "default_tile": [HEADS_BLOCK_L, 4],
+             "bytes_differing": (got8.view(torch.uint8) != want8.view(torch.uint8)).float().mean().item(),
+             "scales_equal": bool(torch.equal(got_s, want_s)), "quantize_heads_ms": {}}
+        for bl, w in TILES:
+            r["quantize_heads_ms"][f"{bl}x{w}"] = timed(lambda: quantize_heads(o, block_l=bl, warps=w))
+        best = min(r["quantize_heads_ms"].values())
+        r["bandwidth_tb_s_best"] = round(o.numel() * 3 / best / 1e9, 3)  # bf16 read + e4m3 write
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        del o, flat, want8, got8
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "commit": commit(), "results": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
