@@ -70,7 +70,6 @@ def main():
         r["bandwidth_tb_s_best"] = round(o.numel() * 3 / best / 1e9, 3)  # bf16 read + e4m3 write
         rows.append(r)
         print(json.dumps(r), flush=True)
-        del o, flat, want8, got8
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": commit(), "results": rows}
     if args.out:
