@@ -7,7 +7,7 @@ Before: the transposing copy (`o.transpose(1, 2).reshape(...)`, bf16 read and wr
 now: kernels/activation.py quantize_heads reads o where it lies. Llama-3.1-8B's 32 heads of 128, o
 contiguous [1, 32, L, 128] as cuDNN returns it, random bf16 values. Times: CUDA events, median of 20
 after 3 warm-ups, for the two-step path, the copy alone, quantize_rows alone, and quantize_heads with
-each (block_l, warps) tile; the e4m3 bytes and scales of quantize_heads against the two-step path (the
+each tile (block_l positions, warps, all heads in registers or a loop over them); the e4m3 bytes and scales of quantize_heads against the two-step path (the
 share of bytes that differ; same numerics, so 0 up to float32 division ties). JSON to stdout (and --out).
 """
 import argparse
@@ -18,10 +18,12 @@ import torch
 import triton
 
 from starshard.benchmarks.common import commit
-from starshard.kernels.activation import HEADS_BLOCK_L, quantize_heads
+from starshard.kernels.activation import heads_tile, quantize_heads
 from starshard.kernels.fp8 import quantize_rows_cuda
 
-TILES = [(4, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
+# (block_l, warps, one_tile): all heads of block_l positions in registers, or the loop over heads
+TILES = [(1, 4, True), (2, 4, True), (2, 8, True), (4, 8, True), (4, 16, True), (8, 16, True),
+         (8, 4, False), (16, 4, False), (16, 8, False), (32, 8, False)]
 
 
 def timed(fn, reps=20):
@@ -61,11 +63,12 @@ def main():
         got8, got_s = quantize_heads(o)
         r = {"length": L, "heads": H, "head_dim": D, "copy_then_quantize_rows_ms": timed(two_step),
              "copy_ms": timed(copy), "quantize_rows_ms": timed(lambda: quantize_rows_cuda(flat)),
-             "default_tile": [HEADS_BLOCK_L, 4],
+             "default_tile": heads_tile(H, D),
              "bytes_differing": (got8.view(torch.uint8) != want8.view(torch.uint8)).float().mean().item(),
              "scales_equal": bool(torch.equal(got_s, want_s)), "quantize_heads_ms": {}}
-        for bl, w in TILES:
-            r["quantize_heads_ms"][f"{bl}x{w}"] = timed(lambda: quantize_heads(o, block_l=bl, warps=w))
+        for bl, w, one in TILES:
+            t = dict(block_l=bl, warps=w, one_tile=one)
+            r["quantize_heads_ms"][f"{bl}x{w}{' one tile' if one else ' loop'}"] = timed(lambda: quantize_heads(o, tile=t))
         best = min(r["quantize_heads_ms"].values())
         r["bandwidth_tb_s_best"] = round(o.numel() * 3 / best / 1e9, 3)  # bf16 read + e4m3 write
         rows.append(r)

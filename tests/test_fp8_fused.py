@@ -98,15 +98,30 @@ def _heads_layouts(B, H, L, D, dtype, g):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("B,H,L,D,block_l", [(1, 4, 37, 64, 16), (2, 3, 5, 80, 4), (2, 2, 33, 16, 8)])
-def test_quantize_heads_against_float64(B, H, L, D, block_l, dtype, interpret):
-    """quantize_heads(o) = quantize_rows of o's rows [B * L, H * D] for any layout of o (odd lengths, a head
-    width that is not a power of two, partial position blocks), against float64."""
+@pytest.mark.parametrize("one_tile", [True, False])
+def test_quantize_heads_against_float64(B, H, L, D, block_l, one_tile, dtype, interpret):
+    """quantize_heads(o) = quantize_rows of o's rows [B * L, H * D] for any layout of o (odd lengths, head
+    counts and widths that are not powers of two, partial position blocks), both kernel layouts (all heads
+    in registers / a loop over heads), against float64."""
     g = torch.Generator().manual_seed(B * 1000 + L)
     for name, o in _heads_layouts(B, H, L, D, dtype, g).items():
-        q32, s = quantize_heads(o, out_dtype=torch.float32, block_l=block_l)
+        q32, s = quantize_heads(o, out_dtype=torch.float32, tile=dict(block_l=block_l, warps=2, one_tile=one_tile))
         assert q32.shape == (B * L, H * D) and s.shape == (B * L,) and s.dtype == torch.float32, name
         rows = o.transpose(1, 2).reshape(B * L, H * D)
         check_quantized(q32, s, rows.double(), *quantize_rows(rows))
+
+
+def test_quantize_heads_default_tile(interpret):
+    """The default tile: all heads of a few positions in registers for Llama's 32 x 128, a loop past
+    ONE_TILE_MAX values a row; the call without a tile equals the looping one."""
+    assert activation.heads_tile(32, 128) == dict(block_l=4, warps=8, one_tile=True)
+    assert not activation.heads_tile(256, 128)["one_tile"]
+    o = torch.randn(1, 3, 9, 24, generator=torch.Generator().manual_seed(4))
+    got, want = quantize_heads(o, out_dtype=torch.float32), quantize_heads(o, out_dtype=torch.float32, tile=LOOP_HEADS)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+LOOP_HEADS = dict(block_l=4, warps=1, one_tile=False)
 
 
 def test_quantize_heads_refuses_other_shapes():

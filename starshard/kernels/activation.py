@@ -191,34 +191,43 @@ if triton is not None:
 
 
     @triton.jit
-    def _quantize_heads_kernel(X, Y, S, H, L, D, s_xb, s_xh, s_xl, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _quantize_heads_kernel(X, Y, S, H, L, D, s_xb, s_xh, s_xl, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_H: tl.constexpr):
         """Programs (block of BLOCK_L positions, batch): rows b * L + l of Y [B * L, H * D], each X[b, :, l, :]
-        (H heads of D) quantized as one row: the amax over its heads (first pass), then scale and cast
-        (second pass, from L2). A head's BLOCK_L rows of D are one contiguous span when X is [B, H, L, D]."""
+        (H heads of D) quantized as one row. BLOCK_H > 0: all heads in registers, one read; 0: a loop over
+        the heads for the amax, then one to scale and cast (re-reading from L2). A head's BLOCK_L rows of
+        D are one contiguous span when X is [B, H, L, D]."""
         b = tl.program_id(1).to(tl.int64)
         ls = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
         ds = tl.arange(0, BLOCK_D)
         l_ok = ls < L
-        ok = l_ok[:, None] & (ds < D)[None, :]
-        X_head = X + b * s_xb + ls[:, None].to(tl.int64) * s_xl + ds[None, :]
-        amax = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for _ in range(H):
-            x = tl.load(X_head, mask=ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
-            X_head += s_xh  # pointer arithmetic: 64-bit, whatever H * s_xh is
-        scale = e4m3_scale(amax)
-        X_head = X + b * s_xb + ls[:, None].to(tl.int64) * s_xl + ds[None, :]
-        Y_head = Y + (b * L + ls[:, None].to(tl.int64)) * (H * D) + ds[None, :]
-        for _ in range(H):
-            x = tl.load(X_head, mask=ok, other=0.0).to(tl.float32)
-            tl.store(Y_head, e4m3_values(x, scale[:, None]).to(Y.dtype.element_ty), mask=ok)
-            X_head += s_xh
-            Y_head += D
+        X_blk = X + b * s_xb
+        Y_blk = Y + (b * L + ls.to(tl.int64)) * (H * D)  # [BLOCK_L] row starts
+        if BLOCK_H > 0:
+            hs = tl.arange(0, BLOCK_H)
+            ok = l_ok[:, None, None] & (hs < H)[None, :, None] & (ds < D)[None, None, :]
+            x = tl.load(X_blk + ls[:, None, None].to(tl.int64) * s_xl + hs[None, :, None].to(tl.int64) * s_xh
+                        + ds[None, None, :], mask=ok, other=0.0).to(tl.float32)
+            scale = e4m3_scale(tl.max(tl.max(tl.abs(x), 2), 1))
+            tl.store(Y_blk[:, None, None] + hs[None, :, None] * D + ds[None, None, :],
+                     e4m3_values(x, scale[:, None, None]).to(Y.dtype.element_ty), mask=ok)
+        else:
+            ok = l_ok[:, None] & (ds < D)[None, :]
+            X_head = X_blk + ls[:, None].to(tl.int64) * s_xl + ds[None, :]
+            amax = tl.zeros([BLOCK_L], dtype=tl.float32)
+            for _ in range(H):
+                x = tl.load(X_head, mask=ok, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+                X_head += s_xh  # pointer arithmetic: 64-bit, whatever H * s_xh is
+            scale = e4m3_scale(amax)
+            X_head = X_blk + ls[:, None].to(tl.int64) * s_xl + ds[None, :]
+            Y_head = Y_blk[:, None] + ds[None, :]
+            for _ in range(H):
+                x = tl.load(X_head, mask=ok, other=0.0).to(tl.float32)
+                tl.store(Y_head, e4m3_values(x, scale[:, None]).to(Y.dtype.element_ty), mask=ok)
+                X_head += s_xh
+                Y_head += D
         tl.store(S + b * L + ls, scale, mask=l_ok)
-
-
-# Positions per quantize_heads program: 16 x 128 values per head load (4 warps).
-HEADS_BLOCK_L = 16
 
 
 def _tile(width: int, tile: dict | None) -> tuple[int, bool, int]:
@@ -291,12 +300,21 @@ def silu_mul_quant(gate_up: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,
     return y, s
 
 
+def heads_tile(H: int, D: int) -> dict:
+    """quantize_heads' default tile for H heads of D: all heads of a few positions in registers while the
+    padded row fits ONE_TILE_MAX values, else the loop over heads."""
+    row = triton.next_power_of_2(H) * triton.next_power_of_2(D)
+    if row <= ONE_TILE_MAX:
+        return dict(block_l=max(1, min(4, ONE_TILE_MAX // row)), warps=8, one_tile=True)
+    return dict(block_l=16, warps=4, one_tile=False)
+
+
 def quantize_heads(o: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,
-                   block_l: int = HEADS_BLOCK_L, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention's output o [B, H, L, D] (any strides, D contiguous or not) -> (e4m3 [B * L, H * D], float32
-    scales [B * L]): quantize_rows of o.transpose(1, 2).reshape(B * L, H * D), in one Triton launch (CUDA,
-    or the interpreter) that reads o where it lies. out_dtype=float32: the values before the e4m3 cast
-    (tests); block_l / warps: the tile (bench)."""
+                   tile: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's output o [B, H, L, D] (any strides) -> (e4m3 [B * L, H * D], float32 scales [B * L]):
+    quantize_rows of o.transpose(1, 2).reshape(B * L, H * D), in one Triton launch (CUDA, or the
+    interpreter) that reads o where it lies. out_dtype=float32: the values before the e4m3 cast (tests);
+    tile: dict(block_l=, warps=, one_tile=) instead of heads_tile's (bench, tests)."""
     if triton is None:
         raise RuntimeError("quantize_heads needs the triton package")
     if o.dim() != 4:
@@ -304,10 +322,12 @@ def quantize_heads(o: torch.Tensor, *, out_dtype: torch.dtype = FP8_DTYPE,
     if o.stride(-1) != 1:
         o = o.contiguous()
     B, H, L, D = o.shape
+    t = tile or heads_tile(H, D)
     y = torch.empty(B * L, H * D, dtype=out_dtype, device=o.device)
     s = torch.empty(B * L, dtype=torch.float32, device=o.device)
     if y.numel():
-        _quantize_heads_kernel[(triton.cdiv(L, block_l), B)](o, y, s, H, L, D, o.stride(0), o.stride(1), o.stride(2),
-                                                            BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(D),
-                                                            num_warps=warps)
+        _quantize_heads_kernel[(triton.cdiv(L, t["block_l"]), B)](
+            o, y, s, H, L, D, o.stride(0), o.stride(1), o.stride(2), BLOCK_L=t["block_l"],
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(H) if t["one_tile"] else 0,
+            num_warps=t["warps"])
     return y, s
