@@ -7,9 +7,8 @@ over [tokens, 14336] (396 ms of a 11.4 s 128K prefill on an H100, bench/results/
 profile), where `--fp8 linear` runs one silu_mul_quant pass. This times the bf16 prefill of the Llama-3.1-8B
 shape (random weights and token ids) as it is and with the model's silu_mul swapped for the one-launch
 kernel (kernels/activation.py silu_mul_rows' kernel, eager torch's two roundings: values within a last
-bit of torch's;
-32768 rows a launch, under its grid's row limit), alternating, `--rounds` times each after a warm-up each; the first new
-token must agree. A measurement only: the engine's bf16 path is unchanged. JSON to stdout (and --out).
+bit of torch's; 32768 rows a launch, under its grid's row limit), alternating, `--rounds` times each
+after a warm-up each; the first new token of each is recorded. A measurement only: the engine's bf16 path is unchanged. JSON to stdout (and --out).
 """
 import argparse
 import json
