@@ -1,39 +1,73 @@
-"""How much of the 128K FP8 prefill's gain over bf16 is the SwiGLU fusion alone? (issue 19, disclosure)
+"""SwiGLU's silu-mul in the bf16 prefill: eager torch's two passes vs one kernel (issue 19: how much of the
+128K `--fp8 linear,kv` gain over bf16 was this fusion alone; kernels/activation.py silu_mul).
 
     python bench/bf16_swiglu_fused.py [--prompt-len 131072] [--rounds 2] [--out bf16_swiglu_fused.json]
 
-The bf16 prefill computes SwiGLU's silu(gate) * up as eager torch does: a silu pass and a multiply pass
-over [tokens, 14336] (396 ms of a 11.4 s 128K prefill on an H100, bench/results/2026-11-26-gpu-fp8-128k-
-profile), where `--fp8 linear` runs one silu_mul_quant pass. This times the bf16 prefill of the Llama-3.1-8B
-shape (random weights and token ids) as it is and with the model's silu_mul swapped for the one-launch
-kernel (kernels/activation.py silu_mul_rows' kernel, eager torch's two roundings: values within a last
-bit of torch's; 32768 rows a launch, under its grid's row limit), alternating, `--rounds` times each
-after a warm-up each; the first new token of each is recorded. A measurement only: the engine's bf16 path is unchanged. JSON to stdout (and --out).
+1. Kernel: silu(gate) * up of [rows, 2 x 14336] bf16 (Llama-8B) at 8K / 32K / 128K rows: torch's silu then
+   multiply, and silu_mul_rows with each (columns per program, warps) tile; CUDA events, median of 10.
+2. End to end: the bf16 prefill of the Llama-3.1-8B shape (random weights and token ids) with the model's
+   silu_mul as the engine has it and as torch ops, alternating, `--rounds` times each after a warm-up
+   each; the first new token of each is recorded (the kernel rounds as eager torch does: silu's result,
+   then the product, so values agree within a last bit).
+JSON to stdout (and --out).
 """
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import triton
+import torch.nn.functional as F
 
 import starshard.engine.model as model_module
 from starshard import LLM
 from starshard.benchmarks.common import commit
 from starshard.benchmarks.prefill import prompt_ids
 from starshard.config import SamplingConfig
-from starshard.kernels import activation
-from starshard.kernels.activation import silu_mul
+from starshard.kernels.activation import silu_mul, silu_mul_rows, silu_mul_tile
 from starshard.presets import PRESETS
 from starshard.runtime.prompt import Prompt
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--prompt-len", type=int, default=131072)
 ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--kernel-rows", type=int, nargs="+", default=[8192, 32768, 131072])
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
+TILES = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+
+
+def torch_silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def timed(fn, reps=10):
+    fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return round(statistics.median(ts), 4)
+
+
+kernel = []
+for M in args.kernel_rows:
+    x = torch.randn(M, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
+    r = {"rows": M, "torch_ms": timed(lambda: torch_silu_mul(x)), "default_tile": silu_mul_tile(M, 14336),
+         "max_abs_diff_vs_torch": (silu_mul_rows(x).float() - torch_silu_mul(x).float()).abs().max().item(), "tiles_ms": {}}
+    for block, warps in TILES:
+        t = dict(block=block, warps=warps)
+        r["tiles_ms"][f"{block}x{warps}"] = timed(lambda: silu_mul_rows(x, tile=t))
+    kernel.append(r)
+    print(json.dumps(r), flush=True)
+    x = None
 
 with tempfile.TemporaryDirectory() as tmp:
     cfg_path = Path(tmp) / "config.json"
@@ -42,19 +76,6 @@ with tempfile.TemporaryDirectory() as tmp:
 ids = prompt_ids(args.prompt_len, llm.config.vocab_size, None)
 ids = ids.tolist() if torch.is_tensor(ids) else ids
 runner, s = llm.runner, SamplingConfig()
-
-
-def silu_mul_one_pass(gate_up):
-    """silu_mul_rows' kernel over all rows, 32768 rows a launch into one output (no concatenation)."""
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
-    M, Fw = rows.shape[0], rows.shape[1] // 2
-    y = torch.empty(M, Fw, dtype=rows.dtype, device=rows.device)
-    block = min(activation.SILU_MUL_BLOCK, triton.next_power_of_2(Fw))
-    for r in range(0, M, 32768):
-        g, o = rows[r : r + 32768], y[r : r + 32768]
-        activation._silu_mul_rows_kernel[(triton.cdiv(Fw, block), g.shape[0])](
-            g, o, Fw, g.stride(0), o.stride(0), BLOCK=block, num_warps=4 if block >= 1024 else 2)
-    return y.view(*gate_up.shape[:-1], Fw)
 
 
 def prefill(fn):
@@ -68,16 +89,16 @@ def prefill(fn):
     return time.perf_counter() - t, int(tok.reshape(-1)[0])
 
 
-variants = {"torch_silu_then_mul": silu_mul, "one_pass_kernel": silu_mul_one_pass}
+variants = {"torch_silu_then_mul": torch_silu_mul, "engine_one_kernel": silu_mul}
 times = {n: [] for n in variants}
 tokens = {n: prefill(fn)[1] for n, fn in variants.items()}  # warm-ups
 for _ in range(args.rounds):
     for n, fn in variants.items():
         times[n].append(prefill(fn)[0])
 model_module.silu_mul = silu_mul
-out = {"device": torch.cuda.get_device_name(), "commit": commit(), "prompt_len": args.prompt_len,
+out = {"device": torch.cuda.get_device_name(), "commit": commit(), "kernel": kernel, "prompt_len": args.prompt_len,
        "seconds": times, "best": {n: min(t) for n, t in times.items()}, "first_token": tokens}
-print(json.dumps(out))
+print(json.dumps({k: out[k] for k in ("seconds", "best", "first_token")}))
 if args.out:
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

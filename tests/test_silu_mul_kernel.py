@@ -1,13 +1,13 @@
-"""kernels/activation.py silu_mul_rows: SwiGLU's activation in one launch for decode rows (under the
-Triton interpreter) against float64 and against eager torch's two roundings."""
+"""kernels/activation.py silu_mul_rows: SwiGLU's activation in one launch (under the Triton interpreter),
+decode and prefill tiles, against float64 and against eager torch's two roundings."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from starshard.kernels.activation import (SILU_MUL_BLOCK, SILU_MUL_MAX_ROWS, silu_mul, silu_mul_rows,  # noqa: E402
-                                          use_silu_mul_kernel)
+from starshard.kernels.activation import (SILU_MUL_BLOCK, SILU_MUL_DECODE_ROWS, SILU_MUL_PREFILL_TILE,  # noqa: E402
+                                          silu_mul, silu_mul_rows, silu_mul_tile, use_silu_mul_kernel)
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +16,8 @@ def _interpret(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 1, 14336), (3, 100), (2, 5, 2 * SILU_MUL_BLOCK + 7), (1, 2)])
+@pytest.mark.parametrize("shape", [(1, 1, 14336), (3, 100), (2, 5, 2 * SILU_MUL_BLOCK + 7), (1, 2),
+                                   (SILU_MUL_DECODE_ROWS + 3, 300), (2, 40, SILU_MUL_PREFILL_TILE["block"] + 5)])
 def test_silu_mul_rows_against_float64(shape, dtype):
     g = torch.Generator().manual_seed(sum(shape))
     gate_up = (4 * torch.randn(*shape[:-1], 2 * shape[-1], generator=g)).to(dtype)
@@ -53,8 +54,16 @@ def test_kernel_is_chosen_for_decode_rows_on_cuda_only():
     assert torch.equal(silu_mul(cpu), F.silu(gate) * up)
 
 
+def test_tiles_by_rows():
+    """Decode rows: short programs; more rows: the prefill tile, capped at the row's padded width."""
+    assert silu_mul_tile(SILU_MUL_DECODE_ROWS, 14336) == dict(block=SILU_MUL_BLOCK, warps=4)
+    assert silu_mul_tile(1, 300) == dict(block=512, warps=2)
+    assert silu_mul_tile(SILU_MUL_DECODE_ROWS + 1, 14336) == SILU_MUL_PREFILL_TILE
+    assert silu_mul_tile(SILU_MUL_DECODE_ROWS + 1, 300)["block"] == 512
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA dispatch")
-def test_cuda_dispatch_by_rows():
-    assert use_silu_mul_kernel(torch.empty(SILU_MUL_MAX_ROWS, 256, device="cuda"))
-    assert not use_silu_mul_kernel(torch.empty(SILU_MUL_MAX_ROWS + 1, 256, device="cuda"))
+def test_cuda_dispatch():
+    assert use_silu_mul_kernel(torch.empty(SILU_MUL_DECODE_ROWS, 256, device="cuda"))
+    assert use_silu_mul_kernel(torch.empty(8192, 256, device="cuda"))
     assert not use_silu_mul_kernel(torch.empty(1, 255, device="cuda"))

@@ -2,7 +2,7 @@
 
     x8, scale = rms_norm_quant(x, weight, eps)   # = quantize_rows(rms_norm(x, weight, eps)), one kernel
     a8, scale = silu_mul_quant(gate_up)          # = quantize_rows(silu(gate) * up), gate_up = [gate | up]
-    a = silu_mul(gate_up)                        # SwiGLU's activation (decode rows on CUDA: one launch)
+    a = silu_mul(gate_up)                        # SwiGLU's activation (on CUDA: one launch)
     o8, scale = quantize_heads(o)                # = quantize_rows(o [B, H, L, D] as rows [B * L, H * D])
 
 Why: a prefill FP8 GEMM (torch._scaled_mm, kernels/fp8.py) takes its activations in e4m3 with one
@@ -56,26 +56,39 @@ LOOP_TILE = dict(block=4096, warps=8)  # tile of the looping kernels
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [.., 2F] (gate: the first F columns) -> [.., F] in the input's dtype: the
-    model's SwiGLU activation (engine FeedForward, and an FP8 w2 outside the fused path). Decode-sized CUDA
-    inputs (up to SILU_MUL_MAX_ROWS rows) take one Triton launch (`silu_mul_rows`), the rest torch ops."""
+    model's SwiGLU activation (engine FeedForward, and an FP8 w2 outside the fused path). CUDA inputs take
+    one Triton launch (`silu_mul_rows`), the rest torch ops."""
     if use_silu_mul_kernel(gate_up):
         return silu_mul_rows(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-# Rows up to which silu_mul runs as one kernel on CUDA: eager torch takes two launches (silu, then the
-# multiply; ~1.8 + 1.2 us for a 14336-wide row on an H200, bench/results/2026-11-24-h200/run_i.log), which
-# is most of the time at decode sizes; prefill rows are bandwidth-bound, where two passes cost more.
-SILU_MUL_MAX_ROWS = 64
-SILU_MUL_BLOCK = 1024  # columns per program
+# silu_mul on CUDA is one kernel at every row count. Eager torch takes two launches (silu, then the
+# multiply): at decode sizes the launches are most of the time (~1.8 + 1.2 us for a 14336-wide row on an
+# H200, bench/results/2026-11-24-h200/run_i.log); at prefill sizes the two passes move 18.75 bytes per
+# output value where one moves 6: 12.4 ms of a 128K Llama-8B layer's ~357 ms on an H100, against ~5 in
+# one pass (bench/bf16_swiglu_fused.py, bench/results/2026-11-26-gpu-fp8-128k-profile).
+# Tiles (columns per program, warps): decode rows (up to SILU_MUL_DECODE_ROWS) many short programs;
+# prefill rows longer ones (the sweep in bench/bf16_swiglu_fused.py).
+SILU_MUL_DECODE_ROWS = 64
+SILU_MUL_BLOCK = 1024  # columns per program, decode rows
+SILU_MUL_PREFILL_TILE = dict(block=2048, warps=8)
 
 
 def use_silu_mul_kernel(gate_up: torch.Tensor) -> bool:
-    """Whether silu_mul sends gate_up [.., 2F] to the one-launch kernel: CUDA, few rows, even width."""
+    """Whether silu_mul sends gate_up [.., 2F] to the one-launch kernel: CUDA (with triton), even width."""
     width = gate_up.shape[-1]
-    return (gate_up.is_cuda and triton is not None and width % 2 == 0 and width > 0
-            and gate_up.numel() <= SILU_MUL_MAX_ROWS * width)
+    return gate_up.is_cuda and triton is not None and width % 2 == 0 and width > 0
+
+
+def silu_mul_tile(rows: int, width: int) -> dict:
+    """silu_mul_rows' tile for `rows` rows of `width` outputs (the comment above)."""
+    if rows > SILU_MUL_DECODE_ROWS:
+        return dict(block=min(SILU_MUL_PREFILL_TILE["block"], triton.next_power_of_2(width)),
+                    warps=SILU_MUL_PREFILL_TILE["warps"])
+    block = min(SILU_MUL_BLOCK, triton.next_power_of_2(width))
+    return dict(block=block, warps=4 if block >= 1024 else 2)
 
 
 def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +169,8 @@ if triton is not None:
         result to G's dtype first, then the product (two roundings, as F.silu(gate) * up)."""
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
-        row = tl.program_id(1).to(tl.int64)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        row = tl.program_id(0).to(tl.int64)  # rows on the grid's first axis: up to 2^31 of them
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < Fw
         g = tl.load(G + row * s_gm + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(G + row * s_gm + Fw + offs, mask=ok, other=0.0).to(tl.float32)
@@ -271,16 +284,17 @@ def _gate_up_rows(gate_up: torch.Tensor, name: str) -> tuple[torch.Tensor, int, 
     return g2, M, two_f // 2
 
 
-def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu_mul in one Triton launch (CUDA, or the interpreter): gate_up [.., 2F] -> [.., F]."""
+def silu_mul_rows(gate_up: torch.Tensor, *, tile: dict | None = None) -> torch.Tensor:
+    """silu_mul in one Triton launch (CUDA, or the interpreter): gate_up [.., 2F] -> [.., F]. tile:
+    dict(block=, warps=) instead of silu_mul_tile's (bench, tests)."""
     if triton is None:
         raise RuntimeError("silu_mul_rows needs the triton package")
     g2, M, Fw = _gate_up_rows(gate_up, "silu_mul_rows")
     y = torch.empty(M, Fw, dtype=gate_up.dtype, device=gate_up.device)
     if M and Fw:
-        block = min(SILU_MUL_BLOCK, triton.next_power_of_2(Fw))
-        _silu_mul_rows_kernel[(triton.cdiv(Fw, block), M)](g2, y, Fw, g2.stride(0), y.stride(0), BLOCK=block,
-                                                          num_warps=4 if block >= 1024 else 2, **pdl_launch(g2))
+        t = tile or silu_mul_tile(M, Fw)
+        _silu_mul_rows_kernel[(M, triton.cdiv(Fw, t["block"]))](g2, y, Fw, g2.stride(0), y.stride(0), BLOCK=t["block"],
+                                                               num_warps=t["warps"], **pdl_launch(g2))
     return y.view(*gate_up.shape[:-1], Fw)
 
 
