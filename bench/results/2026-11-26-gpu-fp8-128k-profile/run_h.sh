@@ -6,7 +6,7 @@ LOG=run_h.log; source bench/gpu_env.sh
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$N" | tee -a "$LOG"
 if [[ "$N" == *H200* ]]; then bash bench/results/2026-11-26-gpu-fp8-128k-profile/run_e.sh; fi
 T=240 step python3 bench/bf16_swiglu_fused.py --rounds 2 --out "$OUT/bf16_swiglu_fused.json"
-W="--cp-strategy dense --lengths 8192 131072 --warmup 1 --repeats 2 --decode-steps 0"
+W="--cp-strategy dense --lengths 8192,131072 --warmup 1 --repeats 2 --decode-steps 0"
 T=150 step python3 launch/bench.py prefill $L8B $W --out "$OUT/bf16_1.json"
 T=150 step python3 launch/bench.py prefill $L8B $W --fp8 linear,kv --out "$OUT/fp8_1.json"
 T=150 step python3 launch/bench.py prefill $L8B $W --fp8 linear,kv --out "$OUT/fp8_2.json"
