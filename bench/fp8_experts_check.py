@@ -22,9 +22,9 @@ from starshard.kernels.moe_decode import expert_down, routed_gate_up
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--copies", type=int, default=16)
 ap.add_argument("--sweep", action="store_true", help="also time e4m3 gate/up and down tiles, and dequantize")
-ap.add_argument("--prefill-tokens", type=int, default=0,
-                help="also run grouped_experts on this many tokens (prefill): the FP8 grouped GEMMs against the "
-                     "reference rounding on dequantized weights and against bf16, error and time")
+ap.add_argument("--prefill-tokens", type=lambda s: [int(v) for v in s.split(",")], default=[],
+                help="comma-separated token counts: also run grouped_experts on each (prefill): the FP8 grouped GEMMs "
+                     "against the reference rounding on dequantized weights and against bf16, error and time")
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
 dev, E, k, H, Fw = torch.device("cuda"), 128, 8, 2048, 768
@@ -102,19 +102,20 @@ if args.sweep:  # e4m3 tiles (BLOCK_N, BLOCK_K, warps): half the bytes per eleme
         t1.synchronize()
     res["dequantize_layer_ms"] = t0.elapsed_time(t1)
     print("dequantize one layer's experts (ms):", res["dequantize_layer_ms"], flush=True)
-if args.prefill_tokens:  # prefill-sized calls: "grouped_fp8" (picked on a GPU that runs it) vs the reference
-    xs = torch.randn(args.prefill_tokens, H, device=dev, generator=g).bfloat16()
-    pw, pe = route(torch.randn(args.prefill_tokens, E, device=dev, generator=g), k, True)
+res["prefill"] = []
+for tokens in args.prefill_tokens:  # prefill-sized calls: "grouped_fp8" (picked on a GPU that runs it) vs the reference
+    xs = torch.randn(tokens, H, device=dev, generator=g).bfloat16()
+    pw, pe = route(torch.randn(tokens, E, device=dev, generator=g), k, True)
     fp8 = grouped_experts(xs, pw, pe, w13_8, w2_8, w13_scale=s13, w2_scale=s2)
     ref = grouped_experts(xs, pw, pe, w13_8, w2_8, impl="grouped", w13_scale=s13, w2_scale=s2)
     bf = grouped_experts(xs, pw, pe, w13, w2)
-    row = {"tokens": args.prefill_tokens, "fp8_vs_reference_rel": rel(fp8, ref), "fp8_vs_bf16_rel": rel(fp8, bf)}
+    row = {"tokens": tokens, "fp8_vs_reference_rel": rel(fp8, ref), "fp8_vs_bf16_rel": rel(fp8, bf)}
     for name, fn in (("fp8_ms", lambda: grouped_experts(xs, pw, pe, w13_8, w2_8, w13_scale=s13, w2_scale=s2)),
                      ("reference_ms", lambda: grouped_experts(xs, pw, pe, w13_8, w2_8, impl="grouped", w13_scale=s13,
                                                               w2_scale=s2)),
                      ("bf16_ms", lambda: grouped_experts(xs, pw, pe, w13, w2))):
         row[name] = 1e3 * timed_median(fn, dev, 5, 2)
-    res["prefill"] = row
+    res["prefill"].append(row)
     print("prefill", json.dumps(row), flush=True)
 with open(args.out, "w") as f:
     json.dump(res, f, indent=1)
