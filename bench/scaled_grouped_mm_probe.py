@@ -3,8 +3,9 @@
 Qwen3-30B-A3B expert shapes (128 experts, hidden 2048, width 768), per token count (`--tokens`, comma-separated)
 x 8 experts: routed at random (group sizes not multiples of 16, as a real prefill's) and split equally (every
 group the same multiple of 16 rows). Rows quantized per row (e4m3 + float32 scale), experts e4m3 with row scales;
-for gate/up (w13, 2048 -> 1536) and down (w2, 768 -> 2048): the time of the e4m3 grouped GEMM against bf16
-torch._grouped_mm on the same groups (CUDA events, median of 5), and for the first count and gate/up the product
+for gate/up (w13, 2048 -> 1536) and down (w2, 768 -> 2048): the time of the e4m3 grouped GEMM (promoted and
+fast accumulation) against bf16 torch._grouped_mm on the same groups (CUDA events, median of 5), the time to
+dequantize all the layer's experts to bf16, and for the first count and gate/up the product
 against a float32 one on the dequantized operands.
 
     python bench/scaled_grouped_mm_probe.py --out probe.json [--tokens 2048,8192,32768]
@@ -49,6 +50,8 @@ for tokens in args.tokens:
                     return torch._scaled_grouped_mm(r8, w8.transpose(-2, -1), sr, sw, offs=offs, out_dtype=torch.bfloat16)
                 out = fp8()
                 point[f"{name}_fp8_ms"] = ms(fp8)
+                point[f"{name}_fp8_fast_accum_ms"] = ms(lambda: torch._scaled_grouped_mm(
+                    r8, w8.transpose(-2, -1), sr, sw, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True))
                 if name == "w13" and tokens == args.tokens[0] and routing == "random":
                     n = min(4096, rows.shape[0])
                     a = dequantize(r8[:n], sr[:n], torch.float32)
@@ -60,6 +63,7 @@ for tokens in args.tokens:
                 point[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
             point[f"{name}_bf16_ms"] = ms(lambda: torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs))
         point["quantize_rows_ms"] = ms(lambda: quantize_rows(rows))
+        point["dequantize_experts_ms"] = ms(lambda: [dequantize(w8, sw, torch.bfloat16) for w8, sw in quantized.values()])
         res["points"].append(point)
         print(json.dumps(point), flush=True)
 with open(args.out, "w") as f:
