@@ -34,7 +34,7 @@ from torch import nn
 from starshard.config import ModelConfig
 from starshard.engine.linear import Linear
 from starshard.kernels.activation import silu_mul, silu_mul_quant
-from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
+from starshard.kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize, quantize_rows
 from starshard.kernels.moe_decode import (
     GEMV_MAX_PAIRS,
     ROUTE_MAX_EXPERTS,
@@ -78,7 +78,8 @@ def scaled_grouped_mm_works(device_index: int | None) -> bool:
         a = torch.ones(32, 32, device=dev).to(FP8_DTYPE)
         b = torch.ones(2, 32, 32, device=dev).to(FP8_DTYPE)
         out = _SCALED_GROUPED_MM(a, b.transpose(-2, -1), torch.ones(32, device=dev), torch.full((2, 32), 2.0, device=dev),
-                                 offs=torch.tensor([16, 32], device=dev, dtype=torch.int32), out_dtype=torch.bfloat16)
+                                 offs=torch.tensor([16, 32], device=dev, dtype=torch.int32), out_dtype=torch.bfloat16,
+                                 use_fast_accum=FAST_ACCUM)
         return bool((out.float() == 64).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
@@ -167,9 +168,14 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         offs32 = offs.to(torch.int32)
         x8, sx = quantize_rows(x)  # T rows, then gathered: an eighth of quantizing the T * k pairs
         src = order // k
-        h = _SCALED_GROUPED_MM(x8[src], w13.transpose(-2, -1), sx[src], w13_scale, offs=offs32, out_dtype=x.dtype)
+        # Fast accumulation, as the dense FP8 GEMM (kernels/fp8.py FAST_ACCUM); with the promoted one torch's
+        # kernel for 256-1024 rows per expert ran 2-3x slower than bf16 on an H100 (Qwen3-30B-A3B, 4K-16K tokens;
+        # bench/scaled_grouped_mm_probe.py, bench/results/2026-11-26-gpu-fp8-128k-profile/m).
+        h = _SCALED_GROUPED_MM(x8[src], w13.transpose(-2, -1), sx[src], w13_scale, offs=offs32, out_dtype=x.dtype,
+                               use_fast_accum=FAST_ACCUM)
         a8, sa = silu_mul_quant(h)
-        y = _SCALED_GROUPED_MM(a8, w2.transpose(-2, -1), sa, w2_scale, offs=offs32, out_dtype=x.dtype)
+        y = _SCALED_GROUPED_MM(a8, w2.transpose(-2, -1), sa, w2_scale, offs=offs32, out_dtype=x.dtype,
+                               use_fast_accum=FAST_ACCUM)
     else:
         if fp8:  # the reference: dequantized weights, the FP8 GEMMs' rounding of the inputs where they would run
             w13, w2 = dequantize(w13, w13_scale, x.dtype), dequantize(w2, w2_scale, x.dtype)
