@@ -1,7 +1,7 @@
 """Profile one prefill on one GPU: which kernels a long prefill's time goes to (issue 19: what is left
 besides the GEMMs and attention at 128K).
 
-    python bench/profile_prefill.py --layers 2 --prompt-len 131072 [--fp8 linear,kv] [--out prof.json]
+    python bench/profile_prefill.py --layers 2 --prompt-len 131072 [--fp8 linear,kv] [--gaps 15] [--host 30] [--out prof.json]
 
 A Llama-3.1-8B-shaped model with --layers decoder layers (random weights: fine for dense speed), random
 token ids. One warm-up prefill, `--repeats` timed ones, then one under torch.profiler; prints the
@@ -35,6 +35,8 @@ ap.add_argument("--model", default=None, help="a checkpoint (real weights) inste
 ap.add_argument("--prompt-file", default=None, help="with --model: natural text, repeated to --prompt-len tokens")
 ap.add_argument("--sparse", default=None, choices=["minference", "anchor"], help="sparse prefill method")
 ap.add_argument("--sparse-config", default=None, help="its per-head config file")
+ap.add_argument("--host", type=int, default=0, help="also profile the host: list the N ops with the most self CPU "
+                "time (short prompts are bound by the host's launches)")
 ap.add_argument("--gaps", type=int, default=0, help="also list the N longest idle gaps between device kernels "
                 "(with the kernels either side) and their sum")
 args = ap.parse_args()
@@ -67,7 +69,7 @@ with torch.inference_mode():
         t = time.perf_counter()
         prefill()
         times.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])) as prof:
         prefill()
 rows = []
 total = 0.0
@@ -98,6 +100,14 @@ print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, fp8 {a
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
     print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
+host = []
+if args.host:
+    cpu = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    cpu.sort(key=lambda e: -e.self_cpu_time_total)
+    host = [{"op": e.key[:120], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in cpu]
+    print(f"host: {sum(h['self_cpu_ms'] for h in host):.2f} ms of self CPU time in profiled ops; most:")
+    for h in host[: args.host]:
+        print(f"{h['self_cpu_ms']:10.3f} ms x{h['calls']:<5d} {h['op'][:100]}")
 if args.gaps:
     print(f"idle between kernels: {sum(g['ms'] for g in gaps):.1f} ms in {len(gaps)} gaps; longest:")
     for g in gaps[: args.gaps]:
@@ -108,4 +118,5 @@ if args.out:
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
                    "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
-                   "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps]}, f, indent=1)
+                   "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps],
+                   "host_ops": host[: args.host]}, f, indent=1)
