@@ -4,7 +4,7 @@
     python bench/bf16_swiglu_fused.py [--prompt-len 131072] [--rounds 2] [--out bf16_swiglu_fused.json]
 
 1. Kernel: silu(gate) * up of [rows, 2 x 14336] bf16 (Llama-8B) at 8K / 32K / 128K rows: torch's silu then
-   multiply, and silu_mul_rows with each (columns per program, warps) tile; CUDA events, median of 10.
+   multiply, and silu_mul_rows with each (columns per program, warps) tile; median of 10 calls (a device sync around each).
 2. End to end: the bf16 prefill of the Llama-3.1-8B shape (random weights and token ids) with the model's
    silu_mul as the engine has it and as torch ops, alternating, `--rounds` times each after a warm-up
    each; the first new token of each is recorded (the kernel rounds as eager torch does: silu's result,
@@ -13,7 +13,6 @@ JSON to stdout (and --out).
 """
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 import starshard.engine.model as model_module
 from starshard import LLM
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, timed_median
 from starshard.benchmarks.prefill import prompt_ids
 from starshard.config import SamplingConfig
 from starshard.kernels.activation import silu_mul, silu_mul_rows, silu_mul_tile
@@ -45,16 +44,8 @@ def torch_silu_mul(gate_up):
 
 
 def timed(fn, reps=10):
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return round(statistics.median(ts), 4)
+    """Median ms per call (a device sync around each), after 3 warm-ups."""
+    return round(1e3 * timed_median(fn, torch.device("cuda"), reps, 3), 4)
 
 
 kernel = []

@@ -5,19 +5,18 @@
 Attention returns o [B, H, L, D]; wo's FP8 GEMM takes e4m3 rows [B * L, H * D] with a scale per row.
 Before: the transposing copy (`o.transpose(1, 2).reshape(...)`, bf16 read and written) then quantize_rows;
 now: kernels/activation.py quantize_heads reads o where it lies. Llama-3.1-8B's 32 heads of 128, o
-contiguous [1, 32, L, 128] as cuDNN returns it, random bf16 values. Times: CUDA events, median of 20
+contiguous [1, 32, L, 128] as cuDNN returns it, random bf16 values. Times: median of 20 calls (a device sync around each)
 after 3 warm-ups, for the two-step path, the copy alone, quantize_rows alone, and quantize_heads with
 each tile (block_l positions, warps, all heads in registers or a loop over them); the e4m3 bytes and scales of quantize_heads against the two-step path (the
 share of bytes that differ; same numerics, so 0 up to float32 division ties). JSON to stdout (and --out).
 """
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, timed_median
 from starshard.kernels.activation import heads_tile, quantize_heads
 from starshard.kernels.fp8 import quantize_rows_cuda
 
@@ -27,17 +26,8 @@ TILES = [(1, 4, True), (2, 4, True), (2, 8, True), (4, 8, True), (4, 16, True), 
 
 
 def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return round(statistics.median(ts), 4)  # ms
+    """Median ms per call (a device sync around each), after 3 warm-ups."""
+    return round(1e3 * timed_median(fn, torch.device("cuda"), reps, 3), 4)
 
 
 def main():
