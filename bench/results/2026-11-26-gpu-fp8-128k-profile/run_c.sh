@@ -1,7 +1,7 @@
 #!/bin/bash
 # quantize_heads (wo's e4m3 rows straight from attention's [B, H, L, D] output) against the transposing copy +
 # quantize_rows, then the 128K prefill end to end with it (order bf16, linear,kv, linear,kv, bf16) and a
-# 2-layer fp8 profile. On an H200 first the full 128K check of the tree as it stands (run_a there).
+# 2-layer fp8 profile.
 LOG=run_c.log; source bench/gpu_env.sh
 N=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$N" | tee -a "$LOG"
 T=120 step python3 bench/fp8_quantize_heads.py --out "$OUT/quantize_heads.json"
