@@ -1,5 +1,6 @@
 """--fp8 experts: an MoE model's experts in e4m3 with one float32 scale per expert row (parallel/fp8.py
-Fp8GroupedExperts). CPU: the reference path (dequantize, then the grouped GEMM) against the 16-bit model;
+Fp8GroupedExperts). CPU: the reference path (dequantize, then the grouped GEMM) against the 16-bit model and
+against the GPU's FP8 grouped-GEMM branch (its GEMM replaced by a float64 one);
 the decode kernels (Triton interpreter) against that path; tp=2 on gloo against one process; the planner's
 and the MoE bench's bytes; the refusals."""
 import pytest
@@ -12,8 +13,10 @@ from starshard import llm as llm_module
 from starshard.benchmarks.moe import decode_bytes
 from starshard.checkpoints.convert import fp8_parts
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig
+from starshard.engine import moe as moe_module
 from starshard.engine.moe import MoEFeedForward, grouped_experts, route
-from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
+from starshard.kernels import activation
+from starshard.kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize, quantize_rows
 from starshard.kernels.moe_decode import GEMV_MAX_PAIRS
 from starshard.parallel.fp8 import Fp8GroupedExperts, quantize_experts
 from starshard.parallel.topology import LayoutError
@@ -100,6 +103,46 @@ def test_prefill_sized_calls_round_their_inputs_as_the_fp8_gemms():
                 a = torch.nn.functional.silu(h[:24]) * h[24:]
                 want[t] += wj * (w2[ej] @ (rounded(a[None].float())[0] if quantized else a))
         assert rel(got, want) <= 1e-5, (T, rel(got, want))
+
+
+def test_grouped_fp8_branch_wiring(monkeypatch):
+    """The GPU's FP8 grouped-GEMM branch ("grouped_fp8") run on the CPU: torch._scaled_grouped_mm replaced by a
+    float64 product of the dequantized operands (which also checks it is asked for fast accumulation, as the
+    dense FP8 GEMM), silu_mul_quant by the interpreter with torch's e4m3 cast. Equal to the reference path
+    (rows and silu-mul rounded per row, dequantized weights): the gather, the group offsets and the scales
+    reach the GEMMs as the GPU gets them."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    asked = []
+
+    def scaled_grouped_mm(a8, b_t, sa, sb, offs, out_dtype, use_fast_accum):
+        asked.append(use_fast_accum)
+        a = dequantize(a8, sa, torch.float64)
+        out = torch.empty(a.shape[0], b_t.shape[-1], dtype=torch.float64)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            w = dequantize(b_t[e].t().contiguous(), sb[e], torch.float64)  # [N, K] rows with their scales
+            out[start:end] = a[start:end] @ w.t()
+            start = end
+        return out.to(out_dtype)
+
+    def silu_mul_quant_torch_cast(gate_up):
+        q32, s = activation.silu_mul_quant(gate_up, out_dtype=torch.float32)
+        return q32.to(FP8_DTYPE), s
+
+    monkeypatch.setattr(moe_module, "_SCALED_GROUPED_MM", scaled_grouped_mm)
+    monkeypatch.setattr(moe_module, "silu_mul_quant", silu_mul_quant_torch_cast)
+    moe = _moe_layer(seed=3)
+    ex = Fp8GroupedExperts.quantize(moe.experts)
+    x = torch.randn(40, 48, generator=torch.Generator().manual_seed(4))  # 160 pairs: past GEMV_MAX_PAIRS
+    with torch.no_grad():
+        weights, experts = route(moe.router(x), 4, True)
+        got = grouped_experts(x, weights, experts, ex.w13, ex.w2, impl="grouped_fp8", w13_scale=ex.w13_scale,
+                              w2_scale=ex.w2_scale)
+        want = grouped_experts(x, weights, experts, ex.w13, ex.w2, impl="grouped", w13_scale=ex.w13_scale,
+                               w2_scale=ex.w2_scale)
+    assert asked == [FAST_ACCUM, FAST_ACCUM]
+    assert rel(got, want) <= 1e-5, rel(got, want)
 
 
 def test_quantize_experts_swaps_moe_layers_once():
