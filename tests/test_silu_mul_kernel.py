@@ -46,7 +46,7 @@ def test_silu_mul_rows_refuses_odd_width():
         silu_mul_rows(torch.zeros(2, 5))
 
 
-def test_kernel_is_chosen_for_decode_rows_on_cuda_only():
+def test_kernel_is_chosen_on_cuda_only():
     assert not use_silu_mul_kernel(torch.zeros(1, 28672))  # CPU: torch ops
     assert use_silu_mul_kernel(torch.empty(1, 28672, device="meta")) is False  # not CUDA
     cpu = torch.randn(2, 64)
