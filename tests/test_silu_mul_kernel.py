@@ -6,8 +6,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from starshard.kernels.activation import (SILU_MUL_BLOCK, SILU_MUL_DECODE_ROWS, SILU_MUL_PREFILL_TILE,  # noqa: E402
-                                          silu_mul, silu_mul_rows, silu_mul_tile, use_silu_mul_kernel)
+from starshard.kernels.activation import (SILU_MUL_BLOCK, SILU_MUL_DECODE_ROWS, SILU_MUL_PREFILL_MIN_ROWS,  # noqa: E402
+                                          SILU_MUL_PREFILL_TILE, silu_mul, silu_mul_rows, silu_mul_tile,
+                                          use_silu_mul_kernel)
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +65,9 @@ def test_tiles_by_rows():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA dispatch")
 def test_cuda_dispatch():
+    """Decode rows and long prefills: the kernel; short prefills (bound by the host's launches): torch ops."""
     assert use_silu_mul_kernel(torch.empty(SILU_MUL_DECODE_ROWS, 256, device="cuda"))
-    assert use_silu_mul_kernel(torch.empty(8192, 256, device="cuda"))
+    assert not use_silu_mul_kernel(torch.empty(SILU_MUL_DECODE_ROWS + 1, 256, device="cuda"))
+    assert not use_silu_mul_kernel(torch.empty(SILU_MUL_PREFILL_MIN_ROWS - 1, 256, device="cuda"))
+    assert use_silu_mul_kernel(torch.empty(2, SILU_MUL_PREFILL_MIN_ROWS // 2, 256, device="cuda"))
     assert not use_silu_mul_kernel(torch.empty(1, 255, device="cuda"))

@@ -2,7 +2,7 @@
 
     x8, scale = rms_norm_quant(x, weight, eps)   # = quantize_rows(rms_norm(x, weight, eps)), one kernel
     a8, scale = silu_mul_quant(gate_up)          # = quantize_rows(silu(gate) * up), gate_up = [gate | up]
-    a = silu_mul(gate_up)                        # SwiGLU's activation (on CUDA: one launch)
+    a = silu_mul(gate_up)                        # SwiGLU's activation (CUDA decode rows, long prefills: one launch)
     o8, scale = quantize_heads(o)                # = quantize_rows(o [B, H, L, D] as rows [B * L, H * D])
 
 Why: a prefill FP8 GEMM (torch._scaled_mm, kernels/fp8.py) takes its activations in e4m3 with one
@@ -56,30 +56,37 @@ LOOP_TILE = dict(block=4096, warps=8)  # tile of the looping kernels
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [.., 2F] (gate: the first F columns) -> [.., F] in the input's dtype: the
-    model's SwiGLU activation (engine FeedForward, and an FP8 w2 outside the fused path). CUDA inputs take
-    one Triton launch (`silu_mul_rows`), the rest torch ops."""
+    model's SwiGLU activation (engine FeedForward, MoE experts, and an FP8 w2 outside the fused path). CUDA
+    inputs of decode or long-prefill size take one Triton launch (`silu_mul_rows`), the rest torch ops."""
     if use_silu_mul_kernel(gate_up):
         return silu_mul_rows(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-# silu_mul on CUDA is one kernel at every row count. Eager torch takes two launches (silu, then the
-# multiply): at decode sizes the launches are most of the time (~1.8 + 1.2 us for a 14336-wide row on an
-# H200, bench/results/2026-11-24-h200/run_i.log); at prefill sizes the two passes move 18.75 bytes per
-# output value where one moves 6: 12.4 ms of a 128K Llama-8B layer's ~357 ms on an H100, against ~5 in
-# one pass (bench/bf16_swiglu_fused.py, bench/results/2026-11-26-gpu-fp8-128k-profile).
-# Tiles (columns per program, warps): decode rows (up to SILU_MUL_DECODE_ROWS) many short programs;
-# prefill rows longer ones (the sweep in bench/bf16_swiglu_fused.py).
+# silu_mul on CUDA: one kernel for decode rows and for long prefills, torch's two launches between. At decode
+# sizes the launches are most of the time (~1.8 + 1.2 us for a 14336-wide row on an H200,
+# bench/results/2026-11-24-h200/run_i.log; decode steps run in CUDA graphs, where the host does not count). At
+# prefill sizes torch's two passes move 18.75 bytes per output value where one moves 6: 12.4 ms of a 128K
+# Llama-8B layer's ~357 ms on an H100, against ~4 in one pass. But a Triton launch costs the host ~44 us
+# against ~22 for torch's two (bench/launch_overhead.py), and a prefill of a few hundred tokens is bound by
+# the host: one H100, Llama-8B bf16 prefill with the kernel 3-5% slower at 128-512 tokens, 5-7% faster from
+# 1K (bench/bf16_swiglu_fused.py; bench/results/2026-11-26-gpu-fp8-128k-profile/, G-I and S).
+# Tiles (columns per program, warps): decode rows many short programs; prefill rows longer ones (swept).
 SILU_MUL_DECODE_ROWS = 64
+SILU_MUL_PREFILL_MIN_ROWS = 1024
 SILU_MUL_BLOCK = 1024  # columns per program, decode rows
 SILU_MUL_PREFILL_TILE = dict(block=2048, warps=8)
 
 
 def use_silu_mul_kernel(gate_up: torch.Tensor) -> bool:
-    """Whether silu_mul sends gate_up [.., 2F] to the one-launch kernel: CUDA (with triton), even width."""
+    """Whether silu_mul sends gate_up [.., 2F] to the one-launch kernel: CUDA (with triton), even width, up
+    to SILU_MUL_DECODE_ROWS rows or from SILU_MUL_PREFILL_MIN_ROWS (the comment above)."""
     width = gate_up.shape[-1]
-    return gate_up.is_cuda and triton is not None and width % 2 == 0 and width > 0
+    if not (gate_up.is_cuda and triton is not None and width % 2 == 0 and width > 0):
+        return False
+    rows = gate_up.numel() // width
+    return rows <= SILU_MUL_DECODE_ROWS or rows >= SILU_MUL_PREFILL_MIN_ROWS
 
 
 def silu_mul_tile(rows: int, width: int) -> dict:
