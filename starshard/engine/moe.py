@@ -158,6 +158,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     if residual is not None:
         return grouped_experts(x, weights, experts, w13, w2, impl, w13_scale=w13_scale, w2_scale=w2_scale) + residual
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+    src = order // k  # each pair's token
     counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0)
     quantize_acts = fp8 and T * k > GEMV_MAX_PAIRS  # the FP8 GEMMs' numerics (the kernels' below it)
@@ -167,7 +168,6 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     if impl == "grouped_fp8":
         offs32 = offs.to(torch.int32)
         x8, sx = quantize_rows(x)  # T rows, then gathered: an eighth of quantizing the T * k pairs
-        src = order // k
         # Fast accumulation, as the dense FP8 GEMM (kernels/fp8.py FAST_ACCUM); with the promoted one torch's
         # kernel for 256-1024 rows per expert ran 2-3x slower than bf16 on an H100 (Qwen3-30B-A3B, 4K-16K tokens;
         # bench/scaled_grouped_mm_probe.py, bench/results/2026-11-26-gpu-fp8-128k-profile/m).
@@ -179,9 +179,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     else:
         if fp8:  # the reference: dequantized weights, the FP8 GEMMs' rounding of the inputs where they would run
             w13, w2 = dequantize(w13, w13_scale, x.dtype), dequantize(w2, w2_scale, x.dtype)
-        rows = x[order // k]  # [T * k, H]
-        if quantize_acts:
-            rows = dequantize(*quantize_rows(rows), x.dtype)
+        # [T * k, H]; where FP8 GEMMs would run, the tokens rounded through e4m3 before the gather, as there
+        rows = (dequantize(*quantize_rows(x), x.dtype) if quantize_acts else x)[src]
         if impl is None:
             idx = x.device.index if x.device.type == "cuda" else None
             # grouped_mm wants 16-byte aligned rows (CPU and CUDA): widths of a multiple of 16 bytes.
