@@ -11,16 +11,19 @@ PKG = Path(__file__).resolve().parents[1] / "starshard"
 LAYERS = [
     {"config"},
     {"layout", "presets"},
+    {"strategies"},  # the context strategies' registry, pure part: names, options, validation, sizes, FLOPs
     {"planner", "runconfig"},
     {"kernels"},
     {"engine"},
     {"parallel", "checkpoints"},
     {"runtime"},
+    {"serving"},  # the long-document service: scheduler, typed executor operations, cascade, context cache
     {"llm"},
     {"cli", "evaluation", "server"},
     # offline tools (MInference pattern search) run the harness's tasks through the model; the benchmark
     # programs behind launch/bench.py build models and runners through llm and cli
     {"tools", "benchmarks"},
+    {"commands"},  # the `starshard` console script's subcommands (launch/*.py wrap them)
 ]
 LEVEL = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
