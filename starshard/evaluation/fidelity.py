@@ -22,7 +22,7 @@ o_approx of a mask-defined approximation is masked dense attention in float64 (s
 keys only; a key a method sees twice counts twice: APB passes no key its receiver's anchor holds, so
 none does today, but the model keeps the count). What is modelled is what each method *drops*; keys a method adds that dense attention does not
 have (APB's embedded query in the anchor) are not. At layer 0, whose inputs do not depend on attention,
-the outputs equal the real strategies' (tests/test_fidelity.py checks Star and APB).
+the outputs equal the real strategies' (tests/evaluation/test_fidelity.py checks Star and APB).
 
 Teacher forcing judges each layer on dense inputs: Star and APB compute the query rows densely, so
 their query-row error is 0 here; what they lose shows in the context rows (whose KV the query reads).

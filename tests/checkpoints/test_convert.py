@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 from starshard.checkpoints.convert import convert, main as convert_main
 from starshard.checkpoints.load import CheckpointError, check_layout, load_model, load_shard, read_manifest
 from starshard.config import UnsupportedArchitectureError

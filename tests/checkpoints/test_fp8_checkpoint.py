@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 from safetensors.torch import load_file
-from test_fp8 import _last_logits, rel
-from test_model_families_moe import make_moe_model
-from test_service_engine import _ask, _tokens
+from tests.engine.test_fp8 import _last_logits, rel
+from tests.engine.test_model_families_moe import make_moe_model
+from tests.serving.test_service_engine import _ask, _tokens
 
 from starshard import LLM
 from starshard.checkpoints.convert import convert, fp8_specs, is_fp8_linear
@@ -34,7 +34,7 @@ from starshard.presets import preset_config
 from starshard.runtime.service import Service
 
 STEPS = 6
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -260,7 +260,7 @@ def test_moe_gguf_with_rope_scaling_is_refused(qwen3_moe, tmp_path):
 def test_tp2_and_pp2_runs_from_gguf(qwen3_moe):
     """LLM("model.gguf") over 2 gloo ranks, tp=2 and pp=2 (chunked prefill): the same greedy and sampled
     tokens and teacher-forced logits as one process."""
-    from test_parallel_runtime import run_layouts
+    from tests.parallel.test_parallel_runtime import run_layouts
 
     layouts = [{"name": "gguf-tp2", "path": qwen3_moe[1], "parallel": {"tp": 2}},
                {"name": "gguf-pp2", "path": qwen3_moe[1], "parallel": {"pp": 2}, "chunk": 16}]

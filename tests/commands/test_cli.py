@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(args, nproc=1):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mp_harness import _free_port
+from tests.helpers.mp_harness import _free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INFER = str(ROOT / "launch" / "infer.py")
 TINY = ["--random-weights", "tiny", "--prompt-len", "64", "--max-new-tokens", "4", "--json", "--device", "cpu"]
 

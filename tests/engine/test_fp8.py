@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 import torch
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 
 from starshard import LLM
 from starshard.cli import add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config, layout_error

@@ -6,8 +6,8 @@ and the MoE bench's bytes; the refusals."""
 import pytest
 import torch
 
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 from starshard import LLM
 from starshard import llm as llm_module
 from starshard.benchmarks.moe import decode_bytes

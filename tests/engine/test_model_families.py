@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import transformers
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.load import load_model

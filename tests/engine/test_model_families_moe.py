@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 import transformers
-from mp_harness import run_ranks
-from test_model_families_parallel import _cp_rank, _dense, _run
-from test_parallel_runtime import run_layouts
+from tests.helpers.mp_harness import run_ranks
+from tests.parallel.test_model_families_parallel import _cp_rank, _dense, _run
+from tests.parallel.test_parallel_runtime import run_layouts
 
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.hf import StateDictSource, plan_shard
@@ -166,8 +166,8 @@ def test_bad_moe_configs_are_refused(families):
 def test_moe_gguf_is_refused(families, tmp_path):
     """A Mixtral GGUF (as llama.cpp writes it: the `llama` architecture with expert tensors, which
     transformers' GGUF reader loads as a dense Llama without its experts) is refused from its metadata,
-    before any tensor is read. Qwen3-MoE GGUFs convert: tests/test_moe_gguf.py."""
-    from test_moe_gguf import write_gguf
+    before any tensor is read. Qwen3-MoE GGUFs convert: tests/checkpoints/test_moe_gguf.py."""
+    from tests.checkpoints.test_moe_gguf import write_gguf
 
     gguf = write_gguf(families["mixtral"][0], tmp_path / "m.gguf", arch="llama", name="Mixtral-tiny")
     with pytest.raises(UnsupportedArchitectureError, match=r"m.gguf: a Mixtral GGUF \(general.architecture 'llama' "

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 from starshard.checkpoints.load import load_model
 
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -14,7 +14,7 @@ from starshard.evaluation import report
 from starshard.evaluation.scoring import found, score
 from starshard.evaluation.tasks import TASKS, make_sample, make_samples, template_overhead
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEEDLE_TASKS = [t for t, spec in TASKS.items() if spec.uses_depth]
 
 

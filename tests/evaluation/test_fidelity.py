@@ -16,7 +16,7 @@ from starshard.evaluation.fidelity import (APBApproximation, BlockKeys, LayerInp
 from starshard.kernels.minference import AShape, BlockSparse, Dense, MInferenceConfig, VerticalSlash
 from starshard.presets import preset_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def apb_layer0_worker(rank, world, L, C):
 def test_apb_layer0_equals_the_real_strategy(tiny):
     """At layer 0 (inputs independent of attention) APBApproximation must pick exactly what APB picks on
     every rank, and without the embedded query (whose keys dense attention lacks) give APB's block rows."""
-    from mp_harness import run_ranks
+    from tests.helpers.mp_harness import run_ranks
 
     L, C, world = 157, 141, 3
     real = run_ranks(apb_layer0_worker, world, L, C)

@@ -22,10 +22,10 @@ pytest.importorskip("triton")
 
 from starshard.kernels import anchor as an  # noqa: E402
 from starshard.kernels.attention import attention  # noqa: E402
-from sm90_compile import assert_compiles_for_sm90  # noqa: E402
-from sparse_reference import assert_matches, masked_reference  # noqa: E402
+from tests.helpers.sm90_compile import assert_compiles_for_sm90  # noqa: E402
+from tests.helpers.sparse_reference import assert_matches, masked_reference  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # name: B, Hq, Hkv, Lq, Lk, D, offset (q_pos[0] - k_pos[0]); keys start at global position 5
 LAYOUTS = {

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from sm90_compile import assert_compiles_for_sm90  # noqa: E402
+from tests.helpers.sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 from starshard.kernels import flash_fp8 as ff  # noqa: E402
 from starshard.kernels.common import triton_interpreted  # noqa: E402

@@ -22,7 +22,7 @@ from starshard.kernels.decode import decode_attention  # noqa: E402
 from starshard.kernels.flash import block_ranges, flash_attention  # noqa: E402
 from starshard.kernels.merge import merge_into, merge_many, merge_stacked  # noqa: E402
 from starshard.kernels.merge import merge_partials as merge_two  # noqa: E402
-from sm90_compile import assert_compiles_for_sm90  # noqa: E402
+from tests.helpers.sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2), torch.float64: (1e-12, 1e-6)}  # lse is float32 by contract
 

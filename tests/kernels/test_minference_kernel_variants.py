@@ -21,8 +21,8 @@ pytest.importorskip("triton.runtime.interpreter")
 from starshard.kernels import minference as mi  # noqa: E402
 from starshard.kernels.minference import kernel as mk  # noqa: E402
 from starshard.kernels.minference.plan import HeadGroup  # noqa: E402
-from sm90_compile import assert_compiles_for_sm90  # noqa: E402
-from sparse_reference import assert_matches, masked_reference  # noqa: E402
+from tests.helpers.sm90_compile import assert_compiles_for_sm90  # noqa: E402
+from tests.helpers.sparse_reference import assert_matches, masked_reference  # noqa: E402
 
 VARIANTS = ["default", "wide", "flat", "pair", "pair+wide", "pair+flat"]
 # VS with columns and diagonals, diagonals only (vertical 0), columns only (slash 0), then the

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from sm90_compile import assert_compiles_for_sm90  # noqa: E402
+from tests.helpers.sm90_compile import assert_compiles_for_sm90  # noqa: E402
 
 from starshard.config import ModelConfig  # noqa: E402
 from starshard.engine.moe import MoEFeedForward, grouped_experts, route, use_decode_kernels  # noqa: E402

@@ -6,7 +6,7 @@ sm_90a waits on the kernel ahead (griddepcontrol.wait) and lets the next one sta
 before its wait."""
 import torch
 
-from sm90_compile import assert_compiles_for_sm90
+from tests.helpers.sm90_compile import assert_compiles_for_sm90
 from starshard.kernels.pdl import pdl_enabled, pdl_launch
 
 

@@ -80,7 +80,7 @@ def test_marked_increasing_answers_as_read():
 def test_star_marks_its_block_positions(tmp_path, monkeypatch):
     """Star's block calls get positions the host knows are increasing (checked once per segment)."""
     import starshard.parallel.context.star as star_mod
-    from hf_models import make_hf_model
+    from tests.helpers.hf_models import make_hf_model
     from starshard.checkpoints.load import load_model
     from starshard.kernels.common import square_increasing
     from starshard.parallel.context.star import StarAttention

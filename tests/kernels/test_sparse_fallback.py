@@ -30,7 +30,7 @@ from starshard.kernels.sparse import (  # noqa: E402
     sparse_report,
 )
 from starshard.llm import LLM  # noqa: E402
-from sparse_reference import assert_matches, masked_reference  # noqa: E402
+from tests.helpers.sparse_reference import assert_matches, masked_reference  # noqa: E402
 
 BM = 16
 L = 512

@@ -7,8 +7,8 @@ starting processes dominates the run time on 2 cores."""
 import pytest
 import torch
 
-from hf_models import make_hf_model
-from masked_reference import apb_unrolled, run_masked_layers
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.masked_reference import apb_unrolled, run_masked_layers
 from starshard.checkpoints.load import load_model
 from starshard.layout import apb_bounds, apb_default_sizes
 from starshard.parallel.context.apb import (
@@ -351,7 +351,7 @@ def apb_worker(rank, world, path, cases, steps):
 
 @pytest.fixture(scope="module")
 def ranks(model_path):
-    from mp_harness import run_ranks
+    from tests.helpers.mp_harness import run_ranks
 
     return run_ranks(apb_worker, 4, model_path, CASES, STEPS)
 
@@ -697,7 +697,7 @@ def test_sparse_after_masks_the_extras_like_a_tail_block():
     """`sparse_after` against float64: an A-shape pattern (sink 3, window 9) over two extra key sets
     and the block's own keys, GQA 4 / 2: the rows see the first 3 extra keys, and of the rest only
     those within 9 key indices, the block's first rows thus the last extra keys."""
-    from sparse_reference import assert_matches, masked_reference
+    from tests.helpers.sparse_reference import assert_matches, masked_reference
     from starshard.kernels import minference as mi
     from starshard.parallel.context.apb import sparse_after
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 from starshard.config import ParallelConfig
 from starshard.runtime.prompt import Prompt, build_prompt
 from starshard.parallel.context import apb_options, make_strategy
 from starshard.parallel.context.apb import APBAttention, RandomCompressor
 from starshard.runtime.context_parallel import ContextParallelRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(name):
@@ -220,7 +220,7 @@ def test_apb_composes_with_tp(tmp_path):
     """tp=2 x cp=2 and tp=2 with 2 virtual hosts (cp=1, dp=2) on 4 gloo ranks equal one process in
     study mode: one KV head (and its GQA group) per TP rank, random selection (tp-independent by
     construction), and the query compressor with whole blocks passed."""
-    from mp_harness import run_ranks
+    from tests.helpers.mp_harness import run_ranks
     from starshard import LLM
 
     _, path = make_hf_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_harness import run_ranks
+from tests.helpers.mp_harness import run_ranks
 from starshard.kernels.attention import attention
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.ring import gather_ring_plan, plan_steps, ring_attention, zigzag_ring_plan

@@ -3,9 +3,9 @@ the single-process dense run; the KV shards cover the prompt once; decode grows 
 import pytest
 import torch
 
-from cp_ranks import strategy_rank
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.cp_ranks import strategy_rank
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 from starshard.checkpoints.load import load_model
 from starshard.parallel.context.ring import RingAttention, zigzag_positions
 from starshard.parallel.context.ulysses import UlyssesAttention

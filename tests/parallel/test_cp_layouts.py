@@ -4,8 +4,8 @@ logits and greedy tokens are compared with one process."""
 import pytest
 import torch
 
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 from starshard import LLM
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.load import CheckpointError
@@ -155,7 +155,7 @@ def test_bench_prefill_with_sparse_runs_on_cpu(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "b.json"
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "launch" / "bench.py"), "prefill",
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "launch" / "bench.py"), "prefill",
            "--random-weights", "tiny", "--lengths", "200", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
            "--cp-strategy", "dense", "--sparse", "minference", "--decode-steps", "2", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
@@ -174,7 +174,7 @@ def test_bench_prefill_apb_study_mode_reports_its_flop_model(tmp_path):
     from starshard.presets import preset_config
 
     out = tmp_path / "b.json"
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "launch" / "bench.py"), "prefill",
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "launch" / "bench.py"), "prefill",
            "--random-weights", "tiny", "--lengths", "300", "--repeats", "1", "--device", "cpu", "--dtype", "float32",
            "--cp-strategy", "apb", "--apb-hosts", "4", "--anchor-size", "16", "--passing-size", "8",
            "--query-tokens", "20", "--decode-steps", "2", "--out", str(out)]

@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 
 from starshard import LLM
 from starshard.config import ParallelConfig

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from hf_models import make_hf_model
-from mp_harness import run_ranks
-from test_parallel_runtime import run_layouts
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
+from tests.parallel.test_parallel_runtime import run_layouts
 
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.load import load_model

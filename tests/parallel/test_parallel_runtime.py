@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_models import make_hf_model
-from mp_harness import run_ranks
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.load import CheckpointError
 from starshard.config import ParallelConfig, SamplingConfig
@@ -20,7 +20,7 @@ from starshard.llm import LLM
 from starshard.parallel.tensor import VocabShard, vocab_parallel_sample
 from starshard.parallel.topology import LayoutError, _first_slurm_host, check_layout, megatron_coords, read_launch_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 SAMPLING = dict(temperature=0.9, top_k=20, top_p=0.9, seed=3)
 

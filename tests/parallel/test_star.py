@@ -5,8 +5,8 @@ import functools
 import pytest
 import torch
 
-from hf_models import make_hf_model
-from masked_reference import run_masked, star_unrolled
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.masked_reference import run_masked, star_unrolled
 from starshard.checkpoints.load import load_model
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.layout import star_blocks
@@ -90,8 +90,8 @@ def test_multi_rank_equals_single_rank(tmp_path, cp, block, anchor):
     """Star over cp ranks (several blocks per rank) = Star on one rank with the same blocks: same
     last-token logits and greedy tokens; the union of caches holds every token once; only the
     query rank's cache grows in decode."""
-    from cp_ranks import strategy_rank
-    from mp_harness import run_ranks
+    from tests.helpers.cp_ranks import strategy_rank
+    from tests.helpers.mp_harness import run_ranks
 
     _, path = make_hf_model("llama", tmp_path)
     model = load_model(path)

@@ -2,7 +2,7 @@
 CPU: same logits and cache as plain decode, step after step, and it declines a full cache."""
 import torch
 
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 from starshard.checkpoints.load import load_model
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.local import LocalRunner
@@ -94,7 +94,7 @@ def test_sharded_graph_step_equals_eager_sharded_decode(tmp_path):
     """The step a CP rank's CUDA graph records (merge over the group inside, KV appended on the query
     rank only), run eagerly on gloo: same logits as the strategy's own decode hook, step after step,
     for ring (exact) and Star (query phase), and only the query rank's cache grows."""
-    from mp_harness import run_ranks
+    from tests.helpers.mp_harness import run_ranks
 
     _, path = make_hf_model("llama", tmp_path, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     for name in ("ring", "star"):
@@ -133,7 +133,7 @@ def _tp_step_rank(rank, world, path):
 def test_tensor_parallel_graph_step_equals_eager(tmp_path):
     """tp=2: the step ParallelRunner's CUDA graph records (row-parallel all-reduces inside, vocab-shard
     logits out) equals the eager tensor-parallel step on gloo, step after step."""
-    from mp_harness import run_ranks
+    from tests.helpers.mp_harness import run_ranks
 
     _, path = make_hf_model("llama", tmp_path, num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     for r in run_ranks(_tp_step_rank, 2, path):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hf_models import make_hf_model
+from tests.helpers.hf_models import make_hf_model
 from starshard.llm import LLM
 from starshard.runtime.prompt import PromptTooLongError
 

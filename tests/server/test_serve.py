@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVE = str(ROOT / "launch" / "serve.py")
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-serve-test"

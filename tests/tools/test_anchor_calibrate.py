@@ -16,8 +16,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sparse_reference import assert_matches, masked_reference  # noqa: E402
-from test_anchor import assert_selection_matches, make, plain_selection, reference_vis  # noqa: E402
+from tests.helpers.sparse_reference import assert_matches, masked_reference  # noqa: E402
+from tests.kernels.test_anchor import assert_selection_matches, make, plain_selection, reference_vis  # noqa: E402
 
 from starshard.cli import add_sparse_arguments, layout_error, sparse_config  # noqa: E402
 from starshard.kernels import anchor as an  # noqa: E402

@@ -10,7 +10,7 @@ row blocks per program (A-shape heads as one 2*block_size-row tile, Vertical-Sla
 `_vs_pair_fwd`, which loads each diagonal-run key chunk once for both blocks), `flat` streams all
 diagonal runs of a row block in one loop (one software pipeline instead of one per run), `wide` takes
 the mask-free chunks of contiguous spans two at a time. Every variant computes exactly the same
-visibility as the index says (tests/test_minference_kernel_variants.py)."""
+visibility as the index says (tests/kernels/test_minference_kernel_variants.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
