@@ -366,13 +366,13 @@ class Fp8Config:
     linear: the decoder's projections (wqkv, wo, w13, w2) hold e4m3 weights with one scale per output
             channel; activations are scaled per row at run time (parallel/fp8.py, kernels/fp8.py).
     kv:     the KV cache stores e4m3 keys / values with one scale per (KV head, token) (engine/kv_cache.py).
-    attention: 8-bit prefill scores (engine/model.py dense_attend_int8_scores, kernels/flash_fp8.py variant "s"):
+    attention: 8-bit prefill scores (engine/model.py dense_attend_int8_scores, kernels/flash_fp8.py):
             q . k from int8 q (per 128 rows) and int8 keys minus their mean (per 128 keys), P . V in the
             compute dtype, for a prefill block that starts the cache on the dense path, Star's
             [anchor; block] context calls and Ulysses' whole-sequence call after its all-to-all (no sparse);
             on CUDA only calls of at least 96K keys (kernels/attention.py INT8_SCORES_MIN_LENGTH: shorter ones
             measured no faster than cuDNN and keep exact scores).
-            e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
+            e4m3 scores (cuDNN's FP8 kernel, e4m3 versions of ours) are faster still but ~8-10% off
             (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
     experts: an MoE model's stacked experts hold e4m3 weights with one scale per expert row, quantized at
             load time (parallel/fp8.py Fp8GroupedExperts): decode's expert GEMVs read them as stored; prefill runs

@@ -255,7 +255,7 @@ def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None, sparse=No
     """Square causal prefill attention with 8-bit scores (`--fp8 attention`): q . k from int8 q (per
     128 rows) and int8 K minus its mean (per 128 keys; the mean shifts every score of a row alike, so
     the softmax never sees it and the lse gets it back), P @ V in q's dtype. CUDA: one Triton kernel
-    (kernels/flash_fp8.py variant "s") when the positions are plain index-causal; the CPU runs the same
+    (kernels/flash_fp8.py) when the positions are plain index-causal; the CPU runs the same
     quantization through the exact path (slow reference). A call `uses_int8_scores` declines (a sparse
     pattern, whose kernels read 16-bit scores; any other mask; a decode-sized call; on CUDA, fewer than
     INT8_SCORES_MIN_LENGTH keys) runs `attention` unchanged: every caller of `--fp8 attention` (the dense
@@ -265,7 +265,7 @@ def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None, sparse=No
         return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale, sparse=sparse)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.device.type == "cuda":
-        return flash_fp8_attention(q, k, v, variant="s", scale=scale)
+        return flash_fp8_attention(q, k, v, scale=scale)
     qd, kd, shift = int8_scores_operands(q, k)
     out, lse = attention(qd, kd, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
     return out, lse + shift * scale
