@@ -6,6 +6,7 @@ against float64.
     python launch/gpu_check.py                                   # dispatcher
     torchrun --nproc-per-node 2 launch/gpu_check.py --cp         # + ring / ulysses over NCCL
 Prints one JSON line per check with the relative error; exits 1 if any exceeds its bound.
+`python -m pytest tests/gpu` runs it (both ways where two GPUs exist) with the other GPU checks.
 """
 from __future__ import annotations
 

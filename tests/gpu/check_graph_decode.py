@@ -1,9 +1,9 @@
 """CUDA-graph decode vs eager: same tokens, and step time. JSON lines (rank 0).
 
-    python bench/check_graph_decode.py                       # embedded SmolLM2 (8K prompt)
-    python bench/check_graph_decode.py --random-weights llama-3.1-8b --prompt-len 131072
-    torchrun --nproc-per-node 2 bench/check_graph_decode.py --random-weights llama-3.1-8b --cp 2 --cp-strategy ring
-    torchrun --nproc-per-node 2 bench/check_graph_decode.py --random-weights llama-3.1-8b --tp 2
+    python tests/gpu/check_graph_decode.py                       # embedded SmolLM2 (8K prompt)
+    python tests/gpu/check_graph_decode.py --random-weights llama-3.1-8b --prompt-len 131072
+    torchrun --nproc-per-node 2 tests/gpu/check_graph_decode.py --random-weights llama-3.1-8b --cp 2 --cp-strategy ring
+    torchrun --nproc-per-node 2 tests/gpu/check_graph_decode.py --random-weights llama-3.1-8b --tp 2
 """
 import argparse
 import json

@@ -2,7 +2,7 @@
 expert GEMVs ("gemv") against grouped_mm ("grouped"), both against a float32 reference, and their time
 per call replayed from a CUDA graph.
 
-    python bench/check_moe_decode.py --out moe_decode.json
+    python tests/gpu/check_moe_decode.py --out moe_decode.json
 """
 import argparse
 import json
@@ -38,7 +38,7 @@ for T in map(int, args.tokens.split(",")):
     row["bytes_read"] = chosen * (3 * F * H) * 2
     row["bytes_bound_us"] = row["bytes_read"] / 4.8e12 * 1e6
     rows.append(row)
-    print(row, flush=True)
+    print(json.dumps(row), flush=True)
 result = {"device": torch.cuda.get_device_name(), "shape": dict(E=E, k=k, H=H, F=F), "rows": rows}
 if args.out:
     with open(args.out, "w") as f:
