@@ -49,10 +49,10 @@ WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (dec
 # Up to this many rows the weight-only path is a GEMV per row (weights re-read per row, from L2 when the
 # rows run together). Tiles by weight shape, one H200, one row, Llama-8B projections, each call reading
 # its weight from HBM (bench/fp8_gemv_variants.py, bench/results/2026-11-25-h200/gemv_variants.json; the
-# 2026-11-23 sweep, bench/fp8_gemv_tune.py, re-read the small weights from L2): long rows (w2, K 14336)
+# 2026-11-23 sweep re-read the small weights from L2): long rows (w2, K 14336)
 # 4 x 2048 with 4 warps 20.4 us; many rows (w13 N 28672, wqkv N 6144) 4 x 512 with 2 warps 33.5 / 10.1 us;
-# the rest (wo) 4 x 1024 with 4 warps 7.7 us. Per layer 71.7 us against 73.7 us for the 2026-11-23 choice.
-GEMV_TILE = dict(block_n=4, block_k=1024, warps=4)
+# the rest (wo) 4 x 1024 with 4 warps 7.7 us. Per layer 71.7 us against 73.7 us for the 2026-11-23 choice
+# (4 x 1024 with 4 warps for every weight).
 GEMV_LONG_ROWS = dict(block_n=4, block_k=2048, warps=4)  # K >= 8192
 GEMV_MANY_ROWS = dict(block_n=4, block_k=512, warps=2)  # N >= 6144
 GEMV_OTHER = dict(block_n=4, block_k=1024, warps=4)

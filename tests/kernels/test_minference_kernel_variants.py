@@ -1,6 +1,6 @@
-"""The MInference kernel's variants (kernel.Launch: pair, flat, wide) against a float64 dense-masked
+"""The MInference kernel's variants (kernel.Launch: flat, wide) against a float64 dense-masked
 reference built from the same plan (plan.group_mask, the torch path's visibility), and the FLOPs each
-variant multiplies (every tl.dot counted in the interpreter) against `kernel.computed_entries`.
+variant multiplies (every tl.dot counted in the interpreter) against `plan.kernel_cost`.
 
 TRITON_INTERPRET=1, float32 / float16 (bfloat16 is not faithful in the interpreter), small shapes;
 block sizes 16 / 32 put many row blocks and diagonal runs into short sequences. num_warps /
@@ -24,7 +24,7 @@ from starshard.kernels.minference.plan import HeadGroup  # noqa: E402
 from tests.helpers.sm90_compile import assert_compiles_for_sm90  # noqa: E402
 from tests.helpers.sparse_reference import assert_matches, masked_reference  # noqa: E402
 
-VARIANTS = ["default", "wide", "flat", "pair", "pair+wide", "pair+flat"]
+VARIANTS = ["default", "wide", "flat"]
 # VS with columns and diagonals, diagonals only (vertical 0), columns only (slash 0), then the
 # other kinds in the same call
 HEADS = (mi.VerticalSlash(6, 12), mi.AShape(3, 20), mi.VerticalSlash(0, 30), mi.BlockSparse(2),
@@ -62,7 +62,7 @@ def _check_variants(q, k, v, groups, *, off, bm, dtype, variants=VARIANTS):
 
 # name: B, Hq, Hkv, Lq, Lk, D, block_size; offset = Lk - Lq (the queries are the last Lq keys)
 CASES = {
-    "odd_gqa_d64": (1, 6, 2, 141, 141, 64, 32),  # 5 row blocks: the last pair has one block
+    "odd_gqa_d64": (1, 6, 2, 141, 141, 64, 32),  # 5 row blocks
     "offset_d48": (1, 6, 3, 77, 150, 48, 16),  # head dim padded to 64, queries after 73 keys
 }
 
@@ -124,8 +124,8 @@ def test_variants_on_random_diagonal_runs(seed):
 
 
 @pytest.mark.parametrize("lq,lk", [(150, 150), (90, 170)])
-def test_computed_entries_are_the_kernels_flops(dot_flops, lq, lk):
-    """Unpaired variants compute plan.kernel_cost's entries; every variant computed_entries'."""
+def test_kernel_cost_is_the_kernels_flops(dot_flops, lq, lk):
+    """Every variant computes plan.kernel_cost's entries."""
     rng = random.Random(lq)
     q, k, v = _qkv(1, 3, 1, lq, lk, 16, torch.float32, seed=lk)
     d, off, bm = 16, lk - lq, 16
@@ -136,26 +136,20 @@ def test_computed_entries_are_the_kernels_flops(dot_flops, lq, lk):
         for spec in VARIANTS:
             dot_flops.clear()
             mk.attention_triton(q, k, v, [grp], offset=off, scale=d**-0.5, block_size=bm, launch=spec)
-            want = int(mk.computed_entries(grp, B=1, Lq=lq, Lk=lk, offset=off, block_size=bm, launch=spec).sum())
-            assert sum(dot_flops) == want * 4 * d, (grp.kind, spec)
-            if not mk.as_launch(spec).pair or grp.kind == "block_sparse":
-                assert want == cost, (grp.kind, spec)
-            else:  # paired: a little more, never less
-                assert cost <= want <= 1.5 * cost, (grp.kind, spec)
+            assert sum(dot_flops) == cost * 4 * d, (grp.kind, spec)
 
 
 def test_launch_specs():
     L = mk.Launch
     assert mk.as_launch(None) == L(flat=None) and mk.as_launch((8, 3)) == L(8, 3)
-    assert mk.as_launch("pair+flat:8,2") == L(8, 2, pair=True, flat=True)
+    assert mk.as_launch("wide+flat:8,2") == L(8, 2, flat=True, wide=True)
     assert mk.as_launch("wide") == L(wide=True) and mk.as_launch("4,2") == L(4, 2)
-    assert L.parse("flat+pair").name() == "pair+flat" and L(4, 3).name() == "default:4,3"
-    assert L().settings(64, False) == {"num_warps": 4, "num_stages": 2}
-    assert L(pair=True).settings(64, True) == {"num_warps": 8, "num_stages": 2}
+    assert L.parse("wide+flat").name() == "flat+wide" and L(4, 3).name() == "default:4,3"
+    assert L().settings(64) == {"num_warps": 4, "num_stages": 2}
     # head dim 128: 4 warps (2x faster than 8 on an H100), 3 stages except Vertical-Slash, flat by default
-    assert L().settings(128, False) == {"num_warps": 4, "num_stages": 2}
+    assert L().settings(128) == {"num_warps": 4, "num_stages": 2}
     three = {"num_warps": 4, "num_stages": 3}
-    assert L().settings(128, False, "a_shape") == L().settings(128, False, "block_sparse") == three
+    assert L().settings(128, "a_shape") == L().settings(128, "block_sparse") == three
     assert mk.as_launch(None).flat_for(128) and not mk.as_launch(None).flat_for(64)
     assert not L().flat_for(128) and L(flat=True).flat_for(64)  # an explicit launch is taken as given
     assert mk.default_settings(128) == {"a_shape": [4, 3], "vertical_slash": [4, 2], "block_sparse": [4, 3],
@@ -163,14 +157,14 @@ def test_launch_specs():
     with pytest.raises(ValueError, match="unknown"):
         L.parse("pairs")
     with pytest.raises(ValueError, match="num_warps"):
-        L.parse("pair:8")
+        L.parse("flat:8")
     # a launch travels through minference_attention's launch= unchanged
     q, k, v = _qkv(1, 2, 1, 48, 48, 16, torch.float32, seed=9)
     pos = torch.arange(48)
     pattern = mi.SparsePattern((mi.VerticalSlash(4, 8),), block_size=16, last_q=16)
     ref = mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=pattern, backend="triton")
     out = mi.minference_attention(q, k, v, q_pos=pos, k_pos=pos, pattern=pattern, backend="triton",
-                                  launch=L(pair=True, flat=True))
+                                  launch=L(flat=True, wide=True))
     torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-5)
 
@@ -180,22 +174,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from starshard.kernels.minference import kernel as mk
-ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "THIN", "IDX", "CNT", "CFULL"}
+ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "IDX", "CNT", "CFULL"}
 for fn, consts in ((mk._minference_fwd, dict(MODE=1, BLOCK_M=64, BLOCK_N=64, FLAT=True, WIDE=False)),
-                   (mk._minference_fwd, dict(MODE=0, BLOCK_M=128, BLOCK_N=64, FLAT=False, WIDE=True)),
-                   (mk._vs_pair_fwd, dict(BM=64, FLAT=False, WIDE=True)),
-                   (mk._vs_pair_fwd, dict(BM=64, FLAT=True, WIDE=False))):
+                   (mk._minference_fwd, dict(MODE=0, BLOCK_M=128, BLOCK_N=64, FLAT=False, WIDE=True))):
     sig = {n: "*i32" if n in ints else ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     sig.update({n: "*bf16" for n in ("Q", "K", "V", "O")}, LSE="*fp32")
     consts.update(HEAD_DIM=64, BLOCK_D=64, IEEE=False)
     sig.update({n: "constexpr" for n in consts})
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(zip(("num_warps", "num_stages"), mk.default_launch(64, fn is mk._vs_pair_fwd))))
+                       options=dict(zip(("num_warps", "num_stages"), mk.default_launch(64))))
     assert "wgmma" in k.asm["ptx"], consts
 print("compiled")
 """
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: four real sm_90a builds
+@pytest.mark.slow  # ~20 s on 2 cores: two real sm_90a builds
 def test_variants_compile_for_sm90(tmp_path):
     assert_compiles_for_sm90(_COMPILE, tmp_path, timeout=900)

@@ -80,10 +80,6 @@ if triton is not None:
         tl.store(COST + bh, cost * BM * BM)
 
 
-def runs_kernel_available(s_idx: torch.Tensor) -> bool:
-    return triton is not None and s_idx.is_cuda
-
-
 def vs_runs_kernel(s_idx: torch.Tensor, *, ndiag: int, Lq: int, Lk: int, offset: int, block_size: int):
     """(seg [B, nH, KS, 2] int32, seg_count [B, nH] int32, cost [B, nH] int64): `index.vs_segments`
     and `plan.slash_cost` of sorted diagonals s_idx [B, nH, KS] (padded with ndiag)."""
