@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Summarise a CP benchmark run (bench/results/2026-11-23-h200x2-cp, 2026-11-26-h200x4-cp-model):
+"""Summarise a CP benchmark run (its tables: docs/results.md, Context parallel strategies):
 measured prefill per strategy and length next to its FLOP model, read at the rate dense reaches on one
 GPU, and the model's prediction where a run was not made (longer lengths, the other cp). Writes summary.json,
 summary.md and prefill_cp.png into the run's directory.
 
-    python bench/cp_summary.py bench/results/2026-11-23-h200x2-cp
+    python bench/cp_summary.py bench/results/<run>      # the folder the run's logs and JSON went to
 
 The model's time at the matmul peak is flops.predicted_seconds; "at dense's rate" multiplies it by
 dense's own measured / model ratio (the 1-GPU run), so 1.00 means the strategy wastes no more than
