@@ -373,7 +373,7 @@ class Fp8Config:
             on CUDA only calls of at least 96K keys (kernels/attention.py INT8_SCORES_MIN_LENGTH: shorter ones
             measured no faster than cuDNN and keep exact scores).
             e4m3 scores (cuDNN's FP8 kernel, flash_fp8 variants a / b) are faster still but ~8-10% off
-            (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
+            (docs/results.md, FP8) and are not offered.
     experts: an MoE model's stacked experts hold e4m3 weights with one scale per expert row, quantized at
             load time (parallel/fp8.py Fp8GroupedExperts): decode's expert GEMVs read them as stored; prefill runs
             FP8 grouped GEMMs on inputs quantized per row (engine/moe.py grouped_experts; the CPU: that rounding

@@ -88,7 +88,7 @@ def test_fp8_linear_reference_against_float64():
 
 def test_scaled_mm_asks_for_fast_accumulation(monkeypatch):
     """The prefill GEMM runs with the tensor cores' own accumulation unless STARSHARD_FP8_FAST_ACCUM=0
-    (measured in bench/results/2026-11-26-gpu-fp8-prefill); the op itself is CUDA-only, so it is faked."""
+    (measured: docs/results.md, FP8); the op itself is CUDA-only, so it is faked."""
     seen = {}
 
     def fake(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum):

@@ -41,15 +41,15 @@ are masked; blocks above it are never visited.
 Measured (Llama-8B heads, 128K, pre-pass included): on one H100 variant b 1.36x cuDNN's bf16 kernel
 (761 TFLOP/s), variant a 1.12x, but e4m3's 3 mantissa bits on Q and K (~2.6% rms rounding per element,
 whatever the scale granularity) put the output ~10% off with a peaked softmax (q x 4), lse up to 0.55 /
-0.74 (bench/results/2026-11-25-h100-fp8-attention); kept for measurements, not used. On one H200
+0.74 (docs/results.md, FP8); kept for measurements, not used. On one H200
 variant s 1.09x cuDNN (1.04x in the model's strided layout) at 3.3% output error on the same inputs
 (variant a there: 10.2%), and 2.2% vs 7.8% on SmolLM2's real q / k / v; a Llama-8B-shaped 128K prefill
 with `--fp8 linear,kv,attention` 9.54 s vs 10.07 s without `attention` (bf16 11.33 s)
-(bench/results/2026-11-26-h200-int8-attention). Variant t, measured in the model's layout at 128K on
+(docs/results.md, FP8). Variant t, measured in the model's layout at 128K on
 one H200: 1.31x cuDNN (s: 1.10x, b: 1.39x), 4.3% output error on the q x 4 inputs, 3.0% vs s's 2.3% on
 SmolLM2's real q / k / v; a Llama-8B 128K `linear,kv,attention` prefill 8.55 s vs 9.58 s with s, but
 the harness on the GPU kernels 0.96 vs s's 0.98 of bf16 (400 prompts): kept for measurements, not used
-(bench/results/2026-11-26-h200-fp8-pv).
+(docs/results.md, FP8).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests); the interpreter's float32 -> e4m3 cast drops
 the carry when a value rounds up across a power of two (kernels/kv_write.py), so interpreted kernels
@@ -82,7 +82,7 @@ FP8_PV_VARIANTS = ("b", "t")  # P and V in e4m3
 _TINY = 1e-12
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per variant at head_dim <= 128, K / V through tensor
 # descriptors (tma): the fastest of bench/fp8_prefill_attention.py's sweep on one H100 at 32K, still the
-# fastest of the sweep's top three at 128K (bench/results/2026-11-25-h100-fp8-attention): a 13.7 ms,
+# fastest of the sweep's top three at 128K (docs/results.md, FP8): a 13.7 ms,
 # b 11.2 ms at 32K (8 warps for b: 12.9 ms).
 DEFAULT_CONFIG = {"a": (128, 128, 8, 3), "b": (64, 128, 4, 3), "s": (128, 128, 8, 3), "t": (64, 128, 4, 3)}
 
