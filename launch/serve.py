@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from starshard import LLM
     from starshard.checkpoints.load import CheckpointError
     from starshard.parallel.topology import LayoutError, collective_failure
-    from starshard.runtime.service import Service
+    from starshard.serving.scheduler import Scheduler
 
     launch = read_launch_env()
     lead = launch.rank == 0
@@ -143,8 +143,8 @@ def main(argv=None) -> int:
         cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device)
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")
-        service = Service(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
-                          max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs)
+        service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
+                            max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs)
     except (LayoutError, CheckpointError, ValueError) as e:
         if lead:
             print(f"error: {e}", file=sys.stderr)

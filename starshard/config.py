@@ -426,6 +426,9 @@ class Fp8Config:
 
 @dataclass
 class SamplingConfig:
+    """How the next token is drawn, for LLM.generate and for every request the service runs (the
+    HTTP layer builds one from the request's fields): invalid values are refused at construction."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

@@ -1,21 +1,22 @@
-"""The long-document service's engine: requests in, tokens out, over the whole parallel group.
+"""The long-document service's scheduler: requests in, tokens out, over the whole parallel group.
 
-Rank 0 runs the scheduler (`Service`): a bounded queue, admission within the context cache's
-budget, and one step at a time. Each step is a list of operations that every rank executes
-(`Executor`, runtime/executor.py), broadcast from rank 0 over a CPU control group, so the ranks'
-KV shards, cache entries and batch stay identical in shape:
+Rank 0 runs the scheduler (`Scheduler`): a bounded queue, admission within the context cache's
+budget, and one step at a time. Each step is a list of typed operations (serving/ops.py) that every
+rank executes (`Executor`, serving/executor.py), broadcast from rank 0 over a CPU control group, so
+the ranks' KV shards, cache entries and batch stay identical in shape:
 
     prefill  a prompt with no usable cache entry runs through the runner (any context strategy);
              its KV becomes a cache entry, and the request decodes on it
     extend   a prompt that begins with an entry's tokens runs only the rest, attending the entry's
-             first m tokens (runtime/cascade.py): the prefill is skipped
+             first m tokens (serving/cascade.py): the prefill is skipped
     decode   one token for every running request, in one forward: each entry's context is read once
              for all requests on it, each request's own tokens beside it, merged by log-sum-exp
     finish   requests leave the batch; entries they held become evictable
     evict    entries removed, least recently used first, to make room inside the budget
 
-The HTTP front end (starshard/server) talks to `Service` only: submit(), cancel through the ticket,
-health(), stats(). Token events are delivered from the engine thread through the request's callback.
+The HTTP front end (starshard/server, written against its `Backend` protocol) talks to `Scheduler`
+only: submit(), cancel through the ticket, health(), stats(). Token events are delivered from the
+scheduler's thread through the request's callback.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ import numpy as np
 import torch.distributed as dist
 
 from starshard.config import SamplingConfig
-from starshard.runtime.context_cache import ContextCache
-from starshard.runtime.executor import Executor
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
+from starshard.serving.context_cache import ContextCache
+from starshard.serving.executor import Executor
+from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
 
 log = logging.getLogger("starshard.serve")
 
@@ -43,16 +45,8 @@ class QueueFull(Exception):
     """The waiting queue is full: the server answers 429."""
 
 
-class EngineUnavailable(Exception):
-    """The engine is down (a rank died or hung, or it is shutting down): the server answers 503."""
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+class ServiceUnavailable(Exception):
+    """The step loop is down (a rank died or hung, or it is shutting down): the server answers 503."""
 
 
 @dataclass
@@ -72,7 +66,7 @@ class Request:
     rid: int
     prompt: Prompt
     max_tokens: int
-    sampling: SamplingParams
+    sampling: SamplingConfig
     on_event: Callable[[TokenEvent], None]
     arrived: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)
@@ -84,11 +78,11 @@ class Request:
 
 
 class Ticket:
-    def __init__(self, service: "Service", rid: int):
-        self._service, self.rid = service, rid
+    def __init__(self, scheduler: "Scheduler", rid: int):
+        self._scheduler, self.rid = scheduler, rid
 
     def cancel(self) -> None:
-        self._service._cancel(self.rid)
+        self._scheduler._cancel(self.rid)
 
 
 def control_group():
@@ -98,8 +92,8 @@ def control_group():
     return dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
 
-class Service:
-    """The engine behind the HTTP server (rank 0), and the step loop every rank runs.
+class Scheduler:
+    """The backend behind the HTTP server (rank 0), and the step loop every rank runs.
 
     llm: a starshard.LLM over any layout without pipeline stages (one process, tp, cp, tp x cp).
     cache_bytes: the context cache's budget per rank; max_batch: requests decoding together;
@@ -141,12 +135,11 @@ class Service:
     def text_prompt(self, prompt: str | list[int]) -> Prompt:
         return build_prompt(self.tokenizer, prompt=prompt, raw=True)
 
-    def submit(self, prompt: Prompt, *, max_tokens: int, sampling: SamplingParams, stop=None,
+    def submit(self, prompt: Prompt, *, max_tokens: int, sampling: SamplingConfig, stop=None,
                on_event: Callable[[TokenEvent], None]) -> Ticket:
         check_window(self.config, len(prompt.ids), max_tokens, budget="max_tokens")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed)  # validates
         need = self.executor.entry_bytes(len(prompt.ids)) + self._own_bytes(len(prompt.ids) + max_tokens)
         if need > self.cache.budget:
             raise ValueError(
@@ -154,7 +147,7 @@ class Service:
                 f"{self.cache.budget / 2**30:.3f} GiB: shorten the prompt or start the server with a larger --cache-gib")
         with self._lock:
             if self._error is not None or self._stop:
-                raise EngineUnavailable(self._error or "the server is shutting down")
+                raise ServiceUnavailable(self._error or "the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue}); "
                                 "retry later")
@@ -187,7 +180,7 @@ class Service:
 
     # -- the loop
     def start(self) -> None:
-        """Rank 0: the engine thread. Other ranks: call serve_forever() instead."""
+        """Rank 0: the scheduler thread. Other ranks: call serve_forever() instead."""
         self._thread = threading.Thread(target=self._loop, name="starshard-engine", daemon=True)
         self._thread.start()
 
@@ -234,7 +227,7 @@ class Service:
     def _own_bytes(self, tokens: int) -> int:
         return tokens * self.executor.token_bytes()
 
-    def _plan(self) -> list[dict] | None:
+    def _plan(self) -> list[Op] | None:
         """The next step's operations (None: shut down)."""
         with self._lock:
             while not self._stop and not self._waiting and not self._running:
@@ -242,10 +235,10 @@ class Service:
                     return []  # keep the other ranks' broadcast from timing out
             if self._stop:
                 return None
-            ops: list[dict] = []
+            ops: list[Op] = []
             cancelled = [r.rid for r in self._running.values() if r.cancelled]
             if cancelled:
-                ops.append({"op": "finish", "rids": cancelled})
+                ops.append(Finish(cancelled))
                 for rid in cancelled:
                     self._emit(self._running.pop(rid), None, "cancelled")
             if self._waiting and len(self._running) < self.max_batch:
@@ -257,16 +250,15 @@ class Service:
                     self._running[req.rid] = req
                     return ops  # the newcomer's first token; decoding resumes next step
             if self._running:
-                ops.append({"op": "decode"})
+                ops.append(Decode())
             return ops
 
-    def _admit(self, req: Request) -> list[dict] | None:
+    def _admit(self, req: Request) -> list[Op] | None:
         """The operations that start `req`, or None while the cache has no room for it yet."""
         ids = np.asarray(req.prompt.ids, dtype=np.int64)
         own_running = self.executor.own_bytes()
         entry, m = self.cache.lookup(ids) if self.reuse else (None, 0)
-        base = {"rid": req.rid, "ids": req.prompt.ids, "max_tokens": req.max_tokens,
-                "sampling": (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.sampling.seed)}
+        base = dict(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling)
         rest = len(ids) - m
         # Run only the rest when the cache holds most of the prompt and the rest is short. A prompt that
         # shares just a chat template's header with an entry is a new document: prefill it, cache it.
@@ -276,17 +268,16 @@ class Service:
             if victims is None:
                 return None
             req.cached = m
-            return ([{"op": "evict", "entries": victims}] if victims else []) + [{"op": "extend", "entry": entry.id,
-                                                                                  "prefix": m, **base}]
+            return ([Evict(victims)] if victims else []) + [Extend(entry=entry.id, prefix=m, **base)]
         need = self.executor.entry_bytes(len(ids))
         victims = self.cache.plan_room(need + self._own_bytes(req.max_tokens), own_running)
         if victims is None:
             if not self._running:
                 raise RuntimeError("the context cache cannot hold a prompt it accepted")  # submit() checks the size
             return None
-        return ([{"op": "evict", "entries": victims}] if victims else []) + [
-            {"op": "prefill", "entry": self.cache.next_id(), "context_len": req.prompt.context_len,
-             "head_len": req.prompt.head_len, "pinned": not self.reuse, **base}]
+        return ([Evict(victims)] if victims else []) + [
+            Prefill(entry=self.cache.next_id(), context_len=req.prompt.context_len, head_len=req.prompt.head_len,
+                    pinned=not self.reuse, **base)]
 
     def _deliver(self, tokens: dict[int, int]) -> None:
         finished = []
@@ -314,7 +305,7 @@ class Service:
             self._finish_now(finished)
 
     def _finish_now(self, rids: list[int]) -> None:
-        ops = [{"op": "finish", "rids": rids}]
+        ops = [Finish(rids)]
         self._broadcast(ops)
         self.executor.run(ops)
 
@@ -335,5 +326,5 @@ class Service:
     def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None) -> None:
         try:
             req.on_event(TokenEvent(tok, text, finish, len(req.prompt.ids), req.cached, len(req.tokens), error))
-        except Exception:  # a callback of a client that went away must not stop the engine
+        except Exception:  # a callback of a client that went away must not stop the step loop
             log.debug("dropping an event for request %d", req.rid, exc_info=True)

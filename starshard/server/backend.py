@@ -1,7 +1,9 @@
-"""The engine interface the HTTP server is written against.
+"""The backend interface the HTTP server is written against.
 
-The server imports these names from here only: the exceptions and event types are the engine's own
-(starshard/runtime/service.py); the protocols say what the server calls.
+The server imports these names from here only: the exceptions and event types are the scheduler's own
+(starshard/serving/scheduler.py), the sampling settings the package's one type (config.SamplingConfig);
+the protocols say what the server calls. `serving.scheduler.Scheduler` implements `Backend`; the tests
+drive the server with a scripted fake.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from starshard.runtime.service import EngineUnavailable, QueueFull, SamplingParams, TokenEvent  # noqa: F401
+from starshard.config import SamplingConfig  # noqa: F401
+from starshard.serving.scheduler import QueueFull, ServiceUnavailable, TokenEvent  # noqa: F401
 
 
 class Ticket(Protocol):
@@ -18,7 +21,7 @@ class Ticket(Protocol):
         ...
 
 
-class Engine(Protocol):
+class Backend(Protocol):
     model_name: str
     max_model_len: int  # the model window in tokens
 
@@ -35,11 +38,11 @@ class Engine(Protocol):
         prompt: Any,
         *,
         max_tokens: int,
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         stop: list[str] | None,
         on_event: Callable[[TokenEvent], None],
     ) -> Ticket:
-        """Queue one request. Raises QueueFull, EngineUnavailable, or ValueError (prompt + max_tokens
+        """Queue one request. Raises QueueFull, ServiceUnavailable, or ValueError (prompt + max_tokens
         over the window; the message names the limit)."""
         ...
 

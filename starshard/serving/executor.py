@@ -1,6 +1,7 @@
-"""What every rank of the service runs: the scheduler's operations (prefill, extend, decode,
-finish, evict; runtime/service.py decides them on rank 0) applied to this rank's model, KV shards,
-cache entries and batch. Every rank holds the same entries and rows, each with its own shard."""
+"""What every rank of the service runs: the scheduler's operations (serving/ops.py: prefill,
+extend, decode, finish, evict; serving/scheduler.py decides them on rank 0) applied to this rank's
+model, KV shards, cache entries and batch. Every rank holds the same entries and rows, each with its
+own shard."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,10 +13,11 @@ import torch.distributed as dist
 from starshard.config import SamplingConfig
 from starshard.engine.sampling import sample
 from starshard.kernels.common import DECODE_MAX_ROWS
-from starshard.runtime.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
-from starshard.runtime.context_cache import CacheEntry, ContextCache, kv_bytes
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
+from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
+from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes
+from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Row:
 
 class Executor:
     """Runs the scheduler's operations on this rank. The same instance state on every rank: the
-    scheduler's decisions (rank 0) arrive as plain lists of dicts."""
+    scheduler's decisions (rank 0) arrive as lists of operations (serving/ops.py)."""
 
     def __init__(self, runner, cache: ContextCache, cuda_graphs: bool = True):
         self.runner = runner
@@ -78,37 +80,37 @@ class Executor:
         return self.runner.cache_rows(n_tokens) * self.token_bytes()
 
     # -- operations
-    def run(self, ops: list[dict]) -> dict[int, int]:
+    def run(self, ops: list[Op]) -> dict[int, int]:
         """Apply `ops` in order -> {request id: sampled token} (the same on every rank). A step
         admits a request or decodes, never both, so each request gets at most one token a step."""
         tokens: dict[int, int] = {}
         with torch.inference_mode():
             for op in ops:
-                kind = op["op"]
-                if kind == "evict":
-                    self.cache.evict(op["entries"])
-                elif kind == "finish":
-                    self._finish(op["rids"])
-                elif kind == "prefill":
-                    tokens[op["rid"]] = self._prefill(op)
-                elif kind == "extend":
-                    tokens[op["rid"]] = self._extend(op)
-                elif kind == "decode":
-                    tokens.update(self._decode())
-                else:
-                    raise ValueError(f"unknown service operation {kind!r}")
+                match op:
+                    case Evict():
+                        self.cache.evict(op.entries)
+                    case Finish():
+                        self._finish(op.rids)
+                    case Prefill():
+                        tokens[op.rid] = self._prefill(op)
+                    case Extend():
+                        tokens[op.rid] = self._extend(op)
+                    case Decode():
+                        tokens.update(self._decode())
+                    case _:
+                        raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
         return tokens
 
     def _gen(self, seed):
         return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
-    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> list[int]:
-        """One token per row from last-row logits [B, V]: sampled on the query rank, then the same
-        tokens on every rank of the CP group."""
-        toks = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+    def _sample(self, logits: torch.Tensor, draws: list[tuple[SamplingConfig, torch.Generator | None]]) -> list[int]:
+        """One token per row from last-row logits [B, V] and each row's (sampling, generator): sampled
+        on the query rank, then the same tokens on every rank of the CP group."""
+        toks = torch.zeros(len(draws), dtype=torch.long, device=logits.device)
         if self.is_query_rank:
-            for b, r in enumerate(rows):
-                toks[b] = self.sampler(logits[b : b + 1], r.sampling, r.gen)[0]
+            for b, (sampling, gen) in enumerate(draws):
+                toks[b] = self.sampler(logits[b : b + 1], sampling, gen)[0]
         if self.group is not None:
             dist.broadcast(toks, src=dist.get_global_rank(self.group, self.query_rank), group=self.group)
         return toks.tolist()
@@ -128,18 +130,18 @@ class Executor:
         for b, r in enumerate(self.rows):
             r.pool, r.pool_row = self.pool, b
 
-    def _new_row(self, op, entry: CacheEntry, prefix: int, pool: OwnKV | None, first: int, gen) -> Row:
-        return Row(op["rid"], entry, prefix, len(op["ids"]), first, op["max_tokens"] - 1,
-                   SamplingConfig(*op["sampling"]), gen, pool, 0)
+    def _new_row(self, op: Prefill | Extend, entry: CacheEntry, prefix: int, pool: OwnKV | None, first: int,
+                 gen) -> Row:
+        return Row(op.rid, entry, prefix, len(op.ids), first, op.max_tokens - 1, op.sampling, gen, pool, 0)
 
-    def _prefill(self, op) -> int:
-        ids = op["ids"]
-        prompt = Prompt(list(ids), op["context_len"], op["head_len"])
+    def _prefill(self, op: Prefill) -> int:
+        ids = op.ids
+        prompt = Prompt(list(ids), op.context_len, op.head_len)
         kv = self.runner.new_cache(len(ids))
-        gen = self._gen(op["sampling"][3])
-        tok = int(self.runner.prefill(prompt, kv, SamplingConfig(*op["sampling"]), gen))
+        gen = self._gen(op.sampling.seed)
+        tok = int(self.runner.prefill(prompt, kv, op.sampling, gen))
         self.runner.end_generation()
-        entry = CacheEntry(op["entry"], np.asarray(ids, dtype=np.int64), kv, kv_bytes(kv), pinned=op["pinned"])
+        entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), kv, kv_bytes(kv), pinned=op.pinned)
         self.cache.add(entry)
         self.cache.acquire(entry)
         pool = self._empty_pool() if self.is_query_rank else None
@@ -149,9 +151,9 @@ class Executor:
     def _empty_pool(self) -> OwnKV:
         return OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, 1, self.dtype, self.device)
 
-    def _extend(self, op) -> int:
-        ids, m = op["ids"], op["prefix"]
-        entry = self.cache.entries[op["entry"]]
+    def _extend(self, op: Extend) -> int:
+        ids, m = op.ids, op.prefix
+        entry = self.cache.entries[op.entry]
         self.cache.acquire(entry)
         entry.hits += 1
         suffix = torch.tensor([ids[m:]], device=self.device)
@@ -161,10 +163,10 @@ class Executor:
             pool = OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, len(ids) - m, self.dtype, self.device)
         cascade = CascadeAttention([SharedGroup(entry.kv, [0], [m], len(entry))], pool, self.group, self.device)
         logits = run_cascade(self.model, suffix, pos, cascade)
-        row = self._new_row(op, entry, m, pool, 0, self._gen(op["sampling"][3]))
-        row.last_token = self._sample(logits, [row])[0]
-        self._join(row)
-        return row.last_token
+        gen = self._gen(op.sampling.seed)
+        tok = self._sample(logits, [(op.sampling, gen)])[0]
+        self._join(self._new_row(op, entry, m, pool, tok, gen))
+        return tok
 
     def _batch_cascade(self) -> CascadeAttention:
         """The batch's attention: one shared group per cache entry its rows use, and the own-KV pool."""
@@ -187,7 +189,7 @@ class Executor:
             logits = run_cascade(self.model, toks, pos, self._batch_cascade())
         self._steady += 1
         out = {}
-        for r, t in zip(rows, self._sample(logits, rows)):
+        for r, t in zip(rows, self._sample(logits, [(r.sampling, r.gen) for r in rows])):
             r.last_token, r.next_pos, r.remaining = t, r.next_pos + 1, r.remaining - 1
             out[r.rid] = t
         return out
