@@ -24,8 +24,10 @@ def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
                      help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
                      "remainder); must match a converted checkpoint's split")
     par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
+    exact = " / ".join(s.name for s in SPECS.values() if s.exact and not s.single_rank)
+    approximate = " / ".join(s.name for s in SPECS.values() if not s.exact)
     par.add_argument("--cp-strategy", choices=STRATEGIES, default=None,
-                     help="how the CP group splits the sequence: ring / ulysses / usp (exact), star / apb (approximate); "
+                     help=f"how the CP group splits the sequence: {exact} (exact), {approximate} (approximate); "
                      "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
     add_strategy_arguments(ap, par)
 
@@ -33,11 +35,12 @@ def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
 def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
     """Sparse prefill inside each shard (MInference, AnchorAttention)."""
     sp = ap.add_argument_group("sparse prefill (approximate; decode stays dense)")
+    with_sparse = [s.name for s in SPECS.values() if s.sparse]
     sp.add_argument("--sparse", choices=["minference", "anchor"], default=None,
                     help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
                     "Vertical-Slash / Block-Sparse patterns; anchor = AnchorAttention stripes (keys whose score is "
-                    "within --anchor-theta of the block's anchor); composes with dense, ulysses, star and apb, "
-                    "not ring/usp. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
+                    f"within --anchor-theta of the block's anchor); composes with {', '.join(with_sparse[:-1])} and "
+                    f"{with_sparse[-1]}, not {'/'.join(s.name for s in SPECS.values() if not s.sparse)}. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
                     "without estimating (--sparse-min-length), and after the estimate every head whose sparse kernel "
                     "would not beat the dense kernel (rates measured on one H200) runs dense; `launch/bench.py "
                     "prefill` reports what ran (sparse_report)")

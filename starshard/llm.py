@@ -34,7 +34,7 @@ from starshard.runtime.local import LocalRunner
 from starshard.runtime.model_parallel import ParallelRunner, VocabSampler
 from starshard.runtime.monitor import RunCallbacks
 from starshard.runtime.prompt import Prompt, build_prompt, check_window, load_tokenizer
-from starshard.strategies import fp8_attention_error, given_options, sparse_error
+from starshard.strategies import fp8_attention_error, get_spec, given_options, sparse_error
 
 
 @dataclass
@@ -51,7 +51,7 @@ def choose_runner(model, topo: Topology, parallel: ParallelConfig, *, tp_pp: boo
     takes the CP runner, which also drives tensor and pipeline parallelism; tp / pp alone the
     model-parallel runner; everything else the local one."""
     p = parallel
-    if p.cp > 1 or p.cp_strategy != "dense":
+    if p.cp > 1 or not get_spec(p.cp_strategy).single_rank:
         strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None, cp_groups=topo.group_ranks("cp"),
                                  tp_group=topo.tp_group if p.tp > 1 else None, **given_options(p))
         attn = model.layers[0].attention

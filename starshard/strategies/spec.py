@@ -45,7 +45,7 @@ ANCHOR_SIZE = Option("anchor_size", "--anchor-size",
                      "apb: anchor tokens per host (default: the paper's table, context/hosts/4 capped at 8192; 0 = none)")
 NUM_BLOCKS = Option("num_blocks", "--num-blocks",
                     "star: cut the context into this many blocks instead of giving --block-size (default: --cp); "
-                    "with --cp 1 this runs on one device exactly what that many hosts would")
+                    "with --cp 1 this runs on one device exactly what that many hosts would; apb: the same as --apb-hosts")
 
 
 def at_least(options: dict, floor: int, *fields: Option) -> None:

@@ -24,10 +24,10 @@ from starshard.parallel.context.base import ContextStrategy, Segment, cache_appe
 from starshard.parallel.context.collectives import all_gather_1d
 from starshard.parallel.context.sharding import contiguous_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
-from starshard.strategies.ulysses import check_ulysses_heads, valid_cp_sizes
+from starshard.strategies.ulysses import check_ulysses_heads
 
-__all__ = ["ulysses_attention", "ulysses_core", "check_ulysses_heads", "kv_head_copies", "valid_cp_sizes",
-           "seq_to_heads", "heads_to_seq", "gather_positions", "UlyssesAttention"]
+__all__ = ["ulysses_attention", "ulysses_core", "kv_head_copies", "seq_to_heads", "heads_to_seq", "gather_positions",
+           "UlyssesAttention"]
 
 # (q, k, v, q_pos, k_pos, packed) of the head shards -> (out, lse): what runs between the two all-to-alls.
 # packed: with FP8 K/V on the wire, the (k, v) head shards as the e4m3 bytes that arrived, else None.

@@ -19,8 +19,9 @@ from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.ring import RingPlan, build_ring_plan, ring_attention
 from starshard.parallel.context.sharding import usp_shard, zigzag_chunks, zigzag_positions
-from starshard.parallel.context.ulysses import check_ulysses_heads, ulysses_core
+from starshard.parallel.context.ulysses import ulysses_core
 from starshard.parallel.context.wire import WireStats, fp8_wire
+from starshard.strategies.ulysses import check_ulysses_heads
 from starshard.strategies.usp import check_degree
 
 __all__ = ["usp_attention", "usp_group_ranks", "new_usp_groups", "usp_coords", "usp_ring_plan", "UspAttention"]
