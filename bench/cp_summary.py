@@ -20,7 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from starshard.parallel.context import flops  # noqa: E402
+from starshard.strategies.apb import apb_flops  # noqa: E402
+from starshard.strategies.dense import dense_flops  # noqa: E402
+from starshard.strategies.flops import predicted_seconds  # noqa: E402
+from starshard.strategies.ring import ring_flops  # noqa: E402
+from starshard.strategies.star import star_flops  # noqa: E402
 from starshard.presets import preset_config  # noqa: E402
 
 CFG = preset_config("llama-3.1-8b")
@@ -32,14 +36,14 @@ STRATS = {"dense": {}, "ring": {}, "ulysses": {}, "star": {"block": 32768, "anch
 def model_seconds(name: str, L: int, cp: int, peak: float) -> float:
     kw = STRATS[name]
     if name == "dense":
-        ranks = flops.dense_flops(CFG, L)
+        ranks = dense_flops(CFG, L)
     elif name in ("ring", "ulysses"):
-        ranks = flops.ring_flops(CFG, L, cp)
+        ranks = ring_flops(CFG, L, cp)
     elif name == "star":
-        ranks = flops.star_flops(CFG, L - Q, cp, kw["block"], kw["anchor"], query_len=Q)
+        ranks = star_flops(CFG, L - Q, cp, kw["block"], kw["anchor"], query_len=Q)
     else:
-        ranks = flops.apb_flops(CFG, L - Q, cp, kw["anchor"], kw["passing"], query_len=Q)
-    return flops.predicted_seconds(ranks, peak)
+        ranks = apb_flops(CFG, L - Q, cp, kw["anchor"], kw["passing"], query_len=Q)
+    return predicted_seconds(ranks, peak)
 
 
 def measured(run: Path) -> dict[tuple[str, int], dict[int, float]]:

@@ -23,16 +23,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, apb_cli_error,  # noqa: E402
-                           fp8_config, sparse_config)
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,  # noqa: E402
+                           sparse_config, strategy_cli_error)
 from starshard.evaluation.tasks import TASKS  # noqa: E402
 from starshard.parallel.exit import exit_process  # noqa: E402
+from starshard.strategies import OPTIONS  # noqa: E402
 
 # Engine flags passed on to LLM(...) only when given (not at their defaults); the engine decides what
-# it supports.
-ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "pp_layers", "block_size", "num_blocks", "anchor_size", "query_rank",
-                "ulysses_degree", "sparse", "passing_size", "compressor", "compressor_path", "embed_query", "prefix_len",
-                "apb_hosts", "fp8")
+# it supports. OPTIONS: every context strategy's options (the registry's).
+ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "pp_layers", *OPTIONS, "sparse", "fp8")
+
 
 
 def _flag_defaults() -> dict:
@@ -95,7 +95,7 @@ def parse_args(argv=None):
         return args
     if args.out is None:
         ap.error("--out DIR is required (or --compare DIR ...)")
-    bad = apb_cli_error(args, args.cp_strategy, args.cp)  # --sparse-config without --sparse: build_llm says so
+    bad = strategy_cli_error(args)  # --sparse-config without --sparse: build_llm says so
     if bad:
         ap.error(bad)
     try:

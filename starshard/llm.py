@@ -21,8 +21,8 @@ from starshard.checkpoints.sources import check_source_fp8, read_config, weight_
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
 from starshard.engine.model import dense_attend_int8_scores
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
-from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
-from starshard.parallel.context import make_strategy, strategy_options
+from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
+from starshard.parallel.context import make_strategy
 from starshard.parallel.fp8 import fuse_inputs, quantize_experts, quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
@@ -34,6 +34,7 @@ from starshard.runtime.local import LocalRunner
 from starshard.runtime.model_parallel import ParallelRunner, VocabSampler
 from starshard.runtime.monitor import RunCallbacks
 from starshard.runtime.prompt import Prompt, build_prompt, check_window, load_tokenizer
+from starshard.strategies import fp8_attention_error, get_spec, given_options, sparse_error
 
 
 @dataclass
@@ -50,9 +51,9 @@ def choose_runner(model, topo: Topology, parallel: ParallelConfig, *, tp_pp: boo
     takes the CP runner, which also drives tensor and pipeline parallelism; tp / pp alone the
     model-parallel runner; everything else the local one."""
     p = parallel
-    if p.cp > 1 or p.cp_strategy != "dense":
+    if p.cp > 1 or not get_spec(p.cp_strategy).single_rank:
         strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None, cp_groups=topo.group_ranks("cp"),
-                                 tp_group=topo.tp_group if p.tp > 1 else None, **strategy_options(p))
+                                 tp_group=topo.tp_group if p.tp > 1 else None, **given_options(p))
         attn = model.layers[0].attention
         try:  # before any prefill collective: every rank raises alike
             strategy.check_heads(attn.n_heads, attn.n_kv_heads)
@@ -118,14 +119,10 @@ class LLM:
         launch = read_launch_env()
         if random_weights is not None and path is not None:
             raise ValueError("give either a model path or random_weights, not both")
-        bad = fp8.layout_error(p.cp, p.cp_strategy, sparse is not None)
+        bad = ((fp8_attention_error(p.cp_strategy, p.cp, sparse is not None) if fp8.attention else None)
+               or (sparse_error(p.cp_strategy) if sparse is not None else None))  # the strategies' registry
         if bad:
             raise LayoutError(bad)
-        if sparse is not None and p.cp_strategy in ("ring", "usp"):
-            try:
-                refuse_sparse(sparse, p.cp_strategy)
-            except ValueError as e:
-                raise LayoutError(str(e)) from None
         tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
         sliced = tp_pp or random_weights is not None or p.cp > 1  # each rank builds its own slices
         if random_weights is not None:

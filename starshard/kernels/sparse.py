@@ -30,6 +30,7 @@ from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.kernels.attention import attention
 from starshard.kernels.common import DECODE_MAX_ROWS, MIN_SPARSE_ROWS
 from starshard.kernels.minference import MInferenceConfig, measured_rates
+from starshard.strategies import sparse_error
 
 SPARSE_METHODS = ("minference", "anchor")
 
@@ -238,6 +239,7 @@ def install_sparse(model, method: SparseMethod | None, head_offset: int = 0) -> 
 
 
 def refuse_sparse(sparse: LayerSparse | None, strategy: str) -> None:
-    if sparse is not None:
-        raise ValueError(f"--sparse does not compose with --cp-strategy {strategy}: its patterns are estimated over "
-                         "a row's whole key range, which a ring step never sees; use dense, ulysses, star or apb")
+    """Inside a strategy's attention: refuse a sparse pattern where the registry says it does not compose."""
+    bad = sparse_error(strategy) if sparse is not None else None
+    if bad:
+        raise ValueError(bad)
