@@ -161,7 +161,7 @@ class LLM:
                 layer.attention.attend = dense_attend_int8_scores
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
         if fp8.attention and p.cp_strategy != "dense":
-            self.runner.strategy.int8_scores = True  # Star's context blocks, Ulysses (config.FP8_ATTENTION_STRATEGIES)
+            self.runner.strategy.int8_scores = True  # where the spec says fp8_attention (strategies/): Star's context blocks, Ulysses
         self.runner.kv_fp8 = fp8.kv
         self.config: ModelConfig = model.config
         self.tokenizer = load_tokenizer(self.path) if self.path is not None else None

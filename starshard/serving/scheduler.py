@@ -35,6 +35,7 @@ from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, ch
 from starshard.serving.context_cache import ContextCache
 from starshard.serving.executor import Executor
 from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
+from starshard.strategies import get_spec
 
 log = logging.getLogger("starshard.serve")
 
@@ -116,7 +117,7 @@ class Scheduler:
         self.cache = ContextCache(cache_bytes)
         self.executor = Executor(runner, self.cache, cuda_graphs)
         strategy = getattr(runner, "strategy", None)
-        self.reuse = strategy is None or strategy.name != "apb"  # APB's KV depends on the question
+        self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
         self.control = control_group()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._lock = threading.Condition()
