@@ -316,7 +316,7 @@ def test_fp8_attention_one_process(tmp_path, monkeypatch):
     base = LLM(path)
     for fp8 in ("attention", "linear,kv,attention"):
         llm = LLM(path, fp8=fp8)
-        assert all(layer.attention.attend is dense_attend_int8_scores for layer in llm.model.layers)
+        assert all(fn is dense_attend_int8_scores for fn in llm.model.layer_attends())
         assert llm.runner.decode_is_local()  # decode keeps the local path (CUDA graphs on a GPU)
         calls.clear()
         got, want = _last_logits(llm, ids), _last_logits(base, ids)

@@ -130,14 +130,8 @@ class CascadeAttention:
 
 
 def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
-    saved = [layer.attention.attend for layer in model.layers]
-    try:
-        for i, layer in zip(model.layer_ids, model.layers):
-            layer.attention.attend = cascade.hook(i)
+    with model.attention_hooks([cascade.hook(i) for i in model.layer_ids]):
         logits = model(tokens, positions=positions, cache=None, last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
     return logits[:, -1]
 
 
