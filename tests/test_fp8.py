@@ -239,7 +239,8 @@ def _last_logits(llm, ids):
     with torch.inference_mode():
         if hasattr(runner, "prefill_logits"):
             runner.prefill_logits(torch.tensor(ids[:-1]), len(ids) - 2, cache)
-            logits = runner._forward(torch.tensor([ids[-1:]]), cache=cache, last_only=True)
+            with runner._strategy_attention(runner.strategy.decode_attend):
+                logits = runner._forward(torch.tensor([ids[-1:]]), cache=cache, last_only=True)
             return logits[0, -1] if runner.strategy.is_query_rank else None
         llm.model(torch.tensor([ids[:-1]]), cache=cache)
         return llm.model(torch.tensor([ids[-1:]]), cache=cache, last_only=True)[0, -1]
