@@ -137,7 +137,7 @@ def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: Casc
 
 def run_cascade(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
     """One forward of tokens [B, L] at positions [B, L] with every layer attending through
-    `cascade` -> last-row logits [B, V] (float32). The model's own hooks are restored after."""
+    `cascade` -> last-row logits [B, V] (float32). The hooks hold for this forward only."""
     logits = _forward(model, tokens, positions, cascade)
     if cascade.own is not None:
         cascade.own.advance(tokens.shape[1])

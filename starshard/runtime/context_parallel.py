@@ -71,8 +71,8 @@ class ContextParallelRunner(LocalRunner):
         owner = s.last_token_rank(L, context_len)
         if s.query_phase:
             with self._strategy_attention(s.decode_attend):
-                logits = self._forward(ids[None, context_len:], positions=torch.arange(context_len, L, device=ids.device),
-                                       cache=cache, last_only=True)
+                logits = self._forward(ids[None, context_len:], cache=cache, last_only=True,
+                                       positions=torch.arange(context_len, L, device=ids.device))
             owner = s.query_rank
         if self.link is not None:
             self.link.flush()

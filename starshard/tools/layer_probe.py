@@ -11,7 +11,7 @@ def probe_layers(model, ids: list[int], observe: Callable[[int, torch.Tensor, to
                  layers=None) -> None:
     """Run `ids` through `model` once (no grad, last token's logits only); as each selected layer's
     attention runs, call observe(layer index, q, k) with its post-RoPE queries and keys. The attention
-    itself runs unchanged, and every layer's hook is restored afterwards, also on error."""
+    itself runs unchanged, and each layer's previous attention is back afterwards, also on error."""
     want = set(range(len(model.layers))) if layers is None else set(layers)
 
     def wrap(i, fn):
