@@ -19,7 +19,6 @@ from starshard.checkpoints.default import default_checkpoint, default_model_spar
 from starshard.checkpoints.load import load_model
 from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
-from starshard.engine.model import dense_attend_int8_scores
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
 from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
 from starshard.parallel.context import make_strategy
@@ -157,8 +156,7 @@ class LLM:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
         if fp8.attention and p.cp_strategy == "dense":
-            for layer in model.layers:
-                layer.attention.attend = dense_attend_int8_scores
+            model.int8_scores = True  # every layer's own attention: dense_attend_int8_scores
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
         if fp8.attention and p.cp_strategy != "dense":
             self.runner.strategy.int8_scores = True  # where the spec says fp8_attention (strategies/): Star's context blocks, Ulysses

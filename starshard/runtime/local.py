@@ -6,7 +6,6 @@ import torch
 
 from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
-from starshard.engine.model import LOCAL_ATTENDS
 from starshard.engine.sampling import sample
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.prompt import Prompt
@@ -58,8 +57,8 @@ class LocalRunner:
 
     def decode_is_local(self) -> bool:
         """A decode step is plain attention over this process's whole cache (what GraphDecoder
-        captures), not a strategy's hook."""
-        return all(layer.attention.attend in LOCAL_ATTENDS for layer in self.model.layers)
+        captures): the model's own attention, no caller's hooks installed."""
+        return not self.model.hooked
 
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""

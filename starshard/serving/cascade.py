@@ -130,20 +130,14 @@ class CascadeAttention:
 
 
 def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
-    saved = [layer.attention.attend for layer in model.layers]
-    try:
-        for i, layer in zip(model.layer_ids, model.layers):
-            layer.attention.attend = cascade.hook(i)
+    with model.attention_hooks([cascade.hook(i) for i in model.layer_ids]):
         logits = model(tokens, positions=positions, cache=None, last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
     return logits[:, -1]
 
 
 def run_cascade(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
     """One forward of tokens [B, L] at positions [B, L] with every layer attending through
-    `cascade` -> last-row logits [B, V] (float32). The model's own hooks are restored after."""
+    `cascade` -> last-row logits [B, V] (float32). The hooks hold for this forward only."""
     logits = _forward(model, tokens, positions, cascade)
     if cascade.own is not None:
         cascade.own.advance(tokens.shape[1])
