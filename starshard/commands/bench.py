@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmarks -> JSON (+ PNG). One program, one subcommand per benchmark; each subcommand's --help
 says what it measures and how it times it (the code: starshard/benchmarks/<subcommand>.py).
 
@@ -21,16 +20,10 @@ Every result records the device, date and git commit.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
-
-from starshard.benchmarks import anchor, attention, fp8_attention, hf, kernels, moe, plot, prefill, serve, sparse, tp  # noqa: E402
-from starshard.parallel.exit import exit_process  # noqa: E402
+from starshard.benchmarks import anchor, attention, fp8_attention, hf, kernels, moe, plot, prefill, serve, sparse, tp
 
 SUBCOMMANDS = {"prefill": prefill, "attention": attention, "hf": hf, "tp": tp, "serve": serve, "sparse": sparse,
                "anchor": anchor, "kernels": kernels, "fp8-attention": fp8_attention, "moe": moe, "plot": plot}
@@ -61,8 +54,3 @@ def main(argv=None):
     SUBCOMMANDS[args.cmd].run(args)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    exit_process(main())

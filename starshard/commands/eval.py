@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Accuracy harness: seeded RULER-style synthetic tasks through any engine configuration.
 
     python launch/eval.py --lengths 1024,2048 --samples-per-cell 2 --out runs/dense
@@ -21,12 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, apb_cli_error,  # noqa: E402
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, apb_cli_error,
                            fp8_config, sparse_config)
-from starshard.evaluation.tasks import TASKS  # noqa: E402
-from starshard.parallel.exit import exit_process  # noqa: E402
+from starshard.config import ParallelConfig
+from starshard.evaluation import report
+from starshard.evaluation.scoring import found, score
+from starshard.evaluation.tasks import TASKS, TASKS_VERSION, make_samples, template_overhead
+from starshard.llm import LLM
 
 # Engine flags passed on to LLM(...) only when given (not at their defaults); the engine decides what
 # it supports.
@@ -136,7 +136,7 @@ def build_llm(args, llm_cls=None):
     """LLM(--model, engine flags given, device, dtype). Flags that LLM(...) does not take itself go into
     its `parallel` ParallelConfig; a flag neither takes is refused with a message naming it."""
     if llm_cls is None:
-        from starshard import LLM as llm_cls
+        llm_cls = LLM
     params = inspect.signature(llm_cls).parameters
     open_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     takes = lambda k: open_kw or k in params  # noqa: E731
@@ -156,8 +156,6 @@ def build_llm(args, llm_cls=None):
         else:
             layout[k] = v
     if layout:
-        from starshard.config import ParallelConfig
-
         fields = {f.name for f in dataclasses.fields(ParallelConfig)}
         missing = [k for k in layout if k not in fields]
         if missing or "parallel" not in params:
@@ -180,8 +178,6 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
     """Run every sample through llm.generate (greedy) and score it; one row per sample."""
     from tqdm import tqdm
 
-    from starshard.evaluation.scoring import found, score
-
     rows, total = [], 0.0
     bar = tqdm(samples, desc=label, unit="sample", disable=not progress, dynamic_ncols=True)
     for s in bar:
@@ -202,7 +198,6 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
 
 def main(argv=None, llm_cls=None) -> int:
     args = parse_args(argv)
-    from starshard.evaluation import report
 
     if args.compare:
         table = report.compare_table(args.compare)
@@ -211,8 +206,6 @@ def main(argv=None, llm_cls=None) -> int:
             (args.out / "compare.md").write_text(table + "\n")
         print(table)
         return 0
-
-    from starshard.evaluation.tasks import TASKS_VERSION, make_samples, template_overhead
 
     llm = build_llm(args, llm_cls)
     topo = getattr(llm, "topology", None)
@@ -243,7 +236,3 @@ def main(argv=None, llm_cls=None) -> int:
         print(report.PLOT_HINT, file=sys.stderr)
     print(report.task_table(summary, name))
     return 0
-
-
-if __name__ == "__main__":
-    exit_process(main())

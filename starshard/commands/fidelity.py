@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Attention-level fidelity of approximate attention (Star, APB, MInference) against dense, per layer.
 
     python launch/fidelity.py --task niah_number --length 2048 --depth 0.5 \\
@@ -45,9 +44,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.load import load_model
+from starshard.checkpoints.sources import random_model
+from starshard.evaluation.fidelity import (DEFAULT_TILE_ELEMENTS, APBApproximation, MaskApproximation,
+                                          MInferenceApproximation, StarApproximation, measure)
+from starshard.evaluation.tasks import TASKS, make_sample, template_overhead
+from starshard.kernels import minference as mi
+from starshard.presets import preset_config
+from starshard.runtime.prompt import build_prompt, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -85,9 +92,6 @@ def _bool(v: str) -> bool:
 
 
 def build_approximations(args) -> list:
-    from starshard.evaluation.fidelity import APBApproximation, MInferenceApproximation, StarApproximation
-    from starshard.kernels import minference as mi
-
     out = []
     for text in args.star or []:
         spec = parse_spec(text, "--star")
@@ -164,8 +168,6 @@ def mask_approximation(spec: dict, text: str):
     """--mask fn=MODULE:FUNCTION,...: a kept set from any importable function of the layer's inputs."""
     import functools
     import importlib
-
-    from starshard.evaluation.fidelity import MaskApproximation
 
     target = spec.get("fn")
     if not target or ":" not in target:
@@ -256,24 +258,16 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 def load(args):
     """(model, tokenizer or None, model label)."""
-    from starshard.checkpoints.load import load_model
-    from starshard.checkpoints.sources import random_model
-
     dtype = DTYPES[args.dtype]
     if args.random_weights is not None:
         if args.model is not None:
             raise SystemExit("error: give --model or --random-weights, not both")
-        from starshard.presets import preset_config
-
         try:
             cfg = preset_config(args.random_weights)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         return (random_model(cfg, dtype=dtype, device=args.device, seed=args.weights_seed), None,
                 f"random:{args.random_weights}:seed{args.weights_seed}")
-    from starshard.checkpoints.default import default_checkpoint
-    from starshard.runtime.prompt import load_tokenizer
-
     path = Path(args.model) if args.model is not None else default_checkpoint()
     if not path.exists():
         raise SystemExit(f"error: --model {path} does not exist")
@@ -285,8 +279,6 @@ def load(args):
 
 def build_input(args, tok, vocab: int):
     """(token ids, context_len, description)."""
-    from starshard.runtime.prompt import build_prompt
-
     files = [f for f in (args.prompt_file, args.context_file) if f is not None]
     if len(files) > 1:
         raise SystemExit("error: give --prompt-file or --context-file (+ --question), not both")
@@ -311,7 +303,6 @@ def build_input(args, tok, vocab: int):
             raise SystemExit("error: --context-file needs --question (the query part)")
         p = build_prompt(tok, context=args.context_file.read_text(), question=args.question, raw=raw)
         return torch.tensor(p.ids), p.context_len, f"context file {args.context_file.name}"
-    from starshard.evaluation.tasks import TASKS, make_sample, template_overhead
 
     if args.task not in TASKS:
         raise SystemExit(f"error: unknown --task {args.task!r}; choose from {', '.join(TASKS)}")
@@ -329,7 +320,6 @@ def build_input(args, tok, vocab: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from starshard.evaluation.fidelity import DEFAULT_TILE_ELEMENTS, measure
 
     approximations = build_approximations(args)
     layers = parse_layers(args.layers)
@@ -357,7 +347,3 @@ def main(argv=None) -> int:
         for path in report.write(args.out):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """starshard main job: run one prompt through a model and print the answer.
 
     python launch/infer.py                                   # embedded SmolLM2-135M-Instruct, CPU
@@ -26,12 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,  # noqa: E402
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,
                            fp8_config, layout_error, parallel_config, sparse_config)
-from starshard.parallel.exit import exit_process  # noqa: E402
-from starshard.parallel.topology import read_launch_env  # noqa: E402
+from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.load import CheckpointError
+from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
+from starshard.llm import LLM
+from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
+from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, gib, max_prompt_tokens, plan_memory,
+                               smallest_layout)
+from starshard.presets import preset_config
+from starshard.runconfig import parse_with_config
+from starshard.runtime.monitor import RunMonitor, Watchdog
+from starshard.runtime.prompt import Prompt, build_prompt, load_tokenizer
+from starshard.runtime.prompt import check_window as check_prompt_window
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 log = logging.getLogger("starshard.infer")
@@ -98,8 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", type=Path, default=None,
                     help="TOML run config whose keys are these flags' long names (tables only group them); flags "
                     "given on the command line override it; relative paths are relative to the file (examples/)")
-    from starshard.runconfig import parse_with_config
-
     if read_launch_env().rank != 0:  # every rank parses the same flags: only rank 0 says what is wrong
         ap.error = lambda message: sys.exit(2)
     args = parse_with_config(ap, argv)
@@ -150,19 +155,12 @@ def prompt_kwargs(args) -> dict:
 def model_config(args, lead: bool):
     """(model config, checkpoint path or None) from the config alone: no weights are read. A checkpoint
     converted with --fp8 linear without --fp8 linear here is refused (its projections exist only in e4m3)."""
-    from starshard.checkpoints.load import CheckpointError
-    from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
-
     if args.random_weights is not None:
-        from starshard.presets import preset_config
-
         try:
             return preset_config(args.random_weights), None
         except ValueError as e:
             raise Abort(str(e)) from None
     if args.model is None:
-        from starshard.checkpoints.default import default_checkpoint
-
         path = default_checkpoint(progress=lead and not args.json)  # converted once into the cache dir
     else:
         path = Path(args.model)
@@ -177,8 +175,6 @@ def model_config(args, lead: bool):
 def encode_prompt(args, path, kw, vocab_size: int):
     """The prompt's token ids and context / query split, tokenized once (the tokenizer only; the
     memory plan needs the lengths before any weights load, generate() takes the same Prompt)."""
-    from starshard.runtime.prompt import Prompt, build_prompt, load_tokenizer
-
     if args.prompt_len is not None:
         import torch
 
@@ -192,17 +188,13 @@ def encode_prompt(args, path, kw, vocab_size: int):
 
 
 def check_window(cfg, n_prompt: int, max_new: int) -> None:
-    from starshard.runtime.prompt import check_window as check
-
     try:
-        check(cfg, n_prompt, max_new, budget="--max-new-tokens")
+        check_prompt_window(cfg, n_prompt, max_new, budget="--max-new-tokens")
     except ValueError as e:
         raise Abort(str(e)) from None
 
 
 def memory_limit(args, device: str, local_rank: int) -> int | None:
-    from starshard.planner import GiB
-
     if args.memory_limit_gb is not None:
         if args.memory_limit_gb <= 0:
             raise Abort(f"--memory-limit-gb must be > 0, got {args.memory_limit_gb}")
@@ -228,8 +220,6 @@ def gpus_per_node() -> int:
 
 def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     """The planner's (Layout, Workload) for these flags (ValueError on an impossible layout)."""
-    from starshard.planner import Layout, Workload
-
     lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
                  args.block_size, args.anchor_size, args.query_rank)
     fp8 = fp8_config(args)
@@ -240,8 +230,6 @@ def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
 
 def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit: int | None):
     """(plan, smallest fitting plan or None); Abort on an impossible layout."""
-    from starshard.planner import plan_memory, smallest_layout
-
     try:
         lay, work = plan_inputs(args, n_prompt, n_context, dtype_bytes)
         plan = plan_memory(cfg, lay, work)
@@ -257,8 +245,6 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
 def longest_prompt(args, cfg, dtype_bytes: int, limit: int | None) -> dict:
     """--max-prompt: the longest prompt whose plan fits `limit`, and that plan's peak."""
     import dataclasses
-
-    from starshard.planner import max_prompt_tokens, plan_memory
 
     if limit is None:
         raise Abort("--max-prompt needs a memory limit: give --memory-limit-gb (on CUDA the default is 90% of the GPU)")
@@ -287,8 +273,6 @@ def plan_json(plan, limit, best) -> dict:
 
 
 def refusal(plan, limit, best) -> str:
-    from starshard.planner import gib
-
     s = plan.worst
     msg = (f"layout {plan.layout.describe()} needs {gib(plan.peak_bytes)} per rank (stage {s.pp_rank}: weights "
            f"{gib(s.weights)}, KV cache {gib(s.kv_cache)}, activations {gib(s.activations)}) but {gib(limit)} is "
@@ -338,8 +322,6 @@ def _close_process_group() -> None:
 def run(args, launch, lead: bool, t_start: float) -> int:
     import torch
 
-    from starshard.planner import DTYPE_BYTES
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
@@ -349,8 +331,6 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     if args.max_prompt:
         r = longest_prompt(args, cfg, DTYPE_BYTES[dtype_name], memory_limit(args, device, launch.local_rank))
         if lead:
-            from starshard.planner import gib
-
             print(json.dumps(r) if args.json else
                   f"longest prompt that fits {gib(r['limit_bytes'])} per rank: {r['max_prompt_tokens']} tokens "
                   f"(+ {r['max_new_tokens']} new; model window {r['model_window']})")
@@ -371,11 +351,6 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     log.info("memory plan: %s", plan.table(limit).splitlines()[-1])
     log.debug("%s", plan.table(limit))
     times = {"plan": time.perf_counter() - t_start}
-
-    from starshard import LLM
-    from starshard.checkpoints.load import CheckpointError
-    from starshard.parallel.topology import LayoutError, collective_failure
-    from starshard.runtime.monitor import RunMonitor, Watchdog
 
     try:
         parallel, sparse = parallel_config(args), sparse_config(args)
@@ -424,7 +399,3 @@ def run(args, launch, lead: bool, t_start: float) -> int:
               f"{m['generated_tokens']} new tokens at {m['decode_tokens_per_second']:.1f} tok/s, {out.finish_reason}]",
               file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    exit_process(main())

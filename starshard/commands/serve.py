@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """starshard as a service: an OpenAI-compatible HTTP server over the whole parallel group.
 
     python launch/serve.py                                              # embedded SmolLM2, CPU, 127.0.0.1:8000
@@ -21,14 +20,16 @@ import sys
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,  # noqa: E402
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
                            layout_error, parallel_config, sparse_config)
-from starshard.parallel.exit import exit_process  # noqa: E402
-from starshard.parallel.topology import read_launch_env  # noqa: E402
-from starshard.runconfig import parse_with_config  # noqa: E402
-from starshard.server.settings import API_KEY_ENV  # noqa: E402
+from starshard.checkpoints.load import CheckpointError
+from starshard.llm import LLM
+from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
+from starshard.planner import DTYPE_BYTES, Layout, Workload, plan_memory
+from starshard.runconfig import parse_with_config
+from starshard.runtime.service import Service
+from starshard.server.app import create_app, make_server
+from starshard.server.settings import API_KEY_ENV, ServerSettings
 
 log = logging.getLogger("starshard.serve")
 
@@ -109,8 +110,6 @@ def default_cache_bytes(llm, args, device) -> int:
     (weights), a window-long prefill's activations and the batch's own tokens; 2 GiB on CPU."""
     import torch
 
-    from starshard.planner import DTYPE_BYTES, Layout, Workload, plan_memory
-
     if device.type != "cuda":
         return 2 * 2**30
     cfg, p = llm.config, llm.parallel
@@ -125,11 +124,6 @@ def default_cache_bytes(llm, args, device) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-
-    from starshard import LLM
-    from starshard.checkpoints.load import CheckpointError
-    from starshard.parallel.topology import LayoutError, collective_failure
-    from starshard.runtime.service import Service
 
     launch = read_launch_env()
     lead = launch.rank == 0
@@ -162,9 +156,6 @@ def main(argv=None) -> int:
 
 
 def serve_lead(service, args, cache_bytes: int) -> int:
-    from starshard.server.app import create_app, make_server
-    from starshard.server.settings import ServerSettings
-
     settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                               max_body_bytes=int(args.max_body_mb * 2**20), max_tokens_limit=args.max_tokens_limit,
                               served_model_name=service.model_name, log_prompts=args.log_prompts,
@@ -191,7 +182,3 @@ def serve_lead(service, args, cache_bytes: int) -> int:
         os._exit(1)  # the group is broken: tearing it down can block
     service.shutdown()
     return 0
-
-
-if __name__ == "__main__":
-    exit_process(main())
