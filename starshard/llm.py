@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.default import default_checkpoint, default_model_sparse
+from starshard.checkpoints.default import default_model_sparse
 from starshard.checkpoints.load import load_model
-from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
 from starshard.engine.model import dense_attend_int8_scores
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
@@ -26,13 +25,13 @@ from starshard.parallel.context import make_strategy, strategy_options
 from starshard.parallel.fp8 import fuse_inputs, quantize_experts, quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
-from starshard.presets import preset_config
 from starshard.runtime.build import build_rank_model, plan_parallel
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.generate import generate_tokens
 from starshard.runtime.local import LocalRunner
 from starshard.runtime.model_parallel import ParallelRunner, VocabSampler
 from starshard.runtime.monitor import RunCallbacks
+from starshard.runtime.preflight import Weights, check_weights
 from starshard.runtime.prompt import Prompt, build_prompt, check_window, load_tokenizer
 
 
@@ -107,11 +106,15 @@ class LLM:
     (engine/kv_cache.py), `attention` 8-bit prefill scores, `experts` an MoE model's experts. Needs a GPU
     of compute capability >= 8.9 (and bfloat16 for `linear`); on the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
     (CheckpointError otherwise) and loads its e4m3 weights as stored.
+    cuda_graphs: replay single-token decode steps from captured CUDA graphs (on CUDA; False: eager).
+    weights: the pre-flight's result (runtime/preflight.py check_weights) for these same path, random_weights
+    and fp8, from a launcher that read it to plan memory: the checkpoint is then not checked again.
     """
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
                  parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
-                 weights_seed: int = 0, sparse: SparseConfig | None = None, fp8: Fp8Config | str | None = None):
+                 weights_seed: int = 0, sparse: SparseConfig | None = None, fp8: Fp8Config | str | None = None,
+                 cuda_graphs: bool = True, weights: Weights | None = None):
         self.parallel = p = parallel or ParallelConfig()
         self.fp8 = fp8 = Fp8Config.parse(fp8)
         check_fp8(fp8, device, dtype)
@@ -128,19 +131,14 @@ class LLM:
                 raise LayoutError(str(e)) from None
         tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
         sliced = tp_pp or random_weights is not None or p.cp > 1  # each rank builds its own slices
-        if random_weights is not None:
-            self.path = None
-            src = weight_source(None, random_seed=weights_seed)
-            cfg = preset_config(random_weights)
-        else:
-            self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
-            if path is None:
-                sparse = default_model_sparse(sparse)
-            src = weight_source(self.path, is_default=path is None)
-            cfg = read_config(src) if sliced else None
-        stored_fp8 = check_source_fp8(src, fp8.linear)  # a --fp8 linear checkpoint needs --fp8 linear
+        w = weights or check_weights(path, random_weights=random_weights, weights_seed=weights_seed,
+                                     fp8_linear=fp8.linear, progress=progress and launch.rank == 0)
+        self.path, src, stored_fp8 = w.path, w.source, w.stored_fp8  # a --fp8 linear checkpoint needs --fp8 linear
+        if w.is_default:
+            sparse = default_model_sparse(sparse)
+        cfg = w.config if sliced else None
         if fp8.experts:  # refused before any weight loads
-            check_fp8_experts(cfg or read_config(src))
+            check_fp8_experts(w.config)
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
             plan = plan_parallel(cfg, p, src)  # also for cp alone: a checkpoint cut for another tp / pp is refused
         self.topology = topo = init_topology(p, str(device))
@@ -172,6 +170,7 @@ class LLM:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = eos
+        self.runner.cuda_graphs = cuda_graphs
 
     @property
     def model(self):

@@ -27,16 +27,14 @@ from pathlib import Path
 
 from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,
                            fp8_config, layout_error, parallel_config, sparse_config)
-from starshard.checkpoints.default import default_checkpoint
 from starshard.checkpoints.load import CheckpointError
-from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
-from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, gib, max_prompt_tokens, plan_memory,
-                               smallest_layout)
-from starshard.presets import preset_config
+from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, max_prompt_json, max_prompt_line, max_prompt_tokens,
+                               plan_json, plan_memory, refusal, smallest_layout, usable_bytes)
 from starshard.runconfig import parse_with_config
 from starshard.runtime.monitor import RunMonitor, Watchdog
+from starshard.runtime.preflight import Weights, check_weights
 from starshard.runtime.prompt import Prompt, build_prompt, load_tokenizer
 from starshard.runtime.prompt import check_window as check_prompt_window
 
@@ -152,22 +150,15 @@ def prompt_kwargs(args) -> dict:
     return dict(prompt=args.prompt if args.prompt is not None else DEFAULT_PROMPT)
 
 
-def model_config(args, lead: bool):
-    """(model config, checkpoint path or None) from the config alone: no weights are read. A checkpoint
-    converted with --fp8 linear without --fp8 linear here is refused (its projections exist only in e4m3)."""
-    if args.random_weights is not None:
-        try:
-            return preset_config(args.random_weights), None
-        except ValueError as e:
-            raise Abort(str(e)) from None
-    if args.model is None:
-        path = default_checkpoint(progress=lead and not args.json)  # converted once into the cache dir
-    else:
-        path = Path(args.model)
+def check_model(args, lead: bool) -> Weights:
+    """The weights' source and model config, from files alone (no weights are read); LLM takes the result
+    and does not read them again. A checkpoint converted with --fp8 linear without --fp8 linear here is
+    refused (its projections exist only in e4m3)."""
     try:
-        src = weight_source(path, is_default=args.model is None)
-        check_source_fp8(src, fp8_config(args).linear)
-        return read_config(src), path
+        weights = check_weights(args.model, random_weights=args.random_weights, fp8_linear=fp8_config(args).linear,
+                                progress=lead and not args.json)  # the default model: converted once into the cache
+        weights.config  # noqa: B018  read now: the plan needs it, and a bad config fails before any collective
+        return weights
     except (FileNotFoundError, ValueError, CheckpointError) as e:
         raise Abort(str(e)) from None
 
@@ -203,8 +194,7 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
         import torch
 
         idx = local_rank if local_rank < torch.cuda.device_count() else 0
-        # 10% stays free for the CUDA context, NCCL buffers and allocator fragmentation
-        return int(torch.cuda.get_device_properties(idx).total_memory * 0.9)
+        return usable_bytes(torch.cuda.get_device_properties(idx).total_memory)
     return None
 
 
@@ -254,36 +244,7 @@ def longest_prompt(args, cfg, dtype_bytes: int, limit: int | None) -> dict:
         peak = plan_memory(cfg, lay, dataclasses.replace(work, prompt_tokens=n)).peak_bytes if n else None
     except ValueError as e:
         raise Abort(str(e)) from None
-    return {"max_prompt_tokens": n, "peak_bytes": peak, "limit_bytes": limit, "max_new_tokens": work.max_new_tokens,
-            "prefill_chunk": work.prefill_chunk, "layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp,
-                                                            "strategy": lay.strategy},
-            "fp8": [x for x, on in (("linear", work.fp8_linear), ("kv", work.fp8_kv)) if on],
-            "model_window": cfg.max_position_embeddings}
-
-
-def plan_json(plan, limit, best) -> dict:
-    lay, w = plan.layout, plan.workload
-    return {"layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "strategy": lay.strategy},
-            "fp8": [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on],
-            "world_size": lay.world, "peak_bytes": plan.peak_bytes, "limit_bytes": limit, "fits": plan.fits(limit),
-            "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "weights": s.weights, "kv_cache": s.kv_cache,
-                        "activations": s.activations, "kv_tokens": s.kv_tokens, "rows": s.rows} for s in plan.stages],
-            "smallest_fitting": None if best is None else {
-                "tp": best.layout.tp, "pp": best.layout.pp, "cp": best.layout.cp, "peak_bytes": best.peak_bytes}}
-
-
-def refusal(plan, limit, best) -> str:
-    s = plan.worst
-    msg = (f"layout {plan.layout.describe()} needs {gib(plan.peak_bytes)} per rank (stage {s.pp_rank}: weights "
-           f"{gib(s.weights)}, KV cache {gib(s.kv_cache)}, activations {gib(s.activations)}) but {gib(limit)} is "
-           "usable per rank (--memory-limit-gb, or 90% of the GPU): it does not fit. ")
-    if best is None:
-        return msg + ("No layout of up to 1024 ranks fits: shorten the prompt, lower --max-new-tokens or set "
-                      "--prefill-chunk")
-    b = best.layout
-    return (msg + f"The smallest layout that fits: {b.describe()} ({b.world} ranks, {gib(best.peak_bytes)} per rank): "
-            f"run with --tp {b.tp} --pp {b.pp} --cp {b.cp}" + (f" --cp-strategy {b.strategy}" if b.cp > 1 else "")
-            + f" on {b.world} processes")
+    return max_prompt_json(cfg, lay, work, n, peak, limit)
 
 
 def timing_summary(t: dict[str, float], m: dict) -> str:
@@ -327,13 +288,12 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     dtype = getattr(torch, dtype_name)
     kw = prompt_kwargs(args)
     # Everything below up to LLM() reads configs only: a bad input fails here, before any collective.
-    cfg, path = model_config(args, lead)
+    weights = check_model(args, lead)
+    cfg, path = weights.config, weights.path
     if args.max_prompt:
         r = longest_prompt(args, cfg, DTYPE_BYTES[dtype_name], memory_limit(args, device, launch.local_rank))
         if lead:
-            print(json.dumps(r) if args.json else
-                  f"longest prompt that fits {gib(r['limit_bytes'])} per rank: {r['max_prompt_tokens']} tokens "
-                  f"(+ {r['max_new_tokens']} new; model window {r['model_window']})")
+            print(json.dumps(r) if args.json else max_prompt_line(r))
         return 0
     prompt = encode_prompt(args, path, kw, cfg.vocab_size)
     n_prompt, n_context = len(prompt.ids), prompt.context_len
@@ -360,11 +320,11 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     try:
         try:
             llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json and lead,
-                      random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args))
+                      random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args),
+                      cuda_graphs=not args.no_cuda_graphs, weights=weights)
         except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
             raise Abort(str(e)) from None
         times["setup"] = time.perf_counter() - t0
-        llm.runner.cuda_graphs = not args.no_cuda_graphs
         watchdog = None
         if launch.world_size > 1:
             watchdog = Watchdog(2 * args.dist_timeout + 10, launch.rank)

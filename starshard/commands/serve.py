@@ -25,7 +25,7 @@ from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_a
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
-from starshard.planner import DTYPE_BYTES, Layout, Workload, plan_memory
+from starshard.planner import DTYPE_BYTES, Layout, Workload, plan_memory, usable_bytes
 from starshard.runconfig import parse_with_config
 from starshard.runtime.service import Service
 from starshard.server.app import create_app, make_server
@@ -117,7 +117,7 @@ def default_cache_bytes(llm, args, device) -> int:
     window = cfg.max_position_embeddings
     plan = plan_memory(cfg, Layout(p.tp, p.pp, p.cp, p.cp_strategy), Workload(window, window, 0, None,
                                                                                DTYPE_BYTES[dtype]))
-    free = int(torch.cuda.get_device_properties(device).total_memory * 0.9) - torch.cuda.memory_allocated(device)
+    free = usable_bytes(torch.cuda.get_device_properties(device).total_memory) - torch.cuda.memory_allocated(device)
     return max(free - plan.worst.activations, 2**30)
 
 

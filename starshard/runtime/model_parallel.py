@@ -48,8 +48,8 @@ class ParallelRunner(LocalRunner):
     `min_chunk` tokens) so the stages overlap; `chunk` overrides it.
     """
 
-    def __init__(self, model: Transformer, topo: Topology, *, min_chunk: int = 512):
-        super().__init__(model)
+    def __init__(self, model: Transformer, topo: Topology, *, min_chunk: int = 512, cuda_graphs: bool = True):
+        super().__init__(model, cuda_graphs)
         self.topo = topo
         self.min_chunk = min_chunk
         self.link = StageLink(topo.pp_group, topo.pp_ranks, topo.pp_rank) if topo.pp > 1 else None
