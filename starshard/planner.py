@@ -348,3 +348,59 @@ def _last_fit(fits: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+# ---------------------------------------------------------------------------- the usable share of a GPU
+USABLE_GPU_FRACTION = 0.9  # 10% stays free for the CUDA context, NCCL buffers and allocator fragmentation
+
+
+def usable_bytes(total_bytes: int) -> int:
+    """What a plan may use of a GPU of `total_bytes`: --memory-limit-gb's default, the server's cache budget."""
+    return int(total_bytes * USABLE_GPU_FRACTION)
+
+
+# ---------------------------------------------------------------------------- how a plan is shown
+def _fp8_items(w: Workload) -> list[str]:
+    return [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on]
+
+
+def plan_json(plan: MemoryPlan, limit: int | None, best: MemoryPlan | None) -> dict:
+    """The plan as `--plan-only --json` prints it; `best` is the smallest layout that fits, if this one does not."""
+    lay, w = plan.layout, plan.workload
+    return {"layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "strategy": lay.strategy},
+            "fp8": _fp8_items(w),
+            "world_size": lay.world, "peak_bytes": plan.peak_bytes, "limit_bytes": limit, "fits": plan.fits(limit),
+            "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "weights": s.weights, "kv_cache": s.kv_cache,
+                        "activations": s.activations, "kv_tokens": s.kv_tokens, "rows": s.rows} for s in plan.stages],
+            "smallest_fitting": None if best is None else {
+                "tp": best.layout.tp, "pp": best.layout.pp, "cp": best.layout.cp, "peak_bytes": best.peak_bytes}}
+
+
+def refusal(plan: MemoryPlan, limit: int, best: MemoryPlan | None) -> str:
+    """Why a layout that does not fit is refused, and the flags of the smallest one that fits."""
+    s = plan.worst
+    msg = (f"layout {plan.layout.describe()} needs {gib(plan.peak_bytes)} per rank (stage {s.pp_rank}: weights "
+           f"{gib(s.weights)}, KV cache {gib(s.kv_cache)}, activations {gib(s.activations)}) but {gib(limit)} is "
+           "usable per rank (--memory-limit-gb, or 90% of the GPU): it does not fit. ")
+    if best is None:
+        return msg + ("No layout of up to 1024 ranks fits: shorten the prompt, lower --max-new-tokens or set "
+                      "--prefill-chunk")
+    b = best.layout
+    return (msg + f"The smallest layout that fits: {b.describe()} ({b.world} ranks, {gib(best.peak_bytes)} per rank): "
+            f"run with --tp {b.tp} --pp {b.pp} --cp {b.cp}" + (f" --cp-strategy {b.strategy}" if b.cp > 1 else "")
+            + f" on {b.world} processes")
+
+
+def max_prompt_json(cfg: ModelConfig, layout: Layout, workload: Workload, tokens: int, peak: int | None,
+                    limit: int) -> dict:
+    """`--max-prompt --json`: the longest prompt that fits `limit` (max_prompt_tokens) and its plan's peak."""
+    return {"max_prompt_tokens": tokens, "peak_bytes": peak, "limit_bytes": limit,
+            "max_new_tokens": workload.max_new_tokens, "prefill_chunk": workload.prefill_chunk,
+            "layout": {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "strategy": layout.strategy},
+            "fp8": _fp8_items(workload), "model_window": cfg.max_position_embeddings}
+
+
+def max_prompt_line(r: dict) -> str:
+    """`--max-prompt` without --json: max_prompt_json's result in one line."""
+    return (f"longest prompt that fits {gib(r['limit_bytes'])} per rank: {r['max_prompt_tokens']} tokens "
+            f"(+ {r['max_new_tokens']} new; model window {r['model_window']})")

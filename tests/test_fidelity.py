@@ -367,7 +367,7 @@ def test_measure_rejects_bad_arguments(tiny):
 def cli():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fidelity_cli", ROOT / "launch" / "fidelity.py")
+    spec = importlib.util.spec_from_file_location("fidelity_cli", ROOT / "starshard" / "commands" / "fidelity.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -153,7 +153,7 @@ def test_plan_only_reflects_fp8(model, capsys):
     """launch/infer.py --plan-only: --fp8 linear,kv in the JSON and the table, e4m3 bytes in the weights and KV;
     an FP8 checkpoint without --fp8 linear refused at plan time with the fix."""
     hf, ckpts, _ = model
-    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "launch" / "infer.py")
+    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "starshard" / "commands" / "infer.py")
     infer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(infer)
     plans = {}

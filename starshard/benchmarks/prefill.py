@@ -142,13 +142,13 @@ def run(args) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         llm = LLM(None if args.random_weights else args.model, dtype=dtype, device=device, parallel=parallel,
-                  progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args))
+                  progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args),
+                  cuda_graphs=not args.no_cuda_graphs)
     except LayoutError as e:  # a layout this model or strategy refuses: the message says what to change
         raise SystemExit(f"error: {e}") from None
     topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
     cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
     strategy = runner.strategy if cp_runner else None
-    runner.cuda_graphs = not args.no_cuda_graphs
     peak = matmul_peak(topo.device)
     text = text_ids(llm.tokenizer, args.prompt_file) if args.prompt_file else None
     if args.sparse and (args.random_weights or text is None) and topo.rank == 0:

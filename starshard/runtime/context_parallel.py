@@ -22,8 +22,9 @@ class ContextParallelRunner(LocalRunner):
     """`sampler(last_row_logits, sampling, gen) -> token`: plain sampling by default; a
     runtime.model_parallel.VocabSampler when the model is tensor parallel (vocab-sharded logits)."""
 
-    def __init__(self, model, strategy: ContextStrategy, sampler=None, link=None):
-        super().__init__(model)
+    def __init__(self, model, strategy: ContextStrategy, sampler=None, link=None, *, cuda_graphs: bool = True,
+                 kv_fp8: bool = False):
+        super().__init__(model, cuda_graphs, kv_fp8)
         self.strategy = strategy
         self.sample = sampler or sample
         self.link = link  # pipeline.StageLink when pp > 1

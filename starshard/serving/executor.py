@@ -58,7 +58,6 @@ class Executor:
         norm = self.model.layers[0].attention_norm.weight  # the compute dtype (projections may hold FP8)
         self.dtype, self.device = norm.dtype, norm.device
         self.kv_fp8 = runner.kv_fp8
-        runner.cuda_graphs = False  # the runner's own graphs serve one request; the batch has its own (below)
         # Length-dependent RoPE (dynamic NTK, longrope) at the window's length for every request: cached
         # entries and batched rows then share one rotation.
         self.model.set_rope_length(None)
