@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The standing cp = 4 task (developers' guide): run on the nvidia-h200-x4 kind whenever `status` lists it. The
-# whole-model rows of bench/results/2026-11-26-h200x4-cp-rerun: Llama-3.1-8B shape, random bf16 weights (fine for
+# whole-model rows of docs/results.md (Context parallel strategies): Llama-3.1-8B shape, random bf16 weights (fine for
 # dense and CP speed); dense on one GPU and torch context_parallel (one attention layer, 32K / 64K) as peers; each
 # prefill list starts with a 128K run that warms its process (dropped by bench/cp_summary.py); 32 CUDA-graph decode
-# steps per length. The kind has come as 4 x H100 every time so far (three such runs are committed): the script
+# steps per length. The kind has come as 4 x H100 every time so far (three such runs are in docs/results.md): the script
 # runs only on H200s unless FORCE=1, so a probe costs the machine's start and nothing more.
 LOG=run_a.log; source bench/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Summarise a CP benchmark run (bench/results/2026-11-23-h200x2-cp, 2026-11-26-h200x4-cp-model):
+"""Summarise a CP benchmark run (its tables: docs/results.md, Context parallel strategies):
 measured prefill per strategy and length next to its FLOP model, read at the rate dense reaches on one
 GPU, and the model's prediction where a run was not made (longer lengths, the other cp). Writes summary.json,
 summary.md and prefill_cp.png into the run's directory.
 
-    python bench/cp_summary.py bench/results/2026-11-23-h200x2-cp
+    python bench/cp_summary.py bench/results/<run>      # the folder the run's logs and JSON went to
 
 The model's time at the matmul peak is flops.predicted_seconds; "at dense's rate" multiplies it by
 dense's own measured / model ratio (the 1-GPU run), so 1.00 means the strategy wastes no more than
@@ -20,7 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from starshard.parallel.context import flops  # noqa: E402
+from starshard.strategies.apb import apb_flops  # noqa: E402
+from starshard.strategies.dense import dense_flops  # noqa: E402
+from starshard.strategies.flops import predicted_seconds  # noqa: E402
+from starshard.strategies.ring import ring_flops  # noqa: E402
+from starshard.strategies.star import star_flops  # noqa: E402
 from starshard.presets import preset_config  # noqa: E402
 
 CFG = preset_config("llama-3.1-8b")
@@ -32,14 +36,14 @@ STRATS = {"dense": {}, "ring": {}, "ulysses": {}, "star": {"block": 32768, "anch
 def model_seconds(name: str, L: int, cp: int, peak: float) -> float:
     kw = STRATS[name]
     if name == "dense":
-        ranks = flops.dense_flops(CFG, L)
+        ranks = dense_flops(CFG, L)
     elif name in ("ring", "ulysses"):
-        ranks = flops.ring_flops(CFG, L, cp)
+        ranks = ring_flops(CFG, L, cp)
     elif name == "star":
-        ranks = flops.star_flops(CFG, L - Q, cp, kw["block"], kw["anchor"], query_len=Q)
+        ranks = star_flops(CFG, L - Q, cp, kw["block"], kw["anchor"], query_len=Q)
     else:
-        ranks = flops.apb_flops(CFG, L - Q, cp, kw["anchor"], kw["passing"], query_len=Q)
-    return flops.predicted_seconds(ranks, peak)
+        ranks = apb_flops(CFG, L - Q, cp, kw["anchor"], kw["passing"], query_len=Q)
+    return predicted_seconds(ranks, peak)
 
 
 def measured(run: Path) -> dict[tuple[str, int], dict[int, float]]:

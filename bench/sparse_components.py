@@ -102,7 +102,6 @@ def capture_qkv(model, ids: list[int], layers: list[int]) -> dict:
     """One forward over `ids`; the selected layers' post-RoPE q [1, Hq, L, D] and k / v [1, Hkv, L, D]
     as contiguous copies (the attention itself runs unchanged; hooks restored afterwards)."""
     got = {}
-    saved = [layer.attention.attend for layer in model.layers]
 
     def wrap(i, fn):
         def attend(q, k, v, pos, cache, sparse=None):
@@ -112,15 +111,9 @@ def capture_qkv(model, ids: list[int], layers: list[int]) -> dict:
 
         return attend
 
-    try:
-        for i, layer in enumerate(model.layers):
-            layer.attention.attend = wrap(i, saved[i])
-        dev = next(model.parameters()).device
-        with torch.inference_mode():
-            model(torch.tensor([ids], device=dev), last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    dev = next(model.parameters()).device
+    with model.attention_hooks([wrap(i, fn) for i, fn in enumerate(model.layer_attends())]), torch.inference_mode():
+        model(torch.tensor([ids], device=dev), last_only=True)
     return got
 
 

@@ -7,11 +7,11 @@ import argparse
 
 from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
-from starshard.parallel.context import APB_OPTIONS, STRATEGIES
+from starshard.strategies import OPTIONS, SPECS, STRATEGIES, check, fp8_attention_error, given_options
 
 
 def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
-    """The parallel layout: tp, pp, cp and the context strategy's options (APB's included)."""
+    """The parallel layout: tp, pp, cp and the context strategies' options (the registry's)."""
     par = ap.add_argument_group(
         "parallel layout (launch tp*pp*cp processes: torchrun --nproc-per-node N, or srun --ntasks N in a Slurm "
         "allocation; CUDA runs NCCL on cuda:LOCAL_RANK, CPU runs gloo)")
@@ -24,35 +24,23 @@ def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
                      help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
                      "remainder); must match a converted checkpoint's split")
     par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
+    exact = " / ".join(s.name for s in SPECS.values() if s.exact and not s.single_rank)
+    approximate = " / ".join(s.name for s in SPECS.values() if not s.exact)
     par.add_argument("--cp-strategy", choices=STRATEGIES, default=None,
-                     help="how the CP group splits the sequence: ring / ulysses / usp (exact), star / apb (approximate); "
+                     help=f"how the CP group splits the sequence: {exact} (exact), {approximate} (approximate); "
                      "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
-    par.add_argument("--ulysses-degree", type=int, default=None,
-                     help="usp: Ulysses ranks inside each ring rank (must divide --cp; default --cp, i.e. plain "
-                     "Ulysses); keep them on one node, the all-to-alls are the bandwidth-hungry part")
-    par.add_argument("--block-size", type=int, default=None,
-                     help="star: context tokens per block (default: context / cp)")
-    par.add_argument("--num-blocks", type=int, default=None,
-                     help="star: cut the context into this many blocks instead of giving --block-size (default: "
-                     "--cp); with --cp 1 this runs on one device exactly what that many hosts would")
-    par.add_argument("--anchor-size", type=int, default=None,
-                     help="star: anchor tokens (the context's first tokens) before each block (default: block size); "
-                     "apb: anchor tokens per host (default: the paper's table, context/hosts/4 capped at 8192; 0 = none)")
-    par.add_argument("--query-rank", type=int, default=None,
-                     help="CP rank that owns the query and the generated tokens' KV (default: the last)")
-    add_apb_arguments(ap.add_argument_group("APB (--cp-strategy apb: anchors with the embedded query, compressed "
-                                            "passing blocks; paper ablations: --anchor-size 0, --passing-size 0, "
-                                            "--compressor random, --no-embed-query)"))
+    add_strategy_arguments(ap, par)
 
 
 def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
     """Sparse prefill inside each shard (MInference, AnchorAttention)."""
     sp = ap.add_argument_group("sparse prefill (approximate; decode stays dense)")
+    with_sparse = [s.name for s in SPECS.values() if s.sparse]
     sp.add_argument("--sparse", choices=["minference", "anchor"], default=None,
                     help="sparse attention inside each shard during prefill: minference = per-head A-shape / "
                     "Vertical-Slash / Block-Sparse patterns; anchor = AnchorAttention stripes (keys whose score is "
-                    "within --anchor-theta of the block's anchor); composes with dense, ulysses, star and apb, "
-                    "not ring/usp. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
+                    f"within --anchor-theta of the block's anchor); composes with {', '.join(with_sparse[:-1])} and "
+                    f"{with_sparse[-1]}, not {'/'.join(s.name for s in SPECS.values() if not s.sparse)}. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
                     "without estimating (--sparse-min-length), and after the estimate every head whose sparse kernel "
                     "would not beat the dense kernel (rates measured on one H200) runs dense; `launch/bench.py "
                     "prefill` reports what ran (sparse_report)")
@@ -103,49 +91,28 @@ def fp8_config(args) -> Fp8Config:
     return Fp8Config.parse(getattr(args, "fp8", None))
 
 
-def add_apb_arguments(group) -> None:
-    """APB's command-line flags (each dest is its ParallelConfig field; None = default), shared by the
-    entry points."""
-    group.add_argument("--passing-size", type=int, default=None, metavar="N",
-                       help="apb: KV entries per KV head each host passes on per layer, picked by --compressor "
-                       "(default: the paper's table, context/hosts/8 capped at 8192, at least 32; 0 = no passing, "
-                       "the ablation)")
-    group.add_argument("--compressor", choices=["query", "retaining-heads", "random"], default=None,
-                       help="apb: how each host scores its block for the passing entries: query = attention of the "
-                       "embedded query's rows (training-free, default); retaining-heads = trained per-layer MLPs "
-                       "over [q, k, v] read from --compressor-path; random = uniform (ablation)")
-    group.add_argument("--compressor-path", default=None, metavar="FILE",
-                       help="apb: retaining-heads weights, safetensors or torch file with layers.<i>.fc1.weight "
-                       "[I, (Hq+2Hkv)*D] and layers.<i>.fc2.weight [Hkv, I] (biases optional); full format in "
-                       "starshard/parallel/context/apb.py, RetainingHeads")
-    group.add_argument("--no-embed-query", dest="embed_query", action="store_const", const=False, default=None,
-                       help="apb: do not embed the query in the anchors (ablation); the query compressor then "
-                       "scores each block with its own last rows")
-    group.add_argument("--prefix-len", type=int, default=None, metavar="N",
-                       help="apb: context tokens that stay before the embedded query in each anchor (default: the "
-                       "chat template's head when the template is applied, else 0)")
-    group.add_argument("--apb-hosts", type=int, default=None, metavar="N",
-                       help="apb with --cp 1: split the context into N blocks run one after another on this device, "
-                       "each handing its passing KV to the later ones; reproduces --cp N exactly (study mode). Without it, "
-                       "APB on one rank has nothing to pass and is exact causal attention")
+def add_strategy_arguments(ap: argparse.ArgumentParser, group, without: tuple[str, ...] = ()) -> None:
+    """Every context strategy's options (starshard.strategies.OPTIONS) as flags whose dest is the
+    ParallelConfig field (None = the strategy's default): the shared ones into `group`, a strategy's
+    exclusive ones into a group of their own; `without`: fields left out."""
+    for o in OPTIONS.values():
+        if not o.exclusive and o.field not in without:
+            group.add_argument(o.flag, **o.argparse_kwargs())
+    for spec in SPECS.values():
+        own = [o for o in spec.options if o.exclusive and o.field not in without]
+        if own:
+            g = ap.add_argument_group(spec.flag_group)
+            for o in own:
+                g.add_argument(o.flag, **o.argparse_kwargs())
 
 
-def apb_cli_error(args, cp_strategy: str | None, cp: int | None) -> str | None:
-    """What is wrong with the APB flags in `args` (None: nothing), checked before any model loads."""
-    given = [APB_OPTIONS[k] for k in APB_OPTIONS if getattr(args, k, None) is not None]
-    if given and cp_strategy != "apb":
-        return f"{', '.join(given)} only apply to --cp-strategy apb"
-    for flag in ("passing_size", "prefix_len"):
-        v = getattr(args, flag, None)
-        if v is not None and v < 0:
-            return f"{APB_OPTIONS[flag]} must be >= 0, got {v}"
-    hosts = getattr(args, "apb_hosts", None)
-    if hosts is not None and hosts < 1:
-        return f"--apb-hosts must be >= 1, got {hosts}"
-    if hosts is not None and (cp or 1) > 1 and hosts != cp:
-        return f"--apb-hosts simulates hosts on one device; with --cp {cp} the CP ranks are the hosts: drop --apb-hosts"
-    if (getattr(args, "compressor", None) == "retaining-heads") != (getattr(args, "compressor_path", None) is not None):
-        return "--compressor retaining-heads and --compressor-path FILE go together"
+def strategy_cli_error(args) -> str | None:
+    """What is wrong with the context strategy's flags in `args` (None: nothing), checked by its
+    registry entry before any model loads."""
+    try:
+        check(default_strategy(args), args.cp or 1, given_options(args))
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -155,15 +122,16 @@ def layout_error(args) -> str | None:
         fp8 = fp8_config(args)
     except ValueError as e:
         return str(e)
-    bad = fp8.layout_error(args.cp or 1, default_strategy(args), getattr(args, "sparse", None) is not None)
-    if bad:
-        return bad
+    if fp8.attention:
+        bad = fp8_attention_error(default_strategy(args), args.cp or 1, getattr(args, "sparse", None) is not None)
+        if bad:
+            return bad
     if getattr(args, "sparse_config", None) is not None and getattr(args, "sparse", None) is None:
         return "--sparse-config needs --sparse minference or --sparse anchor"
     if getattr(args, "sparse", None) is None and (getattr(args, "sparse_min_length", None) is not None
                                                    or getattr(args, "sparse_no_fallback", False)):
         return "--sparse-min-length and --sparse-no-fallback need --sparse minference or --sparse anchor"
-    return apb_cli_error(args, args.cp_strategy, args.cp)
+    return strategy_cli_error(args)
 
 
 def default_strategy(args) -> str:
@@ -175,10 +143,8 @@ def parallel_config(args) -> ParallelConfig:
     """The ParallelConfig the layout flags ask for (ValueError names a bad combination)."""
     return ParallelConfig(
         tp=args.tp, pp=args.pp, cp=args.cp, cp_strategy=default_strategy(args), pp_layers=args.pp_layers,
-        block_size=args.block_size, anchor_size=args.anchor_size, num_blocks=args.num_blocks,
-        query_rank=args.query_rank, ulysses_degree=args.ulysses_degree,
         timeout_s=getattr(args, "dist_timeout", ParallelConfig.timeout_s),
-        **{k: getattr(args, k) for k in APB_OPTIONS},
+        **{k: getattr(args, k) for k in OPTIONS},
     )
 
 

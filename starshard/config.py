@@ -313,7 +313,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_strategy: str = "dense"  # dense | ring | ulysses | usp | star | apb
+    cp_strategy: str = "dense"  # a name in starshard.strategies.STRATEGIES
     pp_layers: list[int] | None = None  # layers per pipeline stage; None = even split
     block_size: int | None = None  # star: context block per forward (default ceil(context / cp))
     anchor_size: int | None = None  # star: anchor tokens before each block (default = block size)
@@ -330,6 +330,8 @@ class ParallelConfig:
     timeout_s: float = 600.0  # every collective gives up (with an error) after this long
 
     def __post_init__(self):
+        # The construction-time guard of the two rules a bare config can break; config sits below the
+        # strategies' registry (starshard.strategies.check: the same rules, every strategy's options).
         if self.cp > 1 and self.cp_strategy == "dense":
             raise ValueError(f"cp={self.cp} needs a context strategy: --cp-strategy ring, ulysses, usp, star or apb")
         if self.ulysses_degree is not None and (self.ulysses_degree < 1 or self.cp % self.ulysses_degree):
@@ -347,7 +349,6 @@ class ParallelConfig:
 
 
 FP8_ITEMS = ("linear", "kv", "attention", "experts")
-FP8_ATTENTION_STRATEGIES = ("dense", "star", "ulysses")  # where --fp8 attention's square causal prefill calls are wired
 # The decoder projections `--fp8 linear` holds in e4m3 (module names inside a layer): quantized at load
 # time (parallel/fp8.py) or stored so by the converter (checkpoints/convert.py --fp8 linear).
 FP8_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
@@ -373,7 +374,7 @@ class Fp8Config:
             on CUDA only calls of at least 96K keys (kernels/attention.py INT8_SCORES_MIN_LENGTH: shorter ones
             measured no faster than cuDNN and keep exact scores).
             e4m3 scores (cuDNN's FP8 kernel, e4m3 versions of ours) are faster still but ~8-10% off
-            (bench/results/2026-11-23-h200-fp8-attention, 2026-11-25-h100-fp8-attention) and are not offered.
+            (docs/results.md, FP8) and are not offered.
     experts: an MoE model's stacked experts hold e4m3 weights with one scale per expert row, quantized at
             load time (parallel/fp8.py Fp8GroupedExperts): decode's expert GEMVs read them as stored; prefill runs
             FP8 grouped GEMMs on inputs quantized per row (engine/moe.py grouped_experts; the CPU: that rounding
@@ -412,20 +413,12 @@ class Fp8Config:
     def describe(self) -> str:
         return ",".join(self.items()) or "none"
 
-    def layout_error(self, cp: int, cp_strategy: str, sparse: bool) -> str | None:
-        """Why this setting cannot run with that layout (None: it can): 8-bit scores are wired into the
-        dense one-device attention (each tp / pp rank's own), Star's context blocks and Ulysses' call after
-        its all-to-all, without --sparse (ring, USP and APB attend partial key blocks)."""
-        if self.attention and (cp_strategy not in FP8_ATTENTION_STRATEGIES or sparse):
-            return ("--fp8 attention (8-bit prefill scores) runs on the dense path, in Star's context blocks and "
-                    f"in Ulysses, without --sparse; got --cp {cp} --cp-strategy {cp_strategy}"
-                    + (" with --sparse" if sparse else "")
-                    + ": drop `attention` from --fp8, or use --cp-strategy dense / star / ulysses without --sparse")
-        return None
-
 
 @dataclass
 class SamplingConfig:
+    """How the next token is drawn, for LLM.generate and for every request the service runs (the
+    HTTP layer builds one from the request's fields): invalid values are refused at construction."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

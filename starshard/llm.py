@@ -15,25 +15,24 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.default import default_checkpoint, default_model_sparse
+from starshard.checkpoints.default import default_model_sparse
 from starshard.checkpoints.load import load_model
-from starshard.checkpoints.sources import check_source_fp8, read_config, weight_source
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
-from starshard.engine.model import dense_attend_int8_scores
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
-from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method, refuse_sparse
-from starshard.parallel.context import make_strategy, strategy_options
+from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
+from starshard.parallel.context import make_strategy
 from starshard.parallel.fp8 import fuse_inputs, quantize_experts, quantize_linears
 from starshard.parallel.pipeline import StageLink
 from starshard.parallel.topology import LayoutError, Topology, init_topology, read_launch_env
-from starshard.presets import preset_config
 from starshard.runtime.build import build_rank_model, plan_parallel
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.generate import generate_tokens
 from starshard.runtime.local import LocalRunner
 from starshard.runtime.model_parallel import ParallelRunner, VocabSampler
 from starshard.runtime.monitor import RunCallbacks
+from starshard.runtime.preflight import Weights, check_weights
 from starshard.runtime.prompt import Prompt, build_prompt, check_window, load_tokenizer
+from starshard.strategies import fp8_attention_error, get_spec, given_options, sparse_error
 
 
 @dataclass
@@ -45,24 +44,29 @@ class Output:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def choose_runner(model, topo: Topology, parallel: ParallelConfig, *, tp_pp: bool):
+def choose_runner(model, topo: Topology, parallel: ParallelConfig, *, tp_pp: bool, cuda_graphs: bool = True,
+                  kv_fp8: bool = False, int8_scores: bool = False):
     """The runner for this layout. A context strategy (cp > 1, or a strategy studied on one rank)
     takes the CP runner, which also drives tensor and pipeline parallelism; tp / pp alone the
-    model-parallel runner; everything else the local one."""
+    model-parallel runner; everything else the local one. cuda_graphs: replay decode steps from CUDA
+    graphs; kv_fp8: e4m3 KV caches (--fp8 kv); int8_scores: the strategy's prefill calls with 8-bit
+    scores (--fp8 attention, where the spec says fp8_attention: Star's context blocks, Ulysses)."""
     p = parallel
-    if p.cp > 1 or p.cp_strategy != "dense":
+    if p.cp > 1 or not get_spec(p.cp_strategy).single_rank:
         strategy = make_strategy(p.cp_strategy, topo.cp_group if p.cp > 1 else None, cp_groups=topo.group_ranks("cp"),
-                                 tp_group=topo.tp_group if p.tp > 1 else None, **strategy_options(p))
+                                 tp_group=topo.tp_group if p.tp > 1 else None, **given_options(p))
         attn = model.layers[0].attention
         try:  # before any prefill collective: every rank raises alike
             strategy.check_heads(attn.n_heads, attn.n_kv_heads)
         except ValueError as e:
             raise LayoutError(str(e)) from None
+        strategy.int8_scores = int8_scores  # the builder's one setting of it (parallel/context/base.py)
         link = StageLink(topo.pp_group, topo.pp_ranks, topo.pp_rank) if p.pp > 1 else None
-        return ContextParallelRunner(model, strategy, VocabSampler(model, topo) if p.tp > 1 else None, link)
+        return ContextParallelRunner(model, strategy, VocabSampler(model, topo) if p.tp > 1 else None, link,
+                                     cuda_graphs=cuda_graphs, kv_fp8=kv_fp8)
     if tp_pp:
-        return ParallelRunner(model, topo)
-    return LocalRunner(model)
+        return ParallelRunner(model, topo, cuda_graphs=cuda_graphs, kv_fp8=kv_fp8)
+    return LocalRunner(model, cuda_graphs, kv_fp8)
 
 
 def check_fp8(fp8: Fp8Config, device, dtype) -> None:
@@ -107,40 +111,35 @@ class LLM:
     (engine/kv_cache.py), `attention` 8-bit prefill scores, `experts` an MoE model's experts. Needs a GPU
     of compute capability >= 8.9 (and bfloat16 for `linear`); on the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
     (CheckpointError otherwise) and loads its e4m3 weights as stored.
+    cuda_graphs: replay single-token decode steps from captured CUDA graphs (on CUDA; False: eager).
+    weights: the pre-flight's result (runtime/preflight.py check_weights) for these same path, random_weights
+    and fp8, from a launcher that read it to plan memory: the checkpoint is then not checked again.
     """
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
                  parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
-                 weights_seed: int = 0, sparse: SparseConfig | None = None, fp8: Fp8Config | str | None = None):
+                 weights_seed: int = 0, sparse: SparseConfig | None = None, fp8: Fp8Config | str | None = None,
+                 cuda_graphs: bool = True, weights: Weights | None = None):
         self.parallel = p = parallel or ParallelConfig()
         self.fp8 = fp8 = Fp8Config.parse(fp8)
         check_fp8(fp8, device, dtype)
         launch = read_launch_env()
         if random_weights is not None and path is not None:
             raise ValueError("give either a model path or random_weights, not both")
-        bad = fp8.layout_error(p.cp, p.cp_strategy, sparse is not None)
+        bad = ((fp8_attention_error(p.cp_strategy, p.cp, sparse is not None) if fp8.attention else None)
+               or (sparse_error(p.cp_strategy) if sparse is not None else None))  # the strategies' registry
         if bad:
             raise LayoutError(bad)
-        if sparse is not None and p.cp_strategy in ("ring", "usp"):
-            try:
-                refuse_sparse(sparse, p.cp_strategy)
-            except ValueError as e:
-                raise LayoutError(str(e)) from None
         tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
         sliced = tp_pp or random_weights is not None or p.cp > 1  # each rank builds its own slices
-        if random_weights is not None:
-            self.path = None
-            src = weight_source(None, random_seed=weights_seed)
-            cfg = preset_config(random_weights)
-        else:
-            self.path = Path(path) if path is not None else default_checkpoint(progress=progress and launch.rank == 0)
-            if path is None:
-                sparse = default_model_sparse(sparse)
-            src = weight_source(self.path, is_default=path is None)
-            cfg = read_config(src) if sliced else None
-        stored_fp8 = check_source_fp8(src, fp8.linear)  # a --fp8 linear checkpoint needs --fp8 linear
+        w = weights or check_weights(path, random_weights=random_weights, weights_seed=weights_seed,
+                                     fp8_linear=fp8.linear, progress=progress and launch.rank == 0)
+        self.path, src, stored_fp8 = w.path, w.source, w.stored_fp8  # a --fp8 linear checkpoint needs --fp8 linear
+        if w.is_default:
+            sparse = default_model_sparse(sparse)
+        cfg = w.config if sliced else None
         if fp8.experts:  # refused before any weight loads
-            check_fp8_experts(cfg or read_config(src))
+            check_fp8_experts(w.config)
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
             plan = plan_parallel(cfg, p, src)  # also for cp alone: a checkpoint cut for another tp / pp is refused
         self.topology = topo = init_topology(p, str(device))
@@ -160,12 +159,9 @@ class LLM:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
         if fp8.attention and p.cp_strategy == "dense":
-            for layer in model.layers:
-                layer.attention.attend = dense_attend_int8_scores
-        self.runner = choose_runner(model, topo, p, tp_pp=tp_pp)
-        if fp8.attention and p.cp_strategy != "dense":
-            self.runner.strategy.int8_scores = True  # Star's context blocks, Ulysses (config.FP8_ATTENTION_STRATEGIES)
-        self.runner.kv_fp8 = fp8.kv
+            model.int8_scores = True  # every layer's own attention: dense_attend_int8_scores
+        self.runner = choose_runner(model, topo, p, tp_pp=tp_pp, cuda_graphs=cuda_graphs, kv_fp8=fp8.kv,
+                                    int8_scores=fp8.attention and p.cp_strategy != "dense")
         self.config: ModelConfig = model.config
         self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
         eos = set(self.config.eos_token_ids)

@@ -41,15 +41,14 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig
-from starshard.layout import apb_bounds, apb_default_sizes, check_tp, partition_layers, star_blocks, star_sizes, valid_tp_sizes
+from starshard.layout import check_tp, partition_layers, valid_tp_sizes
+from starshard.strategies import check, get_spec
 
 GiB = 1 << 30
-STRATEGIES = ("dense", "ring", "ulysses", "usp", "star", "apb")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POS_BYTES = 8  # int64 position stored next to each cached token, per layer
 LOGIT_BYTES = 4  # the last token's logits are sampled in float32
@@ -70,10 +69,7 @@ class Layout:
         for name in ("tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; one of {', '.join(STRATEGIES)}")
-        if self.cp > 1 and self.strategy == "dense":
-            raise ValueError(f"cp={self.cp} needs a context strategy (ring, ulysses, usp, star or apb), not dense")
+        check(self.strategy, self.cp, {})  # a known name; a one-rank strategy on one rank
 
     @property
     def world(self) -> int:
@@ -252,37 +248,7 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, w: Workload) -> int:
 
 def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int, int, int]:
     """(KV tokens kept, rows of the largest prefill forward, transient KV tokens in flight) on the worst CP rank."""
-    L, N, cp = w.prompt_tokens, w.max_new_tokens, lay.cp
-    q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
-    if lay.strategy == "dense":
-        chunk = w.prefill_chunk
-        if chunk is None and lay.pp > 1:  # ParallelRunner.default_chunk: ~4 chunks per stage, >= 512 tokens
-            chunk = max(512, -(-L // (4 * lay.pp)))
-        return L + N, min(L, chunk or L), 0
-    if lay.strategy in ("ring", "usp"):  # zigzag: two chunks of ceil(L / 2cp) per rank
-        rows = 2 * math.ceil(L / (2 * cp))
-        # ring keeps a send and a receive KV block of one layer in flight
-        return rows + N, rows, 2 * rows
-    if lay.strategy == "ulysses":
-        rows = math.ceil(L / cp)
-        return rows + N, rows, 0  # the all-to-all buffers are counted as activations (full-sequence qkv / cp)
-    C, Q = w.context, L - w.context
-    if lay.strategy == "star":
-        block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size)
-        blocks = star_blocks(max(C, 1), block, cp)
-        kept = [sum(e - s for s, e in blocks[r]) + (Q + N if r == q_rank else 0) for r in range(cp)]
-        # one forward per block, behind the anchor (the first block has none); then the query phase
-        rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
-        return max(kept), rows, 0
-    # apb: even split; block rows behind an anchor (+ the embedded query); passing blocks gathered per layer
-    bounds = apb_bounds(C, cp)
-    per = [bounds[r + 1] - bounds[r] for r in range(cp)]
-    block = max(per)
-    anchor, passing = apb_default_sizes(block)
-    if lay.anchor_size is not None:
-        anchor = lay.anchor_size
-    kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)]
-    return max(kept), block + anchor + Q, cp * min(passing, block)
+    return get_spec(lay.strategy).kv_rows(lay, w)
 
 
 def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layers: int,
@@ -302,7 +268,8 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
     attn_bytes = b * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
-    held_fp8 = w.fp8_kv and lay.strategy == "dense" and rows < w.prompt_tokens  # chunks after held FP8 entries
+    spec = get_spec(lay.strategy)
+    held_fp8 = w.fp8_kv and spec.chunked_prefill and rows < w.prompt_tokens  # chunks after held FP8 entries
     if held_fp8:
         attn_bytes += hq * d * (b + 8)  # the own-keys partial and two float32 merge buffers
     mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
@@ -316,8 +283,7 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
         act += B * rows * max(h, ffn)
     if w.fp8_experts and moe_layers:  # one layer's experts dequantized (module doc: an upper bound)
         act += cfg.num_experts * 3 * fe * h * (4 + b)
-    if lay.strategy == "ulysses":  # full-sequence q, k, v and output for heads / cp after the all-to-all
-        act += B * rows * b * ((hq + 2 * hkv) * d + hq * d)
+    act += B * b * spec.activation_elements(rows, hq, hkv, d)  # ulysses: the whole sequence's q, k, v, out for heads / cp
     act += B * flight * 2 * hkv * d * b
     if last:
         act += B * vrows * LOGIT_BYTES
@@ -345,7 +311,7 @@ def smallest_layout(cfg: ModelConfig, workload: Workload, strategy: str, limit_b
                 if (world // tp) % pp:
                     continue
                 cp = world // (tp * pp)
-                if (cp > 1 and strategy == "dense") or not allow(tp, pp, cp):
+                if (cp > 1 and get_spec(strategy).single_rank) or not allow(tp, pp, cp):
                     continue
                 lay = Layout(tp, pp, cp, strategy if cp > 1 else "dense")
                 plan = plan_memory(cfg, lay, workload)
@@ -382,3 +348,59 @@ def _last_fit(fits: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+# ---------------------------------------------------------------------------- the usable share of a GPU
+USABLE_GPU_FRACTION = 0.9  # 10% stays free for the CUDA context, NCCL buffers and allocator fragmentation
+
+
+def usable_bytes(total_bytes: int) -> int:
+    """What a plan may use of a GPU of `total_bytes`: --memory-limit-gb's default, the server's cache budget."""
+    return int(total_bytes * USABLE_GPU_FRACTION)
+
+
+# ---------------------------------------------------------------------------- how a plan is shown
+def _fp8_items(w: Workload) -> list[str]:
+    return [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on]
+
+
+def plan_json(plan: MemoryPlan, limit: int | None, best: MemoryPlan | None) -> dict:
+    """The plan as `--plan-only --json` prints it; `best` is the smallest layout that fits, if this one does not."""
+    lay, w = plan.layout, plan.workload
+    return {"layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "strategy": lay.strategy},
+            "fp8": _fp8_items(w),
+            "world_size": lay.world, "peak_bytes": plan.peak_bytes, "limit_bytes": limit, "fits": plan.fits(limit),
+            "stages": [{"pp_rank": s.pp_rank, "layers": s.layers, "weights": s.weights, "kv_cache": s.kv_cache,
+                        "activations": s.activations, "kv_tokens": s.kv_tokens, "rows": s.rows} for s in plan.stages],
+            "smallest_fitting": None if best is None else {
+                "tp": best.layout.tp, "pp": best.layout.pp, "cp": best.layout.cp, "peak_bytes": best.peak_bytes}}
+
+
+def refusal(plan: MemoryPlan, limit: int, best: MemoryPlan | None) -> str:
+    """Why a layout that does not fit is refused, and the flags of the smallest one that fits."""
+    s = plan.worst
+    msg = (f"layout {plan.layout.describe()} needs {gib(plan.peak_bytes)} per rank (stage {s.pp_rank}: weights "
+           f"{gib(s.weights)}, KV cache {gib(s.kv_cache)}, activations {gib(s.activations)}) but {gib(limit)} is "
+           "usable per rank (--memory-limit-gb, or 90% of the GPU): it does not fit. ")
+    if best is None:
+        return msg + ("No layout of up to 1024 ranks fits: shorten the prompt, lower --max-new-tokens or set "
+                      "--prefill-chunk")
+    b = best.layout
+    return (msg + f"The smallest layout that fits: {b.describe()} ({b.world} ranks, {gib(best.peak_bytes)} per rank): "
+            f"run with --tp {b.tp} --pp {b.pp} --cp {b.cp}" + (f" --cp-strategy {b.strategy}" if b.cp > 1 else "")
+            + f" on {b.world} processes")
+
+
+def max_prompt_json(cfg: ModelConfig, layout: Layout, workload: Workload, tokens: int, peak: int | None,
+                    limit: int) -> dict:
+    """`--max-prompt --json`: the longest prompt that fits `limit` (max_prompt_tokens) and its plan's peak."""
+    return {"max_prompt_tokens": tokens, "peak_bytes": peak, "limit_bytes": limit,
+            "max_new_tokens": workload.max_new_tokens, "prefill_chunk": workload.prefill_chunk,
+            "layout": {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "strategy": layout.strategy},
+            "fp8": _fp8_items(workload), "model_window": cfg.max_position_embeddings}
+
+
+def max_prompt_line(r: dict) -> str:
+    """`--max-prompt` without --json: max_prompt_json's result in one line."""
+    return (f"longest prompt that fits {gib(r['limit_bytes'])} per rank: {r['max_prompt_tokens']} tokens "
+            f"(+ {r['max_new_tokens']} new; model window {r['model_window']})")

@@ -24,6 +24,7 @@ LAYERS = [
     # programs behind launch/bench.py build models and runners through llm and cli
     {"tools", "benchmarks"},
     {"commands"},  # the `starshard` console script's subcommands (launch/*.py wrap them)
+    {"__main__"},  # python -m starshard: the console script
 ]
 LEVEL = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

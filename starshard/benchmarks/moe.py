@@ -117,9 +117,9 @@ def decode_bytes(cfg, context: int, dtype_bytes: int, fp8: Fp8Config | None = No
 
 
 def run_starshard(args, cfg, dev, dtype, fp8: Fp8Config) -> tuple[list[dict], list[dict], dict[int, torch.Tensor]]:
-    llm = LLM(None, dtype=dtype, device=str(dev), progress=False, random_weights=args.random_weights, fp8=fp8)
+    llm = LLM(None, dtype=dtype, device=str(dev), progress=False, random_weights=args.random_weights, fp8=fp8,
+              cuda_graphs=not args.no_cuda_graphs)
     runner, model = llm.runner, llm.model
-    runner.cuda_graphs = not args.no_cuda_graphs
     prefill_rows, decode_rows, last_logits = [], [], {}
     for L in args.prefill_lengths:
         ids = torch.randint(0, cfg.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(dev)

@@ -34,14 +34,15 @@ from pathlib import Path
 import torch
 
 from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
-from starshard.cli import (add_apb_arguments, add_fp8_arguments, add_sparse_arguments, fp8_config, layout_error,
+from starshard.cli import (add_fp8_arguments, add_sparse_arguments, add_strategy_arguments, fp8_config, layout_error,
                            parallel_config, sparse_config)
 from starshard.config import SamplingConfig
 from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
-from starshard.parallel.context import STRATEGIES, flops
 from starshard.parallel.topology import LayoutError
 from starshard.runtime.context_parallel import ContextParallelRunner
+from starshard.strategies import STRATEGIES, get_spec
+from starshard.strategies.flops import linear_flops_per_token, predicted_seconds
 
 HELP = "end-to-end prefill (+ decode steps) of one strategy"
 
@@ -60,31 +61,20 @@ def matmul_peak(device, dtype=torch.bfloat16, n: int = 8192) -> float:
 def prefill_flops(cfg, L: int) -> dict[str, float]:
     """Model FLOPs of a causal prefill of L tokens (logits for the last token only)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    linear = L * flops.linear_flops_per_token(cfg) + 2 * h * cfg.vocab_size  # MoE: the active experts
+    linear = L * linear_flops_per_token(cfg) + 2 * h * cfg.vocab_size  # MoE: the active experts
     attn = 4 * cfg.num_heads * d * L * L / 2 * cfg.num_layers  # QK^T and PV, causal half
     return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
 
 
-def model_seconds(cfg, strategy, L: int, context: int, peak: float) -> float | None:
-    """The strategy's FLOP-model prefill time at the measured matmul peak (parallel/context/flops.py):
-    the slowest rank, or the sum over hosts when one device runs them in turn (study mode).
+def model_seconds(cfg, strategy, L: int, context: int, peak: float) -> float:
+    """The strategy's FLOP model (its registry entry's prefill_flops) of this prefill at the measured
+    matmul peak: the slowest rank, or the sum over hosts when one device runs them in turn (study mode).
     strategy None: the whole model on one rank (dense)."""
-    q = L - context
-    name, cp = (strategy.name, strategy.cp) if strategy is not None else ("dense", 1)
-    if name == "dense":
-        ranks = flops.dense_flops(cfg, L)
-    elif name in ("ring", "ulysses", "usp"):  # exact strategies split the same work evenly
-        ranks = flops.ring_flops(cfg, L, cp)
-    elif name == "star":
-        block, anchor = strategy.resolved_sizes(context)
-        ranks = flops.star_flops(cfg, context, cp, block, anchor, query_len=q)
-    elif name == "apb":
-        anchor, passing = strategy.resolved_sizes(context)
-        ranks = flops.apb_flops(cfg, context, strategy.hosts, anchor, passing, query_len=q,
-                                embed_query=strategy.embed_query)
+    if strategy is None:
+        ranks, cp = get_spec("dense").prefill_flops(cfg, L, context, None), 1
     else:
-        return None
-    return flops.predicted_seconds(ranks, peak, serial=cp == 1 and len(ranks) > 1)
+        ranks, cp = get_spec(strategy.name).prefill_flops(cfg, L, context, strategy), strategy.cp
+    return predicted_seconds(ranks, peak, serial=cp == 1 and len(ranks) > 1)
 
 
 def add_arguments(p) -> None:
@@ -104,14 +94,10 @@ def add_arguments(p) -> None:
                    "harness's essay-like filler")
     p.add_argument("--cp-strategy", default="ring", choices=STRATEGIES,
                    help="context strategy (default ring, at --cp 1 too)")
-    p.add_argument("--num-blocks", type=int, default=None, help="star / apb: hosts simulated on one device (cp 1)")
-    p.add_argument("--ulysses-degree", type=int, default=None, help="usp: Ulysses ranks inside each ring rank")
-    p.add_argument("--block-size", type=int, default=None, help="star: block size")
-    p.add_argument("--anchor-size", type=int, default=None, help="star: anchor size")
+    add_strategy_arguments(p, p, without=("query_rank",))  # the query is the last --query-tokens
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
     add_sparse_arguments(p)
     add_fp8_arguments(p)
-    add_apb_arguments(p.add_argument_group("APB (--cp-strategy apb)"))
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="time decode steps eagerly (default: replay a CUDA graph on one rank)")
@@ -156,13 +142,13 @@ def run(args) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         llm = LLM(None if args.random_weights else args.model, dtype=dtype, device=device, parallel=parallel,
-                  progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args))
+                  progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args),
+                  cuda_graphs=not args.no_cuda_graphs)
     except LayoutError as e:  # a layout this model or strategy refuses: the message says what to change
         raise SystemExit(f"error: {e}") from None
     topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
     cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
     strategy = runner.strategy if cp_runner else None
-    runner.cuda_graphs = not args.no_cuda_graphs
     peak = matmul_peak(topo.device)
     text = text_ids(llm.tokenizer, args.prompt_file) if args.prompt_file else None
     if args.sparse and (args.random_weights or text is None) and topo.rank == 0:

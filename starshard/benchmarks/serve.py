@@ -1,4 +1,4 @@
-"""The long-document service's engine in this process (no HTTP): time to first token for a question on
+"""The long-document service's scheduler in this process (no HTTP): time to first token for a question on
 a new document (prefill) and on a cached one (a follow-up), then aggregate decode tokens/s with N
 concurrent questions on one cached document.
 
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from starshard.benchmarks.common import commit, device_name, ints, today, write
-from starshard.config import ParallelConfig
+from starshard.config import ParallelConfig, SamplingConfig
 from starshard.llm import LLM
-from starshard.runtime.service import SamplingParams, Service
+from starshard.serving.scheduler import Scheduler
 
-HELP = "the service engine: cached vs uncached time to first token, concurrent decode"
+HELP = "the service's scheduler: cached vs uncached time to first token, concurrent decode"
 
 
 def add_arguments(p) -> None:
@@ -45,8 +45,8 @@ def run(args) -> None:
     llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
               parallel=ParallelConfig())
     budget = int(args.cache_gib * 2**30)
-    svc = Service(llm, cache_bytes=budget, max_batch=max(args.concurrency), max_queue=4 * max(args.concurrency),
-                  max_extend=args.question_tokens + 8, cuda_graphs=not args.no_cuda_graphs)
+    svc = Scheduler(llm, cache_bytes=budget, max_batch=max(args.concurrency), max_queue=4 * max(args.concurrency),
+                    max_extend=args.question_tokens + 8, cuda_graphs=not args.no_cuda_graphs)
     svc.start()
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)
@@ -67,7 +67,7 @@ def run(args) -> None:
                 rec["finish"], rec["cached"] = ev.finish_reason, ev.cached_tokens
                 done.set()
 
-        svc.submit(svc.text_prompt(ids), max_tokens=max_tokens, sampling=SamplingParams(), on_event=on_event)
+        svc.submit(svc.text_prompt(ids), max_tokens=max_tokens, sampling=SamplingConfig(), on_event=on_event)
         return done, rec
 
     def wait(done):

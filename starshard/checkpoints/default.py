@@ -46,10 +46,10 @@ def default_checkpoint(progress: bool = True) -> Path:
 
 
 # MInference patterns searched for the default model (`python -m starshard.tools.minference_search
-# --target-recall 0.99`, 8K multikey sample, one H200; bench/results/2026-11-25-h200-e2e/): every head
+# --target-recall 0.99`, 8K multikey sample, one H200; docs/results.md, Sparse prefill): every head
 # keeps 0.99 of its attention mass. Against the built-in Vertical-Slash 1000 / 6096 on essay text
-# (bench/results/2026-11-26-h200-index-build/): 128K prefill 0.234 vs 0.415 s (dense 1.396 s), 512K 12.3x
-# dense; harness 0.99 of dense (200 prompts, 2026-11-25-h200-e2e).
+# (docs/results.md, Sparse prefill): 128K prefill 0.234 vs 0.415 s (dense 1.396 s), 512K 12.3x
+# dense; harness 0.99 of dense (200 prompts).
 DEFAULT_MINFERENCE_CONFIG = Path(__file__).with_name("smollm2_minference.json")
 
 

@@ -9,7 +9,9 @@ split of each is one contiguous slice per part.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -106,7 +108,8 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 
 class AttendFn(Protocol):
-    """The attention a layer runs, provided by a context strategy (dense_attend by default).
+    """The attention a layer runs: dense_attend by default, a caller's hook inside
+    Transformer.attention_hooks (a context strategy, a CUDA graph's decode step, a probe).
 
     q: [B, Hq, L, D] after RoPE; k, v: this step's new keys / values [B, Hkv, L, D]; pos: their global
     positions; cache: the layer's KV (None when the hook holds its own); sparse: the layer's
@@ -158,9 +161,6 @@ def dense_attend_int8_scores(q, k, v, pos, cache: LayerKV | None, sparse=None):
     return dense_attend(q, k, v, pos, cache, sparse)
 
 
-LOCAL_ATTENDS = (dense_attend, dense_attend_int8_scores)  # plain attention over this process's whole cache
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -173,11 +173,11 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's q and k (weights of head_dim, the same on every TP rank).
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attend: AttendFn = dense_attend
         self.sparse = None  # LayerSparse when a sparse prefill method is on (kernels/sparse.py)
 
-    def forward(self, x, cos, sin, pos, cache: LayerKV | None, residual: torch.Tensor | None = None):
-        """The attention output projected by wo (+ residual, the block's input, when given)."""
+    def forward(self, x, cos, sin, pos, cache: LayerKV | None, attend: AttendFn = dense_attend,
+                residual: torch.Tensor | None = None):
+        """The attention output, computed by `attend`, projected by wo (+ residual, the block's input, when given)."""
         B, L, _ = x.shape
         d = self.head_dim
         qkv = self.wqkv(x)
@@ -195,7 +195,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, pos, cache, sparse=self.sparse)
+        out = attend(q, k, v, pos, cache, sparse=self.sparse)
         return project_heads(self.wo, out, residual)
 
 
@@ -227,10 +227,10 @@ class TransformerBlock(nn.Module):
         # Qwen3-MoE / Mixtral: the expert MLP on the config's sparse layers (global index), dense elsewhere.
         self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
 
-    def forward(self, x, cos, sin, pos, cache: LayerKV | None):
+    def forward(self, x, cos, sin, pos, cache: LayerKV | None, attend: AttendFn = dense_attend):
         # h = x + attention(...), out = h + feed_forward(...): the sums are passed in, so a projection
         # that can adds them in its own kernel (project_add)
-        h = self.attention(self.attention_norm(x), cos, sin, pos, cache, residual=x)
+        h = self.attention(self.attention_norm(x), cos, sin, pos, cache, attend, residual=x)
         return self.feed_forward(self.ffn_norm(h), residual=h)
 
 
@@ -246,6 +246,10 @@ class Transformer(nn.Module):
     context strategy gives each token what one device gives it. The runtime sets n = prompt tokens +
     max new tokens (the longest sequence the run can reach) before the prefill; unset (None) means
     the model's window (cfg.max_position_embeddings). The other scaling types ignore it.
+
+    Attention. Each layer's attention is an AttendFn passed down the forward: the model's own
+    (dense_attend; dense_attend_int8_scores when `int8_scores` is set, `--fp8 attention`), or, inside
+    `with model.attention_hooks(fn_or_per_layer_fns):`, a caller's hooks.
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids: list[int] | None = None):
@@ -262,6 +266,34 @@ class Transformer(nn.Module):
         self.rope_length: int | None = None
         self.rope_scale = rope_attention_factor(cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.int8_scores = False  # --fp8 attention: the own attention takes 8-bit prefill scores
+        self._hooks: list[AttendFn] | None = None  # one per held layer while attention_hooks() is active
+
+    @property
+    def hooked(self) -> bool:
+        """A caller's hooks, not the model's own attention, run in the layers now."""
+        return self._hooks is not None
+
+    def layer_attends(self) -> list[AttendFn]:
+        """The attention each held layer runs now: the active hooks, else the model's own."""
+        own = dense_attend_int8_scores if self.int8_scores else dense_attend
+        return self._hooks or [own] * len(self.layers)
+
+    @contextlib.contextmanager
+    def attention_hooks(self, hooks: AttendFn | Sequence[AttendFn]):
+        """Inside the block the layers attend through `hooks`: one AttendFn for every layer, or one per
+        held layer (in `layers` order). On exit, also on error, the previous hooks (or the model's own
+        attention) are back, so blocks nest. A CUDA graph captured inside the block records what the
+        hooks ran; its replays need no hooks."""
+        fns = list(hooks) if isinstance(hooks, (list, tuple)) else [hooks] * len(self.layers)
+        if len(fns) != len(self.layers):
+            raise ValueError(f"attention_hooks got {len(fns)} hooks for {len(self.layers)} held layers; "
+                             "pass one AttendFn for all layers or exactly one per held layer")
+        saved, self._hooks = self._hooks, fns
+        try:
+            yield
+        finally:
+            self._hooks = saved
 
     def set_rope_length(self, length: int | None) -> None:
         """Fix the RoPE frequencies for a run of up to `length` positions (None: the model's window).
@@ -308,8 +340,8 @@ class Transformer(nn.Module):
             x = self.tok_embeddings(x)
         cos, sin = self.rope(positions)
         cos, sin = cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
-        for i, layer in zip(self.layer_ids, self.layers):
-            x = layer(x, cos, sin, positions, cache.layer(i) if cache is not None else None)
+        for i, layer, attend in zip(self.layer_ids, self.layers, self.layer_attends()):
+            x = layer(x, cos, sin, positions, cache.layer(i) if cache is not None else None, attend)
         if cache is not None:
             cache.advance(positions, end)
         if (last_only or output_row is not None) and self.output is not None:

@@ -170,7 +170,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         x8, sx = quantize_rows(x)  # T rows, then gathered: an eighth of quantizing the T * k pairs
         # Fast accumulation, as the dense FP8 GEMM (kernels/fp8.py FAST_ACCUM); with the promoted one torch's
         # kernel for 256-1024 rows per expert ran 2-3x slower than bf16 on an H100 (Qwen3-30B-A3B, 4K-16K tokens;
-        # bench/scaled_grouped_mm_probe.py, bench/results/2026-11-26-gpu-fp8-128k-profile/m).
+        # bench/scaled_grouped_mm_probe.py; docs/results.md, FP8).
         h = _SCALED_GROUPED_MM(x8[src], w13.transpose(-2, -1), sx[src], w13_scale, offs=offs32, out_dtype=x.dtype,
                                use_fast_accum=FAST_ACCUM)
         a8, sa = silu_mul_quant(h)

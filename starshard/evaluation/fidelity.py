@@ -629,7 +629,6 @@ def capture_attention(model, ids: torch.Tensor,
     """Run the model densely over ids [L] (positions 0 .. L-1) calling on_layer(layer, q, k, v) with each
     layer's post-RoPE q [1, Hq, L, D], k, v [1, Hkv, L, D]; returns the logits. The model's hooks are
     restored afterwards."""
-    saved = [layer.attention.attend for layer in model.layers]
 
     def hook(layer_id):
         def attend(q, k, v, pos, cache, sparse=None):
@@ -638,15 +637,9 @@ def capture_attention(model, ids: torch.Tensor,
 
         return attend
 
-    try:
-        for lid, layer in zip(model.layer_ids, model.layers):
-            layer.attention.attend = hook(lid)
-        with torch.no_grad():
-            # Only the last row's logits: an 8K x vocab float32 logits tensor would be ~1.6 GB.
-            return model(ids[None].to(next(model.parameters()).device), last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    with model.attention_hooks([hook(lid) for lid in model.layer_ids]), torch.no_grad():
+        # Only the last row's logits: an 8K x vocab float32 logits tensor would be ~1.6 GB.
+        return model(ids[None].to(next(model.parameters()).device), last_only=True)
 
 
 def measure(model, ids, context_len: int, approximations: list[Approximation], *, layers=None,

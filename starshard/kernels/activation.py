@@ -49,7 +49,7 @@ except ImportError:  # installs without triton keep the torch paths
 
 # Padded row widths up to this stay in registers (one read); wider rows loop over tiles. 16384 (16 warps)
 # covers Llama-8B's 14336-wide SwiGLU on one GPU: 0.20 vs 0.30 ms looping at 8K rows, 0.68 vs 1.01 at 32K
-# (one H200, bench/results/2026-11-24-h200/fp8_prefill_fused.json).
+# (one H200; docs/results.md, FP8).
 ONE_TILE_MAX = 16384
 LOOP_TILE = dict(block=4096, warps=8)  # tile of the looping kernels
 
@@ -66,12 +66,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # silu_mul on CUDA: one kernel for decode rows and for long prefills, torch's two launches between. At decode
 # sizes the launches are most of the time (~1.8 + 1.2 us for a 14336-wide row on an H200,
-# bench/results/2026-11-24-h200/run_i.log; decode steps run in CUDA graphs, where the host does not count). At
+# docs/results.md, FP8; decode steps run in CUDA graphs, where the host does not count). At
 # prefill sizes torch's two passes move 18.75 bytes per output value where one moves 6: 12.4 ms of a 128K
 # Llama-8B layer's ~357 ms on an H100, against ~4 in one pass. But a Triton launch costs the host ~44 us
 # against ~22 for torch's two (bench/launch_overhead.py), and a prefill of a few hundred tokens is bound by
 # the host: one H100, Llama-8B bf16 prefill with the kernel 3-5% slower at 128-512 tokens, 5-7% faster from
-# 1K (bench/bf16_swiglu_fused.py; bench/results/2026-11-26-gpu-fp8-128k-profile/, G-I and S).
+# 1K (bench/bf16_swiglu_fused.py; docs/results.md, FP8).
 # Tiles (columns per program, warps): decode rows many short programs; prefill rows longer ones (swept).
 SILU_MUL_DECODE_ROWS = 64
 SILU_MUL_PREFILL_MIN_ROWS = 1024

@@ -145,13 +145,13 @@ class AnchorRates:
 
 # Measured per head dim (the launch depends on it): one H100 (the H200's sm_90 kernels), bf16, the
 # paper's pooling (128-row blocks, step 16), structured inputs, the default launches of 2026-11-26
-# (`launch/bench.py anchor`, bench/results/2026-11-26-h100-vs-block128/run_e.sh). density *
+# (`launch/bench.py anchor`; docs/results.md, Sparse prefill). density *
 # dense_cudnn_ms / kernel_ms over theta 4 / 8 / 12 at 32K and 128K: head dim 128 (32 / 8 heads)
 # 0.411-0.632, head dim 64 (9 / 3) 0.399-0.560, lowest at theta 4 and 32K; the smallest is taken, so a
 # head goes sparse only where it wins at every measured point.
 MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399), 128: AnchorRates(kernel=0.411)}
 # Head dims above 128 (unmeasured launch): the 8-warp head-dim-128 kernel's rate on one H200
-# (bench/results/2026-11-23-h200-anchor), the slowest measured.
+# (docs/results.md, Sparse prefill), the slowest measured.
 WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319)
 
 
@@ -535,7 +535,7 @@ def triton_available(q: torch.Tensor) -> bool:
 
 def default_launch(head_dim: int, block_q: int) -> tuple[int, int]:
     """(num_warps, num_stages) of the sparse kernel, by measurement on an H100 at 128K, theta 12
-    (bench/results/2026-11-26-h100-vs-block128, run_d): head_dim 128 runs 4 warps, 1.8-2.0x faster than
+    (docs/results.md, Sparse prefill): head_dim 128 runs 4 warps, 1.8-2.0x faster than
     8 (128-row blocks 4,2: 559 -> 305 ms; 64-row 4,3: 623 -> 315 ms); head_dim 64 keeps 8 warps for
     128-row blocks (4,2 took 80 ms against 66) and 4 for smaller ones; wider heads 8 warps, 1 stage."""
     if head_dim > 128:
@@ -590,7 +590,7 @@ def anchor_scores(q, k, config: AnchorConfig, *, offset: int, scale=None, backen
 
 def grouped_identify(head_dim: int, keys: int, kv_group: int) -> bool:
     """Whether identification takes the KV-grouped stripe kernel by default. Timed against the per-head
-    one (bench/results/2026-11-26-gpu-anchor-grouped; GQA 4 / 3, theta 12): faster at head dim 128 with
+    one (docs/results.md, Sparse prefill; GQA 4 / 3, theta 12): faster at head dim 128 with
     128K keys (10.4 vs 12.9 ms on an H100, 10.3 vs 11.2 on an H200), slower at 32K keys (7% at d 128, 11%
     at d 64) and at d 64 with 128K keys (15%; 4% faster at 512K)."""
     return kv_group > 1 and head_dim >= 128 and keys >= 1 << 17

@@ -3,7 +3,7 @@
     ids = argmax_rows(logits)      # logits [B, V] -> [B] int64, as logits.argmax(-1)
 
 torch's argmax of one 128K-wide float32 row took 28.7 us on an H200 (Llama-3.1-8B decode at 128K, 5 steps
-profiled, bench/results/2026-11-24-h200/run_i.log): one block reduces the whole row. Greedy sampling runs
+profiled; docs/results.md, FP8): one block reduces the whole row. Greedy sampling runs
 it every token after the graph replay. Here programs of ARGMAX_CHUNK columns each find their chunk's
 winner (a running (value, index) per lane, the lanes reduced once), and a second launch picks among the
 chunks' winners. (One program per row was 20.4 vs torch's 26.6 us on an H100: one SM cannot stream the

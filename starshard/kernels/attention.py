@@ -152,7 +152,7 @@ def _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale):
     the compute-dtype path (cuDNN where the mask allows), partials merged by lse. Why not a Triton flash
     kernel reading the e4m3 bytes in registers (a3bab66 had one): on one H200, a 128K prompt in chunks
     of 8192 took 28.1 s with it against 19.0 s for the bf16 cache through cuDNN and 12.1 s this way
-    (bench/results/2026-11-24-h200/run_h.log, run_i.log)."""
+    (docs/results.md, FP8)."""
     mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
     if cuda_backend(q, k.shape[2], mode and "masked", sm_count(q.device)) == "decode":
         return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, k_scale=k_scale,
@@ -236,7 +236,7 @@ def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
 # `--fp8 attention` on CUDA from this many keys: below it the 8-bit kernel (with its pre-pass) measured slower than
 # cuDNN's bf16 one (one H100, Llama-8B heads: 0.83x at 16K, 0.91x at 64K, 0.98x at 96K, 1.00x at 128K; end to end
 # `linear,kv,attention` vs `linear,kv` 0.96x at 64K, 1.007x at 96K; an H200 1.00x at 32K, 1.04-1.09x at 128K:
-# bench/results/2026-11-26-gpu-int8-scores-floor/), so shorter calls keep exact scores at no cost in speed.
+# docs/results.md, FP8), so shorter calls keep exact scores at no cost in speed.
 INT8_SCORES_MIN_LENGTH = 96 * 1024
 
 

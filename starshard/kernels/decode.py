@@ -30,7 +30,7 @@ except ImportError:  # older triton: plain loads
 
 # Keys per split at least, and the programs aimed at per multiprocessor, never more: one for 16-bit caches,
 # two for e4m3 (half the bytes per key). Measured on an H100 (bench/decode_splits.py,
-# bench/results/2026-11-26-gpu-decode-launches): two 16-bit programs per multiprocessor read slower than one,
+# docs/results.md, Decode): two 16-bit programs per multiprocessor read slower than one,
 # and a few programs past a whole wave cost as much as a wave (Llama-8B heads at 128K keys: 33 splits
 # 208 us, 17 splits 204 us, 16 splits 181 us).
 _MIN_CHUNK = 128
@@ -188,7 +188,7 @@ if triton is not None:
     # e4m3 cache, 16-bit queries, no causal mask (the CUDA-graph decode step): whole key blocks run
     # unmasked, at most one masked block per split. Its prologue repeats _decode_split_kernel's on
     # purpose: shared as Triton helpers it took 255 registers instead of 184 and ran 94.0 instead of
-    # 92.7 us per layer on an H200 (bench/results/2026-11-25-gpu-decode, calls E and J).
+    # 92.7 us per layer on an H200 (docs/results.md, Decode).
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_fp8_kernel(
         Q, K, V, OP, LP, LK_PTR, KS, VS,
@@ -286,8 +286,8 @@ if triton is not None:
         tl.store(LSE + row, lse)
 
 
-# Options of the e4m3-cache path (bench/fp8_decode_split.py, bench/results/2026-11-25-h100-fp8-decode and
-# 2026-11-25-gpu-decode call E). even: _decode_split_fp8_kernel (whole key blocks unmasked) where it applies,
+# Options of the e4m3-cache path (bench/fp8_decode_split.py; docs/results.md, Decode).
+# even: _decode_split_fp8_kernel (whole key blocks unmasked) where it applies,
 # instead of the general kernel: 92.7 vs 93.8 us per layer at 128K keys on an H200 (on an H100, HBM-bound,
 # 107.5 vs 107.1). tma: its loads through tensor descriptors: 102.4 us on the H200 (slower), 103.8 on the
 # H100. config: its (BLOCK_N, num_warps, num_stages).

@@ -30,8 +30,8 @@ are masked; blocks above it are never visited.
 Measured on one H200: 1.09x cuDNN's bf16 kernel (1.04x in the model's strided layout) at 3.3% output
 error with a peaked softmax (q x 4), 2.2% on SmolLM2's real q / k / v; a Llama-8B-shaped 128K prefill
 with `--fp8 linear,kv,attention` 9.54 s vs 10.07 s without `attention` (bf16 11.33 s)
-(bench/results/2026-11-26-h200-int8-attention). e4m3 scores, and e4m3 P . V, were faster still but
-further off (~10% output error with e4m3 Q and K) and are not offered (starshard/config.py, `--fp8`).
+(docs/results.md, FP8). e4m3 scores, and e4m3 P . V, were faster still but further off (~10% output
+error with e4m3 Q and K) and are not offered (starshard/config.py, `--fp8`).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ HEAD_DIMS = (32, 64, 128, 256)  # the 8-bit tensor-core tiles the kernel builds
 INT8_MAX = 127.0  # symmetric int8, scale = amax / 127
 _TINY = 1e-12
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) at head_dim <= 128, K / V through tensor descriptors (tma):
-# the fastest of a sweep on one H100 at 32K, still the fastest of the sweep's top three at 128K (bench/results/2026-11-25-h100-fp8-attention).
+# the fastest of a sweep on one H100 at 32K, still the fastest of the sweep's top three at 128K
+# (docs/results.md, FP8).
 DEFAULT_CONFIG = (128, 128, 8, 3)
 
 

@@ -42,13 +42,13 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 # the Llama-8B projections at 128K rows 54.4 -> 44.1 ms per layer on an H100, the 128K prefill with
 # `linear,kv` 2.7% faster, for a product error of 0.21-0.33% instead of 0.17% of the exact e4m3 product (the
 # operands' own e4m3 rounding is a few %); harness accuracy unchanged (bench/fp8_fast_accum.py,
-# bench/results/2026-11-26-gpu-fp8-prefill). STARSHARD_FP8_FAST_ACCUM=0 (read once per process) keeps the
+# docs/results.md, FP8). STARSHARD_FP8_FAST_ACCUM=0 (read once per process) keeps the
 # promoted accumulation.
 FAST_ACCUM = os.environ.get("STARSHARD_FP8_FAST_ACCUM", "1") != "0"
 WEIGHT_ONLY_MAX_ROWS = 64  # rows up to which fp8_linear reads weights only (decode); more: FP8 GEMM
 # Up to this many rows the weight-only path is a GEMV per row (weights re-read per row, from L2 when the
 # rows run together). Tiles by weight shape, one H200, one row, Llama-8B projections, each call reading
-# its weight from HBM (bench/fp8_gemv_variants.py, bench/results/2026-11-25-h200/gemv_variants.json; the
+# its weight from HBM (bench/fp8_gemv_variants.py; docs/results.md, FP8; the
 # 2026-11-23 sweep re-read the small weights from L2): long rows (w2, K 14336)
 # 4 x 2048 with 4 warps 20.4 us; many rows (w13 N 28672, wqkv N 6144) 4 x 512 with 2 warps 33.5 / 10.1 us;
 # the rest (wo) 4 x 1024 with 4 warps 7.7 us. Per layer 71.7 us against 73.7 us for the 2026-11-23 choice

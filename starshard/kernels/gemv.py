@@ -11,7 +11,7 @@ when they run together). The weight is e4m3 (an FP8 projection, `scale` its chan
 
 16-bit weights (`use_gemv`: one row, engine/linear.py Linear): cuBLAS's one-row GEMV read a 16 MB projection at
 1.55-2.0 TB/s on an H100 where this kernel reads it at 1.8-2.4; the lm_head 370 -> 337 us (Llama-8B),
-the Qwen3-MoE router 4.8 -> 2.6 us (bench/bf16_gemv_probe.py, bench/results/2026-11-25-gpu-decode). On an
+the Qwen3-MoE router 4.8 -> 2.6 us (bench/bf16_gemv_probe.py; docs/results.md, Decode). On an
 H200 the router and small projections gain as much, the wide ones lose up to 9% (see GEMV_16BIT_TILE).
 `residual`: + residual after the product is rounded to y's dtype, as `linear(x) + residual` rounds in
 torch: the block's residual add without a kernel of its own (engine/linear.py project_add).
@@ -30,12 +30,12 @@ except ImportError:  # installs without triton keep F.linear
 
 GEMV_MAX_ROWS = 4  # rows up to which a GEMV per row beats a tensor-core tile (weights re-read per row from L2)
 # Within 3% of the best 1024-wide tile on every probed shape on an H100; on an H200 up to 9% behind cuBLAS on wide
-# projections (Llama-8B wqkv, w13) while ahead on small ones (bench/results/2026-11-25-gpu-decode call J).
+# projections (Llama-8B wqkv, w13) while ahead on small ones (docs/results.md, Decode).
 GEMV_16BIT_TILE = dict(block_n=4, block_k=1024, warps=4)
 # Where K is 4096 or more, or the weight has few rows (a router), a program requests up to 4096 columns at once:
 # on an H100 Qwen3-30B-A3B's wo 7.87 -> 6.55 us, router 1.78 -> 1.50, Llama-8B's wqkv 20.2 -> 17.6, w2 41.4 ->
 # 39.5; at K = 2048 with many rows (Qwen3-30B-A3B's wqkv) the 1024-wide tile stays ahead (7.78 vs 8.26 us)
-# (bench/results/2026-11-26-gpu-gemv-tiles; not measured on an H200).
+# (docs/results.md, Decode; not measured on an H200).
 GEMV_16BIT_MAX_BLOCK_K = 4096
 GEMV_FEW_ROWS = 1024
 # 16-bit weights take the GEMV for one row only: that is what was measured against cuBLAS; with more rows

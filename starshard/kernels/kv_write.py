@@ -14,7 +14,7 @@ also stores the position.
 
 write_kv_block: a prefill block into an e4m3 cache. The torch path (LayerKV._put) made a contiguous copy
 of v (a view of the projection), quantized k and v into new tensors, then copied bytes and scales into the
-cache: ~0.9 ms per layer of a 128K prefill on an H100 (bench/results/2026-11-26-gpu-fp8-prefill); here each
+cache: ~0.9 ms per layer of a 128K prefill on an H100 (docs/results.md, FP8); here each
 program quantizes BLOCK_T rows of k and of v straight from their strides into the cache.
 
 `slot` is a device tensor [1] (a captured CUDA-graph step: nothing read on the host) or a host int

@@ -1,7 +1,7 @@
 """Combine partial attention results over disjoint key sets by log-sum-exp (exact).
 
 `merge_partials` (two results): every split of one query block's keys merges here: APB's passing
-blocks (parallel/context, which re-exports it), the service's cascade (runtime/cascade.py), a query
+blocks (parallel/context, which re-exports it), the service's cascade (serving/cascade.py), a query
 block after its offset keys (attention.causal_attention_at: Star's [anchor; block]), and a chunked
 prefill's stored FP8 prefix with the chunk's own keys (engine/model.py dense_attend).
 `merge_into` (a running float32 result and one more partial, in place): the ring's accumulator

@@ -24,7 +24,7 @@ logits in one program's registers; in routed_gate_up every program of the token'
 instead of waiting on a launch of its own (route_topk: ~2.5 us per layer on an H200, mostly launch and
 drain). Together they replace the small torch kernels around the GEMVs (softmax, topk and its sort, the
 renormalizing sum, casts, the pair -> token index, the per-token weighted sum), which at decode cost
-about as much as the GEMVs themselves (bench/results/2026-11-23-h200-decode-profile).
+about as much as the GEMVs themselves (docs/results.md, Decode).
 """
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ ROUTE_MAX_EXPERTS = 1024  # one token's logits in one program's registers
 # slices with long K tiles keep many programs with many bytes in flight (gate_up 11.4 us = 4.4 TB/s;
 # the first guess, 32 x 128 with 4 warps, took 53 us). Down, one program per (token, output column)
 # summing the token's k experts unrolled: 1 x 1024 with 1 warp, 7.1 us = 3.5 TB/s (8 x 256 / 2 warps:
-# 24.5 us; bench/results/2026-11-24-h200/tune_moe_decode_d.json).
+# 24.5 us; bench/tune_moe_decode.py, docs/results.md, FP8).
 GATE_UP_TILE = dict(block_n=4, block_k=512, warps=2)
 DOWN_TILE = dict(block_n=1, block_k=1024, warps=1)
 # e4m3 experts (--fp8 experts), one H100, each call routed to its own experts (bench/fp8_experts_check.py
-# --sweep, bench/results/2026-11-26-gpu-fp8-experts): gate/up 16 x 1024 with 4 warps 14.7 us (the bf16 tile
+# --sweep; docs/results.md, MoE): gate/up 16 x 1024 with 4 warps 14.7 us (the bf16 tile
 # 16.6), down 2 x 1024 with 1 warp 10.5 us (12.0); the bf16 kernels take 21.8 / 11.4 us.
 GATE_UP_TILE_E4M3 = dict(block_n=16, block_k=1024, warps=4)
 DOWN_TILE_E4M3 = dict(block_n=2, block_k=1024, warps=1)

@@ -3,7 +3,7 @@
     y = rms_norm(x, weight, eps)      # x [..., D] -> x * rsqrt(mean(x^2) + eps) * weight, float32 math
 
 torch's fused CUDA RMSNorm (F.rms_norm) takes ~6 us for a single 4096-wide row on an H200 (one block
-reducing in two passes; bench/results/2026-11-23-h200-decode-profile): ~65 calls per Llama-8B decode
+reducing in two passes; docs/results.md, Decode): ~65 calls per Llama-8B decode
 step and ~190 per Qwen3-MoE step (its per-head q / k norms). This kernel puts several short rows in one
 program and a whole row in registers. The runtime uses it for up to NORM_MAX_ROWS rows on the GPU and
 keeps F.rms_norm above (prefill rows are bandwidth-bound, where torch's kernel is fine).

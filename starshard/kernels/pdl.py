@@ -17,7 +17,7 @@ predecessor). Kernels launched without PDL (torch's, cuBLAS's) wait for everythi
 and a PDL kernel after one of them starts when it ends. CUDA graphs keep the dependencies (programmatic
 edges). Eager launches stay plain: there the host is the bottleneck, and a PDL launch cost more host
 time than it saved (one H200: Llama-8B eager decode 25.1 -> 27.8 ms per step; under graphs 6.04 ->
-5.51 ms, bench/results/2026-11-26-h200-pdl/). On CPU and under TRITON_INTERPRET=1 it is off;
+5.51 ms; docs/results.md, Decode). On CPU and under TRITON_INTERPRET=1 it is off;
 STARSHARD_PDL=0 (read once per process) turns it off everywhere.
 """
 from __future__ import annotations

@@ -30,6 +30,7 @@ from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.kernels.attention import attention
 from starshard.kernels.common import DECODE_MAX_ROWS, MIN_SPARSE_ROWS
 from starshard.kernels.minference import MInferenceConfig, measured_rates
+from starshard.strategies import sparse_error
 
 SPARSE_METHODS = ("minference", "anchor")
 
@@ -37,13 +38,13 @@ SPARSE_METHODS = ("minference", "anchor")
 # more than 64K. Below it the dense kernel runs, nothing estimated. Measured on one H200 (bf16):
 # - sparse starts to pay above 64K: MInference Vertical-Slash (1000, 6096), index included, 0.48x
 #   cuDNN dense at 32K, 0.98x / 1.06x at 64K, 2.0x at 128K (32 x d128, structured inputs;
-#   bench/results/2026-11-23-h200/sparse.json, anchor_bench_32k_64k.jsonl); on the 8B shape at 64K
+#   docs/results.md, Sparse prefill); on the 8B shape at 64K
 #   the call with the fallback ties dense on structured inputs (57.7 vs 57.7 ms) and loses 13% on
 #   random ones (66.0 vs 58.2 ms: the estimate, then dense); at 128K it takes 0.57x / 1.07x of the
-#   dense time (bench/results/2026-11-23-h200-sparse-fallback/index_split.json);
+#   dense time (docs/results.md, Sparse prefill);
 # - AnchorAttention's identification, spent before it can tell dense-like stripes, is 2.7 / 5.5 /
 #   14 ms per layer at 32K / 64K / 128K against 13 / 57 / 239 ms of dense attention
-#   (2026-11-23-h200-anchor/anchor.json): about 6 / 5 / 4% of an 8B prefill when the stripes then
+#   (docs/results.md, Sparse prefill): about 6 / 5 / 4% of an 8B prefill when the stripes then
 #   turn out dense; kept at the same bound (its wins at 32K need min_length 0).
 # Other devices: nothing measured, default 0 (CPU runs are tests and accuracy studies).
 MIN_LENGTH = 65536 + 1
@@ -238,6 +239,7 @@ def install_sparse(model, method: SparseMethod | None, head_offset: int = 0) -> 
 
 
 def refuse_sparse(sparse: LayerSparse | None, strategy: str) -> None:
-    if sparse is not None:
-        raise ValueError(f"--sparse does not compose with --cp-strategy {strategy}: its patterns are estimated over "
-                         "a row's whole key range, which a ring step never sees; use dense, ulysses, star or apb")
+    """Inside a strategy's attention: refuse a sparse pattern where the registry says it does not compose."""
+    bad = sparse_error(strategy) if sparse is not None else None
+    if bad:
+        raise ValueError(bad)

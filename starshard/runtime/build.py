@@ -19,10 +19,10 @@ from starshard.checkpoints.sources import WeightSource, rank_state
 from starshard.config import ModelConfig, ParallelConfig
 from starshard.engine.model import Transformer
 from starshard.layout import TPLayout, check_tp, partition_layers
-from starshard.parallel.context.ulysses import check_ulysses_heads
 from starshard.parallel.fp8 import quantize_linears
 from starshard.parallel.tensor import apply_tensor_parallel
 from starshard.parallel.topology import LayoutError
+from starshard.strategies import get_spec, given_options
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,11 @@ def plan_parallel(cfg: ModelConfig, parallel: ParallelConfig, src: WeightSource)
 
 
 def check_context_heads(cfg: ModelConfig, parallel: ParallelConfig) -> None:
-    """Ulysses / USP split each tensor-parallel rank's heads over their all-to-all group: refuse a
-    head count that does not split, from the config alone (before any collective)."""
-    degree = {"ulysses": parallel.cp, "usp": parallel.ulysses_degree or parallel.cp}.get(parallel.cp_strategy)
-    if degree is None or degree == 1:
-        return
+    """A strategy that splits each tensor-parallel rank's heads (Ulysses, USP: over their all-to-all
+    group) refuses a head count that does not split, from the config alone (before any collective)."""
     layout = TPLayout(cfg, parallel.tp, 0)
     try:
-        check_ulysses_heads(layout.heads, layout.kv_heads, degree)
+        get_spec(parallel.cp_strategy).check_heads(layout.heads, layout.kv_heads, parallel.cp, given_options(parallel))
     except ValueError as e:
         raise LayoutError(str(e)) from None
 

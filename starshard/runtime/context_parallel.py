@@ -22,8 +22,9 @@ class ContextParallelRunner(LocalRunner):
     """`sampler(last_row_logits, sampling, gen) -> token`: plain sampling by default; a
     runtime.model_parallel.VocabSampler when the model is tensor parallel (vocab-sharded logits)."""
 
-    def __init__(self, model, strategy: ContextStrategy, sampler=None, link=None):
-        super().__init__(model)
+    def __init__(self, model, strategy: ContextStrategy, sampler=None, link=None, *, cuda_graphs: bool = True,
+                 kv_fp8: bool = False):
+        super().__init__(model, cuda_graphs, kv_fp8)
         self.strategy = strategy
         self.sample = sampler or sample
         self.link = link  # pipeline.StageLink when pp > 1
@@ -31,9 +32,9 @@ class ContextParallelRunner(LocalRunner):
         self._eager_rest = False  # the query rank's cache filled up: no graphs until the generation ends
         strategy.bind(model)  # strategies that need the model's RoPE / layer ids (APB)
 
-    def _set_attend(self, fn) -> None:
-        for layer in self.model.layers:
-            layer.attention.attend = fn
+    def _strategy_attention(self, fn):
+        """Every layer of this stage attends through the strategy's `fn` for the forwards inside the block."""
+        return self.model.attention_hooks(fn)
 
     def _broadcast_token(self, tok: torch.Tensor, src_cp_rank: int) -> torch.Tensor:
         """The owner's token on every rank: over the last stage's CP group, then down the pipeline."""
@@ -65,13 +66,14 @@ class ContextParallelRunner(LocalRunner):
         logits = None
         for seg in s.segments(L, context_len if s.query_phase else L):
             seg = seg.to(ids.device)
-            self._set_attend(s.prefill_attend(seg))
-            logits = self._forward(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)
-        self._set_attend(s.decode_attend)
+            with self._strategy_attention(s.prefill_attend(seg)):
+                logits = self._forward(ids[seg.index][None], positions=seg.positions, cache=cache,
+                                       output_row=seg.last_row)
         owner = s.last_token_rank(L, context_len)
         if s.query_phase:
-            logits = self._forward(ids[None, context_len:], positions=torch.arange(context_len, L, device=ids.device),
-                                   cache=cache, last_only=True)
+            with self._strategy_attention(s.decode_attend):
+                logits = self._forward(ids[None, context_len:], cache=cache, last_only=True,
+                                       positions=torch.arange(context_len, L, device=ids.device))
             owner = s.query_rank
         if self.link is not None:
             self.link.flush()
@@ -135,7 +137,8 @@ class ContextParallelRunner(LocalRunner):
         if graph is not None:  # sharded KV: every rank replays its graph, the query rank samples
             logits = graph.step(ids)
         else:
-            logits = self._forward(ids, cache=cache, last_only=True)
+            with self._strategy_attention(self.strategy.decode_attend):
+                logits = self._forward(ids, cache=cache, last_only=True)
             if self.link is not None:
                 self.link.flush()
         s = self.strategy

@@ -62,15 +62,9 @@ class GraphDecoder:
 
     def _forward(self):
         m = self.model
-        saved = [layer.attention.attend for layer in m.layers]
-        try:
-            for i, layer in zip(m.layer_ids, m.layers):
-                layer.attention.attend = functools.partial(self._attend, self.cache.layer(i))
-            # cache=None: the hooks hold their layer's cache; nothing reads positions on the host.
+        # cache=None: the hooks hold their layer's cache; nothing reads positions on the host.
+        with m.attention_hooks([functools.partial(self._attend, self.cache.layer(i)) for i in m.layer_ids]):
             return m(self.tok, positions=self.pos, cache=None, last_only=True)
-        finally:
-            for layer, fn in zip(m.layers, saved):
-                layer.attention.attend = fn
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Run token [1, 1] at the cache's next position -> logits [1, 1, V] (valid until the next step)."""

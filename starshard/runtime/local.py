@@ -6,7 +6,6 @@ import torch
 
 from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
-from starshard.engine.model import LOCAL_ATTENDS
 from starshard.engine.sampling import sample
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.prompt import Prompt
@@ -16,10 +15,10 @@ class LocalRunner:
     """Runs a whole model in this process. The model-parallel and context-parallel runners (this package)
     offer the same methods, so the generation loop (runtime/generate.py) is written once for every layout."""
 
-    def __init__(self, model, cuda_graphs: bool = True):
+    def __init__(self, model, cuda_graphs: bool = True, kv_fp8: bool = False):
         self.model = model
         self.cuda_graphs = cuda_graphs  # replay single-token decode steps from a CUDA graph (cuda_graph.py)
-        self.kv_fp8 = False  # new caches store e4m3 keys / values with per-(head, token) scales (--fp8 kv)
+        self.kv_fp8 = kv_fp8  # new caches store e4m3 keys / values with per-(head, token) scales (--fp8 kv)
         self._graph = None
 
     def cache_rows(self, tokens: int) -> int:
@@ -35,7 +34,7 @@ class LocalRunner:
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         """Run the whole prompt -> first new token."""
         ids = torch.tensor([prompt.ids], device=cache.device)
-        return self.next_token(ids, cache, sampling, gen, chunk)
+        return self.next_token(ids, cache, sampling, gen, chunk, graph=False)
 
     def _graphs_apply(self, ids, cache: KVCache) -> bool:
         """Graphs are on, the cache is on the GPU and this step is one token."""
@@ -58,12 +57,14 @@ class LocalRunner:
 
     def decode_is_local(self) -> bool:
         """A decode step is plain attention over this process's whole cache (what GraphDecoder
-        captures), not a strategy's hook."""
-        return all(layer.attention.attend in LOCAL_ATTENDS for layer in self.model.layers)
+        captures): the model's own attention, no caller's hooks installed."""
+        return not self.model.hooked
 
-    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
-        """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]."""
-        graph = self._graph_decoder(ids, cache)
+    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None, *,
+                   graph: bool = True):
+        """Run `ids` (appending their KV to `cache`, `chunk` tokens at a time) -> next token [B]; `graph`:
+        a one-token decode step may replay the CUDA graph (a prefill never does)."""
+        graph = self._graph_decoder(ids, cache) if graph else None
         if graph is not None:
             return sample(graph.step(ids)[:, -1], sampling, gen)
         chunk = chunk or ids.shape[1]

@@ -48,8 +48,9 @@ class ParallelRunner(LocalRunner):
     `min_chunk` tokens) so the stages overlap; `chunk` overrides it.
     """
 
-    def __init__(self, model: Transformer, topo: Topology, *, min_chunk: int = 512):
-        super().__init__(model)
+    def __init__(self, model: Transformer, topo: Topology, *, min_chunk: int = 512, cuda_graphs: bool = True,
+                 kv_fp8: bool = False):
+        super().__init__(model, cuda_graphs, kv_fp8)
         self.topo = topo
         self.min_chunk = min_chunk
         self.link = StageLink(topo.pp_group, topo.pp_ranks, topo.pp_rank) if topo.pp > 1 else None
@@ -68,13 +69,14 @@ class ParallelRunner(LocalRunner):
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
         ids = torch.tensor([prompt.ids], device=cache.device)
-        return self.next_token(ids, cache, sampling, gen, chunk or self.default_chunk(ids.shape[1]))
+        return self.next_token(ids, cache, sampling, gen, chunk or self.default_chunk(ids.shape[1]), graph=False)
 
-    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
+    def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None, *,
+                   graph: bool = True):
         """Run `ids` [B, L] through the pipeline -> next token [B], the same on every rank.
         Without pipeline stages a one-token step replays a CUDA graph (the tensor-parallel
         all-reduces captured inside; every tp rank's cache grows alike, so they agree on when)."""
-        graph = self._graph_decoder(ids, cache) if self.link is None else None
+        graph = self._graph_decoder(ids, cache) if graph and self.link is None else None
         out = graph.step(ids) if graph is not None else self._run(ids, cache, chunk, last_only=True)
         if self.is_last:
             tok = self.sampler(out[:, -1], sampling, gen)

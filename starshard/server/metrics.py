@@ -1,7 +1,7 @@
 """Prometheus metrics of one app.
 
 Each app gets its own CollectorRegistry (not the process-global one), so several apps (tests, or
-two models in one process) do not collide. The engine's numbers are read from engine.stats() at
+two models in one process) do not collide. The backend's numbers are read from backend.stats() at
 scrape time; the server's own (requests, TTFT) are counted as requests pass.
 """
 
@@ -32,8 +32,8 @@ _ENGINE_METRICS = {
 }
 
 
-class _EngineCollector:
-    """Turns one engine.stats() snapshot into metrics at each scrape."""
+class _BackendCollector:
+    """Turns one backend.stats() snapshot into metrics at each scrape."""
 
     def __init__(self, stats: Callable[[], dict]):
         self._stats = stats
@@ -42,8 +42,8 @@ class _EngineCollector:
         try:
             stats = self._stats()
             up = 1
-        except Exception as e:  # noqa: BLE001 (a scrape must not fail because the engine is down)
-            log.warning("engine.stats() failed: %s", e)
+        except Exception as e:  # noqa: BLE001 (a scrape must not fail because the backend is down)
+            log.warning("backend.stats() failed: %s", e)
             stats, up = {}, 0
         up_metric = GaugeMetricFamily("starshard_engine_up", "1 when engine.stats() answered")
         up_metric.add_metric([], up)
@@ -80,7 +80,7 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_BackendCollector(stats))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

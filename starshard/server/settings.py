@@ -21,7 +21,7 @@ class ServerSettings:
     api_key: str | None = field(default_factory=_api_key_from_env)
     max_body_bytes: int = 64 * 1024 * 1024  # documents are long
     max_tokens_limit: int = 4096  # the most completion tokens one request may ask for
-    served_model_name: str | None = None  # None = the engine's model_name
+    served_model_name: str | None = None  # None = the backend's model_name
     log_prompts: bool = False  # prompts are private documents: off unless asked
     log_level: str = "info"
 

@@ -11,8 +11,7 @@ def probe_layers(model, ids: list[int], observe: Callable[[int, torch.Tensor, to
                  layers=None) -> None:
     """Run `ids` through `model` once (no grad, last token's logits only); as each selected layer's
     attention runs, call observe(layer index, q, k) with its post-RoPE queries and keys. The attention
-    itself runs unchanged, and every layer's hook is restored afterwards, also on error."""
-    saved = [layer.attention.attend for layer in model.layers]
+    itself runs unchanged, and each layer's previous attention is back afterwards, also on error."""
     want = set(range(len(model.layers))) if layers is None else set(layers)
 
     def wrap(i, fn):
@@ -23,12 +22,7 @@ def probe_layers(model, ids: list[int], observe: Callable[[int, torch.Tensor, to
 
         return attend
 
-    try:
-        for i, layer in enumerate(model.layers):
-            layer.attention.attend = wrap(i, saved[i])
-        with torch.no_grad():
-            dev = next(model.parameters()).device
-            model(torch.tensor([ids], device=dev), last_only=True)
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    hooks = [wrap(i, fn) for i, fn in enumerate(model.layer_attends())]
+    with model.attention_hooks(hooks), torch.no_grad():
+        dev = next(model.parameters()).device
+        model(torch.tensor([ids], device=dev), last_only=True)

@@ -19,9 +19,9 @@ recall reaches R: each family's smallest budget reaching R (A-shape: the target'
 Vertical-Slash: the same vertical shares, the diagonals grown; Block-Sparse: the block count grown),
 then the lowest kernel cost among them; a head that no pattern brings to R runs dense. Equal-cost
 search keeps the kernel time and lets recall fall where a head is spread out (the searched SmolLM2
-config lost a quarter of the harness score, bench/results/2026-11-25-h200); a recall floor bounds what
+config lost a quarter of the harness score; docs/results.md, Sparse prefill); a recall floor bounds what
 each head gives up and lets the cost grow instead (SmolLM2, searched at 8K with 0.99: 0.99 of dense's
-harness score and 4.76x dense at 128K, bench/results/2026-11-25-h200-e2e; hence the defaults).
+harness score and 4.76x dense at 128K; docs/results.md, Sparse prefill; hence the defaults).
 
 Budgets are absolute token/block counts found at the sample length; like MInference's published
 configs, they are applied unchanged at other lengths. `--published` also writes MInference's format.

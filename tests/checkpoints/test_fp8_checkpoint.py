@@ -31,7 +31,7 @@ from starshard.parallel import fp8 as parallel_fp8
 from starshard.parallel.fp8 import COLUMN_PARALLEL, ROW_PARALLEL, Fp8Linear
 from starshard.planner import Layout, Workload, plan_memory
 from starshard.presets import preset_config
-from starshard.runtime.service import Service
+from starshard.serving.scheduler import Scheduler
 
 STEPS = 6
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ def test_plan_only_reflects_fp8(model, capsys):
     """launch/infer.py --plan-only: --fp8 linear,kv in the JSON and the table, e4m3 bytes in the weights and KV;
     an FP8 checkpoint without --fp8 linear refused at plan time with the fix."""
     hf, ckpts, _ = model
-    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "launch" / "infer.py")
+    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "starshard" / "commands" / "infer.py")
     infer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(infer)
     plans = {}
@@ -312,13 +312,13 @@ def test_fp8_kv_cache_under_usp(ranks):
 
 # ---------------------------------------------------------------------------- the service
 def test_service_cached_follow_up_with_fp8_cache():
-    """Service over --fp8 kv: the document's cached e4m3 KV serves follow-ups; each answer equals an uncached
+    """Scheduler over --fp8 kv: the document's cached e4m3 KV serves follow-ups; each answer equals an uncached
     run with the same FP8 setting (the question prefilled behind the document's e4m3 cache)."""
     llm = LLM(random_weights="tiny", progress=False, fp8="kv")
     rng = np.random.default_rng(2)
     doc = [int(x) for x in rng.integers(1, 500, 200)]
     questions = [[int(x) for x in rng.integers(1, 500, 5)] for _ in range(2)]
-    svc = Service(llm, cache_bytes=2**26, max_batch=2)
+    svc = Scheduler(llm, cache_bytes=2**26, max_batch=2)
     svc.start()
     try:
         answers = []

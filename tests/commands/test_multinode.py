@@ -154,7 +154,7 @@ def test_collective_failure_messages():
 
 # ---------------------------------------------------------------------------- run configs
 def _infer_module():
-    spec = importlib.util.spec_from_file_location("infer_cli", INFER)
+    spec = importlib.util.spec_from_file_location("infer_cli", ROOT / "starshard" / "commands" / "infer.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -88,7 +88,7 @@ def test_fp8_linear_reference_against_float64():
 
 def test_scaled_mm_asks_for_fast_accumulation(monkeypatch):
     """The prefill GEMM runs with the tensor cores' own accumulation unless STARSHARD_FP8_FAST_ACCUM=0
-    (measured in bench/results/2026-11-26-gpu-fp8-prefill); the op itself is CUDA-only, so it is faked."""
+    (measured: docs/results.md, FP8); the op itself is CUDA-only, so it is faked."""
     seen = {}
 
     def fake(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum):
@@ -239,7 +239,8 @@ def _last_logits(llm, ids):
     with torch.inference_mode():
         if hasattr(runner, "prefill_logits"):
             runner.prefill_logits(torch.tensor(ids[:-1]), len(ids) - 2, cache)
-            logits = runner._forward(torch.tensor([ids[-1:]]), cache=cache, last_only=True)
+            with runner._strategy_attention(runner.strategy.decode_attend):
+                logits = runner._forward(torch.tensor([ids[-1:]]), cache=cache, last_only=True)
             return logits[0, -1] if runner.strategy.is_query_rank else None
         llm.model(torch.tensor([ids[:-1]]), cache=cache)
         return llm.model(torch.tensor([ids[-1:]]), cache=cache, last_only=True)[0, -1]
@@ -316,7 +317,7 @@ def test_fp8_attention_one_process(tmp_path, monkeypatch):
     base = LLM(path)
     for fp8 in ("attention", "linear,kv,attention"):
         llm = LLM(path, fp8=fp8)
-        assert all(layer.attention.attend is dense_attend_int8_scores for layer in llm.model.layers)
+        assert all(fn is dense_attend_int8_scores for fn in llm.model.layer_attends())
         assert llm.runner.decode_is_local()  # decode keeps the local path (CUDA graphs on a GPU)
         calls.clear()
         got, want = _last_logits(llm, ids), _last_logits(base, ids)

@@ -30,7 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def eval_cli():
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "launch" / "eval.py")
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "starshard" / "commands" / "eval.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

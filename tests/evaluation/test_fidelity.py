@@ -83,24 +83,18 @@ def test_measure_on_tiny_model_equals_bruteforce(tiny):
     ids = torch.randint(0, 512, (L,), generator=torch.Generator().manual_seed(7))
     mask = torch.rand(4, L, L, generator=torch.Generator().manual_seed(8)) < 0.4
     rep = measure(tiny, ids, C, [MaskApproximation("rand", lambda _x: mask)], tile_elements=1)
-    saved = [layer.attention.attend for layer in tiny.layers]
+    own = tiny.layer_attends()
     qkv = {}
 
     def hook(i):
         def attend(q, k, v, pos, cache, sparse=None):
             qkv[i] = (q[0].clone(), k[0].clone(), v[0].clone())
-            return saved[i](q, k, v, pos, cache)
+            return own[i](q, k, v, pos, cache)
 
         return attend
 
-    try:
-        for i, layer in enumerate(tiny.layers):
-            layer.attention.attend = hook(i)
-        with torch.no_grad():
-            tiny(ids[None])
-    finally:
-        for layer, fn in zip(tiny.layers, saved):
-            layer.attention.attend = fn
+    with tiny.attention_hooks([hook(i) for i in range(len(tiny.layers))]), torch.no_grad():
+        tiny(ids[None])
     assert len(rep.layers["rand"]) == len(tiny.layers) == 2
     for i, got in enumerate(rep.layers["rand"]):
         want = brute(LayerInputs(i, *qkv[i], C), mask)
@@ -194,15 +188,12 @@ def test_star_layer0_equals_the_real_strategy(tiny):
     x = LayerInputs(0, *got[0], C)
     want = masked_output(x, StarApproximation(block_size=block, anchor_size=anchor))
 
-    saved = [layer.attention.attend for layer in tiny.layers]
     runner = ContextParallelRunner(tiny, StarAttention(block_size=block, anchor_size=anchor))
     seen = torch.zeros(L, dtype=torch.bool)
     real = torch.zeros_like(want)
-    set_attend = runner._set_attend
+    hooks = runner._strategy_attention
 
-    def recording(fn):
-        set_attend(fn)
-
+    def recording(fn):  # layer 0 records what the strategy's hook returns
         def attend(q, k, v, pos, cache, sparse=None):
             out = fn(q, k, v, pos, cache)
             for r, p in enumerate(pos.tolist()):  # anchor copies come after their first (own-block) run
@@ -211,15 +202,11 @@ def test_star_layer0_equals_the_real_strategy(tiny):
                     real[:, p] = out[0, :, r].double()
             return out
 
-        tiny.layers[0].attention.attend = attend
+        return hooks([attend] + [fn] * (len(tiny.layers) - 1))
 
-    runner._set_attend = recording
-    try:
-        with torch.no_grad():
-            runner.prefill_logits(ids, C, runner.new_cache(L + 4))
-    finally:
-        for layer, fn in zip(tiny.layers, saved):
-            layer.attention.attend = fn
+    runner._strategy_attention = recording
+    with torch.no_grad():
+        runner.prefill_logits(ids, C, runner.new_cache(L + 4))
     assert bool(seen.all())
     assert (real - want).abs().max() < 1e-5
     dense = masked_output(x, StarApproximation(block_size=L))
@@ -248,19 +235,17 @@ def apb_layer0_worker(rank, world, L, C):
         strategy.trace = []
         runner = ContextParallelRunner(model, strategy)
         calls = []
-        set_attend = runner._set_attend
+        hooks = runner._strategy_attention
 
-        def recording(fn, set_attend=set_attend, calls=calls):
-            set_attend(fn)
-
+        def recording(fn, hooks=hooks, calls=calls):  # layer 0 records what the strategy's hook returns
             def attend(q, k, v, pos, cache, sparse=None):
                 o = fn(q, k, v, pos, cache)
                 calls.append(o[0].clone())
                 return o
 
-            model.layers[0].attention.attend = attend
+            return hooks([attend] + [fn] * (len(model.layers) - 1))
 
-        runner._set_attend = recording
+        runner._strategy_attention = recording
         with torch.no_grad():
             runner.prefill_logits(ids, C, runner.new_cache(L + 4))
         sel = next(t for t in strategy.trace if t["layer"] == 0)["selected"]
@@ -382,7 +367,7 @@ def test_measure_rejects_bad_arguments(tiny):
 def cli():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fidelity_cli", ROOT / "launch" / "fidelity.py")
+    spec = importlib.util.spec_from_file_location("fidelity_cli", ROOT / "starshard" / "commands" / "fidelity.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

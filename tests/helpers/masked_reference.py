@@ -20,15 +20,8 @@ def masked_attend(visible: torch.Tensor):
 
 def run_masked(model, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Logits [L, V] of the model over ids with the given positions and visibility."""
-    saved = [layer.attention.attend for layer in model.layers]
-    try:
-        for layer in model.layers:
-            layer.attention.attend = masked_attend(visible)
-        with torch.no_grad():
-            return model(ids[None], positions=positions)[0]
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    with model.attention_hooks(masked_attend(visible)), torch.no_grad():
+        return model(ids[None], positions=positions)[0]
 
 
 def star_unrolled(prompt_len: int, context_len: int, block: int, anchor: int):
@@ -74,16 +67,8 @@ def masked_attend_layers(visibles):
 
 def run_masked_layers(model, ids: torch.Tensor, positions: torch.Tensor, visibles) -> torch.Tensor:
     """Logits [L, V] of the model with a per-layer (optionally per-KV-head) visibility."""
-    saved = [layer.attention.attend for layer in model.layers]
-    try:
-        fn = masked_attend_layers(visibles)
-        for layer in model.layers:
-            layer.attention.attend = fn
-        with torch.no_grad():
-            return model(ids[None], positions=positions)[0]
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attention.attend = fn
+    with model.attention_hooks(masked_attend_layers(visibles)), torch.no_grad():
+        return model(ids[None], positions=positions)[0]
 
 
 def apb_unrolled(prompt_len: int, context_len: int, cp: int, *, anchor: int, selected, n_layers: int,

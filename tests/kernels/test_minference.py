@@ -598,7 +598,7 @@ def test_search_cli_and_attend_restore(tmp_path):
     model = starshard.load_model(ckpt)
     found = ms.run_search(model, list(range(100, 228)), layers=[1], progress=False, block_size=16, last_q=16)
     assert len(found[1]) == 9 and not found[0]
-    assert all(layer.attention.attend is dense_attend for layer in model.layers)
+    assert not model.hooked and all(fn is dense_attend for fn in model.layer_attends())
 
 
 def test_search_cli_target_recall(tmp_path):

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py): when it is used, and what the kernels compile to.
 Its effect on a GPU (same greedy tokens off / on, decode step times) is measured in
-bench/results/2026-11-26-h200-pdl/; here: the launch policy, and that each PDL-aware kernel built for
+docs/results.md, Decode; here: the launch policy, and that each PDL-aware kernel built for
 sm_90a waits on the kernel ahead (griddepcontrol.wait) and lets the next one start
 (griddepcontrol.launch_dependents) only with USE_PDL, and that the GEMV's first weight tile is loaded
 before its wait."""

@@ -67,13 +67,10 @@ def model(model_path):
 
 def apb_run(model, ids, context_len, steps=0, **kw):
     """Single process (cp = 1): query-phase logits of the last token, greedy tokens, the cache."""
-    saved = [layer.attention.attend for layer in model.layers]
     runner = ContextParallelRunner(model, APBAttention(**kw).bind(model))
     cache = runner.new_cache(len(ids) + steps + 1)
     with torch.no_grad():
         logits, _ = runner.prefill_logits(ids, context_len, cache)
-    for layer, fn in zip(model.layers, saved):
-        layer.attention.attend = fn
     return logits[0, -1], cache
 
 
@@ -317,8 +314,9 @@ def apb_worker(rank, world, path, cases, steps):
                 setattr(dist, n, f)
             try:
                 segs = strategy.segments(L, C)
-                runner._set_attend(strategy.prefill_attend(segs[0].to(ids.device)))
-                model(ids[segs[0].index][None], positions=segs[0].positions, cache=cache, output_row=segs[0].last_row)
+                with runner._strategy_attention(strategy.prefill_attend(segs[0].to(ids.device))):
+                    model(ids[segs[0].index][None], positions=segs[0].positions, cache=cache,
+                          output_row=segs[0].last_row)
                 prefill_log = list(log)
             finally:
                 for n, f in originals.items():
@@ -523,7 +521,6 @@ def study_run(model, ids, context_len, hosts, steps, **kw):
     kw = dict(kw)
     sparse = kw.pop("sparse", None)
     install_sparse(model, None if sparse is None else sparse_method(sparse))
-    saved = [layer.attention.attend for layer in model.layers]
     strategy = APBAttention(num_blocks=hosts, **kw)
     strategy.trace = []
     runner = ContextParallelRunner(model, strategy)  # binds the model
@@ -535,8 +532,6 @@ def study_run(model, ids, context_len, hosts, steps, **kw):
         for _ in range(steps - 1):
             tok = runner.next_token(tok.view(1, 1), cache, SamplingConfig(), None)
             toks.append(int(tok))
-    for layer, fn in zip(model.layers, saved):
-        layer.attention.attend = fn
     kv = {i: cache.layer(i).view() for i in cache.layers}
     return logits[0, -1], owner, toks, kv, strategy.trace
 

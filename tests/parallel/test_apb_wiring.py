@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_cli", ROOT / "launch" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_cli", ROOT / "starshard" / "commands" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

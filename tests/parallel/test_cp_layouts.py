@@ -170,7 +170,8 @@ def test_bench_prefill_apb_study_mode_reports_its_flop_model(tmp_path):
     import sys
     from pathlib import Path
 
-    from starshard.parallel.context.flops import apb_flops, predicted_seconds
+    from starshard.strategies.apb import apb_flops
+    from starshard.strategies.flops import predicted_seconds
     from starshard.presets import preset_config
 
     out = tmp_path / "b.json"

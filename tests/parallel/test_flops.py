@@ -5,14 +5,11 @@ import pytest
 
 from starshard.config import ModelConfig
 from starshard.parallel.context.apb import APBAttention
-from starshard.parallel.context.flops import (
-    apb_flops,
-    causal_pairs,
-    dense_flops,
-    predicted_seconds,
-    ring_flops,
-    star_flops,
-)
+from starshard.strategies.apb import apb_flops
+from starshard.strategies.dense import dense_flops
+from starshard.strategies.flops import causal_pairs, predicted_seconds
+from starshard.strategies.ring import ring_flops
+from starshard.strategies.star import star_flops
 
 # hidden 4, 2 q heads / 1 kv head of dim 2, MLP 8, one layer, vocab 10:
 # per token linear = 2 * (4*(4+2*2) + 4*4 + 3*4*8) = 288; per pair attention = 4*2*2 = 16; logits row = 2*4*10 = 80.

@@ -80,7 +80,8 @@ def _sharded_step_rank(rank, world, path, strategy_name):
         dec = GraphDecoder(model, graphed, capture=False, group=s.group, appends=s.is_query_rank)
         tok = torch.tensor([[5]])
         for _ in range(6):
-            want = model(tok, cache=plain, last_only=True)
+            with model.attention_hooks(s.decode_attend):  # the strategy's own decode hook
+                want = model(tok, cache=plain, last_only=True)
             got = dec.step(tok)
             out.append((((got - want).norm() / want.norm()).item()))
             tok = want[:, -1].argmax(-1, keepdim=True)

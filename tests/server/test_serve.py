@@ -6,7 +6,7 @@ inputs, and a context-parallel group (torchrun --cp 2 ring) that answers alike a
 when one of its ranks is killed.
 
 The API layer's details (every error shape, stop strings, disconnects) are covered with a fake
-engine in test_server_api.py; this module checks what only the real engine can show. The greedy
+backend in test_server_api.py; this module checks what only the real scheduler can show. The greedy
 references come from starshard.LLM in this process, on the very token ids the server runs.
 """
 

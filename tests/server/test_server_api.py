@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server against a scripted fake engine: the official `openai` client and
+"""The OpenAI-compatible server against a scripted fake backend: the official `openai` client and
 raw httpx against a real uvicorn on a free 127.0.0.1 port, plus TestClient for settings variants."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from starshard.server import ServerSettings, create_app, make_server
-from starshard.server.engine_api import EngineUnavailable, QueueFull, SamplingParams, TokenEvent
+from starshard.server.backend import QueueFull, SamplingConfig, ServiceUnavailable, TokenEvent
 
 MODEL = "fake/doc-model"  # a slash, as in Hugging Face names: /v1/models/{id} must cope
 KEY = "sk-test-key"
@@ -26,7 +26,7 @@ FULL = "".join(SCRIPT)
 DOC = "alpha beta gamma delta epsilon zeta eta theta"  # 8 tokens for the fake tokenizer
 
 
-# ---- the fake engine ----
+# ---- the fake backend ----
 
 
 @dataclass
@@ -48,7 +48,7 @@ class FakeTicket:
             self.cancelled.set()
 
 
-class FakeEngine:
+class FakeBackend:
     """Emits SCRIPT one word per token from its own thread; a word-level tokenizer; a context
     cache keyed by the prompt's context ids (so a follow-up on the same document reports it)."""
 
@@ -157,7 +157,7 @@ def stop(server, thread):
 
 @pytest.fixture(scope="module")
 def served():
-    engine = FakeEngine()
+    engine = FakeBackend()
     settings = ServerSettings(port=0, api_key=KEY, max_body_bytes=BODY_LIMIT, max_tokens_limit=LIMIT,
                               log_level="warning")
     server, thread = start(create_app(engine, settings), settings)
@@ -273,9 +273,9 @@ def test_max_tokens_and_default_budget(client, engine):
 
 def test_sampling_fields_reach_the_engine(client, engine):
     chat(client, temperature=0.7, top_p=0.9, seed=3, extra_body={"top_k": 5}, user="u1", presence_penalty=0)
-    assert engine.calls[-1]["sampling"] == SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3)
+    assert engine.calls[-1]["sampling"] == SamplingConfig(temperature=0.7, top_p=0.9, top_k=5, seed=3)
     chat(client, extra_body={"top_k": -1})
-    assert engine.calls[-1]["sampling"] == SamplingParams()  # absent = greedy; -1 = no top-k
+    assert engine.calls[-1]["sampling"] == SamplingConfig()  # absent = greedy; -1 = no top-k
 
 
 def test_stop_strings_truncate_and_cancel(client, engine):
@@ -380,7 +380,7 @@ def test_engine_refusals_map_to_429_and_503(client, engine):
     engine.fail_next = QueueFull("64 waiting")
     with pytest.raises(openai.RateLimitError, match="queue is full"):
         chat(client)
-    engine.fail_next = EngineUnavailable("rank 2 died")
+    engine.fail_next = ServiceUnavailable("rank 2 died")
     with pytest.raises(openai.InternalServerError, match="rank 2 died") as e:
         chat(client)
     assert e.value.status_code == 503
@@ -526,7 +526,7 @@ def test_settings_are_checked(monkeypatch):
 
 
 def test_no_key_apps_side_by_side_and_prompts_unlogged(caplog):
-    engine = FakeEngine()
+    engine = FakeBackend()
     with caplog.at_level(logging.INFO, logger="starshard.server"):
         quiet = TestClient(create_app(engine, ServerSettings(api_key=None, served_model_name="doc")))
         loud = TestClient(create_app(engine, ServerSettings(api_key=None, log_prompts=True)))  # a second registry
@@ -541,7 +541,7 @@ def test_no_key_apps_side_by_side_and_prompts_unlogged(caplog):
 
 def test_run_server_announces_its_address(capsys):
     settings = ServerSettings(port=0, log_level="warning")
-    server, thread = start(create_app(FakeEngine(), settings), settings)
+    server, thread = start(create_app(FakeBackend(), settings), settings)
     try:
         out = capsys.readouterr().out
         assert f"serving {MODEL} on http://127.0.0.1:{server.bound_port}" in out

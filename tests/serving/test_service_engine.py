@@ -1,5 +1,5 @@
 """The service engine below the HTTP layer: cascade attention against a float64 reference, the own-KV
-pool, the context cache's budget and LRU order, and whole requests through Service (cached follow-ups
+pool, the context cache's budget and LRU order, and whole requests through Scheduler (cached follow-ups
 and batched questions give the tokens an uncached one-request run gives)."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from starshard import LLM
+from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
-from starshard.runtime.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
-from starshard.runtime.context_cache import CacheEntry, ContextCache
-from starshard.runtime.service import QueueFull, SamplingParams, Service
+from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
+from starshard.serving.context_cache import CacheEntry, ContextCache
+from starshard.serving.scheduler import QueueFull, Scheduler
 
 
 def reference(q, keys, vals, kpos, qpos):
@@ -107,7 +108,7 @@ def _ask(svc, ids, n):
         if ev.finish_reason is not None:
             done.set()
 
-    svc.submit(svc.text_prompt(ids), max_tokens=n, sampling=SamplingParams(), on_event=on_event)
+    svc.submit(svc.text_prompt(ids), max_tokens=n, sampling=SamplingConfig(), on_event=on_event)
     return events, done
 
 
@@ -119,7 +120,7 @@ def test_service_cached_and_batched_requests_match_one_uncached_run(tiny):
     rng = np.random.default_rng(0)
     doc = [int(x) for x in rng.integers(1, 500, 300)]
     questions = [[int(x) for x in rng.integers(1, 500, 7)] for _ in range(4)]
-    svc = Service(tiny, cache_bytes=2**26, max_batch=4)
+    svc = Scheduler(tiny, cache_bytes=2**26, max_batch=4)
     svc.start()
     try:
         first, done = _ask(svc, doc + questions[0], 6)
@@ -139,12 +140,12 @@ def test_service_cached_and_batched_requests_match_one_uncached_run(tiny):
 
 
 def test_service_refuses_what_never_fits_and_a_full_queue(tiny):
-    svc = Service(tiny, cache_bytes=2**16, max_batch=1, max_queue=1)  # no engine thread: nothing is taken
+    svc = Scheduler(tiny, cache_bytes=2**16, max_batch=1, max_queue=1)  # no engine thread: nothing is taken
     with pytest.raises(ValueError, match="--cache-gib"):
-        svc.submit(svc.text_prompt(list(range(1, 400))), max_tokens=4, sampling=SamplingParams(), on_event=print)
-    svc.submit(svc.text_prompt([1, 2, 3]), max_tokens=2, sampling=SamplingParams(), on_event=lambda e: None)
+        svc.submit(svc.text_prompt(list(range(1, 400))), max_tokens=4, sampling=SamplingConfig(), on_event=print)
+    svc.submit(svc.text_prompt([1, 2, 3]), max_tokens=2, sampling=SamplingConfig(), on_event=lambda e: None)
     with pytest.raises(QueueFull):
-        svc.submit(svc.text_prompt([1, 2, 3]), max_tokens=2, sampling=SamplingParams(), on_event=lambda e: None)
+        svc.submit(svc.text_prompt([1, 2, 3]), max_tokens=2, sampling=SamplingConfig(), on_event=lambda e: None)
 
 
 def test_cascade_graph_buffers_step_like_the_eager_forward(tiny):
@@ -174,7 +175,7 @@ def test_a_new_document_behind_a_shared_header_is_prefilled_and_cached(tiny):
     rng = np.random.default_rng(1)
     header = [7, 8, 9, 10, 11]
     doc_a, doc_b = ([int(x) for x in rng.integers(20, 500, 200)] for _ in range(2))
-    svc = Service(tiny, cache_bytes=2**26, max_batch=2)
+    svc = Scheduler(tiny, cache_bytes=2**26, max_batch=2)
     svc.start()
     try:
         for ids, cached in [(header + doc_a + [1, 2], 0), (header + doc_b + [3, 4], 0),

@@ -7,7 +7,7 @@ For every (batch x head, row block m with first key index b = m*BM + offset): th
 past its last row, packed in order into col[..., m, :], their number into col_count and how many of
 them every row of the block sees (j <= b) into col_full: what `index.vs_index` computes with a
 searchsorted, a cumsum and a scatter over [B, nH, nM, KV] temporaries (2.1 ms of a SmolLM2 layer's
-index build at 128K on one H200, bench/results/2026-11-25-h200/sparse_components_128k.json).
+index build at 128K on one H200; docs/results.md, FP8).
 Run (first, last) covers j at b iff b - j lies in [first - BM + 1, last + 1): the used runs of seg
 [B, nH, KS, 2] read as 2 * seg_count increasing bounds, j is inside a range iff the number of bounds
 <= b - j is odd (a binary search over the used runs only).

@@ -6,7 +6,7 @@ For query heads h0..h1-1, the last R query rows' causal softmax over all keys (q
 written into z [B, h1 - h0, R, W] at columns R-1 .. R-1+Lk-1 (masked entries 0; z's other columns are
 the caller's) and its column sums into vscore[:, h0:h1]: what `index.vs_estimate` computed with a
 matmul into z, a scale, a mask, a softmax and a sum (eight passes over z at 128K keys; 5.3 ms of a
-SmolLM2 layer's 7.3 ms index build on one H200, bench/results/2026-11-25-h200/sparse_components_128k.json).
+SmolLM2 layer's 7.3 ms index build on one H200; docs/results.md, FP8).
 Launch 1 streams the keys once for each row's max and sum (partials over key chunks, merged in torch);
 launch 2 recomputes the scores per key block and writes the probabilities: z is written once.
 Runs on CUDA or under TRITON_INTERPRET=1.
@@ -107,7 +107,7 @@ if triton is not None:
         tl.store(VS + b.to(tl.int64) * s_vb + h.to(tl.int64) * s_vh + cols, tl.sum(p, 0), mask=col_ok)
 
 
-# On for CUDA since a GPU run checked them (bench/minference_index_bench.py; bench/results/2026-11-25-h200-index/,
+# On for CUDA since a GPU run checked them (bench/minference_index_bench.py; docs/results.md, Sparse prefill;
 # one H200, SmolLM2 shapes at 128K keys): their column scores within 1.2e-9 of float64 (the torch ops'
 # bf16 products: 2.4e-5), picks keeping all of the float64 picks' mass; in bf16 the picks 1.2-2.7x and
 # the column lists 2.0-3.0x faster than the torch ops (SmolLM2 and Llama-8B shapes). Not for float32

@@ -2,8 +2,8 @@
 dense heads stream two key spans, Vertical-Slash heads their diagonal ranges then their gathered
 columns, Block-Sparse heads their selected key blocks. Runs on CUDA or under TRITON_INTERPRET=1.
 
-`Launch` picks a variant (issue 18, item 3; bench/results/2026-11-25-gpu-kernel-variants and
-2026-11-26-h100-vs-block128, one H100 at 128K): by default Vertical-Slash heads run `flat` where the
+`Launch` picks a variant (issue 18, item 3; docs/results.md, Sparse prefill,
+one H100 at 128K): by default Vertical-Slash heads run `flat` where the
 head dim is above 64 (1.08-1.18x the per-run loops at d128; at d64 it lost on the default pattern),
 and `default_launch` sets warps and stages per head dim and kind; `flat` streams all diagonal runs of a
 row block in one loop (one software pipeline instead of one per run), `wide` takes the mask-free chunks
@@ -240,7 +240,7 @@ def default_launch(head_dim: int, kind: str = "vertical_slash") -> tuple[int, in
     """(num_warps, num_stages) for a 64-row block of `kind` heads, by measurement on an H100 at 128K
     (bench/minference_kernel_variants.py, structured inputs). head_dim 64: 4,2 (1.3x 4,3). head_dim
     128: 4 warps, 2x faster than 8 (Vertical-Slash 0.29 -> 0.63 of cuDNN's rate, A-shape 0.36 -> 0.76,
-    Block-Sparse 0.48 -> 0.70; 2026-11-26-h100-vs-block128), 2 stages for Vertical-Slash, 3 for the
+    Block-Sparse 0.48 -> 0.70; docs/results.md, Sparse prefill), 2 stages for Vertical-Slash, 3 for the
     others."""
     if head_dim <= 64:
         return 4, 2

@@ -238,7 +238,7 @@ class KernelRates:
 
 # Measured per head dim (the kernels' launch depends on it): one H100 (sm_90, the same kernels as an
 # H200), bf16, 64-row blocks, structured inputs, the default launches of 2026-11-26 (`launch/bench.py
-# sparse`, bench/results/2026-11-26-h100-vs-block128/run_e.sh). Each fraction is density *
+# sparse`; docs/results.md, Sparse prefill). Each fraction is density *
 # dense_cudnn_ms / kernel_ms at 32K and 128K, the smaller taken (a head goes sparse only where it wins
 # at both): head dim 128 (32 / 8 heads): Vertical-Slash (1000, 6096) 0.566 / 0.656, A-shape (1024,
 # 4096) 0.768 / 0.756, Block-Sparse (100) 0.690 / 0.733; head dim 64 (9 / 3 heads): 0.620 / 0.630,
@@ -249,7 +249,7 @@ MEASURED_RATES = {
     128: KernelRates(dense=1.23e12, a_shape=0.756, vertical_slash=0.566, block_sparse=0.690, bs_index=1.78e-9),
 }
 # Head dims above 128 (8 warps, 1 stage: not measured): the slowest rates ever measured, the 8-warp
-# head-dim-128 kernel's on one H200 (bench/results/2026-11-23-h200/sparse.json), so such heads go
+# head-dim-128 kernel's on one H200 (docs/results.md, Sparse prefill), so such heads go
 # sparse only where they surely win.
 WIDE_HEAD_RATES = KernelRates(dense=1.24e12, a_shape=0.312, vertical_slash=0.275, block_sparse=0.459,
                               bs_index=1.74e-9)

@@ -5,7 +5,7 @@ index build).
 
 What `index.vs_segments` and `plan.slash_cost` compute with ~70 small torch ops on [B, nH, KS]
 tensors (the build ran at the host's launch speed: on one H200 at 128K keys its GPU was busy ~1.6 of
-~4.5 ms, bench/results/2026-11-26-h200-index-build/), here one program per (batch x head) scans its
+~4.5 ms; docs/results.md, Sparse prefill), here one program per (batch x head) scans its
 sorted diagonals in chunks: a run starts where the gap to the previous diagonal exceeds BM and ends
 before the next start; the runs are packed in order into seg (first, last) and each run's score
 entries are summed in closed form (the same clamped ramps as `slash_cost`, in int64).

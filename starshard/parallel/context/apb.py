@@ -79,8 +79,7 @@ from starshard.parallel.context.base import ContextStrategy, Segment, cache_appe
 from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
-
-COMPRESSORS = ("query", "retaining-heads", "random")
+from starshard.strategies.apb import APB, COMPRESSORS
 
 # ----------------------------------------------------------------------------------------------
 # Compressors
@@ -377,14 +376,9 @@ class APBAttention(ContextStrategy):
                  prefix_len: int | None = None, compressor_path=None, seed: int = 0, tp_group=None,
                  num_blocks: int | None = None):
         super().__init__(group, query_rank)
-        for flag, v in (("--anchor-size", anchor_size), ("--passing-size", passing_size), ("--prefix-len", prefix_len)):
-            if v is not None and v < 0:
-                raise ValueError(f"{flag} must be >= 0, got {v}")
-        if num_blocks is not None and num_blocks < 1:
-            raise ValueError(f"--apb-hosts must be >= 1, got {num_blocks}")
-        if num_blocks is not None and self.cp > 1 and num_blocks != self.cp:
-            raise ValueError(f"--apb-hosts {num_blocks} simulates hosts on one device; with --cp {self.cp} the CP "
-                             f"ranks are the hosts: drop --apb-hosts or run --cp 1")
+        # (the compressor's own checks are make_compressor's)
+        APB.validate(self.cp, dict(anchor_size=anchor_size, passing_size=passing_size, prefix_len=prefix_len,
+                                   apb_hosts=num_blocks))
         self.num_blocks = num_blocks
         self.anchor_size, self.passing_size, self.prefix_len = anchor_size, passing_size, prefix_len
         self._prompt_head = 0
@@ -397,6 +391,15 @@ class APBAttention(ContextStrategy):
         self._bounds: list[int] | None = None  # set by segments(): block boundaries of this prompt
         self._sizes: tuple[int, int] | None = None  # (anchor, passing) resolved for this prompt
         self._stash: dict[int, dict[int, tuple]] = {}  # study mode: layer -> host -> passing (k, v, pos)
+
+    @classmethod
+    def from_options(cls, group, options, *, cp_groups=None, tp_group=None):
+        """--num-blocks means the same as --apb-hosts for APB (the registry refuses the two disagreeing)."""
+        return cls(group, anchor_size=options.get("anchor_size"), passing_size=options.get("passing_size"),
+                   compressor=options.get("compressor", "query"), embed_query=options.get("embed_query", True),
+                   query_rank=options.get("query_rank"), prefix_len=options.get("prefix_len"),
+                   compressor_path=options.get("compressor_path"), tp_group=tp_group,
+                   num_blocks=options.get("apb_hosts", options.get("num_blocks")))
 
     def bind(self, model) -> "APBAttention":
         """Learn the model's RoPE (query re-rotation, retaining heads' pre-RoPE inputs) and the global

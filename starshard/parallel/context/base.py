@@ -71,6 +71,12 @@ class ContextStrategy:
             raise ValueError(f"query rank {self.query_rank} is outside the CP group of size {self.cp}")
         self.wire = WireStats()  # K/V bytes this rank's prefill sent to its peers (wire.py)
 
+    @classmethod
+    def from_options(cls, group, options: dict, *, cp_groups=None, tp_group=None) -> "ContextStrategy":
+        """make_strategy's builder: the strategy over `group` from its checked options (field -> value,
+        unset ones absent); a strategy with options of its own overrides it."""
+        return cls(group, options.get("query_rank"))
+
     @property
     def is_query_rank(self) -> bool:
         return self.rank == self.query_rank

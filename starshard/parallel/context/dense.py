@@ -5,6 +5,7 @@ import torch
 
 from starshard.engine.model import dense_attend
 from starshard.parallel.context.base import ContextStrategy, Segment
+from starshard.strategies import check
 
 
 class DenseContext(ContextStrategy):
@@ -12,8 +13,7 @@ class DenseContext(ContextStrategy):
 
     def __init__(self, group=None, query_rank=None):
         super().__init__(group, query_rank)
-        if self.cp != 1:
-            raise ValueError(f"--cp-strategy dense runs on one CP rank, got cp={self.cp}; pick ring, ulysses, usp, star or apb")
+        check(self.name, self.cp, {})
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         index = torch.arange(prompt_len)

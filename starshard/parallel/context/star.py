@@ -15,6 +15,7 @@ from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.layout import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.strategies.star import STAR
 
 
 class StarAttention(ContextStrategy):
@@ -24,14 +25,15 @@ class StarAttention(ContextStrategy):
     def __init__(self, group=None, *, block_size: int | None = None, anchor_size: int | None = None, query_rank=None,
                  num_blocks: int | None = None):
         super().__init__(group, query_rank)
-        for flag, v in (("--block-size", block_size), ("--anchor-size", anchor_size), ("--num-blocks", num_blocks)):
-            if v is not None and v < 1:
-                raise ValueError(f"{flag} must be >= 1, got {v}")
-        if block_size is not None and num_blocks is not None:
-            raise ValueError("give --block-size or --num-blocks, not both")
+        STAR.validate(self.cp, dict(block_size=block_size, anchor_size=anchor_size, num_blocks=num_blocks))
         self.block_size = block_size
         self.anchor_size = anchor_size
         self.num_blocks = num_blocks
+
+    @classmethod
+    def from_options(cls, group, options, *, cp_groups=None, tp_group=None):
+        return cls(group, block_size=options.get("block_size"), anchor_size=options.get("anchor_size"),
+                   query_rank=options.get("query_rank"), num_blocks=options.get("num_blocks"))
 
     def resolved_sizes(self, context_len: int) -> tuple[int, int]:
         """(block, anchor): block defaults to ceil(context / num_blocks), num_blocks to cp (so cp=1

@@ -24,28 +24,15 @@ from starshard.parallel.context.base import ContextStrategy, Segment, cache_appe
 from starshard.parallel.context.collectives import all_gather_1d
 from starshard.parallel.context.sharding import contiguous_shard
 from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
+from starshard.strategies.ulysses import check_ulysses_heads
 
-__all__ = ["ulysses_attention", "ulysses_core", "check_ulysses_heads", "kv_head_copies", "valid_cp_sizes",
-           "seq_to_heads", "heads_to_seq", "gather_positions", "UlyssesAttention"]
+__all__ = ["ulysses_attention", "ulysses_core", "kv_head_copies", "seq_to_heads", "heads_to_seq", "gather_positions",
+           "UlyssesAttention"]
 
 # (q, k, v, q_pos, k_pos, packed) of the head shards -> (out, lse): what runs between the two all-to-alls.
 # packed: with FP8 K/V on the wire, the (k, v) head shards as the e4m3 bytes that arrived, else None.
 Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                   tuple[torch.Tensor, torch.Tensor] | None], tuple[torch.Tensor, torch.Tensor]]
-
-
-def valid_cp_sizes(num_heads: int, limit: int | None = None) -> list[int]:
-    return [c for c in range(1, (limit or num_heads) + 1) if num_heads % c == 0]
-
-
-def check_ulysses_heads(hq: int, hkv: int, cp: int) -> None:
-    if hq % cp:
-        raise ValueError(
-            f"Ulysses needs the query heads (per tensor-parallel rank), {hq}, divisible by cp={cp}; "
-            f"valid cp sizes: {valid_cp_sizes(hq)} (or use ring attention)"
-        )
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"GQA needs query heads divisible by KV heads, got Hq={hq} Hkv={hkv}")
 
 
 def kv_head_copies(hq: int, hkv: int, cp: int) -> int:

@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from starshard.kernels.sparse import refuse_sparse
-from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.ring import RingPlan, build_ring_plan, ring_attention
 from starshard.parallel.context.sharding import usp_shard, zigzag_chunks, zigzag_positions
-from starshard.parallel.context.ulysses import check_ulysses_heads, ulysses_core
+from starshard.parallel.context.ulysses import ulysses_core
 from starshard.parallel.context.wire import WireStats, fp8_wire
+from starshard.strategies.ulysses import check_ulysses_heads
+from starshard.strategies.usp import check_degree
 
 __all__ = ["usp_attention", "usp_group_ranks", "new_usp_groups", "usp_coords", "usp_ring_plan", "UspAttention"]
 
@@ -108,11 +110,18 @@ class UspAttention(ContextStrategy):
 
     def __init__(self, group, ulysses_degree: int, ulysses_group, ring_group, query_rank=None):
         super().__init__(group, query_rank)
-        if ulysses_degree < 1 or self.cp % ulysses_degree:
-            raise ValueError(f"--ulysses-degree {ulysses_degree} must divide --cp {self.cp}; valid: "
-                             f"{[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")
+        check_degree(ulysses_degree, self.cp)
         self.u, self.rd = ulysses_degree, self.cp // ulysses_degree
         self.ulysses_group, self.ring_group = ulysses_group, ring_group
+
+    @classmethod
+    def from_options(cls, group, options, *, cp_groups=None, tp_group=None):
+        """Ulysses degree default: the whole CP group (plain Ulysses); the subgroups are created on every rank."""
+        if group is None:
+            return cls(None, 1, None, None, options.get("query_rank"))
+        u = options.get("ulysses_degree", group_size(group))
+        ulysses_group, ring_group = new_usp_groups(cp_groups or [dist.get_process_group_ranks(group)], u)
+        return cls(group, u, ulysses_group, ring_group, options.get("query_rank"))
 
     def _shard(self, prompt_len: int, cp_rank: int):
         ring_rank, uly_rank = usp_coords(cp_rank, self.u)

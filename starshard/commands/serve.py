@@ -1,0 +1,184 @@
+"""starshard as a service: an OpenAI-compatible HTTP server over the whole parallel group.
+
+    python launch/serve.py                                              # embedded SmolLM2, CPU, 127.0.0.1:8000
+    python launch/serve.py --model CKPT --port 8000 --cache-gib 40
+    torchrun --nproc-per-node 4 launch/serve.py --model CKPT --cp 4 --cp-strategy star --port 8000
+    sbatch --nodes 1 --ntasks-per-node 4 --gpus-per-node 4 launch/slurm/serve.sbatch --model CKPT --cp 4
+
+Global rank 0 runs the HTTP front end and the scheduler; every rank executes the same engine steps,
+broadcast from rank 0. The model and the documents' KV stay resident: a request whose prompt begins
+with an already prefilled prompt (another question on the same document, a follow-up turn) runs only
+the rest (`usage.prompt_tokens_details.cached_tokens` says how many came from the cache), and
+concurrent requests on one document decode together. See README "Serving".
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
+                           layout_error, parallel_config, sparse_config)
+from starshard.checkpoints.load import CheckpointError
+from starshard.llm import LLM
+from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
+from starshard.planner import DTYPE_BYTES, Layout, Workload, plan_memory, usable_bytes
+from starshard.runconfig import parse_with_config
+from starshard.serving.scheduler import Scheduler
+from starshard.server.app import create_app, make_server
+from starshard.server.settings import API_KEY_ENV, ServerSettings
+
+log = logging.getLogger("starshard.serve")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="Serve a model over an OpenAI-compatible HTTP API (chat / completions, streaming, /v1/models, "
+        "/health, /metrics). With no --model, serves the embedded SmolLM2-135M-Instruct.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="starshard checkpoint dir, Hugging Face model dir, or .gguf file (default: embedded "
+                    "SmolLM2-135M-Instruct)")
+    ap.add_argument("--random-weights", default=None, metavar="CONFIG",
+                    help="no checkpoint: random weights of this shape (a preset name or a config.json); there is no "
+                    "tokenizer then, so only /v1/completions with token-id prompts works (benchmarks)")
+    http = ap.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind; the default answers this machine only (use 0.0.0.0 to expose it, with "
+                      "--api-key)")
+    http.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the bound one is printed)")
+    http.add_argument("--api-key", default=None,
+                      help=f"require 'Authorization: Bearer KEY' on every API request (default: ${API_KEY_ENV}, else "
+                      "none); /health and /metrics stay open")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model id clients send and /v1/models lists (default: the model dir's name)")
+    http.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body accepted (413 above)")
+    http.add_argument("--max-tokens-limit", type=int, default=4096,
+                      help="most completion tokens one request may ask for (400 above)")
+    http.add_argument("--log-prompts", action="store_true", help="log request prompts (off: documents are private)")
+    http.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                      help="server and engine log level (rank 0)")
+    eng = ap.add_argument_group("engine")
+    eng.add_argument("--cache-gib", type=float, default=None,
+                     help="context cache budget per rank in GiB: prefilled documents' KV kept for follow-up requests, "
+                     "evicted least-recently-used (default: on CUDA what the memory plan leaves free after the "
+                     "weights and a window-long prefill; on CPU 2 GiB)")
+    eng.add_argument("--max-batch", type=int, default=16, help="requests decoding together (one forward per step)")
+    eng.add_argument("--max-queue", type=int, default=64,
+                     help="requests waiting beyond the batch; more are answered 429")
+    eng.add_argument("--no-cuda-graphs", action="store_true",
+                     help="run every batched decode step eagerly (default on CUDA: once the batch keeps its rows for a "
+                     "step, later steps replay a captured CUDA graph until a request joins or leaves)")
+    eng.add_argument("--max-extend", type=int, default=4096,
+                     help="a prompt that shares a cached prefix runs only the rest when the rest is at most this many "
+                     "tokens and no longer than the shared part; otherwise the whole prompt is prefilled and cached")
+    add_layout_arguments(ap)
+    add_sparse_arguments(ap)
+    add_fp8_arguments(ap)
+    rt = ap.add_argument_group("runtime")
+    rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    rt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    rt.add_argument("--dist-timeout", type=float, default=600.0,
+                    help="seconds any collective may wait: a dead or hung rank fails the in-flight requests (503) and "
+                    "ends the server within about this long")
+    ap.add_argument("--config", type=Path, default=None,
+                    help="TOML run config whose keys are these flags' long names; command-line flags override it")
+    if read_launch_env().rank != 0:
+        ap.error = lambda message: sys.exit(2)
+    args = parse_with_config(ap, argv)
+    if args.model and args.random_weights:
+        ap.error("give --model or --random-weights, not both")
+    bad = layout_error(args)
+    if bad:
+        ap.error(bad)
+    for flag in ("max_batch", "max_tokens_limit"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_queue < 0 or args.max_extend < 0:
+        ap.error("--max-queue and --max-extend must be >= 0")
+    if args.cache_gib is not None and args.cache_gib <= 0:
+        ap.error(f"--cache-gib must be > 0, got {args.cache_gib}")
+    return args
+
+
+def default_cache_bytes(llm, args, device) -> int:
+    """What the memory plan leaves for the cache on one GPU: 90% of it, less what is allocated
+    (weights), a window-long prefill's activations and the batch's own tokens; 2 GiB on CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return 2 * 2**30
+    cfg, p = llm.config, llm.parallel
+    dtype = str(llm.model.layers[0].attention_norm.weight.dtype).removeprefix("torch.")
+    window = cfg.max_position_embeddings
+    plan = plan_memory(cfg, Layout(p.tp, p.pp, p.cp, p.cp_strategy), Workload(window, window, 0, None,
+                                                                               DTYPE_BYTES[dtype]))
+    free = usable_bytes(torch.cuda.get_device_properties(device).total_memory) - torch.cuda.memory_allocated(device)
+    return max(free - plan.worst.activations, 2**30)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    launch = read_launch_env()
+    lead = launch.rank == 0
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()) if lead else logging.ERROR,
+                        format="[starshard] %(message)s", stream=sys.stderr)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    try:
+        llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel_config(args), progress=lead,
+                  random_weights=args.random_weights, sparse=sparse_config(args), fp8=fp8_config(args))
+        cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device)
+        name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
+                                          or "SmolLM2-135M-Instruct")
+        service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
+                            max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs)
+    except (LayoutError, CheckpointError, ValueError) as e:
+        if lead:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not lead:
+        try:
+            service.serve_forever()
+        except Exception as e:
+            why = collective_failure(e, args.dist_timeout) or f"{type(e).__name__}: {e}"
+            sys.stderr.write(f"error: rank {launch.rank}: {why}\n")
+            sys.stderr.flush()
+            os._exit(1)
+        return 0
+    return serve_lead(service, args, cache)
+
+
+def serve_lead(service, args, cache_bytes: int) -> int:
+    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                              max_body_bytes=int(args.max_body_mb * 2**20), max_tokens_limit=args.max_tokens_limit,
+                              served_model_name=service.model_name, log_prompts=args.log_prompts,
+                              log_level=args.log_level)
+    server = make_server(create_app(service, settings), settings)
+    failed = threading.Event()
+
+    def watch():  # the engine stopped (a rank died or hung): answer 503 briefly, then end the server
+        while not server.should_exit:
+            if service.health() is not None:
+                failed.set()
+                server.should_exit = True
+                return
+            failed.wait(0.5)
+
+    log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d", cache_bytes / 2**30, args.max_batch,
+             args.max_queue)
+    service.start()
+    threading.Thread(target=watch, name="starshard-health", daemon=True).start()
+    server.run()
+    if failed.is_set():
+        sys.stderr.write(f"error: rank 0: {service.health()}; the server is stopping\n")
+        sys.stderr.flush()
+        os._exit(1)  # the group is broken: tearing it down can block
+    service.shutdown()
+    return 0

@@ -1,0 +1,252 @@
+"""A generation in flight, from the backend's thread to the client: `Generation` bridges the
+backend's token events into asyncio (and applies stop strings, `StopFilter`); `Chat` and `Text` shape
+the two generation APIs' chunks and responses; `stream` writes them as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from starshard.server import protocol as P
+from starshard.server.backend import TokenEvent
+from starshard.server.intake import Job
+
+log = logging.getLogger("starshard.server")
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+class ClientGone(Exception):
+    pass
+
+
+class GenerationFailed(Exception):
+    pass
+
+
+class StopFilter:
+    """Applies stop strings to text as it streams: holds back a tail that could be the start of a
+    stop string, so no part of one is ever shown."""
+
+    def __init__(self, stops: list[str] | None):
+        self.stops = stops or []
+        self.held = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        buf = self.held + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self.held = True, ""
+            return buf[:cut]
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:k])),
+                   default=0)
+        self.held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class Generation:
+    """Bridges one backend request into asyncio: the backend thread's events land in a queue; stop
+    strings are applied here; close() cancels the backend side unless it already finished."""
+
+    def __init__(self, app: FastAPI, request: Request, job: Job):
+        self.request, self.metrics = request, app.state.metrics
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.stop = StopFilter(job.stops)
+        self.arrival = getattr(request.state, "arrival", time.perf_counter())
+        self.first_token_at: float | None = None
+        self.last: TokenEvent | None = None
+        self.done = False
+        self._getter: asyncio.Future | None = None
+        self._next_check = time.monotonic() + DISCONNECT_POLL_S
+        # submit() only enqueues (QueueFull is immediate), so it is called on the loop directly.
+        self.ticket = app.state.backend.submit(job.prompt, max_tokens=job.max_tokens, sampling=job.sampling,
+                                               stop=job.stops, on_event=self._on_event)
+
+    def _on_event(self, ev: TokenEvent) -> None:  # the backend's thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    async def next(self) -> tuple[str, str | None]:
+        """The next text to show and the finish reason (None while running). Raises GenerationFailed,
+        or ClientGone when the client disconnected."""
+        while True:
+            ev = self.last = await self._get()
+            if ev.token_id is not None and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.metrics.ttft.observe(self.first_token_at - self.arrival)
+            if ev.finish_reason in ("error", "cancelled"):  # "cancelled" that we did not ask for
+                self.done = True
+                raise GenerationFailed(ev.error or f"the engine ended the request ({ev.finish_reason})")
+            text = self.stop.feed(ev.text)
+            if self.stop.hit:
+                if ev.finish_reason is None:
+                    self.ticket.cancel()  # the rest is not wanted: free the batch slot now
+                self.done = True
+                return text, "stop"
+            if ev.finish_reason is not None:
+                self.done = True
+                return text + self.stop.flush(), ev.finish_reason
+            if text:
+                return text, None
+
+    async def _get(self) -> TokenEvent:
+        # Checks the client on a clock, not only when idle: a busy stream of tokens must not hide
+        # a disconnect from a non-streaming request (a stream also learns of it from Starlette).
+        while True:
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + DISCONNECT_POLL_S
+                if await self.request.is_disconnected():
+                    raise ClientGone
+            if self._getter is None:
+                self._getter = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=max(self._next_check - now, 0.0))
+            if done:
+                ev, self._getter = self._getter.result(), None
+                return ev
+
+    def usage(self) -> P.Usage:
+        ev = self.last
+        return P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+
+    def close(self) -> None:
+        if self._getter is not None:
+            self._getter.cancel()
+        if not self.done:
+            self.done = True
+            self.ticket.cancel()  # the client went away (or we failed): free the slot and KV
+
+
+# ---- the two generation APIs ----
+
+
+def sse(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+class Api:
+    """How one generation API shapes its chunks and its response."""
+
+    prefix = param = ""
+
+    def __init__(self, rid: str, created: int, model: str):
+        self.rid, self.created, self.model = rid, created, model
+
+
+class Chat(Api):
+    prefix, param = "chatcmpl", "messages"
+
+    def _chunk(self, delta: dict, finish: str | None = None, usage=None, choices=True) -> str:
+        c = [P.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else []
+        return sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=c,
+                                         usage=usage))
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text(self, text: str) -> str:
+        return self._chunk({"content": text})
+
+    def finish(self, reason: str) -> str:
+        return self._chunk({}, reason)
+
+    def usage(self, usage: P.Usage) -> str:
+        return self._chunk({}, usage=usage, choices=False)
+
+    def response(self, text: str, reason: str, usage: P.Usage) -> P.ChatCompletionResponse:
+        choice = P.ChatChoice(message=P.AssistantMessage(content=text), finish_reason=reason)
+        return P.ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice],
+                                        usage=usage)
+
+
+class Text(Api):
+    prefix, param = "cmpl", "prompt"
+
+    def _chunk(self, text: str, finish: str | None = None, usage=None, choices=True) -> str:
+        c = [P.CompletionChoice(text=text, finish_reason=finish)] if choices else []
+        return sse(P.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=c,
+                                        usage=usage))
+
+    def start(self) -> list[str]:
+        return []
+
+    def text(self, text: str) -> str:
+        return self._chunk(text)
+
+    def finish(self, reason: str) -> str:
+        return self._chunk("", reason)
+
+    def usage(self, usage: P.Usage) -> str:
+        return self._chunk("", usage=usage, choices=False)
+
+    def response(self, text: str, reason: str, usage: P.Usage) -> P.CompletionResponse:
+        return P.CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                    choices=[P.CompletionChoice(text=text, finish_reason=reason)], usage=usage)
+
+
+# ---- server-sent events ----
+
+
+class EventStream(StreamingResponse):
+    """SSE response that closes its generation however the response ends, even when the client
+    left before the first chunk (then the chunk generator never ran and its finally cannot)."""
+
+    def __init__(self, chunks: AsyncIterator[str], gen: Generation):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+async def stream(gen: Generation, out: Api, first, include_usage: bool, rid: str) -> AsyncIterator[str]:
+    # On a disconnect Starlette cancels this generator (or _get notices): finally cancels the ticket.
+    try:
+        for chunk in out.start():
+            yield chunk
+        text, reason = first
+        while True:
+            if text:
+                yield out.text(text)
+            if reason is not None:
+                break
+            text, reason = await gen.next()
+        yield out.finish(reason)
+        if include_usage:
+            yield out.usage(gen.usage())
+        log_done(rid, gen, reason)
+    except GenerationFailed as e:  # after the 200 went out: tell the client in the stream
+        info = P.ErrorInfo(message=f"generation failed: {e}", type="service_unavailable", code="engine_error")
+        yield sse(P.ErrorResponse(error=info))
+    except ClientGone:
+        log.info("%s: client disconnected mid-stream; cancelled", rid)
+        return
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
+def log_done(rid: str, gen: Generation, reason: str) -> None:
+    u = gen.usage()
+    ttft = f"{gen.first_token_at - gen.arrival:.3f}s" if gen.first_token_at else "-"
+    log.info("%s done: prompt=%d cached=%d completion=%d finish=%s ttft=%s", rid, u.prompt_tokens,
+             u.prompt_tokens_details.cached_tokens, u.completion_tokens, reason, ttft)

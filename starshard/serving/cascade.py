@@ -1,0 +1,182 @@
+"""Shared-prefix ("cascade") attention for the service's batch: every request attends a cached
+context (a shared prefix, sharded over the CP group) plus its own tokens, and the two partials merge
+by log-sum-exp (the same merge the CP group uses for its shards).
+
+    shared: the rows of all requests on one cache entry form one query block against the entry's
+            KV, so the long context is read once per step for the whole batch; a request that
+            shares only the first m tokens masks the rest by position (key visible iff pos < m).
+    own:    each request's tokens after the shared prefix (its question, then what it generated),
+            held in one batched pool [B, Hkv, cap, D] on the CP group's query rank.
+
+Exact: attention over the union of the two key sets equals attention over the whole sequence.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from starshard.engine.kv_cache import KVCache
+from starshard.kernels.attention import attention
+from starshard.parallel.context.group_merge import merge_over_group
+from starshard.parallel.context.merge import merge_partials
+
+_NO_KEY = 2**62  # position of an empty pool slot: after every query, so causality hides it
+
+
+class OwnKV:
+    """The batch's own-token KV: per layer k, v [B, Hkv, cap, D] and positions [B, cap]; row b's
+    first lengths[b] slots are filled. Kept in the compute dtype also with an FP8 KV cache: it holds a
+    question and the generated tokens, a few hundred entries per request."""
+
+    def __init__(self, layer_ids, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        self.layer_ids = list(layer_ids)
+        self.k = {i: torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for i in layer_ids}
+        self.v = {i: torch.zeros_like(self.k[i]) for i in layer_ids}
+        self.pos = {i: torch.full((batch, capacity), _NO_KEY, dtype=torch.long, device=device) for i in layer_ids}
+        self.lengths = [0] * batch
+        self._lengths = torch.zeros(batch, dtype=torch.long, device=device)  # the same, read by captured steps
+        self._rows = torch.arange(batch, device=device)
+        self.capacity = capacity
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v, self.pos) for t in d.values())
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k, v [B, Hkv, L, D], pos [B, L]: row b's L new entries go after its filled slots."""
+        L = k.shape[2]
+        slots = self._lengths[:, None] + torch.arange(L, device=k.device)  # [B, L], on the device: no sync
+        rows = self._rows[:, None].expand_as(slots)
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        self.pos[layer][rows, slots] = pos
+
+    def advance(self, n: int) -> None:
+        """After every layer appended: each row holds n more entries."""
+        self.lengths = [x + n for x in self.lengths]
+        self._lengths += n
+
+    @staticmethod
+    def gather(parts: list[tuple["OwnKV", int]], extra: int, layer_ids, n_kv_heads, head_dim, dtype, device) -> "OwnKV":
+        """A new pool holding row r of pool p for each (p, r) in `parts`, with room for `extra` more
+        entries per row (requests join and leave the batch between steps)."""
+        cap = max([p.lengths[r] for p, r in parts] + [0]) + extra
+        out = OwnKV(layer_ids, len(parts), n_kv_heads, head_dim, max(cap, 1), dtype, device)
+        for b, (p, r) in enumerate(parts):
+            n = p.lengths[r]
+            out.lengths[b] = n
+            out._lengths[b] = n
+            if n:
+                for i in layer_ids:
+                    out.k[i][b, :, :n] = p.k[i][r, :, :n]
+                    out.v[i][b, :, :n] = p.v[i][r, :, :n]
+                    out.pos[i][b, :n] = p.pos[i][r, :n]
+        return out
+
+
+@dataclass
+class SharedGroup:
+    """Rows of the batch that attend one cache entry: `kv` its KV (this rank's shard), `prefix[j]`
+    the number of leading tokens row rows[j] shares, `full` the entry's length."""
+
+    kv: KVCache
+    rows: list[int]
+    prefix: list[int]
+    full: int
+
+
+class CascadeAttention:
+    """The attention hook of every layer for one service step (installed per step by the
+    scheduler): shared partials per cache entry, the own partial on the query rank, merged by lse,
+    then over the CP group."""
+
+    def __init__(self, groups: list[SharedGroup], own: OwnKV | None, group=None, device=None):
+        self.groups, self.own, self.group = groups, own, group
+        # Row indices and query positions per group, made once on the device: a captured step
+        # replays them, and attend() copies nothing from the host.
+        self._rows = [torch.tensor(g.rows, device=device) for g in groups]
+        self._last = [torch.tensor(g.prefix, device=device) - 1 for g in groups]  # keys at positions < prefix
+
+    def hook(self, layer: int):
+        return functools.partial(self.attend, layer)
+
+    def attend(self, layer: int, q, k, v, pos, cache=None, sparse=None):  # the service's steps run dense
+        B, Hq, L, D = q.shape
+        out = q.new_zeros(B, Hq, L, D)
+        lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
+        for g, rows, last in zip(self.groups, self._rows, self._last):
+            kv = g.kv.layer(layer)
+            if kv.length == 0:  # this rank holds none of the entry (a short prompt on a CP group)
+                continue
+            s = kv.stored()  # an FP8 entry stays e4m3 (dequantized by attention where its kernel cannot read it)
+            qg = q[rows].transpose(0, 1).reshape(1, Hq, len(g.rows) * L, D)  # rows as one query block
+            qpos = last[:, None].expand(len(g.rows), L).reshape(1, -1)
+            causal = any(p < g.full for p in g.prefix)
+            o, ls = attention(qg, s.k, s.v, q_pos=qpos, k_pos=s.pos, causal=causal, k_scale=s.k_scale, v_scale=s.v_scale)
+            out[rows] = o.reshape(Hq, len(g.rows), L, D).transpose(0, 1).to(out.dtype)
+            lse[rows] = ls.reshape(Hq, len(g.rows), L).transpose(0, 1)
+        if self.own is not None:
+            self.own.append(layer, k, v, pos)
+            o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer], causal=True)
+            out, lse = merge_partials(out, lse, o, s)
+        if self.group is not None:
+            out, lse = merge_over_group(out, lse, self.group)
+        return out
+
+
+def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
+    with model.attention_hooks([cascade.hook(i) for i in model.layer_ids]):
+        logits = model(tokens, positions=positions, cache=None, last_only=True)
+    return logits[:, -1]
+
+
+def run_cascade(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
+    """One forward of tokens [B, L] at positions [B, L] with every layer attending through
+    `cascade` -> last-row logits [B, V] (float32). The hooks hold for this forward only."""
+    logits = _forward(model, tokens, positions, cascade)
+    if cascade.own is not None:
+        cascade.own.advance(tokens.shape[1])
+    return logits
+
+
+class CascadeGraph:
+    """The batch's one-token decode step replayed from a CUDA graph (decode is host-bound: one
+    forward is hundreds of small launches). One graph serves one batch composition: the cascade's
+    groups and own-KV pool are fixed, the tokens and positions are copied into static buffers, and
+    each row's next own-KV slot is read on the device. `capture=False` runs the same step eagerly
+    through the same buffers (what the CPU tests check). Every rank of a CP group captures and
+    replays together (the lse merge's all-reduces are inside)."""
+
+    def __init__(self, model, cascade: CascadeAttention, batch: int, device, capture: bool = True):
+        self.model, self.cascade, self.capture = model, cascade, capture
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.graph, self.logits = None, None
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tok.copy_(tokens)
+        self.pos.copy_(positions)
+        if not self.capture:
+            self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
+        elif self.graph is None:
+            # Warm-up off the capture stream runs the step for real (Triton compiles); the capture
+            # records it; the replay runs it again, writing the same own-KV slots with the same values.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _forward(self.model, self.tok, self.pos, self.cascade)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
+            self.graph.replay()
+        else:
+            self.graph.replay()
+        if self.cascade.own is not None:
+            self.cascade.own.advance(1)
+        return self.logits

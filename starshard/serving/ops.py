@@ -1,0 +1,62 @@
+"""The operations of one service step: what the scheduler (rank 0) decides and every rank's executor
+applies, in order. A step is a list of them, broadcast from rank 0 as one pickled object (plain
+dataclasses: the receiving ranks import this module, so the types arrive as they were sent).
+
+A step admits one request (prefill or extend, after any evictions) or decodes, never both; finish
+can come first in either, and alone between steps when requests end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starshard.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Remove these cache entries (least recently used first) to make room inside the budget."""
+
+    entries: list[int]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """These requests leave the batch; the entries they held become evictable."""
+
+    rids: list[int]
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Run a whole prompt through the runner (any context strategy); its KV becomes cache entry
+    `entry` and the request decodes on it."""
+
+    rid: int
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    entry: int  # the new entry's id
+    context_len: int  # the prompt's document part (Prompt.context_len)
+    head_len: int
+    pinned: bool  # not for reuse (APB: its KV depends on the question); dropped when its request ends
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Run only the prompt's tokens after its first `prefix`, which cache entry `entry` holds:
+    attention reads the entry's first `prefix` tokens (cascade.py), the prefill is skipped."""
+
+    rid: int
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    entry: int
+    prefix: int
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One token for every running request, in one forward."""
+
+
+Op = Evict | Finish | Prefill | Extend | Decode

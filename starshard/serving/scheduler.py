@@ -1,0 +1,331 @@
+"""The long-document service's scheduler: requests in, tokens out, over the whole parallel group.
+
+Rank 0 runs the scheduler (`Scheduler`): a bounded queue, admission within the context cache's
+budget, and one step at a time. Each step is a list of typed operations (serving/ops.py) that every
+rank executes (`Executor`, serving/executor.py), broadcast from rank 0 over a CPU control group, so
+the ranks' KV shards, cache entries and batch stay identical in shape:
+
+    prefill  a prompt with no usable cache entry runs through the runner (any context strategy);
+             its KV becomes a cache entry, and the request decodes on it
+    extend   a prompt that begins with an entry's tokens runs only the rest, attending the entry's
+             first m tokens (serving/cascade.py): the prefill is skipped
+    decode   one token for every running request, in one forward: each entry's context is read once
+             for all requests on it, each request's own tokens beside it, merged by log-sum-exp
+    finish   requests leave the batch; entries they held become evictable
+    evict    entries removed, least recently used first, to make room inside the budget
+
+The HTTP front end (starshard/server, written against its `Backend` protocol) talks to `Scheduler`
+only: submit(), cancel through the ticket, health(), stats(). Token events are delivered from the
+scheduler's thread through the request's callback.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch.distributed as dist
+
+from starshard.config import SamplingConfig
+from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
+from starshard.serving.context_cache import ContextCache
+from starshard.serving.executor import Executor
+from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
+from starshard.strategies import get_spec
+
+log = logging.getLogger("starshard.serve")
+
+IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the other ranks never time out
+
+
+class QueueFull(Exception):
+    """The waiting queue is full: the server answers 429."""
+
+
+class ServiceUnavailable(Exception):
+    """The step loop is down (a rank died or hung, or it is shutting down): the server answers 503."""
+
+
+@dataclass
+class TokenEvent:
+    token_id: int | None  # None on a final event that carries no token
+    text: str  # the text this token adds (incremental detokenization; may be "")
+    finish_reason: str | None  # None while running; "stop", "length", "cancelled", "error"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the context cache
+    completion_tokens: int
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------- rank 0: scheduling
+@dataclass
+class Request:
+    rid: int
+    prompt: Prompt
+    max_tokens: int
+    sampling: SamplingConfig
+    on_event: Callable[[TokenEvent], None]
+    arrived: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)
+    text_start: int = 0  # detokenization window: tokens [text_start, text_end) produced the last text sent
+    text_end: int = 0
+    cached: int = 0
+    cancelled: bool = False
+    running: bool = False
+
+
+class Ticket:
+    def __init__(self, scheduler: "Scheduler", rid: int):
+        self._scheduler, self.rid = scheduler, rid
+
+    def cancel(self) -> None:
+        self._scheduler._cancel(self.rid)
+
+
+def control_group():
+    """A CPU (gloo) group over every rank for the step broadcasts; None in a single process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+
+class Scheduler:
+    """The backend behind the HTTP server (rank 0), and the step loop every rank runs.
+
+    llm: a starshard.LLM over any layout without pipeline stages (one process, tp, cp, tp x cp).
+    cache_bytes: the context cache's budget per rank; max_batch: requests decoding together;
+    max_queue: requests waiting beyond the batch before submit() answers QueueFull.
+    """
+
+    def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
+                 max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True):
+        runner = llm.runner
+        if getattr(runner, "link", None) is not None:
+            raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
+                             "model with --tp and the document with --cp")
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} / {max_queue}")
+        self.llm, self.config = llm, llm.config
+        self.tokenizer = llm.tokenizer
+        self.model_name = model_name
+        self.max_model_len = self.config.max_position_embeddings
+        self.max_batch, self.max_queue, self.max_extend = max_batch, max_queue, max_extend
+        self.cache = ContextCache(cache_bytes)
+        self.executor = Executor(runner, self.cache, cuda_graphs)
+        strategy = getattr(runner, "strategy", None)
+        self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
+        self.control = control_group()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._lock = threading.Condition()
+        self._waiting: list[Request] = []
+        self._running: dict[int, Request] = {}
+        self._rids = itertools.count(1)
+        self._error: str | None = None
+        self._stop = False
+        self.counters = dict(prefill_tokens_total=0, decode_tokens_total=0, cached_tokens_total=0, requests_total=0)
+        self._thread: threading.Thread | None = None
+
+    # -- front end (rank 0)
+    def chat_prompt(self, messages: list[dict]) -> Prompt:
+        return build_chat_prompt(self.tokenizer, messages)
+
+    def text_prompt(self, prompt: str | list[int]) -> Prompt:
+        return build_prompt(self.tokenizer, prompt=prompt, raw=True)
+
+    def submit(self, prompt: Prompt, *, max_tokens: int, sampling: SamplingConfig, stop=None,
+               on_event: Callable[[TokenEvent], None]) -> Ticket:
+        check_window(self.config, len(prompt.ids), max_tokens, budget="max_tokens")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        need = self.executor.entry_bytes(len(prompt.ids)) + self._own_bytes(len(prompt.ids) + max_tokens)
+        if need > self.cache.budget:
+            raise ValueError(
+                f"this prompt's KV needs {need / 2**30:.3f} GiB per rank but the context cache budget is "
+                f"{self.cache.budget / 2**30:.3f} GiB: shorten the prompt or start the server with a larger --cache-gib")
+        with self._lock:
+            if self._error is not None or self._stop:
+                raise ServiceUnavailable(self._error or "the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue}); "
+                                "retry later")
+            req = Request(next(self._rids), prompt, max_tokens, sampling, on_event)
+            self._waiting.append(req)
+            self.counters["requests_total"] += 1
+            self._lock.notify()
+        return Ticket(self, req.rid)
+
+    def health(self) -> str | None:
+        return self._error
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(queue_depth=len(self._waiting), running=len(self._running),
+                        cache_bytes=self.cache.used_bytes, cache_budget_bytes=self.cache.budget,
+                        cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
+                        cache_lookups=self.cache.lookups, **self.counters)
+
+    def _cancel(self, rid: int) -> None:
+        with self._lock:
+            for r in self._waiting:
+                if r.rid == rid:
+                    self._waiting.remove(r)
+                    self._emit(r, None, "cancelled")
+                    return
+            if rid in self._running:
+                self._running[rid].cancelled = True
+                self._lock.notify()
+
+    # -- the loop
+    def start(self) -> None:
+        """Rank 0: the scheduler thread. Other ranks: call serve_forever() instead."""
+        self._thread = threading.Thread(target=self._loop, name="starshard-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def serve_forever(self) -> None:
+        """Every rank but 0: execute the broadcast steps until rank 0 says stop."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            ops = box[0]
+            if ops is None:
+                return
+            self.executor.run(ops)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                ops = self._plan()
+                if ops is None:  # shutting down
+                    self._broadcast(None)
+                    return
+                self._broadcast(ops)
+                tokens = self.executor.run(ops) if ops else {}
+                self._deliver(tokens)
+        except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
+            log.error("engine stopped: %s", e)
+            with self._lock:
+                self._error = f"the engine stopped: {type(e).__name__}: {e}"
+                for r in list(self._running.values()) + self._waiting:
+                    self._emit(r, None, "error", error=self._error)
+                self._running.clear()
+                self._waiting.clear()
+
+    def _broadcast(self, ops) -> None:
+        if self.control is not None:
+            dist.broadcast_object_list([ops], src=0, group=self.control)
+
+    def _own_bytes(self, tokens: int) -> int:
+        return tokens * self.executor.token_bytes()
+
+    def _plan(self) -> list[Op] | None:
+        """The next step's operations (None: shut down)."""
+        with self._lock:
+            while not self._stop and not self._waiting and not self._running:
+                if not self._lock.wait(IDLE_TICK_S) and self.control is not None:
+                    return []  # keep the other ranks' broadcast from timing out
+            if self._stop:
+                return None
+            ops: list[Op] = []
+            cancelled = [r.rid for r in self._running.values() if r.cancelled]
+            if cancelled:
+                ops.append(Finish(cancelled))
+                for rid in cancelled:
+                    self._emit(self._running.pop(rid), None, "cancelled")
+            if self._waiting and len(self._running) < self.max_batch:
+                op = self._admit(self._waiting[0])
+                if op is not None:
+                    req = self._waiting.pop(0)
+                    ops.extend(op)
+                    req.running = True
+                    self._running[req.rid] = req
+                    return ops  # the newcomer's first token; decoding resumes next step
+            if self._running:
+                ops.append(Decode())
+            return ops
+
+    def _admit(self, req: Request) -> list[Op] | None:
+        """The operations that start `req`, or None while the cache has no room for it yet."""
+        ids = np.asarray(req.prompt.ids, dtype=np.int64)
+        own_running = self.executor.own_bytes()
+        entry, m = self.cache.lookup(ids) if self.reuse else (None, 0)
+        base = dict(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling)
+        rest = len(ids) - m
+        # Run only the rest when the cache holds most of the prompt and the rest is short. A prompt that
+        # shares just a chat template's header with an entry is a new document: prefill it, cache it.
+        if entry is not None and rest <= self.max_extend and rest <= m:
+            own = self._own_bytes(len(ids) - m + req.max_tokens)
+            victims = self.cache.plan_room(own, own_running, keep=entry.id)
+            if victims is None:
+                return None
+            req.cached = m
+            return ([Evict(victims)] if victims else []) + [Extend(entry=entry.id, prefix=m, **base)]
+        need = self.executor.entry_bytes(len(ids))
+        victims = self.cache.plan_room(need + self._own_bytes(req.max_tokens), own_running)
+        if victims is None:
+            if not self._running:
+                raise RuntimeError("the context cache cannot hold a prompt it accepted")  # submit() checks the size
+            return None
+        return ([Evict(victims)] if victims else []) + [
+            Prefill(entry=self.cache.next_id(), context_len=req.prompt.context_len, head_len=req.prompt.head_len,
+                    pinned=not self.reuse, **base)]
+
+    def _deliver(self, tokens: dict[int, int]) -> None:
+        finished = []
+        with self._lock:
+            for rid, tok in tokens.items():
+                req = self._running.get(rid)
+                if req is None:
+                    continue
+                first = not req.tokens
+                req.tokens.append(tok)
+                if first:
+                    self.counters["prefill_tokens_total"] += len(req.prompt.ids) - req.cached
+                    self.counters["cached_tokens_total"] += req.cached
+                else:
+                    self.counters["decode_tokens_total"] += 1
+                eos = tok in self.llm.eos_ids
+                text = "" if eos else self._detok(req)
+                finish = "stop" if eos else ("length" if len(req.tokens) >= req.max_tokens else None)
+                self._emit(req, tok, finish, text=text)
+                if finish is not None:
+                    finished.append(rid)
+            for rid in finished:
+                self._running.pop(rid, None)
+        if finished:  # leave the batch before the next step (all ranks through the next broadcast)
+            self._finish_now(finished)
+
+    def _finish_now(self, rids: list[int]) -> None:
+        ops = [Finish(rids)]
+        self._broadcast(ops)
+        self.executor.run(ops)
+
+    def _detok(self, req: Request) -> str:
+        """The text the newest token adds; held back while it ends inside a multi-byte character.
+        Decodes a short window (from the last emitted piece on), not the whole answer each step: the
+        difference of two decodes from the same start keeps the tokenizer's spacing right."""
+        if self.tokenizer is None:
+            return ""
+        toks = req.tokens  # called for non-EOS tokens only: EOS ends the request
+        before = self.tokenizer.decode(toks[req.text_start:req.text_end], skip_special_tokens=True)
+        after = self.tokenizer.decode(toks[req.text_start:], skip_special_tokens=True)
+        if after.endswith("\ufffd") and len(toks) < req.max_tokens:
+            return ""
+        req.text_start, req.text_end = req.text_end, len(toks)
+        return after[len(before):]
+
+    def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None) -> None:
+        try:
+            req.on_event(TokenEvent(tok, text, finish, len(req.prompt.ids), req.cached, len(req.tokens), error))
+        except Exception:  # a callback of a client that went away must not stop the step loop
+            log.debug("dropping an event for request %d", req.rid, exc_info=True)

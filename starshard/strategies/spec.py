@@ -1,0 +1,91 @@
+"""What one context strategy declares, pure (no torch): its options and their flags, its refusals,
+the KV rows a rank keeps, its FLOP model and what it composes with. One module per strategy
+subclasses StrategySpec; strategies/__init__.py registers them; the torch classes live in
+parallel/context/ under the same names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from starshard.config import ModelConfig
+from starshard.strategies.flops import PrefillFlops
+
+
+@dataclass(frozen=True)
+class Option:
+    """One strategy option: the ParallelConfig field (= make_strategy keyword = argparse dest) and its flag."""
+
+    field: str
+    flag: str
+    help: str
+    type: Callable | None = int
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    const: Any = None  # a store_const flag: given = this value (--no-embed-query stores False)
+    exclusive: bool = False  # refused with any strategy that does not declare it (else it is ignored there)
+
+    def argparse_kwargs(self) -> dict:
+        """add_argument's keywords (default None: unset = the strategy's default)."""
+        if self.const is not None:
+            return dict(dest=self.field, action="store_const", const=self.const, default=None, help=self.help)
+        kw = dict(dest=self.field, type=self.type, default=None, help=self.help)
+        if self.choices is not None:
+            kw["choices"] = list(self.choices)
+        if self.metavar is not None:
+            kw["metavar"] = self.metavar
+        return kw
+
+
+# Options more than one strategy reads (each strategy's own sit in its module).
+QUERY_RANK = Option("query_rank", "--query-rank",
+                    "CP rank that owns the query and the generated tokens' KV (default: the last)")
+ANCHOR_SIZE = Option("anchor_size", "--anchor-size",
+                     "star: anchor tokens (the context's first tokens) before each block (default: block size); "
+                     "apb: anchor tokens per host (default: the paper's table, context/hosts/4 capped at 8192; 0 = none)")
+NUM_BLOCKS = Option("num_blocks", "--num-blocks",
+                    "star: cut the context into this many blocks instead of giving --block-size (default: --cp); "
+                    "with --cp 1 this runs on one device exactly what that many hosts would; apb: the same as --apb-hosts")
+
+
+def at_least(options: dict, floor: int, *fields: Option) -> None:
+    """ValueError naming the flag of the first option in `fields` that is given and below `floor`."""
+    for o in fields:
+        v = options.get(o.field)
+        if v is not None and v < floor:
+            raise ValueError(f"{o.flag} must be >= {floor}, got {v}")
+
+
+class StrategySpec:
+    """A context strategy's pure part. Subclasses set the attributes and override what differs."""
+
+    name = "base"
+    options: tuple[Option, ...] = ()  # what it reads besides --query-rank (every strategy reads that)
+    flag_group: str | None = None  # help-group title of its exclusive options
+    exact = True  # output equals dense attention's
+    single_rank = False  # runs on one CP rank only (dense)
+    sparse = True  # composes with --sparse (a row's whole key range is seen by one attention call)
+    fp8_attention: str | None = None  # where --fp8 attention's 8-bit scores run in it, e.g. "in Ulysses"
+    context_cache = True  # a cached context's KV serves another question (APB's depends on the question)
+    chunked_prefill = False  # the prompt runs in chunks after held KV (--prefill-chunk, pp > 1 stages)
+
+    def validate(self, cp: int, options: dict) -> None:
+        """Refuse (ValueError naming the fix) option values it cannot run on `cp` ranks; `options`:
+        field -> value of the options given (None dropped)."""
+
+    def check_heads(self, heads: int, kv_heads: int, cp: int, options: dict) -> None:
+        """Refuse (ValueError) head counts (per tensor-parallel rank) it cannot split over `cp` ranks."""
+
+    def kv_rows(self, lay, w) -> tuple[int, int, int]:
+        """Planner (planner.Layout `lay`, Workload `w`): (KV tokens kept, rows of the largest prefill
+        forward, transient KV tokens in flight) on the worst CP rank."""
+        raise NotImplementedError
+
+    def activation_elements(self, rows: int, heads: int, kv_heads: int, head_dim: int) -> int:
+        """Planner: elements per batch row it holds beyond one layer's forward of `rows` rows."""
+        return 0
+
+    def prefill_flops(self, cfg: ModelConfig, prompt_len: int, context_len: int, strategy) -> list[PrefillFlops]:
+        """Its FLOP model of one prefill, per rank; `strategy`: the built strategy (its cp and the sizes
+        it resolved for this context)."""
+        raise NotImplementedError

@@ -1,0 +1,58 @@
+"""Star Attention (approximate): each rank runs its context blocks behind an anchor (the context's
+first tokens), then the query attends every rank's blocks, merged by lse."""
+from __future__ import annotations
+
+from starshard.config import ModelConfig
+from starshard.layout import star_blocks, star_sizes
+from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
+from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least
+
+BLOCK_SIZE = Option("block_size", "--block-size", "star: context tokens per block (default: context / cp)")
+
+
+def star_flops(cfg: ModelConfig, context: int, cp: int, block: int | None = None, anchor: int | None = None,
+               query_len: int = 1) -> list[PrefillFlops]:
+    """Star Attention: each block runs [anchor; block] causally (the first block has no anchor), then
+    the query phase. Defaults as StarAttention: block = ceil(context / cp), anchor = block."""
+    check_sizes(context, cp, query_len)
+    block = block or -(-context // cp)
+    anchor = block if anchor is None else anchor
+    out = []
+    for r, blocks in enumerate(star_blocks(context, block, cp)):
+        tokens = pairs = held = 0
+        for s, e in blocks:
+            n = min(anchor, s) + e - s
+            tokens, pairs, held = tokens + n, pairs + causal_pairs(n), held + e - s
+        f = rank_flops(cfg, tokens, pairs, 0, detail={"blocks": blocks})
+        add_query_phase(cfg, f, query_len, held, r == cp - 1)
+        out.append(f)
+    return out
+
+
+class StarSpec(StrategySpec):
+    name = "star"
+    options = (BLOCK_SIZE, NUM_BLOCKS, ANCHOR_SIZE)
+    exact = False
+    fp8_attention = "in Star's context blocks"
+
+    def validate(self, cp, options):
+        at_least(options, 1, BLOCK_SIZE, ANCHOR_SIZE, NUM_BLOCKS)
+        if options.get("block_size") is not None and options.get("num_blocks") is not None:
+            raise ValueError("give --block-size or --num-blocks, not both")
+
+    def kv_rows(self, lay, w):
+        cp, C, Q, N = lay.cp, w.context, w.prompt_tokens - w.context, w.max_new_tokens
+        q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
+        block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size)
+        blocks = star_blocks(max(C, 1), block, cp)
+        kept = [sum(e - s for s, e in blocks[r]) + (Q + N if r == q_rank else 0) for r in range(cp)]
+        # one forward per block, behind the anchor (the first block has none); then the query phase
+        rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
+        return max(kept), rows, 0
+
+    def prefill_flops(self, cfg, prompt_len, context_len, strategy):
+        block, anchor = strategy.resolved_sizes(context_len)
+        return star_flops(cfg, context_len, strategy.cp, block, anchor, query_len=prompt_len - context_len)
+
+
+STAR = StarSpec()

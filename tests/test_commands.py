@@ -1,0 +1,70 @@
+"""The `starshard` program (starshard/commands/main.py): one command per job, each with its own flags."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from starshard.commands import infer
+from starshard.commands.main import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[1]
+SIX = ("run", "serve", "eval", "bench", "convert", "plan")
+TINY = ["--random-weights", "tiny", "--prompt-len", "24", "--max-new-tokens", "5", "--device", "cpu", "--json"]
+
+
+def sh(*argv):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_python_m_starshard_lists_the_commands():
+    p = sh("-m", "starshard", "--help")
+    assert p.returncode == 0, p.stderr
+    for name in SIX:
+        assert f"\n  {name} " in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_shows_its_full_help(name, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # bench sets a default
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and "options:" in out
+    if name in ("run", "plan", "serve", "eval", "bench", "fidelity"):
+        assert out.startswith(f"usage: starshard {name} ")
+    flags = {"run": "--plan-only", "plan": "--memory-limit-gb", "serve": "--port", "eval": "--lengths",
+             "bench": "prefill", "convert": "--hf"}
+    assert flags.get(name, "-h") in out
+
+
+def test_unknown_command_names_the_commands(capsys):
+    assert main(["infer"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'infer'" in err and "run, plan, serve" in err
+    assert main([]) == 2 and "usage: starshard <command>" in capsys.readouterr().err
+
+
+def test_plan_prints_the_plan_as_run_plan_only_does(capsys):
+    argv = ["--random-weights", "tiny", "--prompt-len", "300", "--max-new-tokens", "8", "--json"]
+    assert main(["plan", *argv]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert infer.main([*argv, "--plan-only"]) == 0
+    assert plan == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["stages"] and plan["fits"]
+    assert main(["plan", *argv[:-1]]) == 0
+    assert "peak" in capsys.readouterr().out  # the table
+
+
+@pytest.mark.slow  # two processes load torch and run a tiny model: ~10 s on 2 cores
+def test_run_gives_the_same_answer_as_launch_infer():
+    a, b = sh("-m", "starshard", "run", *TINY), sh("launch/infer.py", *TINY)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    ja, jb = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (a, b))
+    timing = ("prefill_seconds", "decode_seconds", "decode_tokens_per_second")
+    assert {k: v for k, v in ja.items() if k not in timing} == {k: v for k, v in jb.items() if k not in timing}
+    assert len(ja["token_ids"]) == 5
