@@ -10,7 +10,7 @@ import pytest
 from starshard.commands import infer
 from starshard.commands.main import COMMANDS, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIX = ("run", "serve", "eval", "bench", "convert", "plan")
 TINY = ["--random-weights", "tiny", "--prompt-len", "24", "--max-new-tokens", "5", "--device", "cpu", "--json"]
 

@@ -15,7 +15,7 @@ from starshard.presets import preset_config
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.local import LocalRunner
 
-PKG = Path(__file__).resolve().parents[1] / "starshard"
+PKG = Path(__file__).resolve().parents[2] / "starshard"
 
 
 @pytest.fixture(scope="module")
