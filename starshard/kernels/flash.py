@@ -95,7 +95,7 @@ if triton is not None:
             v_ptrs = V + b.to(tl.int64) * s_vb + kvh.to(tl.int64) * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
 
         full_lo = 0
-        if CAUSAL and WINDOW:  # block_ranges with a window: (first seen, first full, end of full, end)
+        if WINDOW:  # (causal only) block_ranges with a window: (first seen, first full, end of full, end)
             n_skip = tl.load(RANGES + b * s_rb + pid_m * 4)
             full_lo = tl.load(RANGES + b * s_rb + pid_m * 4 + 1)
             n_full = tl.load(RANGES + b * s_rb + pid_m * 4 + 2)
@@ -111,7 +111,7 @@ if triton is not None:
 
         m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
 
-        if CAUSAL and WINDOW:
+        if WINDOW:
             # Blocks on the window's lower edge (those before n_skip are out of every row's window).
             for j in range(n_skip, full_lo):
                 start = j * BLOCK_N

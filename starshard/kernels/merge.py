@@ -59,8 +59,9 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None)
     the sink). Apply once, to the merged result: a sink in every partial would count it per partial."""
     if sinks is None:
         return out, lse
-    w = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])  # empty rows: lse = -inf, weight 0
-    return (out.to(torch.float32) * w.unsqueeze(-1)).to(out.dtype), lse
+    acc = torch.promote_types(out.dtype, torch.float32)
+    w = torch.sigmoid(lse.to(acc) - sinks.to(device=lse.device, dtype=acc)[None, :, None])  # lse = -inf: weight 0
+    return (out.to(acc) * w.unsqueeze(-1)).to(out.dtype), lse
 
 
 def merge_many(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,5 +43,5 @@ def attention_math(q, k, v, *, q_pos, k_pos, causal=True, scale=None, window=Non
         out[:, :, s:e] = torch.einsum("bhgqk,bhkd->bhgqd", p, vf).reshape(B, Hq, e - s, D)
         lse[:, :, s:e] = m.squeeze(-1).reshape(B, Hq, e - s).float()
     if sinks is not None:
-        out *= torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None]).unsqueeze(-1)
+        out *= torch.sigmoid(lse.to(acc) - sinks.to(device=q.device, dtype=acc)[None, :, None]).unsqueeze(-1)
     return out.to(q.dtype), lse
