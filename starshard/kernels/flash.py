@@ -161,13 +161,17 @@ if triton is not None:
         tl.store(LSE + pid_bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
 
 
-def default_config(head_dim: int) -> tuple[int, int, int, int]:
+def default_config(head_dim: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim: common Hopper choices, not
-    yet tuned here (launch/bench.py kernels sweeps them)."""
+    yet tuned here (launch/bench.py kernels sweeps them). float32 (element_size 4) at head dim 256
+    takes half the tiles: 64 x 256 float32 tiles over two stages need ~320 KB of shared memory, above
+    Hopper's 227 KB (sm_90a builds: 100 KB with the half tiles; 16-bit inputs at 64 x 64: 97 KB)."""
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
         return 128, 64, 8, 3
+    if element_size > 2:
+        return 32, 32, 4, 2
     return 64, 64, 4, 2
 
 
@@ -233,7 +237,7 @@ def flash_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, config=No
     if Lk == 0:
         return out.zero_(), lse.fill_(float("-inf"))  # with sinks too: no key, out 0
     block_d = max(16, triton.next_power_of_2(D))
-    block_m, block_n, warps, stages = config or default_config(block_d)
+    block_m, block_n, warps, stages = config or default_config(block_d, q.element_size())
     n_qblocks = triton.cdiv(Lq, block_m)
     if causal:
         qp = as_positions(q_pos, B, Lq, "q_pos", q.device)
