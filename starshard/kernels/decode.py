@@ -75,8 +75,8 @@ if triton is not None:
     # Cache lengths change every step: no variant per divisibility of the sizes.
     @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
     def _decode_split_kernel(
-        Q, K, V, OP, LP, QPOS, KPOS, LK_PTR, KS, VS, KRANGE,
-        qk_scale, window, cap_in, cap_out, s_krb,
+        Q, K, V, OP, LP, QPOS, KPOS, LK_PTR, KS, VS,
+        qk_scale,
         s_qb, s_qh, s_qm, s_qd,
         s_kb, s_kh, s_kn, s_kd,
         s_vb, s_vh, s_vn, s_vd,
@@ -84,7 +84,10 @@ if triton is not None:
         Hkv, G, Lq, Lk, chunk, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, IEEE: tl.constexpr, HAS_LK: tl.constexpr, FP8: tl.constexpr,
-        USE_PDL: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
+        USE_PDL: tl.constexpr = False,
+        # window / softcap (last: callers that pass arguments by position keep working)
+        KRANGE=None, window=0, cap_in=1.0, cap_out=1.0, s_krb=0,
+        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         split = tl.program_id(0)
@@ -280,11 +283,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["Lq", "n_splits"])
     def _decode_merge_kernel(
-        OP, LP, O, LSE, SINKS,
+        OP, LP, O, LSE,
         s_ob, s_oh, s_om, s_od,
         Hq, Lq, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
-        SINK: tl.constexpr = False):
+        SINKS=None, SINK: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0)  # flat (b, hq, qi)
@@ -427,17 +430,15 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
             num_warps=warps, num_stages=stages, **pdl_launch(q),
         )
     else:
-        extras = {}  # only the switches that are on: the default launch is the kernel as it was
+        extras = {}  # only the arguments that are on: the default launch is the kernel as it was
         if window is not None:
-            extras["WINDOW"] = True
-            krange = window_key_range(qp, kp, window)
+            extras.update(KRANGE=window_key_range(qp, kp, window), window=int(window), s_krb=2 * s_pb, WINDOW=True)
         if softcap is not None:
-            extras["SOFTCAP"] = True
-        cap = float(softcap) if softcap is not None else 1.0
+            extras.update(cap_in=scale / float(softcap), cap_out=float(softcap) * LOG2E, SOFTCAP=True)
         _decode_split_kernel[grid](
             q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
-            k_scale if fp8 else o_part, v_scale if fp8 else o_part, krange if window is not None else qp,
-            scale * LOG2E, int(window or 0), scale / cap, cap * LOG2E, 2 * s_pb,
+            k_scale if fp8 else o_part, v_scale if fp8 else o_part,
+            scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(),
             s_pb * Lq, s_pb * Lk, k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
             Hkv, G, Lq, Lk, chunk, num_splits,
@@ -449,10 +450,9 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     sink = {}
     if sinks is not None:
-        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
-        sink["SINK"] = True
+        sink.update(SINKS=sinks.to(device=q.device, dtype=torch.float32).contiguous(), SINK=True)
     _decode_merge_kernel[(B * Hq * Lq,)](
-        o_part, l_part, out, lse, sinks if sinks is not None else lse,
+        o_part, l_part, out, lse,
         *out.stride(),
         Hq, Lq, num_splits,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(64, triton.next_power_of_2(num_splits)),

@@ -118,7 +118,8 @@ if triton is not None:
                 col_ok = (start + offs_n) < Lk
                 kt, v = _load_kv(K, V, kt_ptrs, v_ptrs, kv_row, start, s_kn, s_vn, col_ok, d_ok, True, EVEN_D, USE_TMA)
                 k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
-                visible = col_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+                visible = col_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
                 if SOFTCAP:
                     qk = softcap_scores(qk_dot(q, kt, IEEE), cap_in, cap_out)
                     m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, visible, 1.0, True, IEEE)
