@@ -11,9 +11,9 @@ relative to its keys. Rows that see no key get out = 0 and lse = -inf.
 Optional, each a compile-time switch of the Triton kernels (off: the kernels as they were):
 - window (int >= 1, causal only): sliding-window attention. A query at position p sees the keys at
   positions in (p - window, p]: the last `window` positions, itself included. This is transformers'
-  sliding_window (Mistral, Gemma 2/3, GPT-OSS: its mask keeps kv_idx > q_idx - sliding_window) in
-  positions, not indices, so CP shards and caches need nothing else. Key blocks wholly out of every
-  row's window are skipped.
+  config.sliding_window as Mistral, Gemma 2/3 and GPT-OSS pass it (masking_utils.sliding_window_overlay
+  keeps kv_idx > q_idx - sliding_window), in positions, not indices, so CP shards and caches need
+  nothing else. Key blocks wholly out of every row's window are skipped.
 - softcap (float > 0): logit soft-capping (Gemma 2): scores = softcap * tanh(scale * q.k / softcap),
   before the mask.
 - sinks (float tensor [Hq], one logit per query head, unscaled): attention sinks (GPT-OSS): exp(sink)
@@ -21,10 +21,10 @@ Optional, each a compile-time switch of the Triton kernels (off: the kernels as 
   EXCLUDES the sink (log sum_j e^{s_j}, as without sinks), so lse-merges stay merges of key sets: a
   caller that merges partials (ring, Star, cascades, split keys) computes them with sinks=None and
   applies `merge.apply_sink(out, lse, sinks)` once to the merged result (out * sigmoid(lse - sink)).
-Refused with a ValueError naming the argument where a path cannot run them: `sparse` patterns, and
-any of them with causal=False (window). The int8-score (`--fp8 attention`) and flash_fp8 kernels take
-none of them. On CUDA a call with any of them never takes torch's fused kernels (which lack them): the
-Triton flash or split-KV kernel runs it, exactly.
+Refused with a ValueError naming the argument where a path cannot run them: any of them with a
+`sparse` pattern, and `window` with causal=False. The int8-score (`--fp8 attention`) and flash_fp8
+kernels take none of them. On CUDA a call with any of them never takes torch's fused kernels (which
+lack them): the Triton flash or split-KV kernel runs it, exactly (an FP8 cache too).
 
 Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
 torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU,
