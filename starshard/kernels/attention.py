@@ -1,11 +1,30 @@
 """Attention dispatcher. Every entry point returns (out, lse) per the docs/design.md contract.
 
-    out, lse = attention(q, k, v, q_pos=..., k_pos=..., causal=True, scale=None, sparse=None)
+    out, lse = attention(q, k, v, q_pos=..., k_pos=..., causal=True, scale=None, sparse=None,
+                         window=None, softcap=None, sinks=None)
     q: [B, Hq, Lq, D]   k, v: [B, Hkv, Lk, D]   q_pos: [Lq] or [B, Lq]   k_pos: [Lk] or [B, Lk]
     out: [B, Hq, Lq, D] in q.dtype     lse: [B, Hq, Lq] float32
 
 Causality is by global position (key visible iff k_pos <= q_pos), so a query block may sit anywhere
 relative to its keys. Rows that see no key get out = 0 and lse = -inf.
+
+Optional, each a compile-time switch of the Triton kernels (off: the kernels as they were):
+- window (int >= 1, causal only): sliding-window attention. A query at position p sees the keys at
+  positions in (p - window, p]: the last `window` positions, itself included. This is transformers'
+  config.sliding_window as Mistral, Gemma 2/3 and GPT-OSS pass it (masking_utils.sliding_window_overlay
+  keeps kv_idx > q_idx - sliding_window), in positions, not indices, so CP shards and caches need
+  nothing else. Key blocks wholly out of every row's window are skipped.
+- softcap (float > 0): logit soft-capping (Gemma 2): scores = softcap * tanh(scale * q.k / softcap),
+  before the mask.
+- sinks (float tensor [Hq], one logit per query head, unscaled): attention sinks (GPT-OSS): exp(sink)
+  joins the softmax denominator only: out = sum_j e^{s_j} v_j / (e^sink + sum_j e^{s_j}). The lse
+  EXCLUDES the sink (log sum_j e^{s_j}, as without sinks), so lse-merges stay merges of key sets: a
+  caller that merges partials (ring, Star, cascades, split keys) computes them with sinks=None and
+  applies `merge.apply_sink(out, lse, sinks)` once to the merged result (out * sigmoid(lse - sink)).
+Refused with a ValueError naming the argument where a path cannot run them: any of them with a
+`sparse` pattern, and `window` with causal=False. The int8-score (`--fp8 attention`) and flash_fp8
+kernels take none of them. On CUDA a call with any of them never takes torch's fused kernels (which
+lack them): the Triton flash or split-KV kernel runs it, exactly (an FP8 cache too).
 
 Backends: flash.py (Triton, any position mask), decode.py (split-KV Triton for short query blocks),
 torch's fused cuDNN SDPA where the mask is plain, cpu.py and the math reference (reference.py) on CPU,
@@ -18,7 +37,7 @@ import torch
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK
 from starshard.kernels.common import (
-    DECODE_MAX_ROWS, arange_start, as_positions, check_shapes, sm_count, square_increasing, to_device,
+    DECODE_MAX_ROWS, arange_start, as_positions, check_extras, check_shapes, sm_count, square_increasing, to_device,
 )
 from starshard.kernels.cpu import attention_cpu
 from starshard.kernels.decode import decode_attention
@@ -26,7 +45,7 @@ from starshard.kernels.fp8 import dequantize
 from starshard.kernels.flash import flash_attention
 from starshard.kernels.flash_fp8 import HEAD_DIMS as FP8_HEAD_DIMS  # other head dims run `attention`
 from starshard.kernels.flash_fp8 import flash_fp8_attention, int8_scores_operands
-from starshard.kernels.merge import merge_partials
+from starshard.kernels.merge import apply_sink, merge_partials
 from starshard.kernels.reference import attention_math
 
 __all__ = [
@@ -75,15 +94,16 @@ SHORT_QUERY_ROWS = 256
 _FLASH_BLOCK_M = 128  # flash.py's query rows per program at head_dim <= 128
 
 
-def cuda_backend(q: torch.Tensor, Lk: int, mode: str | None, sms: int) -> str:
+def cuda_backend(q: torch.Tensor, Lk: int, mode: str | None, sms: int, fused: bool = True) -> str:
     """The CUDA kernel for a call (a pure function of shapes, so CPU tests cover it):
     "decode" (decode.py, split-KV), "flash-sdpa" / "cudnn" (torch's fused kernels, plain masks) or
     "triton" (flash.py, any position mask). `mode` is `mask_mode`'s answer, None when Lq is at most
-    DECODE_MAX_ROWS (not classified); `sms` is the GPU's multiprocessor count."""
+    DECODE_MAX_ROWS (not classified); `sms` is the GPU's multiprocessor count; `fused` False keeps
+    the call off torch's fused kernels (a window, softcap or sinks, which they lack)."""
     B, Hq, Lq, D = q.shape
     if mode is None:
         return "decode"
-    fused_ok = q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 128
+    fused_ok = fused and q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 128
     if mode != "masked" and fused_ok:
         return "flash-sdpa" if Lq <= SHORT_QUERY_ROWS else "cudnn"
     # A short query block over a long cache gives flash.py fewer programs than multiprocessors;
@@ -135,40 +155,48 @@ def _fused(q, k, v, *, causal: bool, scale, op: str):
     return r[0], r[1].reshape(B, Hq, -1)[:, :, :Lq].float()  # lse may come padded or as [B, H, L, 1]
 
 
-def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale):
-    mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
-    backend = cuda_backend(q, k.shape[2], mode, sm_count(q.device))
+def _attention_cuda(q, k, v, q_pos, k_pos, causal, scale, window=None, softcap=None, sinks=None):
+    if q.shape[2] <= DECODE_MAX_ROWS:
+        mode = None
+    else:  # a window is a position mask whatever the layout: no need to classify (a host sync)
+        mode = "masked" if window is not None else mask_mode(q_pos, k_pos, causal)
+    plain = window is None and softcap is None and sinks is None
+    backend = cuda_backend(q, k.shape[2], mode, sm_count(q.device), fused=plain)
     if backend == "decode":
-        return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+        return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, window=window,
+                                softcap=softcap, sinks=sinks)
     if backend in ("cudnn", "flash-sdpa"):
         return _fused(q, k, v, causal=mode == "causal", scale=scale, op="cudnn" if backend == "cudnn" else "flash")
-    return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale)
+    return flash_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=mode != "full", scale=scale, window=window,
+                           softcap=softcap, sinks=sinks)
 
 
-def _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale):
+def _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale, window=None, softcap=None, sinks=None):
     """e4m3 k, v with per-(head, key) scales. Decode-sized calls and short blocks over long caches (as
     `cuda_backend` picks): the split-KV kernel reads the e4m3 bytes as stored. Prefill-sized calls: the
     keys FP8_PREFILL_KEY_BLOCK at a time, each block dequantized into a bounded buffer and run through
     the compute-dtype path (cuDNN where the mask allows), partials merged by lse. Why not a Triton flash
     kernel reading the e4m3 bytes in registers (a3bab66 had one): on one H200, a 128K prompt in chunks
     of 8192 took 28.1 s with it against 19.0 s for the bf16 cache through cuDNN and 12.1 s this way
-    (docs/results.md, FP8)."""
+    (docs/results.md, FP8). A window, softcap and sinks go to either kernel; the sink is applied once,
+    after the blocks merge."""
     mode = None if q.shape[2] <= DECODE_MAX_ROWS else mask_mode(q_pos, k_pos, causal)
     if cuda_backend(q, k.shape[2], mode and "masked", sm_count(q.device)) == "decode":
         return decode_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, k_scale=k_scale,
-                                v_scale=v_scale)
+                                v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
     out = lse = None
     for s in range(0, k.shape[2], FP8_PREFILL_KEY_BLOCK):
         e = min(s + FP8_PREFILL_KEY_BLOCK, k.shape[2])
         kb = dequantize(k[:, :, s:e], k_scale[:, :, s:e], q.dtype)
         vb = dequantize(v[:, :, s:e], v_scale[:, :, s:e], q.dtype)
-        o, l = _attention_cuda(q, kb, vb, q_pos, k_pos[..., s:e], causal, scale)
+        o, l = _attention_cuda(q, kb, vb, q_pos, k_pos[..., s:e], causal, scale, window, softcap)
         del kb, vb  # before the next block is dequantized
         out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
-    return out, lse
+    return apply_sink(out, lse, sinks)
 
 
-def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_scale=None, v_scale=None):
+def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_scale=None, v_scale=None, window=None,
+              softcap=None, sinks=None):
     """Exact (or `sparse`-approximate) attention with log-sum-exp. See the module docstring.
 
     CUDA (see `cuda_backend`): decode-sized calls and short query blocks over long caches ->
@@ -180,22 +208,31 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_
     k_scale, v_scale: k, v are e4m3 (an FP8 KV cache) with float32 scales [B, Hkv, Lk], one per (KV
     head, key). On CUDA (`_attention_cuda_fp8`) decode-sized calls read the e4m3 bytes as stored and
     prefill-sized ones dequantize the keys a bounded block at a time; with `sparse`, and on the CPU, k
-    and v are dequantized to q's dtype first and the call runs as above."""
+    and v are dequantized to q's dtype first and the call runs as above.
+
+    window, softcap, sinks: see the module docstring (all paths but `sparse`, which refuses them)."""
+    extras = dict(window=window, softcap=softcap, sinks=sinks)
+    check_extras(q, causal, window, softcap, sinks, "attention")
+    if sparse is not None and (window is not None or softcap is not None or sinks is not None):
+        name = next(n for n, x in extras.items() if x is not None)
+        raise ValueError(f"attention: the sparse patterns (kernels/sparse.py) do not take {name}; pass sparse=None "
+                         f"for layers with a {name} (dense attention runs it exactly)")
     if k_scale is not None:
         if q.device.type == "cuda" and sparse is None and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
             check_shapes(q, k, v)
-            return _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale)
+            return _attention_cuda_fp8(q, k, v, q_pos, k_pos, causal, scale, k_scale, v_scale, **extras)
         k, v = dequantize(k, k_scale[:, :, : k.shape[2]], q.dtype), dequantize(v, v_scale[:, :, : v.shape[2]], q.dtype)
     if sparse is not None:  # a sparse method's pattern for these heads (kernels/sparse.py)
         return sparse.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
     check_shapes(q, k, v)
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return _attention_cuda(q, k, v, q_pos, k_pos, causal, scale)
-    # On CPU the fused kernel's mask and K/V copies cost more than they save for a few query rows.
+        return _attention_cuda(q, k, v, q_pos, k_pos, causal, scale, **extras)
+    # On CPU the fused kernel's mask and K/V copies cost more than they save for a few query rows; it
+    # has no softcap or sinks (the math path has).
     fused_cpu = q.dtype in (torch.float32, torch.bfloat16) and q_pos.dim() == 1 and k_pos.dim() == 1
-    if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS:
-        return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
-    return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
+    if q.device.type == "cpu" and fused_cpu and q.shape[2] > DECODE_MAX_ROWS and softcap is None and sinks is None:
+        return attention_cpu(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, window=window)
+    return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, **extras)
 
 
 def causal_attention(q, k, v, *, scale=None):

@@ -107,6 +107,23 @@ def check_kernel_inputs(q, k, v, name: str) -> None:
         raise ValueError(f"{name} supports head_dim <= 256, got {q.shape[-1]}")
 
 
+def check_extras(q: torch.Tensor, causal: bool, window, softcap, sinks, name: str) -> None:
+    """The optional score arguments of the attention contract (attention.py): `window` a positive int
+    and only with causal=True (it is measured back from each query's position), `softcap` a positive
+    number, `sinks` a float tensor [Hq] (one logit per query head)."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{name}: window must be a positive int (keys per query, itself included), got {window!r}")
+        if not causal:
+            raise ValueError(f"{name}: window needs causal=True (a query sees keys at positions in (p - window, p])")
+    if softcap is not None and not float(softcap) > 0:
+        raise ValueError(f"{name}: softcap must be a positive number, got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point or sinks.shape != (q.shape[1],):
+            raise ValueError(f"{name}: sinks must be a float tensor [Hq] = [{q.shape[1]}] (one logit per query head), "
+                             f"got {getattr(sinks, 'shape', type(sinks))}")
+
+
 def as_positions(pos: torch.Tensor, B: int, L: int, name: str, device: torch.device) -> torch.Tensor:
     """[L], [1, L] or [B, L] integer positions -> contiguous [P, L] with P in {1, B} on `device`."""
     if pos.dtype.is_floating_point or pos.dtype == torch.bool:

@@ -6,15 +6,20 @@ Same contract as `attention` (docs/design.md). A few query rows cannot fill a GP
 so the keys are cut into `num_splits` chunks that run in parallel; each writes a partial (out, lse)
 and a second kernel merges them by lse. The g query heads of a KV head (and all their rows) share
 one program, so every K/V byte is read once. On CPU the same split-and-merge runs in torch.
+
+`window`, `softcap`, `sinks` (attention.py contract): with a window the splits share out only the keys
+between the first that some row's window reaches and the last that some row sees (`window_key_range`,
+on the device), so keys wholly outside every window are never read; the sink joins once, in the
+merge. All three are compile-time switches: without them the kernels are the ones they were.
 """
 from __future__ import annotations
 
 import torch
 
-from starshard.kernels.common import as_positions, check_kernel_inputs, check_shapes, sm_count
-from starshard.kernels.merge import merge_many
-from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softmax_finish, softmax_init, softmax_update,
-                                              softmax_update_scaled_v)
+from starshard.kernels.common import as_positions, check_extras, check_kernel_inputs, check_shapes, sm_count
+from starshard.kernels.merge import apply_sink, merge_many
+from starshard.kernels.online_softmax import (LOG2E, qk_dot, row_lse, softcap_scores, softmax_finish, softmax_init,
+                                              softmax_update, softmax_update_scaled_v)
 from starshard.kernels.pdl import pdl_launch, pdl_trigger, pdl_wait
 from starshard.kernels.reference import attention_math
 
@@ -37,17 +42,32 @@ _MIN_CHUNK = 128
 _PROGRAMS_PER_SM = {False: 1, True: 2}
 
 
-def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits):
+def _torch_decode(q, k, v, q_pos, k_pos, causal, scale, num_splits, window=None, softcap=None, sinks=None):
     """The split-and-merge in torch (CPU, and the reference of the kernel); k, v dequantized already."""
     Lk = k.shape[2]
     chunk = -(-Lk // num_splits)
     parts = [
         attention_math(q.float(), k[:, :, s : s + chunk].float(), v[:, :, s : s + chunk].float(),
-                       q_pos=q_pos, k_pos=k_pos[..., s : s + chunk], causal=causal, scale=scale)
+                       q_pos=q_pos, k_pos=k_pos[..., s : s + chunk], causal=causal, scale=scale, window=window,
+                       softcap=softcap)
         for s in range(0, Lk, chunk)
     ]
     out, lse = merge_many(torch.stack([p[0] for p in parts], -2), torch.stack([p[1] for p in parts], -1))
+    out, lse = apply_sink(out, lse, sinks)  # once, after the merge
     return out.to(q.dtype), lse
+
+
+def window_key_range(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """int32 [P, 2]: per row of positions, key indices [lo, hi) outside which no key is visible to any
+    query row under `window`: the keys before lo have running max <= min(q_pos) - window, those from hi
+    on have suffix min > max(q_pos). Exact for any positions (unsorted ones just narrow less); on the
+    device, no host sync (CUDA graphs)."""
+    qp, kp = q_pos.to(torch.int64), k_pos.to(torch.int64)
+    prefix_max = kp.cummax(-1).values
+    suffix_min = kp.flip(-1).cummin(-1).values.flip(-1).contiguous()
+    lo = torch.searchsorted(prefix_max, qp.amin(-1, keepdim=True) - window, right=True)
+    hi = torch.searchsorted(suffix_min, qp.amax(-1, keepdim=True), right=True)
+    return torch.cat([lo, torch.maximum(hi, lo)], -1).to(torch.int32).contiguous()
 
 
 if triton is not None:
@@ -64,7 +84,10 @@ if triton is not None:
         Hkv, G, Lq, Lk, chunk, n_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, IEEE: tl.constexpr, HAS_LK: tl.constexpr, FP8: tl.constexpr,
-        USE_PDL: tl.constexpr = False):
+        USE_PDL: tl.constexpr = False,
+        # window / softcap (last: callers that pass arguments by position keep working)
+        KRANGE=None, window=0, cap_in=1.0, cap_out=1.0, s_krb=0,
+        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         split = tl.program_id(0)
@@ -100,8 +123,15 @@ if triton is not None:
         s_off = b.to(tl.int64) * s_sb + kvh.to(tl.int64) * s_sh  # FP8: scales [B, Hkv, cap] of k and v
 
         m_i, l_i, acc = softmax_init(BLOCK_M, BLOCK_D)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, Lk)
+        if WINDOW:  # the splits share out only keys k_lo .. k_hi - 1 (window_key_range)
+            k_lo = tl.load(KRANGE + b * s_krb)
+            k_hi = tl.minimum(tl.load(KRANGE + b * s_krb + 1), Lk)
+            chunk = tl.cdiv(tl.cdiv(tl.maximum(k_hi - k_lo, 0), n_splits), BLOCK_N) * BLOCK_N
+            lo = k_lo + split * chunk
+            hi = tl.minimum(lo + chunk, k_hi)
+        else:
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, Lk)
         for start in range(lo, hi, BLOCK_N):
             col_ok = (start + offs_n) < hi
             kt = tl.load(kt_ptrs + start * s_kn, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
@@ -116,10 +146,16 @@ if triton is not None:
             if CAUSAL:
                 k_pos = tl.load(KPOS + b * s_kpb + start + offs_n, mask=col_ok, other=0)
                 visible = visible & (k_pos[None, :] <= q_pos[:, None])
+                if WINDOW:
+                    visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            step_scale = qk_scale
+            if SOFTCAP:  # scores already in log2 units
+                qk = softcap_scores(qk, cap_in, cap_out)
+                step_scale = 1.0
             if FP8:
-                m_i, l_i, acc = softmax_update_scaled_v(qk, v.to(q.dtype), vs, m_i, l_i, acc, visible, qk_scale, IEEE)
+                m_i, l_i, acc = softmax_update_scaled_v(qk, v.to(q.dtype), vs, m_i, l_i, acc, visible, step_scale, IEEE)
             else:
-                m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, True, IEEE)
+                m_i, l_i, acc = softmax_update(qk, v, m_i, l_i, acc, visible, step_scale, True, IEEE)
 
         out, lse2 = softmax_finish(m_i, l_i, acc, True)  # partial lse in log2 units; the merge converts once
         part = ((b * Hq + hq).to(tl.int64) * Lq + qi) * n_splits + split
@@ -250,7 +286,8 @@ if triton is not None:
         OP, LP, O, LSE,
         s_ob, s_oh, s_om, s_od,
         Hq, Lq, n_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
+        SINKS=None, SINK: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
         row = tl.program_id(0)  # flat (b, hq, qi)
@@ -279,7 +316,10 @@ if triton is not None:
             acc = acc * c + tl.sum(w[:, None] * o, 0)
             m = m_new
         m_use = tl.where(m == float("-inf"), 0.0, m)
-        out = acc / tl.where(den == 0.0, 1.0, den)
+        if SINK:  # exp(sink) joins the denominator once, here; the lse excludes it
+            out = acc / (den + tl.math.exp2(tl.load(SINKS + hq).to(tl.float32) * 1.4426950408889634 - m_use))
+        else:
+            out = acc / tl.where(den == 0.0, 1.0, den)
         lse = row_lse(m_use, den, False)
         o_ptrs = O + b.to(tl.int64) * s_ob + hq.to(tl.int64) * s_oh + qi * s_om + offs_d * s_od
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=d_ok)
@@ -304,7 +344,8 @@ def _num_splits(device: torch.device, programs_per_split: int, Lk: int, fp8: boo
 
 def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None,
                      length: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, options: dict | None = None):
+                     v_scale: torch.Tensor | None = None, options: dict | None = None, window: int | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None):
     """q [B, Hq, Lq, D] (Lq small), k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU);
     `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning).
@@ -314,8 +355,11 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     `k_scale`, `v_scale`: with e4m3 k, v (an FP8 KV cache), float32 scales [B, Hkv, >= Lk], one per
     (KV head, key) (kernels/fp8.py quantize_rows): the kernel reads the e4m3 bytes and dequantizes in
     registers; the torch path dequantizes first.
-    `options`: overrides of _FP8_OPTIONS (the e4m3 path's kernel choice, tuning)."""
+    `options`: overrides of _FP8_OPTIONS (the e4m3 path's kernel choice, tuning).
+    `window`, `softcap`, `sinks`: the attention.py contract; the e4m3 cache takes them through the
+    general kernel (the unmasked "even" one has none of them)."""
     check_shapes(q, k, v)
+    check_extras(q, causal, window, softcap, sinks, "decode_attention")
     use_triton = q.device.type == "cuda" if use_triton is None else use_triton
     if length is not None and not use_triton:
         n = int(length.reshape(-1)[0])
@@ -326,14 +370,15 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     scale = D**-0.5 if scale is None else scale
     qp = as_positions(q_pos, B, Lq, "q_pos", q.device)
     kp = as_positions(k_pos, B, Lk, "k_pos", q.device)
-    if Lq == 0 or Lk == 0 or B * Hq == 0:
+    if Lq == 0 or Lk == 0 or B * Hq == 0:  # with sinks too: no key, out 0
         return q.new_zeros(q.shape), torch.full((B, Hq, Lq), float("-inf"), device=q.device)
     fp8 = k_scale is not None
     if fp8 and not use_triton:
         k = (k.float() * k_scale[:, :, :Lk, None]).to(q.dtype)
         v = (v.float() * v_scale[:, :, :Lk, None]).to(q.dtype)
     if not use_triton:
-        return _torch_decode(q, k, v, qp, kp, causal, scale, num_splits or _num_splits(q.device, B * Hkv, Lk))
+        return _torch_decode(q, k, v, qp, kp, causal, scale, num_splits or _num_splits(q.device, B * Hkv, Lk),
+                             window, softcap, sinks)
     if triton is None:
         raise RuntimeError("decode_attention: the Triton kernel needs the triton package")
     check_kernel_inputs(q, q if fp8 else k, q if fp8 else v, "decode_attention")
@@ -343,12 +388,12 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     rows = G * Lq  # a KV head's query heads x query rows, one program's rows
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     row_blocks = -(-rows // block_m)
-    if num_splits is None:
-        num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk, fp8)
+    if num_splits is None:  # with a window, keys a decode step can see (more with a span of query positions)
+        num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk if window is None else min(Lk, window + Lq), fp8)
     block_d = max(16, triton.next_power_of_2(D))
     opts = {**_FP8_OPTIONS, **(options or {})}
     # e4m3 cache, 16-bit queries, no causal mask, options "even": the kernel without per-block masks
-    fp8_even = fp8 and q.dtype != torch.float32 and not causal and opts["even"]
+    fp8_even = fp8 and q.dtype != torch.float32 and not causal and opts["even"] and softcap is None and sinks is None
     # e4m3 keys / values: twice the keys per tile for the same bytes in flight (first guess; bench/fp8_tune.py)
     default = ((128 if fp8 else 64), 4, 3) if block_d <= 128 else (32, 4, 2)
     if fp8_even:
@@ -385,6 +430,11 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
             num_warps=warps, num_stages=stages, **pdl_launch(q),
         )
     else:
+        extras = {}  # only the arguments that are on: the default launch is the kernel as it was
+        if window is not None:
+            extras.update(KRANGE=window_key_range(qp, kp, window), window=int(window), s_krb=2 * s_pb, WINDOW=True)
+        if softcap is not None:
+            extras.update(cap_in=scale / float(softcap), cap_out=float(softcap) * LOG2E, SOFTCAP=True)
         _decode_split_kernel[grid](
             q, k, v, o_part, l_part, qp, kp, length if length is not None else qp,
             k_scale if fp8 else o_part, v_scale if fp8 else o_part,
@@ -394,15 +444,18 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
             Hkv, G, Lq, Lk, chunk, num_splits,
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
             CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None, FP8=fp8,
-            num_warps=warps, num_stages=stages, **pdl_launch(q),
+            num_warps=warps, num_stages=stages, **pdl_launch(q), **extras,
         )
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    sink = {}
+    if sinks is not None:
+        sink.update(SINKS=sinks.to(device=q.device, dtype=torch.float32).contiguous(), SINK=True)
     _decode_merge_kernel[(B * Hq * Lq,)](
         o_part, l_part, out, lse,
         *out.stride(),
         Hq, Lq, num_splits,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(64, triton.next_power_of_2(num_splits)),
-        num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part),
+        num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part), **sink,
     )
     return out, lse

@@ -11,6 +11,7 @@ copies.
 a decode step over the CP group after one all-gather (parallel/context/group_merge.py), one Triton
 launch on CUDA. `merge_many` (S float32 partials stacked next to their head dim): the torch S-way merge,
 also the split-KV decode's torch path (decode.py; its kernel merges its own partials in registers).
+`apply_sink` (attention sinks): once, after the last merge; partials that merge are computed without sinks.
 """
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ def merge_partials(out1, lse1, out2, lse2, use_triton: bool | None = None):
     out = out1.to(torch.float32, copy=True).mul_(w1)
     out.add_(out2.to(torch.float32, copy=True).mul_(w2))
     return out.to(out1.dtype), lse
+
+
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None):
+    """(out, lse) of attention with per-head sink logits `sinks` [H] (GPT-OSS: exp(sink) joins the
+    softmax denominator only) from the sink-free (out, lse) over all of a row's keys: out times
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); lse unchanged (the contract's lse excludes
+    the sink). Apply once, to the merged result: a sink in every partial would count it per partial."""
+    if sinks is None:
+        return out, lse
+    acc = torch.promote_types(out.dtype, torch.float32)
+    w = torch.sigmoid(lse.to(acc) - sinks.to(device=lse.device, dtype=acc)[None, :, None])  # lse = -inf: weight 0
+    return (out.to(acc) * w.unsqueeze(-1)).to(out.dtype), lse
 
 
 def merge_many(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

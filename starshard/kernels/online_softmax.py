@@ -52,6 +52,25 @@ def qk_dot(q, kt, IEEE: tl.constexpr):
 
 
 @_jit
+def softcap_scores(qk, cap_in, cap_out):
+    """Logit soft-capping (Gemma 2) of raw scores qk: cap * tanh(scale * qk / cap) in log2 units, with
+    cap_in = scale / cap and cap_out = cap * LOG2E from the host; then `softmax_update` with qk_scale 1.
+    tanh from exp2 (libdevice's has no interpreter version): sign(x) (1 - e) / (1 + e), e = 2^(-2 |x| log2 e)."""
+    x = qk * cap_in
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t) * cap_out
+
+
+@_jit
+def softmax_finish_sink(m_i, l_i, acc, sink2):
+    """`softmax_finish` (natural-log lse) with an attention sink of logit sink2 (log2 units) in the
+    denominator of out only: the lse excludes it (attention.py contract). A row that saw no key: out 0."""
+    out = acc / (l_i + tl.math.exp2(sink2 - m_i))[:, None]  # m_i = -inf: 2^inf, acc = 0 -> 0
+    return out, row_lse(m_i, l_i, False)
+
+
+@_jit
 def softmax_update(qk, v, m_i, l_i, acc, visible, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """Fold raw scores qk [M, N] of one key block, with v [N, D], into (m_i, l_i, acc).
     MASKED: `visible` (broadcastable to [M, N]) hides scores; off, every score counts (no mask
