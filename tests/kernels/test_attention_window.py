@@ -2,17 +2,17 @@
 against an independent float64 dense reference written as transformers writes them (Mistral / Gemma
 sliding_window mask kv > q - window, Gemma 2 softcap, GPT-OSS sinks as an extra softmax column).
 
-The Triton kernels run on CPU through TRITON_INTERPRET=1 (tests/conftest.py), at small sizes.
+The Triton kernels run on CPU through TRITON_INTERPRET=1 (tests/conftest.py), at small sizes; on a CUDA
+machine tests/gpu/test_window_kernels.py runs the compiled kernels against the same reference.
 """
 import importlib
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted kernels on CPU tensors; on a GPU "
+                                "machine tests/gpu/test_window_kernels.py runs the compiled ones")
 
 from starshard.kernels.attention import attention, cuda_backend  # noqa: E402
 from starshard.kernels.cpu import attention_cpu  # noqa: E402
