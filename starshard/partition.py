@@ -1,4 +1,4 @@
-"""Layout rules that need only the model config: which heads and rows a tensor-parallel rank holds,
+"""Partition rules that need only the model config: which heads and rows a tensor-parallel rank holds,
 how layers split into pipeline stages, how Star cuts the context into blocks and APB's default
 anchor / passing sizes.
 
@@ -36,7 +36,7 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 
 
 @dataclass(frozen=True)
-class TPLayout:
+class TPShard:
     """Which heads / rows one tensor-parallel rank holds."""
 
     cfg: ModelConfig

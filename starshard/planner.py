@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig
-from starshard.layout import check_tp, partition_layers, valid_tp_sizes
+from starshard.partition import check_tp, partition_layers, valid_tp_sizes
 from starshard.strategies import check, get_spec
 
 GiB = 1 << 30

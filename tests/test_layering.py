@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "starshard"
 # Lowest first. A module may import its own unit and anything in a lower layer, never above or beside.
 LAYERS = [
     {"config"},
-    {"layout", "presets"},
+    {"partition", "presets"},
     {"strategies"},  # the context strategies' registry, pure part: names, options, validation, sizes, FLOPs
     {"planner", "runconfig"},
     {"kernels"},

@@ -157,7 +157,7 @@ def test_weights_match_the_shards_the_runtime_builds(preset):
     import math
 
     from starshard.checkpoints.hf import plan_shard
-    from starshard.layout import TPLayout, partition_layers, valid_tp_sizes
+    from starshard.partition import TPShard, partition_layers, valid_tp_sizes
     from starshard.checkpoints.sources import RandomSource
 
     cfg = preset_config(preset)
@@ -167,7 +167,7 @@ def test_weights_match_the_shards_the_runtime_builds(preset):
             stages = partition_layers(cfg.num_layers, pp, None)
             plan = plan_memory(cfg, Layout(tp=tp, pp=pp), Workload(16, dtype_bytes=2))
             for p, layers in enumerate(stages):
-                specs = plan_shard(cfg, src, TPLayout(cfg, tp, tp - 1), layers, p == 0, p == pp - 1)
+                specs = plan_shard(cfg, src, TPShard(cfg, tp, tp - 1), layers, p == 0, p == pp - 1)
                 assert plan.stages[p].weights == 2 * sum(math.prod(s.shape) for s in specs), (tp, pp, p)
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from starshard.benchmarks.common import commit, device_name, ints, save_json, timed, today
 from starshard.config import ParallelConfig, SamplingConfig
-from starshard.layout import partition_layers
+from starshard.partition import partition_layers
 from starshard.llm import LLM
 from starshard.runtime.prompt import Prompt
 

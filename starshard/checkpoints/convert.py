@@ -41,7 +41,7 @@ from starshard.checkpoints.hf import (
 )
 from starshard.config import FP8_LINEARS, Fp8Config, ModelConfig, UnsupportedArchitectureError
 from starshard.kernels.fp8 import FP8_DTYPE, quantize_rows
-from starshard.layout import TPLayout, partition_layers
+from starshard.partition import TPShard, partition_layers
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -296,7 +296,7 @@ def convert(
     shards = {}
 
     def rank_specs(t, p):
-        specs = plan_shard(cfg, src, TPLayout(cfg, tp, t), stages[p], p == 0, p == pp - 1)
+        specs = plan_shard(cfg, src, TPShard(cfg, tp, t), stages[p], p == 0, p == pp - 1)
         return fp8_specs(specs, DTYPES[dtype]) if stored_fp8 else specs
 
     total = sum(len(rank_specs(0, p)) for p in range(pp))

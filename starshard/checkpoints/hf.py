@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from starshard.config import ModelConfig
-from starshard.layout import TPLayout
+from starshard.partition import TPShard
 
 
 class TensorSource(Protocol):
@@ -129,11 +129,11 @@ class TensorSpec:
 
 
 def plan_shard(
-    cfg: ModelConfig, src: TensorSource, layout: TPLayout, layers: list[int], first: bool, last: bool
+    cfg: ModelConfig, src: TensorSource, shard: TPShard, layers: list[int], first: bool, last: bool
 ) -> list[TensorSpec]:
     """Every tensor one (tp rank, pipeline stage) holds, in write order, built lazily from `src`."""
     d, H = cfg.head_dim, cfg.hidden_size
-    lo = layout
+    lo = shard
     if cfg.arch == "phi3":
         src = FusedHFView(cfg, src)
     q_rows = slice(lo.rank * lo.heads * d, (lo.rank + 1) * lo.heads * d)
@@ -206,7 +206,7 @@ EXPERT_NAMES = {
 }
 
 
-def moe_layer(cfg: ModelConfig, src: TensorSource, lo: TPLayout, p: str) -> list[tuple[str, tuple, Callable]]:
+def moe_layer(cfg: ModelConfig, src: TensorSource, lo: TPShard, p: str) -> list[tuple[str, tuple, Callable]]:
     """(starshard name, shape, build) of one MoE layer's router and this rank's part of its experts:
     every expert, the rank's `expert_slice` of each one's width (gate and up rows, down columns)."""
     E, H, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -248,7 +248,7 @@ def moe_layer(cfg: ModelConfig, src: TensorSource, lo: TPLayout, p: str) -> list
 def merge_tp_shards(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Inverse of the TP split: full (tp=1) tensors from the shards of every TP rank, in rank order."""
     tp = len(shards)
-    lays = [TPLayout(cfg, tp, r) for r in range(tp)]
+    lays = [TPShard(cfg, tp, r) for r in range(tp)]
     d = cfg.head_dim
     merged: dict[str, torch.Tensor] = {}
     for name in shards[0]:

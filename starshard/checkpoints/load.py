@@ -24,7 +24,7 @@ from starshard.checkpoints.hf import (
 from starshard.config import ModelConfig
 from starshard.engine.model import Transformer, rope_inv_freq
 from starshard.kernels.fp8 import FP8_DTYPE
-from starshard.layout import TPLayout
+from starshard.partition import TPShard
 
 
 class CheckpointError(RuntimeError):
@@ -113,7 +113,7 @@ def _full_state_from_checkpoint(ckpt: Path, manifest: dict, verify: bool) -> dic
 
 
 def _full_state_from_source(cfg: ModelConfig, src) -> dict[str, torch.Tensor]:
-    specs = plan_shard(cfg, src, TPLayout(cfg, 1, 0), list(range(cfg.num_layers)), True, True)
+    specs = plan_shard(cfg, src, TPShard(cfg, 1, 0), list(range(cfg.num_layers)), True, True)
     return {s.name: s.build() for s in specs}
 
 

@@ -2,7 +2,7 @@
 
     src = weight_source(path)                 # starshard checkpoint, HF dir, .gguf, or random weights
     cfg = read_config(src)                    # the config alone: layouts are checked before any weights load
-    state = rank_state(src, cfg, layout, layers, first, last, pp_rank, dtype, device)
+    state = rank_state(src, cfg, shard, layers, first, last, pp_rank, dtype, device)
 
 `rank_state` gives the tensors one (tensor-parallel rank, pipeline stage) holds, sliced as they are
 read (peak memory about one full tensor). Random weights are one model for every layout: each tensor
@@ -28,7 +28,7 @@ from starshard.checkpoints.load import (
 )
 from starshard.config import ModelConfig
 from starshard.engine.model import Transformer
-from starshard.layout import TPLayout
+from starshard.partition import TPShard
 
 
 # ---------------------------------------------------------------------------- weight sources
@@ -181,11 +181,11 @@ class StarshardAsHF:
 
 
 # ---------------------------------------------------------------------------- one rank's tensors
-def rank_state(src: WeightSource, cfg: ModelConfig, layout: TPLayout, layers: list[int], first: bool, last: bool,
+def rank_state(src: WeightSource, cfg: ModelConfig, shard: TPShard, layers: list[int], first: bool, last: bool,
                pp_rank: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """The tensors of one (tp rank, stage) under starshard names (global layer ids)."""
     if src.kind == "starshard":
-        return load_shard(src.path, read_manifest(src.path), layout.rank, pp_rank)
+        return load_shard(src.path, read_manifest(src.path), shard.rank, pp_rank)
     if src.kind == "random":
         tsrc = RandomSource(cfg, src.seed, dtype, device)
     elif src.kind == "default":
@@ -195,7 +195,7 @@ def rank_state(src: WeightSource, cfg: ModelConfig, layout: TPLayout, layers: li
     else:  # gguf: transformers dequantizes the whole file; each rank keeps only its slices
         tsrc = StateDictSource(gguf_to_hf(src.path)[1])
     # Each tensor is read (or generated) and sliced one at a time: peak memory is one full tensor.
-    specs = plan_shard(cfg, tsrc, layout, layers, first, last)
+    specs = plan_shard(cfg, tsrc, shard, layers, first, last)
     return {s.name: s.build().to(device=device, dtype=dtype) for s in specs}
 
 
@@ -204,6 +204,6 @@ def random_model(cfg: ModelConfig, *, dtype=torch.bfloat16, device="cpu", seed: 
     `rank_state` of random weights), for benchmarks and tests: no checkpoint needed."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = rank_state(WeightSource("random", None, seed), cfg, TPLayout(cfg, 1, 0), list(range(cfg.num_layers)),
+    state = rank_state(WeightSource("random", None, seed), cfg, TPShard(cfg, 1, 0), list(range(cfg.num_layers)),
                        True, True, 0, dtype, device)
     return materialize(model, state, dtype, device)

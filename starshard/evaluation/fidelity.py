@@ -53,7 +53,7 @@ from starshard.kernels.minference import (
     group_mask,
     minference_attention,
 )
-from starshard.layout import star_blocks
+from starshard.partition import star_blocks
 from starshard.parallel.context.apb import APBAttention, _rotate
 from starshard.parallel.context.star import StarAttention
 

@@ -7,7 +7,7 @@ the same way, by columns of every expert, with one all-reduce), the embedding vo
 (one all-reduce) and the LM head column-parallel over the (padded) vocabulary. The logits stay
 sharded: greedy decoding and sampling exchange a few numbers per row, never the full vocabulary.
 
-Shapes follow `layout.TPLayout`, so a rank's converter shard loads straight in. Inference
+Shapes follow `partition.TPShard`, so a rank's converter shard loads straight in. Inference
 only: weights are frozen, megatron-core runs its frozen-weight path (no autograd bookkeeping).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from starshard.layout import TPLayout
+from starshard.partition import TPShard
 from starshard.config import SamplingConfig
 from starshard.engine.moe import GroupedExperts, MoEFeedForward
 
@@ -66,31 +66,31 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def apply_tensor_parallel(model: nn.Module, layout: TPLayout, group) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, shard: TPShard, group) -> nn.Module:
     """Swap a (meta-device) Transformer's modules for tensor-parallel ones holding this rank's part.
 
     Run on a model built under `torch.device("meta")`, before its weights are loaded: the new
-    modules hold `layout`'s shapes and keep the parameter names (`wqkv.weight`, ...), so the
+    modules hold `shard`'s shapes and keep the parameter names (`wqkv.weight`, ...), so the
     rank's shard of `plan_shard` / the converter loads with `load_state_dict`.
     """
     ColumnParallel, RowParallel, VocabEmbedding = _megatron_layers()
-    cfg, tp = layout.cfg, layout.tp
+    cfg, tp = shard.cfg, shard.tp
     d, H = cfg.head_dim, cfg.hidden_size
     dtype = next(model.parameters()).dtype
     mp = _mp_config(tp, dtype)
     kw = dict(config=mp, init_method=_no_init, tp_group=group)
     # megatron-core sizes a layer by its global width / tp. With KV heads replicated (tp > KV heads)
     # the "global" fused QKV width is this rank's width * tp, not the model's.
-    qkv_rows = (layout.heads + 2 * layout.kv_heads) * d
+    qkv_rows = (shard.heads + 2 * shard.kv_heads) * d
     ffn = cfg.intermediate_size // tp
     for block in model.layers:
         att, ff = block.attention, block.feed_forward
-        att.n_heads, att.n_kv_heads = layout.heads, layout.kv_heads
+        att.n_heads, att.n_kv_heads = shard.heads, shard.kv_heads
         att.wqkv = ColumnParallel(H, qkv_rows * tp, bias=cfg.qkv_bias, gather_output=False, **kw)
         att.wo = RowParallel(cfg.q_size, H, bias=False, input_is_parallel=True, skip_bias_add=False, **kw)
         if isinstance(ff, MoEFeedForward):
             # Experts are tensor-parallel, not expert-parallel: each expert's width is split like the
-            # dense MLP (gate/up rows column-parallel, down columns row-parallel, TPLayout.expert_slice),
+            # dense MLP (gate/up rows column-parallel, down columns row-parallel, TPShard.expert_slice),
             # the router replicated, so every rank routes alike and computes its part of every chosen
             # expert; one all-reduce per layer, as the dense MLP. Why: each rank does exactly 1/tp of
             # every token's expert work and reads 1/tp of each active expert's weights whatever the
@@ -101,13 +101,13 @@ def apply_tensor_parallel(model: nn.Module, layout: TPLayout, group) -> nn.Modul
             ff.experts = GroupedExperts(cfg.num_experts, H, cfg.moe_intermediate_size // tp)
             ff.combine = functools.partial(_all_reduce, group=group)
             continue
-        # w13 local rows are [gate part; up part] (TPLayout), which FeedForward's chunk(2) splits.
+        # w13 local rows are [gate part; up part] (TPShard), which FeedForward's chunk(2) splits.
         ff.w13 = ColumnParallel(H, 2 * ffn * tp, bias=False, gather_output=False, **kw)
         ff.w2 = RowParallel(cfg.intermediate_size, H, bias=False, input_is_parallel=True, skip_bias_add=False, **kw)
     if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabEmbedding(layout.padded_vocab, H, init_method=_no_init, config=mp, tp_group=group)
+        model.tok_embeddings = VocabEmbedding(shard.padded_vocab, H, init_method=_no_init, config=mp, tp_group=group)
     if model.output is not None:
-        model.output = ColumnParallel(H, layout.padded_vocab, bias=False, gather_output=False, **kw)
+        model.output = ColumnParallel(H, shard.padded_vocab, bias=False, gather_output=False, **kw)
     return model
 
 
@@ -122,9 +122,9 @@ class VocabShard:
     group: object = None  # None: one rank holds everything
 
     @classmethod
-    def of(cls, layout: TPLayout, group) -> "VocabShard":
-        s = layout.vocab_slice
-        return cls(s.start, s.stop - s.start, layout.cfg.vocab_size, group if layout.tp > 1 else None)
+    def of(cls, shard: TPShard, group) -> "VocabShard":
+        s = shard.vocab_slice
+        return cls(s.start, s.stop - s.start, shard.cfg.vocab_size, group if shard.tp > 1 else None)
 
     @property
     def padded_vocab(self) -> int:

@@ -18,7 +18,7 @@ from starshard.checkpoints.load import CheckpointError, check_layout, materializ
 from starshard.checkpoints.sources import WeightSource, rank_state
 from starshard.config import ModelConfig, ParallelConfig
 from starshard.engine.model import Transformer
-from starshard.layout import TPLayout, check_tp, partition_layers
+from starshard.partition import TPShard, check_tp, partition_layers
 from starshard.parallel.fp8 import quantize_linears
 from starshard.parallel.tensor import apply_tensor_parallel
 from starshard.parallel.topology import LayoutError
@@ -59,9 +59,9 @@ def plan_parallel(cfg: ModelConfig, parallel: ParallelConfig, src: WeightSource)
 def check_context_heads(cfg: ModelConfig, parallel: ParallelConfig) -> None:
     """A strategy that splits each tensor-parallel rank's heads (Ulysses, USP: over their all-to-all
     group) refuses a head count that does not split, from the config alone (before any collective)."""
-    layout = TPLayout(cfg, parallel.tp, 0)
+    shard = TPShard(cfg, parallel.tp, 0)
     try:
-        get_spec(parallel.cp_strategy).check_heads(layout.heads, layout.kv_heads, parallel.cp, given_options(parallel))
+        get_spec(parallel.cp_strategy).check_heads(shard.heads, shard.kv_heads, parallel.cp, given_options(parallel))
     except ValueError as e:
         raise LayoutError(str(e)) from None
 
@@ -71,7 +71,7 @@ def build_rank_model(cfg: ModelConfig, src: WeightSource, plan: ParallelPlan, tp
     """This rank's stage of the model with this rank's tensor-parallel part of each weight."""
     layers = plan.stages[pp_rank]
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
-    layout = TPLayout(cfg, plan.tp, tp_rank)
+    shard = TPShard(cfg, plan.tp, tp_rank)
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(cfg, num_layers=len(layers)), layer_ids=layers).to(dtype)
     model.config = cfg  # the whole model's config: eos ids, window, vocab
@@ -82,13 +82,13 @@ def build_rank_model(cfg: ModelConfig, src: WeightSource, plan: ParallelPlan, tp
         model.norm, model.output = None, None
     if plan.tp > 1:
         with torch.device("meta"):
-            apply_tensor_parallel(model, layout, tp_group)
+            apply_tensor_parallel(model, shard, tp_group)
     if src.kind == "starshard" and "linear" in stored_fp8(read_manifest(src.path)):
         # e4m3 weights + scales in the shard: empty Fp8Linear modules (quantizing meta tensors reads nothing)
         quantize_linears(model, tp_group if plan.tp > 1 else None)
     local = {g: i for i, g in enumerate(layers)}
     state = {}
-    for name, t in rank_state(src, cfg, layout, layers, first, last, pp_rank, dtype, device).items():
+    for name, t in rank_state(src, cfg, shard, layers, first, last, pp_rank, dtype, device).items():
         if name.startswith("layers."):
             _, g, rest = name.split(".", 2)
             name = f"layers.{local[int(g)]}.{rest}"

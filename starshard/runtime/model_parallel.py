@@ -12,7 +12,7 @@ from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.model import Transformer
 from starshard.engine.sampling import sample
-from starshard.layout import TPLayout
+from starshard.partition import TPShard
 from starshard.parallel.pipeline import StageLink, run_stage
 from starshard.parallel.tensor import VocabShard, gather_logits, vocab_parallel_sample
 from starshard.parallel.topology import Topology
@@ -27,7 +27,7 @@ class VocabSampler:
 
     def __init__(self, model: Transformer, topo: Topology):
         self.tp = topo.tp
-        self.vocab = VocabShard.of(TPLayout(model.config, topo.tp, topo.tp_rank), topo.tp_group)
+        self.vocab = VocabShard.of(TPShard(model.config, topo.tp, topo.tp_rank), topo.tp_group)
         self._gen = None
         if topo.tp > 1:  # unseeded sampling still needs one noise stream shared by the TP group
             seed = torch.randint(0, 2**62, (1,), device=topo.device)

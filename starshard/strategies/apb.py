@@ -13,7 +13,7 @@ The block term is quadratic in context/cp; anchor and passing add only linear te
 from __future__ import annotations
 
 from starshard.config import ModelConfig
-from starshard.layout import apb_bounds, apb_default_sizes
+from starshard.partition import apb_bounds, apb_default_sizes
 from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
 from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least
 

@@ -3,7 +3,7 @@ first tokens), then the query attends every rank's blocks, merged by lse."""
 from __future__ import annotations
 
 from starshard.config import ModelConfig
-from starshard.layout import star_blocks, star_sizes
+from starshard.partition import star_blocks, star_sizes
 from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
 from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least
 

@@ -26,7 +26,7 @@ from starshard.checkpoints.load import CheckpointError, load_model
 from starshard.checkpoints.sources import RandomSource
 from starshard.config import FP8_LINEARS, ParallelConfig
 from starshard.kernels.fp8 import FP8_DTYPE, quantize_rows
-from starshard.layout import TPLayout, partition_layers, valid_tp_sizes
+from starshard.partition import TPShard, partition_layers, valid_tp_sizes
 from starshard.parallel import fp8 as parallel_fp8
 from starshard.parallel.fp8 import COLUMN_PARALLEL, ROW_PARALLEL, Fp8Linear
 from starshard.planner import Layout, Workload, plan_memory
@@ -143,7 +143,7 @@ def test_planner_counts_the_bytes_the_fp8_converter_writes(preset):
             stages = partition_layers(cfg.num_layers, pp, None)
             plan = plan_memory(cfg, Layout(tp=tp, pp=pp), Workload(16, dtype_bytes=2, fp8_linear=True))
             for p, layers in enumerate(stages):
-                specs = fp8_specs(plan_shard(cfg, src, TPLayout(cfg, tp, tp - 1), layers, p == 0, p == pp - 1),
+                specs = fp8_specs(plan_shard(cfg, src, TPShard(cfg, tp, tp - 1), layers, p == 0, p == pp - 1),
                                   torch.bfloat16)
                 stored = sum(math.prod(s.shape) * (s.dtype or torch.bfloat16).itemsize for s in specs)
                 assert plan.stages[p].weights == stored, (preset, tp, pp, p)

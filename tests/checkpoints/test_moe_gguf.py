@@ -19,7 +19,7 @@ from starshard.checkpoints.convert import convert, gguf_hf_config
 from starshard.checkpoints.load import load_model, load_shard, read_manifest
 from starshard.checkpoints.sources import rank_state, read_config, weight_source
 from starshard.config import ModelConfig, UnsupportedArchitectureError
-from starshard.layout import TPLayout
+from starshard.partition import TPShard
 from starshard.llm import LLM
 
 transformers.logging.set_verbosity_error()
@@ -212,7 +212,7 @@ def test_tp2_shards_from_gguf(qwen3_moe, converted, tmp_path):
     manifest = read_manifest(ckpt)
     for r in range(2):
         shard = load_shard(ckpt, manifest, r, 0)
-        direct = rank_state(weight_source(qwen3_moe[1]), cfg, TPLayout(cfg, 2, r), [0, 1, 2], True, True, 0,
+        direct = rank_state(weight_source(qwen3_moe[1]), cfg, TPShard(cfg, 2, r), [0, 1, 2], True, True, 0,
                             torch.float32, "cpu")
         assert shard.keys() == direct.keys() and all(torch.equal(shard[k], direct[k]) for k in shard), r
         assert shard["layers.0.feed_forward.experts.w13"].shape == (8, 24, 48)  # 12 of 24 gate + 12 up rows

@@ -228,14 +228,14 @@ def test_tp_slices_of_fused_phi3_and_resliced_default(families, tmp_path):
     """Per-rank tensors of Phi-3 read from the HF dir (fused, split on the fly) equal those re-sliced
     from a tp=1 starshard checkpoint (the embedded default's path) and those of a Llama-layout copy."""
     from starshard.checkpoints.sources import WeightSource, rank_state
-    from starshard.layout import TPLayout
+    from starshard.partition import TPShard
 
     _, path = families["phi3-longrope"]
     cfg = load_model(path).config
     ckpt = convert(out=tmp_path / "tp1", hf_dir=path, dtype="float32", progress=False)
     for tp in (2, 6):  # 6 replicates the 2 KV heads
         for r in range(tp):
-            lay = TPLayout(cfg, tp, r)
+            lay = TPShard(cfg, tp, r)
             args = (cfg, lay, [0, 1, 2], True, True, 0, torch.float32, "cpu")
             a = rank_state(WeightSource("hf", path), *args)
             b = rank_state(WeightSource("default", ckpt), *args)
@@ -248,7 +248,7 @@ def test_planner_counts_qwen3_norms():
     shards the runtime builds."""
     from starshard.checkpoints.hf import plan_shard
     from starshard.checkpoints.sources import RandomSource
-    from starshard.layout import TPLayout
+    from starshard.partition import TPShard
     from starshard.planner import weight_elements
     from starshard.presets import preset_config
 
@@ -256,7 +256,7 @@ def test_planner_counts_qwen3_norms():
     assert weight_elements(cfg, 1, cfg.num_layers, True, True) * 2 == 16_381_470_720
     src = RandomSource(cfg, 0, None, "cpu")
     for tp in (1, 2, 8):
-        specs = plan_shard(cfg, src, TPLayout(cfg, tp, tp - 1), [0, 1], True, False)
+        specs = plan_shard(cfg, src, TPShard(cfg, tp, tp - 1), [0, 1], True, False)
         assert weight_elements(cfg, tp, 2, True, False) == sum(math.prod(s.shape) for s in specs)
 
 

@@ -27,7 +27,7 @@ from starshard.checkpoints.sources import (
 )
 from starshard.config import ModelConfig, UnsupportedArchitectureError
 from starshard.engine.moe import MoEFeedForward, grouped_experts, route
-from starshard.layout import TPLayout, check_tp
+from starshard.partition import TPShard, check_tp
 from starshard.llm import LLM
 from starshard.planner import active_experts, decode_read_elements, weight_elements
 from starshard.presets import preset_config
@@ -228,7 +228,7 @@ def test_converted_shards_and_stacked_experts(families, tmp_path):
         state = model.state_dict()
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
         for r in range(2):
-            lay = TPLayout(cfg, 2, r)
+            lay = TPShard(cfg, 2, r)
             x = rank_state(WeightSource("hf", path), cfg, lay, [0, 1, 2], True, True, 0, torch.float32, "cpu")
             y = {s.name: s.build() for s in plan_shard(cfg, StateDictSource(state), lay, [0, 1, 2], True, True)}
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), (name, r)
@@ -252,7 +252,7 @@ def test_planner_counts_every_expert_and_reads_active_ones():
     for c in (cfg, small):
         src = RandomSource(c, 0, None, "cpu")
         for tp in (1, 2):
-            specs = plan_shard(c, src, TPLayout(c, tp, tp - 1), [0, 1], True, False)
+            specs = plan_shard(c, src, TPShard(c, tp, tp - 1), [0, 1], True, False)
             assert weight_elements(c, tp, 2, True, False, layer_ids=[0, 1]) == sum(math.prod(s.shape) for s in specs)
 
 
@@ -309,7 +309,7 @@ def test_random_model_builds_experts():
     model = random_model(cfg, dtype=torch.float32)
     ff = model.layers[0].feed_forward
     assert isinstance(ff, MoEFeedForward) and ff.experts.w13.shape == (8, 48, 48)
-    part = rank_state(WeightSource("random", None, 0), cfg, TPLayout(cfg, 2, 1), [0], True, False, 0,
+    part = rank_state(WeightSource("random", None, 0), cfg, TPShard(cfg, 2, 1), [0], True, False, 0,
                       torch.float32, "cpu")
     assert torch.equal(part["layers.0.feed_forward.experts.w2"], ff.experts.w2[:, :, 12:])
     assert torch.equal(part["layers.0.feed_forward.experts.w13"][:, 12:], ff.experts.w13[:, 36:])

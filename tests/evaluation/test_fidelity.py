@@ -222,7 +222,7 @@ def apb_layer0_worker(rank, world, L, C):
     """Real APB over `world` ranks: this rank's layer-0 block-row outputs and what it selected there."""
     import torch.distributed as dist
 
-    from starshard.layout import apb_bounds
+    from starshard.partition import apb_bounds
     from starshard.parallel.context.apb import APBAttention
     from starshard.runtime.context_parallel import ContextParallelRunner
 

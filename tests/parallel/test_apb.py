@@ -10,7 +10,7 @@ import torch
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.masked_reference import apb_unrolled, run_masked_layers
 from starshard.checkpoints.load import load_model
-from starshard.layout import apb_bounds, apb_default_sizes
+from starshard.partition import apb_bounds, apb_default_sizes
 from starshard.parallel.context.apb import (
     APBAttention,
     Compressor,

@@ -9,7 +9,7 @@ from tests.helpers.hf_models import make_hf_model
 from tests.helpers.masked_reference import run_masked, star_unrolled
 from starshard.checkpoints.load import load_model
 from starshard.runtime.context_parallel import ContextParallelRunner
-from starshard.layout import star_blocks
+from starshard.partition import star_blocks
 from starshard.parallel.context.star import StarAttention
 
 

@@ -74,7 +74,7 @@ from starshard.kernels.attention import attention
 from starshard.kernels.common import mark_arange
 from starshard.kernels.rope import apply_rope
 from starshard.kernels.sparse import pattern_for
-from starshard.layout import apb_bounds, apb_default_sizes
+from starshard.partition import apb_bounds, apb_default_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.merge import merge_partials

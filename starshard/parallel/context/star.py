@@ -13,7 +13,7 @@ import torch
 from starshard.kernels.attention import attention, causal_attention_int8_scores
 from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
-from starshard.layout import star_blocks, star_sizes
+from starshard.partition import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.strategies.star import STAR
 
