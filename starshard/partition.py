@@ -1,6 +1,6 @@
 """Partition rules that need only the model config: which heads and rows a tensor-parallel rank holds,
-how layers split into pipeline stages, how Star cuts the context into blocks and APB's default
-anchor / passing sizes.
+how layers split into pipeline stages, how Star cuts the context into blocks, APB's default
+anchor / passing sizes, and the real rows of each CP rank's sequence shard (zigzag, contiguous, USP).
 
 Pure arithmetic, no torch and nothing above config: the memory planner and the runtime both read
 these, so the plan never re-implements a rule the runtime follows.
@@ -140,3 +140,37 @@ def apb_default_sizes(block: int) -> tuple[int, int]:
 def apb_bounds(context_len: int, hosts: int) -> list[int]:
     """Block boundaries: host h holds context [bounds[h], bounds[h+1]) (sizes differ by at most one)."""
     return [context_len * r // hosts for r in range(hosts + 1)]
+
+
+# ---------------------------------------------------------------------------- sequence shards
+def _real(n: int, start: int, length: int) -> int:
+    """Real tokens (positions < n) among positions [start, start + length)."""
+    return max(0, min(n, start + length) - start)
+
+
+def zigzag_rows(n: int, cp: int, rank: int) -> int:
+    """Real rows of rank's zigzag shard of an n-token sequence: chunks rank and 2cp-1-rank of
+    ceil(n / 2cp) positions (padding past n is never stored)."""
+    c = -(-n // (2 * cp))
+    return _real(n, rank * c, c) + _real(n, (2 * cp - 1 - rank) * c, c)
+
+
+def contiguous_rows(n: int, cp: int, rank: int) -> int:
+    """Real rows of rank's contiguous shard [rank * ceil(n/cp), +ceil(n/cp)) (Ulysses)."""
+    return _real(n, rank * -(-n // cp), -(-n // cp))
+
+
+def usp_rows(n: int, ring_degree: int, ulysses_degree: int, ring_rank: int, ulysses_rank: int) -> int:
+    """Real rows of a USP shard: the zigzag over the ring of n padded to a multiple of
+    2 x ring x ulysses, then the ring rank's two chunks, in order, split contiguously over its
+    Ulysses group (parallel/context/sharding.py usp_positions)."""
+    unit = 2 * ring_degree * ulysses_degree
+    c = -(-n // unit) * unit // (2 * ring_degree)  # one zigzag chunk of the padded sequence
+    piece = 2 * c // ulysses_degree
+    lo, hi = ulysses_rank * piece, (ulysses_rank + 1) * piece  # this Ulysses rank's slice of the 2c rows
+    rows = 0
+    for first, chunk in ((0, ring_rank), (c, 2 * ring_degree - 1 - ring_rank)):
+        a, b = max(lo, first), min(hi, first + c)
+        if b > a:
+            rows += _real(n, chunk * c + a - first, b - a)
+    return rows

@@ -94,11 +94,16 @@ class ContextParallelRunner(LocalRunner):
         tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
 
-    def cache_rows(self, tokens: int) -> int:
-        """Each rank holds its shard, not the sequence: start at 1/cp of it plus room for decode
-        on the query rank (a LayerKV grows if a strategy's shard needs more)."""
-        cp = self.strategy.cp
-        return tokens if cp == 1 else -(-tokens // cp) + 256
+    def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None) -> int:
+        """Each rank holds its shard, not the sequence. Given the prompt: exactly the rows this rank's
+        prefill keeps (StrategySpec.rank_rows), plus the decode tokens (`tokens - prompt_len`) on the
+        query rank, the only one that stores them. Without it: 1/cp of the tokens plus room for decode
+        (a LayerKV grows, doubling, if a shard needs more)."""
+        s = self.strategy
+        if prompt_len is None:
+            return tokens if s.cp == 1 else -(-tokens // s.cp) + 256
+        rows = s.rank_rows(prompt_len, prompt_len if context_len is None else context_len)[s.rank]
+        return max(1, rows + (tokens - prompt_len if s.is_query_rank else 0))
 
     def decode_is_local(self) -> bool:
         # One rank: the sharded decode is plain attention over the whole local cache (Star / APB

@@ -15,7 +15,7 @@ from __future__ import annotations
 from starshard.config import ModelConfig
 from starshard.partition import apb_bounds, apb_default_sizes
 from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
-from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least
+from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least, query_context, query_rank
 
 COMPRESSORS = ("query", "retaining-heads", "random")
 PASSING_SIZE = Option("passing_size", "--passing-size",
@@ -116,6 +116,15 @@ class APBSpec(StrategySpec):
             anchor = lay.anchor_size
         kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)]
         return max(kept), block + anchor + Q, cp * min(passing, block)
+
+    def rank_rows(self, cp, prompt_len, context_len, options):
+        # Each rank keeps its block (cp = 1: every virtual host's, i.e. the whole context); the anchor and
+        # the embedded query are run, not kept; the query phase stores the question on the query rank.
+        C = query_context(prompt_len, context_len)
+        bounds = apb_bounds(C, cp)
+        rows = [bounds[r + 1] - bounds[r] for r in range(cp)]
+        rows[query_rank(cp, options)] += prompt_len - C
+        return rows
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):
         anchor, passing = strategy.resolved_sizes(context_len)

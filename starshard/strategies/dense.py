@@ -25,6 +25,9 @@ class DenseSpec(StrategySpec):
             chunk = max(512, -(-L // (4 * lay.pp)))
         return L + N, min(L, chunk or L), 0
 
+    def rank_rows(self, cp, prompt_len, context_len, options):
+        return [prompt_len]
+
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):
         return dense_flops(cfg, prompt_len)
 

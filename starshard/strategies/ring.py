@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from starshard.config import ModelConfig
+from starshard.partition import zigzag_rows
 from starshard.strategies.flops import PrefillFlops, check_sizes, rank_flops
 from starshard.strategies.spec import StrategySpec
 
@@ -31,6 +32,9 @@ class RingSpec(StrategySpec):
         rows = 2 * math.ceil(w.prompt_tokens / (2 * lay.cp))  # zigzag: two chunks of ceil(L / 2cp) per rank
         # a send and a receive KV block of one layer in flight
         return rows + w.max_new_tokens, rows, 2 * rows
+
+    def rank_rows(self, cp, prompt_len, context_len, options):
+        return [zigzag_rows(prompt_len, cp, r) for r in range(cp)]
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):
         return ring_flops(cfg, prompt_len, strategy.cp)

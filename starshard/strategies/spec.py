@@ -48,6 +48,18 @@ NUM_BLOCKS = Option("num_blocks", "--num-blocks",
                     "with --cp 1 this runs on one device exactly what that many hosts would; apb: the same as --apb-hosts")
 
 
+def query_rank(cp: int, options: dict) -> int:
+    """The CP rank that owns the query and the generated tokens' KV (--query-rank, default the last)."""
+    q = options.get("query_rank")
+    return cp - 1 if q is None else q
+
+
+def query_context(prompt_len: int, context_len: int) -> int:
+    """The context a query-phase strategy (Star, APB) runs: the runner borrows the prompt's last
+    token as the query when the prompt is all context."""
+    return min(context_len, prompt_len - 1)
+
+
 def at_least(options: dict, floor: int, *fields: Option) -> None:
     """ValueError naming the flag of the first option in `fields` that is given and below `floor`."""
     for o in fields:
@@ -79,6 +91,14 @@ class StrategySpec:
     def kv_rows(self, lay, w) -> tuple[int, int, int]:
         """Planner (planner.Layout `lay`, Workload `w`): (KV tokens kept, rows of the largest prefill
         forward, transient KV tokens in flight) on the worst CP rank."""
+        raise NotImplementedError
+
+    def rank_rows(self, cp: int, prompt_len: int, context_len: int, options: dict) -> list[int]:
+        """KV rows each CP rank keeps for one prompt's prefill (real tokens: padding is never stored):
+        its entry shard, plus on the query rank the query tokens where the strategy's query phase
+        stores them (Star, APB). `context_len`: the prompt's document part (the exact strategies run
+        the whole prompt and ignore it); `options`: field -> value of the options given. The runner
+        sizes each rank's cache by it and the service admits by it."""
         raise NotImplementedError
 
     def activation_elements(self, rows: int, heads: int, kv_heads: int, head_dim: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starshard.config import ModelConfig
 from starshard.partition import star_blocks, star_sizes
 from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
-from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least
+from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least, query_context, query_rank
 
 BLOCK_SIZE = Option("block_size", "--block-size", "star: context tokens per block (default: context / cp)")
 
@@ -49,6 +49,13 @@ class StarSpec(StrategySpec):
         # one forward per block, behind the anchor (the first block has none); then the query phase
         rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
         return max(kept), rows, 0
+
+    def rank_rows(self, cp, prompt_len, context_len, options):
+        C = query_context(prompt_len, context_len)
+        block, _ = star_sizes(C, cp, options.get("block_size"), options.get("anchor_size"), options.get("num_blocks"))
+        rows = [sum(e - s for s, e in blocks) for blocks in star_blocks(C, block, cp)]  # the anchor is not kept
+        rows[query_rank(cp, options)] += prompt_len - C  # the query phase stores the question there
+        return rows
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):
         block, anchor = strategy.resolved_sizes(context_len)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from starshard.partition import contiguous_rows
 from starshard.strategies.ring import ring_flops
 from starshard.strategies.spec import StrategySpec
 
@@ -32,6 +33,9 @@ class UlyssesSpec(StrategySpec):
     def kv_rows(self, lay, w):
         rows = math.ceil(w.prompt_tokens / lay.cp)
         return rows + w.max_new_tokens, rows, 0  # the all-to-all buffers: activation_elements
+
+    def rank_rows(self, cp, prompt_len, context_len, options):
+        return [contiguous_rows(prompt_len, cp, r) for r in range(cp)]
 
     def activation_elements(self, rows, heads, kv_heads, head_dim):
         return rows * ((heads + 2 * kv_heads) * head_dim + heads * head_dim)  # full-sequence q, k, v, out for heads / cp

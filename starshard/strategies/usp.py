@@ -1,6 +1,7 @@
 """USP (exact): Ulysses inside each ring rank, a zigzag ring over the Ulysses groups."""
 from __future__ import annotations
 
+from starshard.partition import usp_rows
 from starshard.strategies.ring import RingSpec
 from starshard.strategies.spec import Option
 from starshard.strategies.ulysses import check_ulysses_heads
@@ -25,6 +26,10 @@ class UspSpec(RingSpec):  # the ring's zigzag shards, KV rows and FLOPs; Ulysses
 
     def validate(self, cp, options):
         check_degree(self.degree(cp, options), cp)
+
+    def rank_rows(self, cp, prompt_len, context_len, options):
+        u = self.degree(cp, options)  # CP rank c: ring rank c // u, Ulysses rank c % u
+        return [usp_rows(prompt_len, cp // u, u, c // u, c % u) for c in range(cp)]
 
     def check_heads(self, heads, kv_heads, cp, options):  # Ulysses' all-to-all splits the heads
         degree = self.degree(cp, options)

@@ -18,6 +18,7 @@ from starshard.engine.model import AttendFn
 from starshard.kernels.attention import attention
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.wire import WireStats
+from starshard.strategies import get_spec
 
 
 @dataclass
@@ -80,6 +81,15 @@ class ContextStrategy:
     @property
     def is_query_rank(self) -> bool:
         return self.rank == self.query_rank
+
+    def spec_options(self) -> dict:
+        """Its options as the registry's StrategySpec reads them (field -> value)."""
+        return {"query_rank": self.query_rank}
+
+    def rank_rows(self, prompt_len: int, context_len: int) -> list[int]:
+        """KV rows each CP rank keeps for this prompt's prefill (StrategySpec.rank_rows): pure
+        arithmetic, the same on every rank, no collective."""
+        return get_spec(self.name).rank_rows(self.cp, prompt_len, context_len, self.spec_options())
 
     # -- optional hooks: the runner calls each on every strategy; the defaults do nothing
     def check_heads(self, heads: int, kv_heads: int) -> None:

@@ -35,6 +35,10 @@ class StarAttention(ContextStrategy):
         return cls(group, block_size=options.get("block_size"), anchor_size=options.get("anchor_size"),
                    query_rank=options.get("query_rank"), num_blocks=options.get("num_blocks"))
 
+    def spec_options(self) -> dict:
+        return super().spec_options() | dict(block_size=self.block_size, anchor_size=self.anchor_size,
+                                             num_blocks=self.num_blocks)
+
     def resolved_sizes(self, context_len: int) -> tuple[int, int]:
         """(block, anchor): block defaults to ceil(context / num_blocks), num_blocks to cp (so cp=1
         with num_blocks=N runs exactly what N hosts would, one block after another); anchor

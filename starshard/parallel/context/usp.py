@@ -123,6 +123,9 @@ class UspAttention(ContextStrategy):
         ulysses_group, ring_group = new_usp_groups(cp_groups or [dist.get_process_group_ranks(group)], u)
         return cls(group, u, ulysses_group, ring_group, options.get("query_rank"))
 
+    def spec_options(self) -> dict:
+        return super().spec_options() | dict(ulysses_degree=self.u)
+
     def _shard(self, prompt_len: int, cp_rank: int):
         ring_rank, uly_rank = usp_coords(cp_rank, self.u)
         return usp_shard(prompt_len, self.rd, self.u, ring_rank, uly_rank)
