@@ -4,8 +4,9 @@ the rest.
 
 An entry holds the KV of one prefilled token sequence. Keys carry their global positions, so an
 entry serves any prefix of itself: attention masks keys at positions >= the shared length. Entries
-are evicted least-recently-used within a byte budget, never while a request uses them. Every rank
-holds the same entries (the service executes the same steps on every rank), each with its own shard.
+are evicted least-recently-used within a byte budget per rank, never while a request uses them. Every
+rank holds the same entries (the service executes the same steps on every rank), each with its own
+shard; the accounting counts every rank's shard (CacheEntry.rank_bytes), so the worst rank decides.
 """
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ class CacheEntry:
     id: int
     ids: np.ndarray  # the token ids whose KV the entry holds, in prompt order
     kv: KVCache | None  # this rank's shard; None on a rank that only plans (never)
-    nbytes: int
+    nbytes: int  # the largest shard's bytes (stats)
     users: int = 0
     last_used: int = 0
     pinned: bool = False  # not for reuse (APB: its KV depends on the question); dropped when unused
     hits: int = field(default=0)
+    rank_bytes: list[int] | None = None  # each CP rank's shard in bytes (None: nbytes on one rank)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def bytes_on(self, rank: int) -> int:
+        return self.nbytes if self.rank_bytes is None else self.rank_bytes[rank]
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -46,22 +51,28 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class ContextCache:
-    """Entries by id, LRU eviction inside `budget_bytes`. The scheduler decides (on rank 0) and
-    every rank applies the same calls, so the entries agree across the group."""
+    """Entries by id, LRU eviction inside `budget_bytes` on each of `ranks` CP ranks. The scheduler
+    decides (on rank 0) and every rank applies the same calls, so the entries agree across the group."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, ranks: int = 1):
         if budget_bytes <= 0:
             raise ValueError(f"the context cache budget must be > 0 bytes, got {budget_bytes}")
         self.budget = budget_bytes
+        self.ranks = ranks
         self.entries: dict[int, CacheEntry] = {}
         self._clock = itertools.count(1)
         self._ids = itertools.count(1)
         self.lookups = 0
         self.hits = 0
 
+    def used(self, rank: int) -> int:
+        """Bytes CP rank `rank` holds in entries."""
+        return sum(e.bytes_on(rank) for e in self.entries.values())
+
     @property
     def used_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        """The fullest rank's bytes."""
+        return max(self.used(r) for r in range(self.ranks))
 
     def lookup(self, ids: np.ndarray, min_tokens: int = 1) -> tuple[CacheEntry | None, int]:
         """The reusable entry sharing the longest prefix with `ids` and that length (0: none).
@@ -103,20 +114,21 @@ class ContextCache:
         """Unused entries, least recently used first."""
         return sorted((e for e in self.entries.values() if e.users == 0), key=lambda e: e.last_used)
 
-    def plan_room(self, nbytes: int, other_bytes: int = 0, keep: int | None = None) -> list[int] | None:
-        """Entry ids to evict (LRU first) so that `nbytes` more fit beside `other_bytes` of request
-        KV, never entry `keep` (the one about to be reused); None when even evicting every other
-        unused entry leaves too little room."""
-        free = self.budget - self.used_bytes - other_bytes
+    def plan_room(self, need: int | list[int], keep: int | None = None) -> list[int] | None:
+        """Entry ids to evict (LRU first) until `need` more bytes (one value per rank, or the same on
+        every rank) fit on every rank beside its entries, never entry `keep` (the one about to be
+        reused); None when even evicting every other unused entry leaves too little room."""
+        need = [need] * self.ranks if isinstance(need, int) else list(need)
+        free = [self.budget - self.used(r) - need[r] for r in range(self.ranks)]
         victims = []
         for e in self.evictable():
+            if min(free) >= 0:
+                break
             if e.id == keep:
                 continue
-            if free >= nbytes:
-                break
             victims.append(e.id)
-            free += e.nbytes
-        return victims if free >= nbytes else None
+            free = [f + e.bytes_on(r) for r, f in enumerate(free)]
+        return victims if min(free) >= 0 else None
 
     def evict(self, entry_ids: list[int]) -> None:
         busy = [i for i in entry_ids if i in self.entries and self.entries[i].users]

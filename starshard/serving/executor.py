@@ -45,6 +45,9 @@ class Executor:
         self.model = runner.model
         self.cache = cache
         strategy = getattr(runner, "strategy", None)
+        self.strategy = strategy  # None: one rank holds the whole prompt (one process, or tp only)
+        self.cp = 1 if strategy is None else strategy.cp
+        self.cp_rank = 0 if strategy is None else strategy.rank
         self.group = strategy.group if strategy is not None and strategy.cp > 1 else None
         self.query_rank = 0 if self.group is None else strategy.query_rank
         self.is_query_rank = self.group is None or strategy.is_query_rank
@@ -67,16 +70,38 @@ class Executor:
         self._graph: CascadeGraph | None = None
         self._steady = 0  # decode steps since the rows last changed
 
-    # -- sizes the scheduler plans with
+    # -- sizes the scheduler plans with (pure arithmetic: rank 0 plans every rank's bytes)
     def token_bytes(self) -> int:
-        """KV bytes of one token on one rank (k and v of every layer held, plus its position)."""
+        """KV bytes of one token in a cache entry on one rank (k and v of every layer held, plus its position)."""
         if self.kv_fp8:  # e4m3 k and v plus one float32 scale each per head (engine/kv_cache.py)
             return len(self.model.layers) * (2 * self.kv_heads * (self.head_dim + 4) + 8)
+        return self.own_token_bytes()
+
+    def own_token_bytes(self) -> int:
+        """KV bytes of one token in the own-KV pool: always the compute dtype (cascade.OwnKV)."""
         return len(self.model.layers) * (2 * self.kv_heads * self.head_dim * self.dtype.itemsize + 8)
 
+    def entry_rank_bytes(self, prompt_len: int, context_len: int) -> list[int]:
+        """What a prefilled entry of this prompt allocates on each CP rank: exactly its shard
+        (StrategySpec.rank_rows; the runner allocates the same rows)."""
+        rows = [prompt_len] if self.strategy is None else self.strategy.rank_rows(prompt_len, context_len)
+        return [max(1, n) * self.token_bytes() for n in rows]
+
     def entry_bytes(self, n_tokens: int) -> int:
-        """What a prefilled entry of n tokens allocates on a rank (the runner's cache sizing)."""
-        return self.runner.cache_rows(n_tokens) * self.token_bytes()
+        """The largest shard of a prefilled entry of n tokens that are all context."""
+        return max(self.entry_rank_bytes(n_tokens, n_tokens))
+
+    def pool_rows(self) -> list[tuple[int, int]]:
+        """(own tokens held, tokens it may still generate) of each running row: the pool's shape."""
+        return [(r.next_pos - r.prefix, r.remaining) for r in self.rows]
+
+    def pool_bytes(self, rows: list[tuple[int, int]]) -> int:
+        """The own-KV pool the query rank holds for rows of (own tokens, remaining), padded as
+        OwnKV.gather pads: every row gets room for the longest own part plus the most remaining."""
+        if not rows:
+            return 0
+        cap = max(max(own for own, _ in rows) + max([left for _, left in rows] + [1]), 1)
+        return len(rows) * cap * self.own_token_bytes()
 
     # -- operations
     def run(self, ops: list[Op]) -> dict[int, int]:
@@ -136,11 +161,16 @@ class Executor:
     def _prefill(self, op: Prefill) -> int:
         ids = op.ids
         prompt = Prompt(list(ids), op.context_len, op.head_len)
-        kv = self.runner.new_cache(len(ids))
+        kv = self.runner.new_cache(len(ids), len(ids), op.context_len)  # exactly this rank's shard
         gen = self._gen(op.sampling.seed)
         tok = int(self.runner.prefill(prompt, kv, op.sampling, gen))
         self.runner.end_generation()
-        entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), kv, kv_bytes(kv), pinned=op.pinned)
+        rank_bytes = self.entry_rank_bytes(len(ids), op.context_len)
+        if kv_bytes(kv) > rank_bytes[self.cp_rank]:  # the scheduler admitted by rank_bytes: it must not drift
+            raise RuntimeError(f"CP rank {self.cp_rank}'s entry holds {kv_bytes(kv)} bytes, more than the "
+                               f"{rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
+        entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), kv, max(rank_bytes), pinned=op.pinned,
+                           rank_bytes=rank_bytes)
         self.cache.add(entry)
         self.cache.acquire(entry)
         pool = self._empty_pool() if self.is_query_rank else None
@@ -204,6 +234,3 @@ class Executor:
             self._rebuild_pool()
         else:
             self.pool = None
-
-    def own_bytes(self) -> int:
-        return self.pool.nbytes() if self.pool is not None else 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ class Scheduler:
         self.model_name = model_name
         self.max_model_len = self.config.max_position_embeddings
         self.max_batch, self.max_queue, self.max_extend = max_batch, max_queue, max_extend
-        self.cache = ContextCache(cache_bytes)
+        strategy = getattr(runner, "strategy", None)
+        self.cache = ContextCache(cache_bytes, ranks=1 if strategy is None else strategy.cp)
         self.executor = Executor(runner, self.cache, cuda_graphs)
         strategy = getattr(runner, "strategy", None)
         self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
@@ -141,11 +143,9 @@ class Scheduler:
         check_window(self.config, len(prompt.ids), max_tokens, budget="max_tokens")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        need = self.executor.entry_bytes(len(prompt.ids)) + self._own_bytes(len(prompt.ids) + max_tokens)
-        if need > self.cache.budget:
-            raise ValueError(
-                f"this prompt's KV needs {need / 2**30:.3f} GiB per rank but the context cache budget is "
-                f"{self.cache.budget / 2**30:.3f} GiB: shorten the prompt or start the server with a larger --cache-gib")
+        need = self.holdings(prompt, max_tokens)  # alone, on an empty cache
+        if max(need) > self.cache.budget:
+            raise ValueError(self._refusal(prompt, max_tokens, need))
         with self._lock:
             if self._error is not None or self._stop:
                 raise ServiceUnavailable(self._error or "the server is shutting down")
@@ -225,8 +225,53 @@ class Scheduler:
         if self.control is not None:
             dist.broadcast_object_list([ops], src=0, group=self.control)
 
-    def _own_bytes(self, tokens: int) -> int:
-        return tokens * self.executor.token_bytes()
+    def holdings(self, prompt: Prompt, max_tokens: int, prefix: int = 0,
+                 running: list[tuple[int, int]] = ()) -> list[int]:
+        """Bytes each CP rank needs beside the cache's entries to start this request: its new entry's
+        shard (none when it extends a cached entry's first `prefix` tokens), and on the query rank the
+        own-KV pool rebuilt with it (its own tokens outside the entry and max_tokens) while the old pool
+        and its own tokens' KV are still held. `running`: the running rows' (own tokens, remaining)."""
+        ex, L = self.executor, len(prompt.ids)
+        need = [0] * ex.cp if prefix else ex.entry_rank_bytes(L, prompt.context_len)
+        own = L - prefix if prefix else 0  # a prefill's tokens (Star's question too) are in its entry
+        running = list(running)
+        need[ex.query_rank] += (ex.pool_bytes(running + [(own, max_tokens - 1)]) + ex.pool_bytes(running)
+                                + own * ex.own_token_bytes())
+        return need
+
+    def _refusal(self, prompt: Prompt, max_tokens: int, need: list[int]) -> str:
+        """Why a prompt can never fit, with each rank's GiB and what would fit (--cache-gib, or a larger --cp)."""
+        ex, L, gib = self.executor, len(prompt.ids), 2**30
+        sizes = " | ".join(f"{n / gib:.3g}" for n in need)
+        if ex.strategy is None or ex.cp == 1:
+            what = f"{sizes} GiB (its KV: {L} tokens, and {max_tokens} new tokens)"
+        else:
+            pool = need[ex.query_rank] - ex.entry_rank_bytes(L, prompt.context_len)[ex.query_rank]
+            what = (f"per rank {sizes} GiB (entry shard of {L} tokens over cp={ex.cp} {ex.strategy.name}; rank "
+                    f"{ex.query_rank} also holds {max_tokens} new tokens: {pool / gib:.3g} GiB)")
+        fixes = [f"start with --cache-gib {math.ceil(max(need) / gib * 10) / 10:.1f}"]
+        wider = self._wider_cp(prompt, max_tokens)
+        if wider is not None:
+            fixes.append(f"with --cp {wider[0]} ({wider[1] / gib:.3g} GiB per rank)")
+        return (f"this prompt needs {what} but the context cache budget is {self.cache.budget / gib:.3g} GiB per rank "
+                f"(--cache-gib): {', or '.join(fixes)}")
+
+    def _wider_cp(self, prompt: Prompt, max_tokens: int) -> tuple[int, int] | None:
+        """(cp, worst rank's bytes) of the smallest of 2, 4, 8 x cp with the same strategy and tp that fits
+        the budget (the same per-rank arithmetic), or None."""
+        ex, L = self.executor, len(prompt.ids)
+        if ex.strategy is None or get_spec(ex.strategy.name).single_rank:
+            return None
+        options = ex.strategy.spec_options()
+        if options.get("query_rank") == ex.cp - 1:
+            options.pop("query_rank")  # the default: the last rank of the wider group
+        pool = ex.pool_bytes([(0, max_tokens - 1)])
+        for cp in (2 * ex.cp, 4 * ex.cp, 8 * ex.cp):
+            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options)
+            worst = max(max(rows) * ex.token_bytes(), rows[options.get("query_rank", cp - 1)] * ex.token_bytes() + pool)
+            if worst <= self.cache.budget:
+                return cp, worst
+        return None
 
     def _plan(self) -> list[Op] | None:
         """The next step's operations (None: shut down)."""
@@ -257,21 +302,19 @@ class Scheduler:
     def _admit(self, req: Request) -> list[Op] | None:
         """The operations that start `req`, or None while the cache has no room for it yet."""
         ids = np.asarray(req.prompt.ids, dtype=np.int64)
-        own_running = self.executor.own_bytes()
+        running = self.executor.pool_rows()  # every rank holds the rows; the pool lives on the query rank
         entry, m = self.cache.lookup(ids) if self.reuse else (None, 0)
         base = dict(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling)
         rest = len(ids) - m
         # Run only the rest when the cache holds most of the prompt and the rest is short. A prompt that
         # shares just a chat template's header with an entry is a new document: prefill it, cache it.
         if entry is not None and rest <= self.max_extend and rest <= m:
-            own = self._own_bytes(len(ids) - m + req.max_tokens)
-            victims = self.cache.plan_room(own, own_running, keep=entry.id)
+            victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, m, running), keep=entry.id)
             if victims is None:
                 return None
             req.cached = m
             return ([Evict(victims)] if victims else []) + [Extend(entry=entry.id, prefix=m, **base)]
-        need = self.executor.entry_bytes(len(ids))
-        victims = self.cache.plan_room(need + self._own_bytes(req.max_tokens), own_running)
+        victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, running=running))
         if victims is None:
             if not self._running:
                 raise RuntimeError("the context cache cannot hold a prompt it accepted")  # submit() checks the size
