@@ -116,3 +116,50 @@ def test_ring_cp2_answers_like_one_process():
     doc, question = _doc_and_question()
     one = LLM(random_weights="tiny", progress=False).generate(doc + question, max_new_tokens=STEPS).token_ids
     assert ranks[0]["tokens"] == one
+
+
+def _pool_waits(rank, world):
+    """cp=2 ring: a follow-up whose pool would overflow only the query rank (rank 1) waits for the running
+    request to finish, then extends the cached document; rank 0 holds no pool but plans rank 1's (F3)."""
+    llm = LLM(random_weights="tiny", progress=False, parallel=ParallelConfig(cp=world, cp_strategy="ring"))
+    doc, question = _doc_and_question()
+    first, second = Prompt(doc + question, len(doc)), Prompt(doc + question[::-1], len(doc))
+    long, short = 40, STEPS
+    reference = llm.generate(second, max_new_tokens=short).token_ids
+    ex = Scheduler(llm, cache_bytes=1 << 30).executor
+    shard = max(ex.entry_rank_bytes(len(first.ids), len(doc)))
+    # room for the first request (its shard and its pool) and 60 tokens more: not for both pools at once
+    svc = Scheduler(llm, cache_bytes=shard + ex.pool_bytes([(0, long - 1)]) + 60 * ex.own_token_bytes(), max_batch=2)
+    if rank != 0:
+        svc.serve_forever()
+        return None
+    order, lock = [], threading.Lock()
+    svc.start()
+    try:
+        runs = []
+        for name, prompt, n in (("a", first, long), ("b", second, short)):
+            events, done = [], threading.Event()
+
+            def on_event(ev, name=name, events=events, done=done):
+                with lock:
+                    order.append((name, ev.finish_reason))
+                events.append(ev)
+                if ev.finish_reason is not None:
+                    done.set()
+
+            svc.submit(prompt, max_tokens=n, sampling=SamplingConfig(), on_event=on_event)
+            runs.append((events, done))
+        assert all(done.wait(120) for _, done in runs)
+    finally:
+        svc.shutdown()
+    b = runs[1][0]
+    return dict(order=order, tokens=[e.token_id for e in b if e.token_id is not None], cached=b[-1].cached_tokens,
+                reference=reference)
+
+
+def test_a_pool_that_overflows_only_the_query_rank_waits():
+    res = run_ranks(_pool_waits, 2)[0]
+    names = [n for n, _ in res["order"]]
+    assert names.index("b") > names.index("a") + 39 and ("a", "length") in res["order"]
+    assert res["order"].index(("a", "length")) < names.index("b")  # b started after a ended
+    assert res["cached"] == len(_doc_and_question()[0]) and res["tokens"] == res["reference"]
