@@ -118,7 +118,6 @@ class Scheduler:
         strategy = getattr(runner, "strategy", None)
         self.cache = ContextCache(cache_bytes, ranks=1 if strategy is None else strategy.cp)
         self.executor = Executor(runner, self.cache, cuda_graphs)
-        strategy = getattr(runner, "strategy", None)
         self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
         self.control = control_group()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
