@@ -406,10 +406,10 @@ def window_select(x, window=4):
 def test_cli_mask_function_plugs_in(cli, tmp_path):
     out = tmp_path / "fid"
     cli.main(["--random-weights", "tiny", "--length", "200", "--device", "cpu", "--quiet", "--out", str(out),
-              "--mask", "fn=test_fidelity:window_select,window=16,name=win16",
+              "--mask", "fn=tests.evaluation.test_fidelity:window_select,window=16,name=win16",
               "--minference", "pattern=ashape,sink=0,local=16,name=ashape16"])
     data = json.loads((out / "fidelity.json").read_text())
-    assert data["configs"]["win16"] == {"kind": "mask", "fn": "test_fidelity:window_select", "kwargs": {"window": 16}}
+    assert data["configs"]["win16"] == {"kind": "mask", "fn": "tests.evaluation.test_fidelity:window_select", "kwargs": {"window": 16}}
     for mine, ref in zip(data["layers"]["win16"], data["layers"]["ashape16"]):
         for key in ("recall_mean", "recall_min_head", "rel_err_all", "rel_err_query", "density"):
             assert mine[key] == pytest.approx(ref[key], rel=1e-12), key
