@@ -29,6 +29,14 @@ def plan(argv: list[str]) -> int:
     return infer.main([*argv, "--plan-only"])
 
 
+def tool(main: Callable[[list[str]], dict]) -> Callable[[list[str]], int]:
+    """An offline tool's main, which returns its result (a dict) rather than an exit status."""
+    def run(argv: list[str]) -> int:
+        main(argv)
+        return 0
+    return run
+
+
 def benchmark(argv: list[str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as launch/bench.py: ranks of one host share its cores
     bench.main(argv)
@@ -48,9 +56,9 @@ COMMANDS = {
     "bench": Command(benchmark, "benchmarks -> JSON (+ PNG), one subcommand per benchmark (launch/bench.py)"),
     "convert": Command(convert.main, "convert a Hugging Face dir or a GGUF file into starshard shards"),
     "fidelity": Command(fidelity.main, "per-layer fidelity of approximate attention against dense (launch/fidelity.py)"),
-    "minference-search": Command(lambda argv: minference_search.main(argv) and 0,
+    "minference-search": Command(tool(minference_search.main),
                                  "search per-head MInference patterns for a model (--sparse-config JSON)"),
-    "anchor-calibrate": Command(lambda argv: anchor_calibrate.main(argv) and 0,
+    "anchor-calibrate": Command(tool(anchor_calibrate.main),
                                 "calibrate per-head AnchorAttention thresholds (--sparse-config JSON)"),
 }
 
