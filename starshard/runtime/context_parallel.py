@@ -80,11 +80,18 @@ class ContextParallelRunner(LocalRunner):
         cache.next_position = L  # padding rows may carry positions past the prompt
         return logits, owner
 
-    def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk=None) -> torch.Tensor:
-        """Run the prompt sharded over the CP group; returns the first new token on every rank."""
+    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
         if chunk:
             raise ValueError("--prefill-chunk is not supported with a context strategy yet: each CP rank "
                              "already holds only its shard; drop --prefill-chunk")
+        return [(0, prompt_len)]
+
+    def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig,
+                     gen) -> torch.Tensor | None:
+        """Run the prompt sharded over the CP group; returns the first new token on every rank."""
+        if (start, end) != (0, len(prompt.ids)):
+            raise ValueError(f"a context strategy prefills the whole prompt in one step, got [{start}, {end}) of "
+                             f"{len(prompt.ids)} tokens")
         ids = torch.tensor(prompt.ids, device=cache.device)
         self.strategy.use_prompt_head(prompt.head_len)  # APB embeds the query after the chat template's head
         # Approximate strategies need >= 1 query token after the context: borrow the last token.

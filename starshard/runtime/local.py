@@ -7,6 +7,7 @@ import torch
 from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
+from starshard.parallel.pipeline import chunk_bounds
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.prompt import Prompt
 
@@ -36,9 +37,26 @@ class LocalRunner:
                        norm.dtype, norm.device, fp8=self.kv_fp8)
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
-        """Run the whole prompt -> first new token."""
-        ids = torch.tensor([prompt.ids], device=cache.device)
-        return self.next_token(ids, cache, sampling, gen, chunk, graph=False)
+        """Run the whole prompt, `chunk` tokens a step (None or 0: one step) -> first new token."""
+        tok = None
+        for start, end in self.prefill_bounds(len(prompt.ids), prompt.context_len, chunk):
+            tok = self.prefill_step(prompt, cache, start, end, sampling, gen)
+        return tok
+
+    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
+        """The prompt positions [start, end) of each prefill step, in order: `chunk` tokens each,
+        counted over the whole prompt (None or 0: the whole prompt in one step). The service runs
+        them one at a time between decode steps; `prefill` runs them back to back."""
+        if chunk is not None and chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {chunk}")
+        return chunk_bounds(prompt_len, chunk or None)
+
+    def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig, gen):
+        """Run prompt tokens [start, end) on a cache that holds [0, start) -> the first new token [1]
+        (the same on every rank) when `end` is the prompt's end, else None."""
+        ids = torch.tensor([prompt.ids[start:end]], device=cache.device)
+        logits = self.model(ids, cache=cache, last_only=True)
+        return sample(logits[:, -1], sampling, gen) if end == len(prompt.ids) else None
 
     def _graphs_apply(self, ids, cache: KVCache) -> bool:
         """Graphs are on, the cache is on the GPU and this step is one token."""

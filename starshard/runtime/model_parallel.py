@@ -71,6 +71,17 @@ class ParallelRunner(LocalRunner):
         ids = torch.tensor([prompt.ids], device=cache.device)
         return self.next_token(ids, cache, sampling, gen, chunk or self.default_chunk(ids.shape[1]), graph=False)
 
+    def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig, gen):
+        """Run prompt tokens [start, end) through the pipeline -> the first new token on every rank at the
+        prompt's end, else None (`prefill` pipelines a whole prompt's chunks in one call instead)."""
+        ids = torch.tensor([prompt.ids[start:end]], device=cache.device)
+        out = self._run(ids, cache, None, last_only=True)
+        if end < len(prompt.ids):
+            return None
+        tok = self.sampler(out[:, -1], sampling, gen) if self.is_last else torch.zeros(1, dtype=torch.long,
+                                                                                       device=ids.device)
+        return self.link.broadcast_from_last(tok) if self.link is not None else tok
+
     def next_token(self, ids, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None, *,
                    graph: bool = True):
         """Run `ids` [B, L] through the pipeline -> next token [B], the same on every rank.
