@@ -101,7 +101,8 @@ class ContextParallelRunner(LocalRunner):
         tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
 
-    def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None) -> int:
+    def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None,
+                   chunk: int | None = None) -> int:
         """Each rank holds its shard, not the sequence. Given the prompt: exactly the rows this rank's
         prefill keeps (StrategySpec.rank_rows), plus the decode tokens (`tokens - prompt_len`) on the
         query rank, the only one that stores them. Without it: 1/cp of the tokens plus room for decode
@@ -109,7 +110,7 @@ class ContextParallelRunner(LocalRunner):
         s = self.strategy
         if prompt_len is None:
             return tokens if s.cp == 1 else -(-tokens // s.cp) + 256
-        rows = s.rank_rows(prompt_len, prompt_len if context_len is None else context_len)[s.rank]
+        rows = s.rank_rows(prompt_len, prompt_len if context_len is None else context_len, chunk)[s.rank]
         return max(1, rows + (tokens - prompt_len if s.is_query_rank else 0))
 
     def decode_is_local(self) -> bool:

@@ -22,17 +22,20 @@ class LocalRunner:
         self.kv_fp8 = kv_fp8  # new caches store e4m3 keys / values with per-(head, token) scales (--fp8 kv)
         self._graph = None
 
-    def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None) -> int:
+    def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None,
+                   chunk: int | None = None) -> int:
         """KV rows this process allocates for a sequence of `tokens` (all of them, on one process);
-        `prompt_len` / `context_len`: the prompt it starts with, where known (a CP rank's shard)."""
+        `prompt_len` / `context_len`: the prompt it starts with, where known (a CP rank's shard);
+        `chunk`: its prefill's step size (prefill_bounds), which lays out a CP rank's shard."""
         return tokens
 
-    def new_cache(self, capacity: int, prompt_len: int | None = None, context_len: int | None = None) -> KVCache:
+    def new_cache(self, capacity: int, prompt_len: int | None = None, context_len: int | None = None,
+                  chunk: int | None = None) -> KVCache:
         """A cache for `capacity` tokens; given the prompt (its length and document part), a CP rank
         allocates exactly its shard plus, on the query rank, the rest of `capacity` for decode."""
         m = self.model
         norm = m.layers[0].attention_norm.weight  # the compute dtype and device (wo may hold FP8 weights)
-        rows = self.cache_rows(capacity, prompt_len, context_len)
+        rows = self.cache_rows(capacity, prompt_len, context_len, chunk)
         return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, rows,
                        norm.dtype, norm.device, fp8=self.kv_fp8)
 

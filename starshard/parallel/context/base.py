@@ -86,9 +86,11 @@ class ContextStrategy:
         """Its options as the registry's StrategySpec reads them (field -> value)."""
         return {"query_rank": self.query_rank}
 
-    def rank_rows(self, prompt_len: int, context_len: int) -> list[int]:
-        """KV rows each CP rank keeps for this prompt's prefill (StrategySpec.rank_rows): pure
-        arithmetic, the same on every rank, no collective."""
+    def rank_rows(self, prompt_len: int, context_len: int, chunk: int | None = None) -> list[int]:
+        """KV rows each CP rank keeps for this prompt's prefill (StrategySpec.rank_rows), run whole or
+        `chunk` tokens a step: pure arithmetic, the same on every rank, no collective."""
+        if chunk:
+            raise ValueError("--prefill-chunk is not supported with a context strategy yet: drop --prefill-chunk")
         return get_spec(self.name).rank_rows(self.cp, prompt_len, context_len, self.spec_options())
 
     # -- optional hooks: the runner calls each on every strategy; the defaults do nothing
