@@ -428,7 +428,8 @@ def prefill_step_bytes(cfg: ModelConfig, layout: Layout, w: Workload) -> tuple[s
     window, chunk, cp = w.prompt_tokens, w.prefill_chunk, layout.cp
     over = f" over cp={cp}" if cp > 1 else ""
     if not chunk or chunk >= window or layout.strategy == "apb":
-        return f"a whole {window}-token prompt{over}", _activations(cfg, layout, dataclasses.replace(w, prefill_chunk=None))
+        whole = dataclasses.replace(w, prefill_chunk=None)
+        return f"a whole {window}-token prompt{over}", _activations(cfg, layout, whole)
     if cp == 1:
         return f"one {chunk}-token chunk", _activations(cfg, dataclasses.replace(layout, strategy="dense"), w)
     rows = -(-chunk // cp)
@@ -456,7 +457,7 @@ def cascade_step_bytes(cfg: ModelConfig, layout: Layout, w: Workload, rows: int,
 
 
 def _activations(cfg: ModelConfig, layout: Layout, w: Workload) -> int:
-    """The plan's activations on its worst stage for them."""
+    """Activations of `w` under `layout` on the pipeline stage that needs the most."""
     return max(s.activations for s in plan_memory(cfg, layout, w).stages)
 
 

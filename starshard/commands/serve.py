@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="context cache budget per rank in GiB: prefilled documents' KV kept for follow-up requests, "
                      "evicted least-recently-used. Default on CUDA: what the memory plan leaves on the worst rank, "
                      "logged at start: 90%% of the GPU, less the weights, the largest step's working set (one "
-                     "--prefill-chunk chunk, split over --cp; a whole window-long prompt when unchunked; an "
-                     "--max-extend extend; a decode step of --max-batch rows) and 0.5 GiB for the decode CUDA "
+                     "--prefill-chunk chunk, split over --cp; a whole window-long prompt when unchunked; an extend of "
+                     "up to --max-extend tokens; a decode step of --max-batch rows) and 0.5 GiB for the decode CUDA "
                      "graphs (none with --no-cuda-graphs); on CPU 2 GiB")
     eng.add_argument("--max-batch", type=int, default=16, help="requests decoding together (one forward per step)")
     eng.add_argument("--max-queue", type=int, default=64,
