@@ -359,6 +359,120 @@ def usable_bytes(total_bytes: int) -> int:
     return int(total_bytes * USABLE_GPU_FRACTION)
 
 
+# ---------------------------------------------------------------------------- a server's context cache budget
+GRAPH_POOL_BYTES = GiB // 2  # the decode CUDA graph's private memory pool, kept out of the cache
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """One rank's context cache budget and what it is left from (bytes): 90% of the device, less what is
+    allocated before the cache (the weights), the working set of the largest step the server runs and
+    the decode CUDA graphs' pool."""
+
+    total: int
+    weights: int
+    steps: tuple[tuple[str, int], ...]  # (what, working set) of each kind of step: prefill, extend, decode
+    graphs: int
+
+    @property
+    def usable(self) -> int:
+        return usable_bytes(self.total)
+
+    @property
+    def step(self) -> tuple[str, int]:
+        """(what, bytes) of the largest step."""
+        return max(self.steps, key=lambda s: s[1])
+
+    @property
+    def bytes(self) -> int:
+        return self.usable - self.weights - self.step[1] - self.graphs
+
+    def describe(self) -> str:
+        what, step = self.step
+        return (f"{self.bytes / GiB:.2f} GiB per rank = {USABLE_GPU_FRACTION} x total {self.total / GiB:.2f} GiB - "
+                f"weights {self.weights / GiB:.2f} GiB - step {step / GiB:.2f} GiB ({what}) - graphs "
+                f"{self.graphs / GiB:.2f} GiB")
+
+
+def cache_budget(cfg: ModelConfig, layout: Layout, workload: Workload, *, total_bytes: int, weights_bytes: int,
+                 max_batch: int, max_extend: int = 0, graphs_bytes: int = GRAPH_POOL_BYTES) -> CacheBudget:
+    """A server rank's context cache budget: usable_bytes(total) - weights - the largest step's working
+    set - graphs. `workload`: prompt_tokens = the longest prompt served (the model's window), prefill_chunk =
+    the prompt tokens one prefill step processes (None: the whole prompt), dtype and FP8 as served.
+    The steps: one prefill chunk (`prefill_step_bytes`), an extend of max_extend rows, a decode step of
+    max_batch rows. Their KV is left out: entries and the own-KV pool (its rebuild included) are
+    what the budget holds (the scheduler admits by them). ValueError when nothing is left."""
+    prefill = prefill_step_bytes(cfg, layout, workload)
+    steps = {prefill: ("lower --prefill-chunk" if prefill[0].startswith("one ") else
+                       "prefill in chunks (--prefill-chunk TOKENS)")}
+    if max_extend > 0:
+        steps[(f"an extend of {max_extend} tokens", cascade_step_bytes(cfg, layout, workload, max_extend, 1))] = \
+            "lower --max-extend"
+    steps[(f"a decode step of {max_batch} rows", cascade_step_bytes(cfg, layout, workload, 1, max_batch))] = \
+        "lower --max-batch"
+    b = CacheBudget(total_bytes, weights_bytes, tuple(steps), graphs_bytes)
+    if b.bytes <= 0:
+        raise ValueError(f"no memory is left for the context cache (--cache-gib): {b.describe()}. To fit, "
+                         f"{steps[b.step]}, spread the weights over more ranks (--tp, --pp), or give --cache-gib "
+                         "explicitly")
+    return b
+
+
+def prefill_step_bytes(cfg: ModelConfig, layout: Layout, w: Workload) -> tuple[str, int]:
+    """(what, bytes) of the largest prefill step on the worst rank, beside the KV it keeps. Whole
+    (no chunk, or APB, whose passing blocks need each host's whole block): the plan of a window-long
+    prefill. A chunk on one rank: the planner's chunk after a held prefix. A chunk over cp ranks: the
+    strategy's plan of a chunk-long prompt (each chunk is laid out as such a prompt; Star's in-chunk
+    part runs ring's zigzag path), plus the prefix partial: the chunk's queries gathered from every
+    rank, their (out, lse) partials sent and received, and held e4m3 keys read as a dense chunk reads them."""
+    window, chunk, cp = w.prompt_tokens, w.prefill_chunk, layout.cp
+    over = f" over cp={cp}" if cp > 1 else ""
+    if not chunk or chunk >= window or layout.strategy == "apb":
+        whole = dataclasses.replace(w, prefill_chunk=None)
+        return f"a whole {window}-token prompt{over}", _activations(cfg, layout, whole)
+    if cp == 1:
+        return f"one {chunk}-token chunk", _activations(cfg, dataclasses.replace(layout, strategy="dense"), w)
+    rows = -(-chunk // cp)
+    in_chunk = Layout(layout.tp, layout.pp, cp, "ring" if layout.strategy == "star" else layout.strategy,
+                      layout.pp_layers)
+    acts = _activations(cfg, in_chunk, dataclasses.replace(w, prompt_tokens=chunk, context_tokens=None,
+                                                           max_new_tokens=0, prefill_chunk=None, fp8_kv=False))
+    hq, d = _heads(cfg, layout.tp)[0], cfg.head_dim
+    prefix = chunk * hq * d * w.dtype_bytes + 2 * chunk * hq * (d + 1) * 4
+    return f"one {chunk}-token chunk{over}", acts + prefix + _held_fp8_bytes(cfg, layout, w, rows, -(-window // cp))
+
+
+def cascade_step_bytes(cfg: ModelConfig, layout: Layout, w: Workload, rows: int, batch: int) -> int:
+    """Bytes of one cascade forward (an extend of `rows` tokens, or a decode step of `batch` rows of one
+    token) on a rank: every CP rank runs all the rows (the planner's layer model, last-row logits per
+    row), attends its shard; the partials in float32 (shared and own, merged), gathered over the CP group.
+    An extend reads a held FP8 entry a key block at a time; a decode step reads e4m3 in the kernel."""
+    dense = Layout(layout.tp, layout.pp, 1, "dense", layout.pp_layers)
+    acts = _activations(cfg, dense, Workload(rows, None, 0, rows, w.dtype_bytes, batch, fp8_linear=w.fp8_linear,
+                                             fp8_experts=w.fp8_experts))
+    hq, d = _heads(cfg, layout.tp)[0], cfg.head_dim
+    partials = batch * rows * hq * (d + 1) * 4 * (2 + (layout.cp + 1 if layout.cp > 1 else 0))
+    held = _held_fp8_bytes(cfg, layout, w, rows, -(-w.prompt_tokens // layout.cp)) if rows > 1 else 0
+    return acts + partials + held
+
+
+def _activations(cfg: ModelConfig, layout: Layout, w: Workload) -> int:
+    """Activations of `w` under `layout` on the pipeline stage that needs the most."""
+    return max(s.activations for s in plan_memory(cfg, layout, w).stages)
+
+
+def _held_fp8_bytes(cfg: ModelConfig, layout: Layout, w: Workload, rows: int, held: int) -> int:
+    """What `rows` rows attending `held` e4m3 keys add to their forward (0 without --fp8 kv): the dense
+    planner's chunk after held FP8 entries less the same rows alone."""
+    if not w.fp8_kv:
+        return 0
+    dense = Layout(layout.tp, layout.pp, 1, "dense", layout.pp_layers)
+    one = dataclasses.replace(w, prompt_tokens=held + rows, context_tokens=None, max_new_tokens=0, prefill_chunk=rows,
+                              batch=1)
+    return (_activations(cfg, dense, one)
+            - _activations(cfg, dense, dataclasses.replace(one, prompt_tokens=rows, prefill_chunk=rows)))
+
+
 # ---------------------------------------------------------------------------- how a plan is shown
 def _fp8_items(w: Workload) -> list[str]:
     return [x for x, on in (("linear", w.fp8_linear), ("kv", w.fp8_kv)) if on]

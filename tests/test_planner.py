@@ -271,3 +271,84 @@ def test_cli_max_prompt():
     assert fp8["max_prompt_tokens"] > 1.9 * bf16["max_prompt_tokens"] > 0
     p = _infer(["--random-weights", "tiny", "--device", "cpu", "--max-prompt"])  # no GPU: the limit must be given
     assert p.returncode == 2 and "--memory-limit-gb" in p.stderr
+
+
+def test_cache_budget_by_hand():
+    from starshard.planner import GRAPH_POOL_BYTES, cache_budget, usable_bytes
+
+    # tiny, float32 (see test_tiny_dense_by_hand): a row costs 4 x max(attn 608, mlp 704) bytes; logits 512 x 4.
+    cfg = preset_config("tiny")
+    W = cfg.max_position_embeddings
+    b = cache_budget(cfg, Layout(), Workload(W, W, 0, 16, 4), total_bytes=GiB, weights_bytes=1 << 20, max_batch=3,
+                     max_extend=8)
+    # chunk: 16 rows + logits; extend: 8 rows + logits + two float32 partials (hq 4 x (d 16 + lse)) per row;
+    # decode: 3 rows of one token, logits and partials for each
+    assert dict(b.steps) == {"one 16-token chunk": 16 * 4 * 704 + 2048,
+                             "an extend of 8 tokens": 8 * 4 * 704 + 2048 + 8 * 2 * 4 * 17 * 4,
+                             "a decode step of 3 rows": 3 * (4 * 704 + 2048 + 2 * 4 * 17 * 4)}
+    assert b.step == ("one 16-token chunk", 47104)
+    assert b.bytes == usable_bytes(GiB) - (1 << 20) - 47104 - GRAPH_POOL_BYTES
+    assert b.describe().startswith(f"{b.bytes / GiB:.2f} GiB per rank = 0.9 x total 1.00 GiB - weights 0.00 GiB - "
+                                   "step 0.00 GiB (one 16-token chunk) - graphs 0.50 GiB")
+    # cp=2 ring: the chunk as a 16-token prompt (zigzag: 2 x ceil(16/4) = 8 rows, a send and a receive block of
+    # 8 tokens' KV in flight), its gathered queries (16 x 4 x 16 x 4) and (out, lse) partials sent and received;
+    # every rank runs an extend's or a decode step's rows, and gathers cp partials besides its own
+    b2 = cache_budget(cfg, Layout(cp=2, strategy="ring"), Workload(W, W, 0, 16, 4), total_bytes=GiB,
+                      weights_bytes=1 << 20, max_batch=3, max_extend=8, graphs_bytes=0)
+    assert dict(b2.steps) == {"one 16-token chunk over cp=2": 8 * 4 * 704 + 16 * 2 * 2 * 16 * 4 + 2048
+                              + 16 * 4 * 16 * 4 + 2 * 16 * 4 * 17 * 4,
+                              "an extend of 8 tokens": 8 * 4 * 704 + 2048 + 8 * 5 * 4 * 17 * 4,
+                              "a decode step of 3 rows": 3 * (4 * 704 + 2048 + 5 * 4 * 17 * 4)}
+    assert b2.bytes == usable_bytes(GiB) - (1 << 20) - 41472
+
+
+def test_cache_budget_one_chunk_not_the_window():
+    from starshard.planner import cache_budget, prefill_step_bytes
+
+    # Llama-3.1-8B's preset window is 1M: a window-long prefill plan leaves nothing on an 80 GB card,
+    # a chunk's leaves most of it.
+    cfg, total, weights = preset_config("llama-3.1-8b"), 80 * 10**9, 16 * 10**9
+    W = cfg.max_position_embeddings
+    assert W == 1 << 20
+
+    def budget(chunk, layout=Layout(), extend=0):
+        return cache_budget(cfg, layout, Workload(W, W, 0, chunk), total_bytes=total, weights_bytes=weights,
+                            max_batch=16, max_extend=extend)
+
+    with pytest.raises(ValueError, match=r"--cache-gib.*a whole 1048576-token prompt\).*--prefill-chunk"):
+        budget(None)
+    b = budget(4096, extend=4096)
+    assert b.bytes > 50 * GiB
+    # a bigger chunk leaves less
+    assert budget(4096).bytes > budget(8192).bytes > budget(65536).bytes > 0
+    assert budget(65536).step[0] == "one 65536-token chunk"
+    # cp splits the chunk: half the rows per rank at cp=2, a quarter at cp=4, besides what the prefix partial
+    # moves for the whole chunk (its bf16 queries gathered, float32 (out, lse) partials sent and received);
+    # Star's chunk runs ring's zigzag path
+    one, two, four = (prefill_step_bytes(cfg, Layout(cp=cp, strategy="ring" if cp > 1 else "dense"),
+                                         Workload(W, W, 0, 65536))[1] for cp in (1, 2, 4))
+    moved = 65536 * 32 * 128 * 2 + 2 * 65536 * 32 * 129 * 4
+    assert one > two > four
+    assert 0.5 * one < two - moved < 0.56 * one and 0.25 * one < four - moved < 0.3 * one  # + the ring's KV in flight
+    assert prefill_step_bytes(cfg, Layout(cp=2, strategy="star"), Workload(W, W, 0, 65536))[1] == two
+    assert budget(65536, Layout(cp=2, strategy="ring")).bytes > budget(65536).bytes
+    # APB prefills whole whatever the chunk; a chunk of the whole window is no chunk
+    with pytest.raises(ValueError, match=r"a whole 1048576-token prompt\)"):
+        budget(W)
+    with pytest.raises(ValueError, match="a whole 1048576-token prompt over cp=2"):
+        budget(4096, Layout(cp=2, strategy="apb"))
+    # held FP8 keys are read a block at a time by a chunk's prefix partial (k and v in bf16, v's float32
+    # temporary); its merge buffers (32 x 128 x 10 bytes a row) stay under the MLP part's peak (2 x 69632)
+    fp8 = prefill_step_bytes(cfg, Layout(cp=2, strategy="ring"), Workload(W, W, 0, 65536, fp8_kv=True))[1]
+    assert 2 * (4 * 4096 + 48 * 128 + 104 * 128) + 32 * 128 * 10 < 2 * 69632
+    assert fp8 - two == 8 * 128 * (2 * 2 + 4) * FP8_PREFILL_KEY_BLOCK
+
+
+def test_cache_budget_refused_when_the_weights_fill_the_card():
+    from starshard.planner import cache_budget
+
+    cfg = preset_config("llama-3.1-8b")
+    w = Workload(4096, 4096, 0, 2048)
+    with pytest.raises(ValueError, match=r"no memory is left for the context cache \(--cache-gib\): -\d.*"
+                                         r"weights 74\.51 GiB.*lower --max-batch.*give --cache-gib"):
+        cache_budget(cfg, Layout(), w, total_bytes=80 * 10**9, weights_bytes=80 * 10**9, max_batch=4096)

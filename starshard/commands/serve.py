@@ -25,7 +25,7 @@ from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_a
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
-from starshard.planner import DTYPE_BYTES, Layout, Workload, plan_memory, usable_bytes
+from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.runconfig import parse_with_config
 from starshard.serving.scheduler import Scheduler
 from starshard.server.app import create_app, make_server
@@ -64,8 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng = ap.add_argument_group("engine")
     eng.add_argument("--cache-gib", type=float, default=None,
                      help="context cache budget per rank in GiB: prefilled documents' KV kept for follow-up requests, "
-                     "evicted least-recently-used (default: on CUDA what the memory plan leaves free after the "
-                     "weights and a window-long prefill; on CPU 2 GiB)")
+                     "evicted least-recently-used. Default on CUDA: what the memory plan leaves on the worst rank, "
+                     "logged at start: 90%% of the GPU, less the weights, the largest step's working set (one "
+                     "--prefill-chunk chunk, split over --cp; a whole window-long prompt when unchunked; an extend of "
+                     "up to --max-extend tokens; a decode step of --max-batch rows) and 0.5 GiB for the decode CUDA "
+                     "graphs (none with --no-cuda-graphs); on CPU 2 GiB")
     eng.add_argument("--max-batch", type=int, default=16, help="requests decoding together (one forward per step)")
     eng.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting beyond the batch; more are answered 429")
@@ -106,19 +109,45 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def default_cache_bytes(llm, args, device) -> int:
-    """What the memory plan leaves for the cache on one GPU: 90% of it, less what is allocated
-    (weights), a window-long prefill's activations and the batch's own tokens; 2 GiB on CPU."""
+    """The context cache budget per rank without --cache-gib. On CUDA what the memory plan leaves
+    (planner.cache_budget: 90% of the GPU, less what is allocated (the weights), the largest step's working
+    set and the decode graphs' pool), the worst rank's over the group; 2 GiB on CPU."""
     import torch
+    import torch.distributed as dist
 
     if device.type != "cuda":
         return 2 * 2**30
     cfg, p = llm.config, llm.parallel
     dtype = str(llm.model.layers[0].attention_norm.weight.dtype).removeprefix("torch.")
+    fp8 = fp8_config(args)
     window = cfg.max_position_embeddings
-    plan = plan_memory(cfg, Layout(p.tp, p.pp, p.cp, p.cp_strategy), Workload(window, window, 0, None,
-                                                                               DTYPE_BYTES[dtype]))
-    free = usable_bytes(torch.cuda.get_device_properties(device).total_memory) - torch.cuda.memory_allocated(device)
-    return max(free - plan.worst.activations, 2**30)
+    layout = Layout(p.tp, p.pp, p.cp, p.cp_strategy, tuple(p.pp_layers) if p.pp_layers else None, p.block_size,
+                    p.anchor_size, p.query_rank)
+    chunk = getattr(args, "prefill_chunk", None) or None  # 0 / unset: the whole prompt in one step
+    work = Workload(window, window, 0, chunk, DTYPE_BYTES[dtype], fp8_kv=fp8.kv, fp8_linear=fp8.linear,
+                    fp8_experts=fp8.experts)
+    budget, refused = None, None
+    try:
+        budget = cache_budget(cfg, layout, work, total_bytes=torch.cuda.get_device_properties(device).total_memory,
+                              weights_bytes=torch.cuda.memory_allocated(device), max_batch=args.max_batch,
+                              max_extend=args.max_extend, graphs_bytes=0 if args.no_cuda_graphs else GRAPH_POOL_BYTES)
+    except ValueError as e:
+        refused = e
+    own = budget.bytes if budget is not None else 0
+    worst = own
+    if dist.is_available() and dist.is_initialized():  # every rank refuses alike, or takes the worst rank's budget
+        t = torch.tensor([own], dtype=torch.int64, device=device if "nccl" in str(dist.get_backend()) else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        worst = int(t.item())
+    if refused is not None:
+        raise refused
+    if worst <= 0:
+        raise ValueError(f"another rank has no memory left for the context cache (this rank: {budget.describe()}); "
+                         "lower --prefill-chunk, --max-batch or --max-extend, spread the weights over more ranks "
+                         "(--tp, --pp), or give --cache-gib explicitly")
+    log.info("context cache budget %s%s", budget.describe(),
+             "" if worst == own else f"; another rank has less: {worst / GiB:.2f} GiB per rank on every rank")
+    return worst
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,82 @@
+"""serve's default --cache-gib on CUDA (commands/serve.py default_cache_bytes): planner.cache_budget with the
+flags' chunk, batch and extend, the worst rank's over the group. The GPU's size and the weights' bytes are
+stand-ins (no GPU here); the group is two gloo ranks."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from starshard.commands.serve import default_cache_bytes, parse_args
+from starshard.config import ParallelConfig
+from starshard.planner import GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
+from starshard.presets import preset_config
+from tests.helpers.mp_harness import run_ranks
+
+CUDA = torch.device("cuda")
+
+
+def fake_llm(parallel: ParallelConfig):
+    """What default_cache_bytes reads of an LLM: the config, the layout, the compute dtype."""
+    norm = SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16))
+    return SimpleNamespace(config=preset_config("llama-3.1-8b"), parallel=parallel,
+                           model=SimpleNamespace(layers=[SimpleNamespace(attention_norm=norm)]))
+
+
+def fake_gpu(monkeypatch, total: int, allocated: int):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated)
+
+
+def serve_args(argv, chunk):
+    args = parse_args(argv)
+    args.prefill_chunk = chunk  # serve's --prefill-chunk (0 / unset: the whole prompt)
+    return args
+
+
+def test_default_cache_bytes_one_rank(monkeypatch, caplog):
+    total, weights = 80 * 10**9, 16 * 10**9
+    fake_gpu(monkeypatch, total, weights)
+    llm = fake_llm(ParallelConfig())
+    W = llm.config.max_position_embeddings
+    args = serve_args(["--max-batch", "8", "--max-extend", "1024"], 4096)
+    with caplog.at_level("INFO", logger="starshard.serve"):
+        got = default_cache_bytes(llm, args, CUDA)
+    want = cache_budget(llm.config, Layout(), Workload(W, W, 0, 4096), total_bytes=total, weights_bytes=weights,
+                        max_batch=8, max_extend=1024)
+    assert got == want.bytes > 50 * GiB
+    assert f"context cache budget {want.describe()}" in caplog.text
+    assert "step 0.53 GiB (one 4096-token chunk) - graphs 0.50 GiB" in caplog.text
+    # no CUDA graphs: no pool kept for them
+    assert default_cache_bytes(llm, serve_args(["--max-batch", "8", "--max-extend", "1024", "--no-cuda-graphs"],
+                                               4096), CUDA) == got + GRAPH_POOL_BYTES
+    # no chunk (0 or unset): a window-long prefill, which a 1M window leaves no room for
+    for chunk in (0, None):
+        with pytest.raises(ValueError, match=r"--cache-gib.*a whole 1048576-token prompt.*--prefill-chunk"):
+            default_cache_bytes(llm, serve_args([], chunk), CUDA)
+    assert default_cache_bytes(llm, serve_args([], 0), torch.device("cpu")) == 2 * GiB  # the CPU's default
+
+
+def _group_rank(rank, world, scenarios):
+    """Each scenario's default_cache_bytes on this rank (or its refusal), with its weights' bytes."""
+    out = []
+    for allocated in scenarios:
+        with pytest.MonkeyPatch.context() as mp:
+            fake_gpu(mp, 80 * 10**9, allocated[rank])
+            try:
+                out.append(default_cache_bytes(fake_llm(ParallelConfig(cp=2, cp_strategy="ring")),
+                                               serve_args([], 8192), CUDA))
+            except ValueError as e:
+                out.append(str(e))
+    return out
+
+
+def test_default_cache_bytes_worst_rank_over_the_group():
+    # rank 1 holds 2 GB more: both ranks take its budget. Then its weights fill the card: both refuse.
+    llm = fake_llm(ParallelConfig(cp=2, cp_strategy="ring"))
+    W = llm.config.max_position_embeddings
+    want = cache_budget(llm.config, Layout(cp=2, strategy="ring"), Workload(W, W, 0, 8192), total_bytes=80 * 10**9,
+                        weights_bytes=18 * 10**9, max_batch=16, max_extend=4096).bytes
+    (fit0, a), (fit1, b) = run_ranks(_group_rank, 2, [[16 * 10**9, 18 * 10**9], [16 * 10**9, 72 * 10**9]])
+    assert fit0 == fit1 == want
+    assert a.startswith("another rank has no memory left for the context cache (this rank:") and "--cache-gib" in a
+    assert b.startswith("no memory is left for the context cache (--cache-gib):") and "weights 67.06 GiB" in b
