@@ -391,8 +391,9 @@ def crosscheck_stats(records: list[RequestRecord], before: dict, after: dict) ->
 
 
 # ---------------------------------------------------------------------------- the summary table
-def print_summary(result: dict, metrics=METRICS, percentiles=(50.0, 90.0, 99.0), file=sys.stdout) -> None:
-    """vLLM's summary table, plus our outcome, cache and cross-check lines."""
+def print_summary(result: dict, metrics=METRICS, percentiles=(50.0, 90.0, 99.0), file=None) -> None:
+    """vLLM's summary table, plus our outcome, cache and cross-check lines (to stdout by default)."""
+    file = file or sys.stdout
     def line(label, value, fmt="{:<10.2f}"):
         shown = "-" if value is None else (fmt.format(value) if isinstance(value, float) else str(value))
         print(f"{label:<40} {shown}", file=file)
