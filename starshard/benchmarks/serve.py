@@ -45,6 +45,7 @@ from starshard.benchmarks.serve_load import (METRICS, RequestRecord, RequestSpec
 from starshard.cli import add_layout_arguments, layout_error, parallel_config
 from starshard.config import SamplingConfig
 from starshard.llm import LLM
+from starshard.parallel.topology import read_launch_env
 from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
@@ -127,9 +128,11 @@ def add_arguments(p) -> None:
 def check(args) -> str | None:
     """What is wrong with the flags (None: nothing), before any model loads."""
     if args.scenario == "document":
-        return layout_error(args)
+        return "--url needs --scenario load" if args.url else layout_error(args)
     if args.url and (args.model or args.random_weights):
         return "--url benchmarks a running server: drop --model / --random-weights"
+    if args.url and read_launch_env().world_size > 1:
+        return "--url is a client of a running server: run it as one process, not under torchrun"
     try:
         parse_len_dist(args.doc_len_dist)
         parse_token_range(args.token_range)
@@ -306,8 +309,10 @@ class InProcessBackend:
                 if ev.finish_reason in ("stop", "length"):
                     rec.finish_reason = ev.finish_reason
                 elif not (ev.finish_reason == "cancelled" and rec.client_cancelled):
-                    rec.failure = "stream" if rec.token_times else "503"
-                    rec.error = ev.error or f"the engine ended the request ({ev.finish_reason})"
+                    rec.failure = "stream" if rec.token_times else "503"  # as the HTTP server answers it
+                    code = getattr(ev, "error_code", None)
+                    rec.error = (f"{code}: " if code else "") + (ev.error or f"the engine ended the request "
+                                                                             f"({ev.finish_reason})")
                 return
             if spec.cancel_after and rec.output_tokens >= spec.cancel_after and not rec.client_cancelled:
                 rec.client_cancelled = True
