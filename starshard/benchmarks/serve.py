@@ -93,8 +93,9 @@ def add_arguments(p) -> None:
                       help="distinct documents; a request opens a new one with probability 1 - --follow-up-ratio "
                       "until this many are open")
     load.add_argument("--doc-len-dist", default="fixed:4096",
-                      help="document lengths in tokens: fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA (clipped so "
-                      "that document + question + output fit the model window)")
+                      help="document lengths in tokens: fixed:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA, or list:N1,N2,.. "
+                      "(the i-th new document gets N_(i mod count)); clipped so that document + question + output fit "
+                      "the model window")
     load.add_argument("--follow-up-ratio", type=float, default=0.75,
                       help="share of requests that ask about a document already sent (the server's cache can serve "
                       "its tokens); the rest open new documents")

@@ -35,15 +35,20 @@ KINDS = ("new_doc", "follow_up")
 # ---------------------------------------------------------------------------- workload
 @dataclass(frozen=True)
 class LenDist:
-    """Document lengths in tokens: fixed:N, uniform:LO:HI (inclusive) or lognormal:MEDIAN:SIGMA."""
+    """Document lengths in tokens: fixed:N, uniform:LO:HI (inclusive), lognormal:MEDIAN:SIGMA, or
+    list:N1,N2,.. (the i-th new document gets N_(i mod count): e.g. short documents with one long one)."""
 
     kind: str
-    a: float
+    a: float = 0.0
     b: float = 0.0
+    values: tuple[int, ...] = ()
 
-    def sample(self, rng: np.random.Generator) -> int:
+    def sample(self, rng: np.random.Generator, index: int = 0) -> int:
+        """The length of the index-th new document."""
         if self.kind == "fixed":
             return int(self.a)
+        if self.kind == "list":
+            return self.values[index % len(self.values)]
         if self.kind == "uniform":
             return int(rng.integers(int(self.a), int(self.b) + 1))
         return max(1, int(round(rng.lognormal(math.log(self.a), self.b))))
@@ -53,13 +58,24 @@ class LenDist:
             return f"fixed:{int(self.a)}"
         if self.kind == "uniform":
             return f"uniform:{int(self.a)}:{int(self.b)}"
+        if self.kind == "list":
+            return "list:" + ",".join(map(str, self.values))
         return f"lognormal:{int(self.a)}:{self.b:g}"
 
 
 def parse_len_dist(spec: str) -> LenDist:
-    """--doc-len-dist: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA (ValueError says which form)."""
-    forms = "fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA"
+    """--doc-len-dist: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA | list:N1,N2,.. (ValueError says
+    which form)."""
+    forms = "fixed:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA or list:N1,N2,.."
     kind, _, rest = spec.partition(":")
+    if kind == "list":
+        try:
+            values = tuple(int(x) for x in rest.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise ValueError(f"--doc-len-dist {spec!r}: list needs whole token counts >= 1 ({forms})")
+        return LenDist("list", values=values)
     parts = rest.split(":") if rest else []
     try:
         nums = [float(x) for x in parts]
@@ -127,7 +143,7 @@ def make_workload(*, num_prompts: int, num_docs: int, doc_len: LenDist, follow_u
     for i in range(num_prompts):
         new = not docs or (len(docs) < num_docs and rng.random() >= follow_up_ratio)
         if new:
-            n = doc_len.sample(rng)
+            n = doc_len.sample(rng, len(docs))
             docs.append(ids(n if longest is None else min(n, longest)))
             d = len(docs) - 1
         else:
@@ -282,7 +298,7 @@ def calculate_metrics(records: list[RequestRecord], duration: float, *, metrics=
         mine = [r for r in records if r.kind == kind]
         ks = samples(mine)
         row = {"count": len(mine), **{k: sum(r.outcome == k for r in mine) for k in ("completed", "failed", "cancelled", "lost")}}
-        for m in ("ttft", "e2el"):
+        for m in ("ttft", "itl", "e2el"):
             st = _stats(m, ks[m], percentiles)
             row.update({k: v for k, v in st.items() if k.startswith("p")})
         out["by_kind"][kind] = row
