@@ -94,9 +94,9 @@ class Generation:
             if ev.finish_reason in ("error", "cancelled"):  # "cancelled" that we did not ask for
                 self.done = True
                 raise GenerationFailed(ev.error or f"the engine ended the request ({ev.finish_reason})")
+            text = self.stop.feed(ev.text)
             if ev.token_id is not None:
                 self.ids.append(ev.token_id)
-            text = self.stop.feed(ev.text)
             if self.stop.hit:
                 if ev.finish_reason is None:
                     self.ticket.cancel()  # the rest is not wanted: free the batch slot now
