@@ -1,12 +1,33 @@
-"""The long-document service's scheduler in this process (no HTTP): time to first token for a question on
-a new document (prefill) and on a cached one (a follow-up), then aggregate decode tokens/s with N
-concurrent questions on one cached document.
+"""The long-document service under load, in two scenarios.
+
+--scenario document (default): the scheduler in this process (no HTTP): time to first token for a
+question on a new document (prefill) and on a cached one (a follow-up), then aggregate decode tokens/s
+with N concurrent questions on one cached document.
 
     python launch/bench.py serve --random-weights llama-3.1-8b --lengths 32768,131072 --concurrency 1,4,16
+
+--scenario load: a serving load in the conventions of vLLM's serving benchmark (its flag and result
+names where it has one): --num-prompts requests arriving at --request-rate (Poisson, gamma gaps with
+--burstiness) or all at once, at most --max-concurrency in flight, mixing new documents (--num-docs,
+lengths from --doc-len-dist) with follow-up questions on documents already sent; some cancelled
+mid-stream. Reports TTFT / TPOT / ITL / E2EL (mean, median, std, percentiles), throughputs, cache hits,
+errors and a cross-check of the client's counts against the server's. Two modes:
+
+    # in process, any tp x cp layout (rank 0 runs the scheduler and the load, the other ranks its steps)
+    torchrun --nproc-per-node 4 launch/bench.py serve --scenario load --cp 4 --cp-strategy star \
+        --random-weights llama-3.1-8b --cache-gib 40 --num-prompts 300 --max-concurrency 8 --num-docs 4 \
+        --doc-len-dist fixed:131072 --out load.json
+    # client of a running server (no model here): its /v1/completions and /metrics
+    python launch/bench.py serve --scenario load --url http://127.0.0.1:8000 --num-prompts 300 ...
+
+Prompts are random token ids from --token-range (random weights have no tokenizer).
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import math
 import statistics
 import sys
 import threading
@@ -14,16 +35,30 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from starshard.benchmarks.common import commit, device_name, ints, today, write
-from starshard.config import ParallelConfig, SamplingConfig
+from starshard.benchmarks import serve_client
+from starshard.benchmarks.common import commit, device_name, ints, save_json, today, write
+from starshard.benchmarks.serve_load import (METRICS, RequestRecord, RequestSpec, arrival_offsets, calculate_metrics,
+                                             crosscheck_http, crosscheck_stats, detailed, make_workload,
+                                             parse_len_dist, parse_token_range, print_summary, run_load)
+from starshard.cli import add_layout_arguments, layout_error, parallel_config
+from starshard.config import SamplingConfig
 from starshard.llm import LLM
-from starshard.serving.scheduler import Scheduler
+from starshard.parallel.topology import read_launch_env
+from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable
 
-HELP = "the service's scheduler: cached vs uncached time to first token, concurrent decode"
+HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
+
+
+def floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",")]
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--scenario", choices=["document", "load"], default="document",
+                   help="document: prefill vs cached time to first token and concurrent decode on one document; "
+                   "load: a serving load with vLLM's metrics (see the load flags)")
     p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny); default: --model")
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2 when no --random-weights)")
     p.add_argument("--lengths", type=ints, default=[32768, 131072], help="document + question lengths in tokens")
@@ -37,17 +72,91 @@ def add_arguments(p) -> None:
                    help="compute dtype on CUDA (CPU runs float32)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--out", default=None, help="write the JSON here (also printed)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens one prefill step processes, over the whole prompt (0 = whole; default: the "
+                   "scheduler's own); needs a scheduler with chunked prefill")
+    add_layout_arguments(p)
+    load = p.add_argument_group("load scenario (names as vLLM's serving benchmark where it has one)")
+    load.add_argument("--url", default=None,
+                      help="client mode: the base URL of a running server (http://HOST:PORT); no model is loaded here")
+    load.add_argument("--api-key", default=None, help="client mode: sent as 'Authorization: Bearer KEY'")
+    load.add_argument("--num-prompts", type=int, default=300, help="requests to send")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="requests per second (arrivals with gamma-distributed gaps of mean 1/rate); inf sends all "
+                      "at once, so that --max-concurrency alone sets the load")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="shape of the gamma gaps: 1 is a Poisson process, below 1 burstier, above 1 steadier")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="most requests in flight at once (default: no limit)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the documents, questions, kinds and arrivals")
+    load.add_argument("--num-docs", type=int, default=4,
+                      help="distinct documents; a request opens a new one with probability 1 - --follow-up-ratio "
+                      "until this many are open")
+    load.add_argument("--doc-len-dist", default="fixed:4096",
+                      help="document lengths in tokens: fixed:N, uniform:LO:HI, lognormal:MEDIAN:SIGMA, or list:N1,N2,.. "
+                      "(the i-th new document gets N_(i mod count)); clipped so that document + question + output fit "
+                      "the model window")
+    load.add_argument("--follow-up-ratio", type=float, default=0.75,
+                      help="share of requests that ask about a document already sent (the server's cache can serve "
+                      "its tokens); the rest open new documents")
+    load.add_argument("--question-len", type=int, default=64, help="tokens of each question after its document")
+    load.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="ask the server to run every answer to --output-len (vLLM's ignore_eos; client mode sends it "
+                      "in the body; answers that still stop early are counted in early_stops)")
+    load.add_argument("--cancel-ratio", type=float, default=0.0, help="share of requests the client cancels mid-stream")
+    load.add_argument("--cancel-after", type=int, default=8, help="tokens a cancelled request receives first")
+    load.add_argument("--request-timeout", type=float, default=600.0,
+                      help="seconds a request may take; one without its end by then counts as lost")
+    load.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                      help="metrics reported with percentiles: ttft, tpot, itl, e2el")
+    load.add_argument("--metric-percentiles", type=floats, default=[50.0, 90.0, 99.0],
+                      help="percentiles of those metrics, comma separated")
+    load.add_argument("--save-detailed", action="store_true",
+                      help="also keep the per-request lists (input / output lengths, TTFTs, ITLs, errors) in the JSON")
+    load.add_argument("--num-warmups", type=int, default=1,
+                      help="short requests sent (one at a time) before the load, so compilation stays out of it")
+    load.add_argument("--token-range", default="100:500", metavar="LO:HI",
+                      help="prompt token ids are drawn from [LO, HI) (below any model's vocabulary size)")
+    load.add_argument("--max-batch", type=int, default=16, help="in process: requests decoding together")
+    load.add_argument("--max-queue", type=int, default=64,
+                      help="in process: requests waiting beyond the batch (more are refused, as 429)")
+    load.add_argument("--max-extend", type=int, default=4096,
+                      help="in process: a prompt that shares a cached prefix runs only the rest when the rest is at "
+                      "most this many tokens (serve's flag)")
+
+
+def check(args) -> str | None:
+    """What is wrong with the flags (None: nothing), before any model loads."""
+    if args.scenario == "document":
+        return "--url needs --scenario load" if args.url else layout_error(args)
+    if args.url and (args.model or args.random_weights):
+        return "--url benchmarks a running server: drop --model / --random-weights"
+    if args.url and read_launch_env().world_size > 1:
+        return "--url is a client of a running server: run it as one process, not under torchrun"
+    try:
+        parse_len_dist(args.doc_len_dist)
+        parse_token_range(args.token_range)
+        arrival_offsets(1, args.request_rate, args.burstiness)
+    except ValueError as e:
+        return str(e)
+    unknown = set(args.percentile_metrics.split(",")) - set(METRICS)
+    if unknown:
+        return f"--percentile-metrics: unknown {sorted(unknown)}; choose from {','.join(METRICS)}"
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        return f"--max-concurrency must be >= 1, got {args.max_concurrency}"
+    if args.request_timeout <= 0 or args.num_warmups < 0:
+        return "--request-timeout must be > 0 and --num-warmups >= 0"
+    return None if args.url else layout_error(args)
 
 
 def run(args) -> None:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype if device.type == "cuda" else "float32")
-    llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
-              parallel=ParallelConfig())
-    budget = int(args.cache_gib * 2**30)
-    svc = Scheduler(llm, cache_bytes=budget, max_batch=max(args.concurrency), max_queue=4 * max(args.concurrency),
-                    max_extend=args.question_tokens + 8, cuda_graphs=not args.no_cuda_graphs)
-    svc.start()
+    if args.scenario == "load":
+        return run_load_scenario(args)
+    llm, svc, device = start_scheduler(args, max_batch=max(args.concurrency), max_queue=4 * max(args.concurrency),
+                                       max_extend=args.question_tokens + 8)
+    if svc is None:
+        return
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)
 
@@ -117,8 +226,234 @@ def run(args) -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
     stats = svc.stats()
     svc.shutdown()
-    result = {"kind": "serve", "device": device_name(device), "gpus": 1, "date": today(),
-              "commit": commit(), "args": vars(args), "inputs": "random token ids" + (
+    result = {"kind": "serve", "device": device_name(device), "gpus": world(), "date": today(),
+              "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
               "results": rows, "engine_stats": stats}
     write(args.out, result)
+
+
+# ---------------------------------------------------------------------------- both scenarios
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def json_args(args) -> dict:
+    """vars(args) with inf as the string "inf" (JSON has no infinity)."""
+    return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
+
+
+def start_scheduler(args, **limits):
+    """The model over the layout flags and its scheduler. -> (llm, scheduler, device) on rank 0, with the
+    scheduler's thread started; every other rank executes the broadcast steps until rank 0 shuts the
+    scheduler down, then gets (llm, None, device)."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype if device.type == "cuda" else "float32")
+    try:
+        parallel = parallel_config(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
+              parallel=parallel)
+    options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs, **limits)
+    if args.prefill_chunk is not None:
+        if "prefill_chunk" not in inspect.signature(Scheduler).parameters:
+            raise SystemExit("error: --prefill-chunk: this scheduler has no chunked prefill; drop --prefill-chunk")
+        options["prefill_chunk"] = args.prefill_chunk
+    svc = Scheduler(llm, **options)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        svc.serve_forever()
+        return llm, None, llm.device
+    svc.start()
+    return llm, svc, llm.device
+
+
+# ---------------------------------------------------------------------------- the load scenario
+class InProcessBackend:
+    """serve_load.run_load's sender over the scheduler in this process: its token events, stamped in
+    the scheduler's thread as they are emitted; a cancel through the ticket; failures as the HTTP
+    server would answer them (429 queue full, 503 engine down or an error before the first token, 400
+    refused)."""
+
+    def __init__(self, svc: Scheduler, request_timeout: float):
+        self.svc, self.timeout = svc, request_timeout
+
+    async def send(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_event(ev):  # the scheduler's thread
+            loop.call_soon_threadsafe(events.put_nowait, (time.perf_counter(), ev))
+
+        rec.start = time.perf_counter()
+        try:
+            ticket = self.svc.submit(self.svc.text_prompt(spec.prompt), max_tokens=spec.max_tokens,
+                                     sampling=SamplingConfig(), on_event=on_event)
+        except (QueueFull, ServiceUnavailable, ValueError) as e:
+            status = 429 if isinstance(e, QueueFull) else 503 if isinstance(e, ServiceUnavailable) else 400
+            rec.failure, rec.error, rec.end = str(status), str(e), time.perf_counter()
+            return
+        deadline = rec.start + self.timeout
+        while True:
+            try:
+                t, ev = await asyncio.wait_for(events.get(), max(deadline - time.perf_counter(), 0.0))
+            except asyncio.TimeoutError:
+                ticket.cancel()
+                rec.error = f"no terminal event within --request-timeout {self.timeout:g} s"
+                return
+            if ev.token_id is not None:
+                rec.token_times.append(t)
+                rec.output_tokens += 1
+            rec.completion_tokens, rec.cached_tokens, rec.prompt_tokens = (ev.completion_tokens, ev.cached_tokens,
+                                                                           ev.prompt_tokens)
+            if ev.finish_reason is not None:
+                rec.end = t
+                if ev.finish_reason in ("stop", "length"):
+                    rec.finish_reason = ev.finish_reason
+                elif not (ev.finish_reason == "cancelled" and rec.client_cancelled):
+                    rec.failure = "stream" if rec.token_times else "503"  # as the HTTP server answers it
+                    code = getattr(ev, "error_code", None)
+                    rec.error = (f"{code}: " if code else "") + (ev.error or f"the engine ended the request "
+                                                                             f"({ev.finish_reason})")
+                return
+            if spec.cancel_after and rec.output_tokens >= spec.cancel_after and not rec.client_cancelled:
+                rec.client_cancelled = True
+                ticket.cancel()  # then wait for its "cancelled" event: the counts stay exact
+
+
+def settled_stats(svc: Scheduler, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = svc.stats()
+        if (st["running"] == 0 and st["queue_depth"] == 0) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def workload_of(args, window: int) -> list[RequestSpec]:
+    return make_workload(num_prompts=args.num_prompts, num_docs=args.num_docs,
+                         doc_len=parse_len_dist(args.doc_len_dist), follow_up_ratio=args.follow_up_ratio,
+                         question_len=args.question_len, output_len=args.output_len, cancel_ratio=args.cancel_ratio,
+                         cancel_after=args.cancel_after, token_range=parse_token_range(args.token_range),
+                         window=window, seed=args.seed)
+
+
+def warmups(args, window: int) -> list[RequestSpec]:
+    """Short requests on a document of their own (1024 tokens, or what the window leaves): kernel
+    compilation and autotuning stay out of the timed load."""
+    rng = np.random.default_rng(args.seed + 7)
+    lo, hi = parse_token_range(args.token_range)
+    n = max(1, min(1024, window - args.question_len - 2))
+    doc = rng.integers(lo, hi, n).tolist()
+    return [RequestSpec(-1, "new_doc", -1, doc + rng.integers(lo, hi, args.question_len).tolist(), 2, None)
+            for _ in range(args.num_warmups)]
+
+
+def run_load_scenario(args) -> None:
+    if args.url:
+        return run_http(args)
+    llm, svc, device = start_scheduler(args, max_batch=args.max_batch, max_queue=args.max_queue,
+                                       max_extend=args.max_extend)
+    if svc is None:
+        return
+    try:
+        lo, hi = parse_token_range(args.token_range)
+        if hi > llm.config.vocab_size:
+            raise SystemExit(f"error: --token-range {args.token_range} reaches past the vocabulary "
+                             f"({llm.config.vocab_size} tokens): lower HI")
+        backend = InProcessBackend(svc, args.request_timeout)
+
+        async def go():
+            await drive_warmups_only(args, backend, svc.max_model_len)
+            before = svc.stats()
+            records, duration, specs = await load_only(args, backend, svc.max_model_len)
+            return before, records, duration, specs
+
+        before, records, duration, specs = asyncio.run(go())
+        after = settled_stats(svc)
+    finally:
+        svc.shutdown()
+    p = llm.parallel
+    result = header(args, "in-process", device_name(device), world())
+    result.update(layout={"tp": p.tp, "cp": p.cp, "strategy": p.cp_strategy},
+                  prefill_chunk=getattr(svc, "prefill_chunk", args.prefill_chunk),
+                  cache_budget_bytes=after["cache_budget_bytes"])
+    finish(args, result, records, duration, specs, before, after, crosscheck_stats(records, before, after))
+
+
+async def drive_warmups_only(args, backend, window: int) -> None:
+    for spec in warmups(args, window):
+        rec = RequestRecord(spec.index, spec.kind, len(spec.prompt))
+        await backend.send(spec, rec)
+        if rec.outcome != "completed":
+            raise SystemExit(f"error: the warm-up request failed: {rec.failure or 'lost'}: {rec.error}")
+
+
+async def load_only(args, backend, window: int) -> tuple[list[RequestRecord], float, list[RequestSpec]]:
+    specs = workload_of(args, window)
+    offsets = arrival_offsets(len(specs), args.request_rate, args.burstiness, args.seed)
+    records, duration = await run_load(specs, backend.send, offsets=offsets, max_concurrency=args.max_concurrency)
+    return records, duration, specs
+
+
+def run_http(args) -> None:
+    try:
+        serve_client.require_httpx()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+    async def go():
+        backend = serve_client.HttpBackend(args.url, api_key=args.api_key, request_timeout=args.request_timeout,
+                                           max_connections=args.max_concurrency, ignore_eos=args.ignore_eos)
+        try:
+            _, window = await backend.model_info()
+            await drive_warmups_only(args, backend, window)
+            before = await backend.settle()
+            records, duration, specs = await load_only(args, backend, window)
+            after = await backend.settle()
+        finally:
+            await backend.aclose()
+        return before, after, records, duration, specs
+
+    try:
+        before, after, records, duration, specs = asyncio.run(go())
+    except (ValueError, serve_client.httpx.HTTPError) as e:
+        raise SystemExit(f"error: {args.url}: {e}") from None
+    result = header(args, "http", None, None)
+    result.update(server=args.url, layout=None, prefill_chunk=args.prefill_chunk,
+                  cache_budget_bytes=after.get("starshard_context_cache_budget_bytes"))
+    finish(args, result, records, duration, specs, before, after, crosscheck_http(records, before, after))
+
+
+def header(args, mode: str, device, gpus) -> dict:
+    return {"kind": "serve", "scenario": "load", "mode": mode, "device": device, "gpus": gpus, "date": today(),
+            "commit": commit(), "args": json_args(args)}
+
+
+def finish(args, result, records, duration, specs, before, after, crosscheck) -> None:
+    """The result's load fields, metrics and cross-check; the summary table to stdout, the JSON to --out
+    (else to stdout too)."""
+    percentiles, metrics = args.metric_percentiles, args.percentile_metrics.split(",")
+    result.update(request_rate="inf" if math.isinf(args.request_rate) else args.request_rate,
+                  burstiness=args.burstiness, max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
+                  workload={"num_docs": args.num_docs, "doc_len_dist": str(parse_len_dist(args.doc_len_dist)),
+                            "follow_up_ratio": args.follow_up_ratio, "question_len": args.question_len,
+                            "output_len": args.output_len, "cancel_ratio": args.cancel_ratio,
+                            "cancel_after": args.cancel_after,
+                            "docs_sent": sum(s.kind == "new_doc" for s in specs)})
+    result.update(calculate_metrics(records, duration, metrics=metrics, percentiles=percentiles))
+    # Answers that ended at EOS before --output-len (with --ignore-eos the server did not honour it).
+    result["early_stops"] = sum(r.outcome == "completed" and r.output_len < s.max_tokens
+                                for r, s in zip(records, specs))
+    result["server_metrics"] = {"before": before, "after": after}
+    result["crosscheck"] = crosscheck
+    if args.save_detailed:
+        result["detailed"] = detailed(records)
+    print_summary(result, metrics, percentiles)
+    if args.ignore_eos and result["early_stops"]:
+        print(f"warning: {result['early_stops']} answers stopped at EOS before --output-len although --ignore-eos "
+              "was given: this server does not honour ignore_eos", file=sys.stderr)
+    if args.out:
+        save_json(args.out, result)
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(json.dumps(result, indent=1))

@@ -7,6 +7,7 @@ says what it measures and how it times it (the code: starshard/benchmarks/<subco
     python launch/bench.py hf --random-weights llama-3.1-8b --lengths 8192     # transformers peer
     torchrun --nproc-per-node 2 launch/bench.py tp --tp 2 --random-weights llama-3.1-8b --out tp2.json
     python launch/bench.py serve --random-weights llama-3.1-8b --lengths 32768 --concurrency 1,4,16
+    python launch/bench.py serve --scenario load --url http://127.0.0.1:8000 --num-prompts 300 --max-concurrency 8
     python launch/bench.py sparse --lengths 32768,131072 --out sparse.json    # MInference kernels vs dense
     python launch/bench.py anchor --lengths 32768,131072 --thetas 4,8,12     # AnchorAttention vs dense / VS
     python launch/bench.py kernels --quick --out kernels.json                  # attention kernels, one GPU

@@ -30,11 +30,12 @@ async def _generate(request: Request, body: P.GenerationRequest, api: type[Api])
     app: FastAPI = request.app
     job = await read_job(app, body, api.prefix, api.param)
     try:
-        gen = Generation(app, request, job)
+        gen = Generation(app, request, job, per_token=bool(body.return_token_ids))
     except (QueueFull, ServiceUnavailable, ValueError) as e:
         raise backend_error(e, "max_tokens") from e
 
-    out = api(job.rid, P.now(), app.state.served_model_name)
+    out = api(job.rid, P.now(), app.state.served_model_name, token_ids=bool(body.return_token_ids),
+              continuous_usage=body.wants_continuous_usage())
     try:
         # Wait for the first piece before answering, so that a failure before any token is still an
         # HTTP status (503) the client can act on, also when streaming.
@@ -50,7 +51,7 @@ async def _generate(request: Request, body: P.GenerationRequest, api: type[Api])
                 break
             text, reason = await gen.next()
         log_done(job.rid, gen, reason)
-        return JSONResponse(out.response("".join(texts), reason, gen.usage()).model_dump())
+        return JSONResponse(out.response("".join(texts), reason, gen.usage(), gen.take_ids()).model_dump())
     except GenerationFailed as e:
         raise ApiError(503, f"generation failed: {e}", code="engine_error") from e
     except ClientGone:

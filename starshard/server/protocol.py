@@ -19,6 +19,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's extension: usage so far in every chunk (with include_usage)
 
 
 class ChatMessage(_Request):
@@ -57,6 +58,9 @@ class GenerationRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, ignored
+    # vLLM's extension: each choice carries the generated token ids, and a stream sends one chunk per token
+    # event, also when its text is "" (random weights have no tokenizer: inter-token times stay measurable).
+    return_token_ids: bool | None = False
 
     @field_validator("stop")
     @classmethod
@@ -78,6 +82,9 @@ class GenerationRequest(_Request):
 
     def wants_usage_chunk(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def wants_continuous_usage(self) -> bool:
+        return self.wants_usage_chunk() and bool(self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -199,6 +206,18 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
+class TokenIdsChatChoice(ChatChoice):
+    token_ids: list[int]  # return_token_ids
+
+
+class TokenIdsChatCompletionResponse(ChatCompletionResponse):
+    choices: list[TokenIdsChatChoice]
+
+
+class TokenIdsChatChunkChoice(ChatChunkChoice):
+    token_ids: list[int]  # return_token_ids: the ids behind this chunk's delta
+
+
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -225,6 +244,18 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+class TokenIdsChatCompletionChunk(ChatCompletionChunk):
+    choices: list[TokenIdsChatChunkChoice]
+
+
+class TokenIdsCompletionChoice(CompletionChoice):
+    token_ids: list[int]  # return_token_ids: the ids behind this choice's (or chunk's) text
+
+
+class TokenIdsCompletionResponse(CompletionResponse):
+    choices: list[TokenIdsCompletionChoice]
 
 
 class ModelCard(BaseModel):

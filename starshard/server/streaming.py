@@ -60,8 +60,10 @@ class Generation:
     """Bridges one backend request into asyncio: the backend thread's events land in a queue; stop
     strings are applied here; close() cancels the backend side unless it already finished."""
 
-    def __init__(self, app: FastAPI, request: Request, job: Job):
+    def __init__(self, app: FastAPI, request: Request, job: Job, *, per_token: bool = False):
         self.request, self.metrics = request, app.state.metrics
+        self.per_token = per_token  # return_token_ids: every token is a piece of its own, even with no text
+        self.ids: list[int] = []  # the token ids behind the pieces not yet taken (take_ids)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.stop = StopFilter(job.stops)
@@ -93,6 +95,8 @@ class Generation:
                 self.done = True
                 raise GenerationFailed(ev.error or f"the engine ended the request ({ev.finish_reason})")
             text = self.stop.feed(ev.text)
+            if ev.token_id is not None:
+                self.ids.append(ev.token_id)
             if self.stop.hit:
                 if ev.finish_reason is None:
                     self.ticket.cancel()  # the rest is not wanted: free the batch slot now
@@ -101,8 +105,13 @@ class Generation:
             if ev.finish_reason is not None:
                 self.done = True
                 return text + self.stop.flush(), ev.finish_reason
-            if text:
+            if text or (self.per_token and ev.token_id is not None):
                 return text, None
+
+    def take_ids(self) -> list[int]:
+        """The token ids of the pieces returned since the last call."""
+        ids, self.ids = self.ids, []
+        return ids
 
     async def _get(self) -> TokenEvent:
         # Checks the client on a clock, not only when idle: a busy stream of tokens must not hide
@@ -144,32 +153,44 @@ class Api:
 
     prefix = param = ""
 
-    def __init__(self, rid: str, created: int, model: str):
+    def __init__(self, rid: str, created: int, model: str, *, token_ids: bool = False,
+                 continuous_usage: bool = False):
         self.rid, self.created, self.model = rid, created, model
+        self.token_ids = token_ids  # return_token_ids: choices carry token_ids
+        self.continuous_usage = continuous_usage  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 class Chat(Api):
     prefix, param = "chatcmpl", "messages"
 
-    def _chunk(self, delta: dict, finish: str | None = None, usage=None, choices=True) -> str:
-        c = [P.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else []
-        return sse(P.ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=c,
-                                         usage=usage))
+    def _chunk(self, delta: dict, finish: str | None = None, usage=None, choices=True, ids=()) -> str:
+        if self.token_ids:
+            c = [P.TokenIdsChatChunkChoice(delta=delta, finish_reason=finish, token_ids=ids)] if choices else []
+            chunk = P.TokenIdsChatCompletionChunk
+        else:
+            c = [P.ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else []
+            chunk = P.ChatCompletionChunk
+        return sse(chunk(id=self.rid, created=self.created, model=self.model, choices=c, usage=usage))
 
     def start(self) -> list[str]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def text(self, text: str) -> str:
-        return self._chunk({"content": text})
+    def text(self, text: str, ids=(), usage=None) -> str:
+        return self._chunk({"content": text}, usage=usage, ids=ids)
 
-    def finish(self, reason: str) -> str:
-        return self._chunk({}, reason)
+    def finish(self, reason: str, usage=None) -> str:
+        return self._chunk({}, reason, usage=usage)
 
     def usage(self, usage: P.Usage) -> str:
         return self._chunk({}, usage=usage, choices=False)
 
-    def response(self, text: str, reason: str, usage: P.Usage) -> P.ChatCompletionResponse:
-        choice = P.ChatChoice(message=P.AssistantMessage(content=text), finish_reason=reason)
+    def response(self, text: str, reason: str, usage: P.Usage, ids=()) -> P.ChatCompletionResponse:
+        message = P.AssistantMessage(content=text)
+        if self.token_ids:
+            choices = [P.TokenIdsChatChoice(message=message, finish_reason=reason, token_ids=ids)]
+            return P.TokenIdsChatCompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                                    choices=choices, usage=usage)
+        choice = P.ChatChoice(message=message, finish_reason=reason)
         return P.ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[choice],
                                         usage=usage)
 
@@ -177,26 +198,32 @@ class Chat(Api):
 class Text(Api):
     prefix, param = "cmpl", "prompt"
 
-    def _chunk(self, text: str, finish: str | None = None, usage=None, choices=True) -> str:
-        c = [P.CompletionChoice(text=text, finish_reason=finish)] if choices else []
-        return sse(P.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=c,
-                                        usage=usage))
+    def _chunk(self, text: str, finish: str | None = None, usage=None, choices=True, ids=()) -> str:
+        return sse(self._response(text, finish, usage, ids) if choices else
+                   P.CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage))
+
+    def _response(self, text: str, finish: str | None, usage, ids) -> P.CompletionResponse:
+        if self.token_ids:
+            choice = P.TokenIdsCompletionChoice(text=text, finish_reason=finish, token_ids=ids)
+            return P.TokenIdsCompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                                choices=[choice], usage=usage)
+        return P.CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                    choices=[P.CompletionChoice(text=text, finish_reason=finish)], usage=usage)
 
     def start(self) -> list[str]:
         return []
 
-    def text(self, text: str) -> str:
-        return self._chunk(text)
+    def text(self, text: str, ids=(), usage=None) -> str:
+        return self._chunk(text, usage=usage, ids=ids)
 
-    def finish(self, reason: str) -> str:
-        return self._chunk("", reason)
+    def finish(self, reason: str, usage=None) -> str:
+        return self._chunk("", reason, usage=usage)
 
     def usage(self, usage: P.Usage) -> str:
         return self._chunk("", usage=usage, choices=False)
 
-    def response(self, text: str, reason: str, usage: P.Usage) -> P.CompletionResponse:
-        return P.CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                    choices=[P.CompletionChoice(text=text, finish_reason=reason)], usage=usage)
+    def response(self, text: str, reason: str, usage: P.Usage, ids=()) -> P.CompletionResponse:
+        return self._response(text, reason, usage, ids)
 
 
 # ---- server-sent events ----
@@ -225,12 +252,13 @@ async def stream(gen: Generation, out: Api, first, include_usage: bool, rid: str
             yield chunk
         text, reason = first
         while True:
-            if text:
-                yield out.text(text)
+            ids = gen.take_ids() if out.token_ids else ()
+            if text or ids:
+                yield out.text(text, ids, gen.usage() if out.continuous_usage else None)
             if reason is not None:
                 break
             text, reason = await gen.next()
-        yield out.finish(reason)
+        yield out.finish(reason, gen.usage() if out.continuous_usage else None)
         if include_usage:
             yield out.usage(gen.usage())
         log_done(rid, gen, reason)

@@ -3,6 +3,7 @@ raw httpx against a real uvicorn on a free 127.0.0.1 port, plus TestClient for s
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -303,6 +304,44 @@ def test_stop_strings_streamed_never_leak(client, engine):
 
 
 # ---- errors: every one is OpenAI-shaped, never 422, and the server keeps serving ----
+
+
+def sse_chunks(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_return_token_ids_streams_every_token_event(http, engine):
+    # A tokenizer-less engine (random weights) gives tokens whose text is "": with return_token_ids each
+    # still gets its own chunk (vLLM's extension), so a client can time every token.
+    engine.script = ["", "", "Hi", ""]
+    body = {"model": MODEL, "prompt": [5, 6, 7], "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_chunks(http, "/v1/completions", body)
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["token_ids"]]
+    assert [c["choices"][0]["token_ids"] for c in tokens] == [[99]] * 4
+    assert [c["choices"][0]["text"] for c in tokens] == ["", "", "Hi", ""]
+    assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3, 4]  # continuous usage
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-2]["choices"][0]["token_ids"] == []
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    # Without it: text chunks only, no token_ids, usage only at the end.
+    plain = sse_chunks(http, "/v1/completions", {**body, "return_token_ids": False,
+                                                 "stream_options": {"include_usage": True}})
+    assert [c["choices"][0]["text"] for c in plain if c["choices"]] == ["Hi", ""]
+    assert all("token_ids" not in c["choices"][0] for c in plain if c["choices"])
+    assert [c["usage"] is not None for c in plain] == [False, False, True]
+    # Not streamed, and chat: every id in the choice.
+    r = http.post("/v1/completions", json={**body, "stream": False})
+    assert r.json()["choices"][0]["token_ids"] == [99] * 4 and r.json()["choices"][0]["text"] == "Hi"
+    chat_chunks = sse_chunks(http, "/v1/chat/completions", {**body, "prompt": None,
+                                                            "messages": [{"role": "user", "content": DOC}]})
+    assert [c["choices"][0]["token_ids"] for c in chat_chunks if c["choices"]] == [[]] + [[99]] * 4 + [[]]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": DOC}],
+                                                "return_token_ids": True})
+    assert r.json()["choices"][0]["token_ids"] == [99] * 4 and r.json()["choices"][0]["message"]["content"] == "Hi"
 
 
 def error_of(response: httpx.Response, status: int, *needles: str) -> dict:
