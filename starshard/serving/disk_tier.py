@@ -26,14 +26,22 @@ from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
 from starshard.serving.context_cache import common_prefix
 from starshard.serving.host_tier import HostKV, to_device, to_host
-from starshard.serving.kv_file import KVFileError, KVFileHeader, fsync_dir, read_header, read_kv_host, read_tokens, write_kv_file
+from starshard.serving.kv_file import (
+    KVFileError,
+    KVFileHeader,
+    file_bytes,
+    fsync_dir,
+    read_header,
+    read_kv_host,
+    read_tokens,
+    write_kv_file,
+)
 from starshard.serving.tier_stats import TierStats
 
 log = logging.getLogger("starshard.serving.disk_tier")
 
 FILE_RE = re.compile(r"^(?P<key>[0-9a-f]{16})-(?P<tokens>[0-9a-f]{16})-r(?P<rank>\d+)\.kv$")
 TMP_RE = re.compile(r"^\.(?P<name>.+\.kv)\.\d+\.tmp$")  # kv_file.write_kv_file's temporary names
-HEADER_SLACK = 1 << 16  # bytes a file holds beyond its payload and token ids (prelude, header, padding), at most
 
 
 class DiskTierLocked(RuntimeError):
@@ -238,7 +246,7 @@ class DiskTier:
                 self._touch(old)  # the same key and tokens: the same bytes are already here
                 return old
         host = kv if isinstance(kv, HostKV) else to_host(kv)
-        need = host.nbytes + 8 * len(ids) + HEADER_SLACK
+        need = file_bytes(host, len(ids), self.key, self.rank, entry_id)
         with self._mutex:
             if not self._fit(need, keep=name):
                 log.warning("disk cache: a %.2f GiB shard does not fit the %.2f GiB budget; not kept on disk "

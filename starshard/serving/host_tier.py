@@ -141,6 +141,9 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None) -> HostKV:
     b, h, _, d = first.k.shape
     sections, nbytes = layout(layer_ids, b, h, d, n, first.dtype, first.fp8)
     host = HostKV(pinned_empty(nbytes), sections, first.dtype, first.fp8, n, kv.next_position)
+    ends = [s.offset + s.nbytes for s in sections]
+    for end, nxt in zip(ends, [s.offset for s in sections[1:]] + [nbytes]):
+        host.buffer[end:nxt].zero_()  # the gaps between sections: never stale process memory in a file
     cuda = kv.device.type == "cuda"
     if cuda:
         stream = stream or torch.cuda.Stream(kv.device)

@@ -200,6 +200,23 @@ def read_tokens(path, header: KVFileHeader) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
+def _header_bytes(host: HostKV, n_tokens: int, tokens_digest: str, digests, key: CacheKey, rank: int,
+                  entry_id: int | None) -> bytes:
+    # The offsets follow from the header's length (the reader derives them the same way: _offsets).
+    h = KVFileHeader(key=key.fields(), key_digest=key.digest, rank=int(rank), entry_id=entry_id, n_tokens=n_tokens,
+                     tokens_offset=0, tokens_digest=tokens_digest, dtype=str(host.dtype).removeprefix("torch."),
+                     fp8=host.fp8, length=host.length, next_position=host.next_position, payload_offset=0,
+                     payload_bytes=host.nbytes, sections=host.sections, section_digests=tuple(digests),
+                     created=round(time.time(), 3))
+    return json.dumps(h.to_json()).encode()
+
+
+def file_bytes(host: HostKV, n_tokens: int, key: CacheKey, rank: int, entry_id: int | None = None) -> int:
+    """The size write_kv_file gives this shard (what a budget must make room for before writing)."""
+    hdr = _header_bytes(host, n_tokens, "0" * 32, ["0" * 32] * len(host.sections), key, rank, entry_id)
+    return _offsets(len(hdr), n_tokens)[1] + host.nbytes
+
+
 def write_kv_file(path, kv: KVCache | HostKV, token_ids, key: CacheKey, rank: int, entry_id: int | None = None) -> int:
     """Write one rank's shard atomically (0600); returns the file's size. A KVCache is copied to host first."""
     path = Path(path)
@@ -210,15 +227,7 @@ def write_kv_file(path, kv: KVCache | HostKV, token_ids, key: CacheKey, rank: in
     with ThreadPoolExecutor(HASH_THREADS) as pool:
         digests = list(pool.map(lambda s: _hash(buf[s.offset:s.offset + s.nbytes]), host.sections))
     tokens_bytes = tokens.tobytes()
-    fields = dict(key=key.fields(), key_digest=key.digest, rank=int(rank), entry_id=entry_id, n_tokens=len(tokens),
-                  tokens_digest=_hash(tokens_bytes), dtype=str(host.dtype).removeprefix("torch."), fp8=host.fp8,
-                  length=host.length, next_position=host.next_position, payload_bytes=host.nbytes,
-                  created=time.time())
-    # The offsets follow from the header's length (the reader derives them the same way), so the header
-    # needs no offsets of its own sections beyond the payload-relative ones.
-    probe = KVFileHeader(**fields, tokens_offset=0, payload_offset=0, sections=host.sections,
-                         section_digests=tuple(digests))
-    hdr = json.dumps(probe.to_json()).encode()
+    hdr = _header_bytes(host, len(tokens), _hash(tokens_bytes), digests, key, rank, entry_id)
     tokens_offset, payload_offset = _offsets(len(hdr), len(tokens))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -64,7 +64,8 @@ def damaged(tmp_path, how):
     elif how == "truncated-header":
         raw = raw[:kv_file.PRELUDE.size + 20]
     elif how == "flip-payload":
-        raw[h.payload_offset + h.payload_bytes // 2] ^= 0x10
+        k = h.sections[1]  # layer 0's keys (padding between sections is no data)
+        raw[h.payload_offset + k.offset + k.nbytes // 2] ^= 0x10
     elif how == "flip-header":
         raw[kv_file.PRELUDE.size + 30] ^= 0x01
     elif how == "flip-tokens":
