@@ -118,6 +118,7 @@ class DiskTier:
         self.key = key
         self.rank = rank
         self.entries: dict[str, DiskEntry] = {}
+        self._writing: dict[str, int] = {}  # names being written -> the bytes reserved for them
         self._stats = TierStats()
         self._mutex = threading.RLock()  # a writer thread may demote while the scheduler looks up
         self._lock_fd = take_lock(self.path, rank)
@@ -172,7 +173,7 @@ class DiskTier:
     # -- accounting
     @property
     def used(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        return sum(e.nbytes for e in self.entries.values()) + sum(self._writing.values())
 
     @property
     def stats(self) -> TierStats:
@@ -248,18 +249,25 @@ class DiskTier:
         host = kv if isinstance(kv, HostKV) else to_host(kv)
         need = file_bytes(host, len(ids), self.key, self.rank, entry_id)
         with self._mutex:
+            if name in self._writing:
+                return None  # another thread is writing these tokens right now
             if not self._fit(need, keep=name):
                 log.warning("disk cache: a %.2f GiB shard does not fit the %.2f GiB budget; not kept on disk "
                             "(raise --disk-cache-gib)", need / 2**30, self.budget / 2**30)
                 return None
-            path = self.path / name
-            try:
-                size = write_kv_file(path, host, ids, self.key, self.rank, entry_id)
-            except OSError as e:
-                log.warning("disk cache: writing %s failed (%s); not kept on disk", name, e)
-                return None
-            st = path.stat()
-            e = DiskEntry(name, path, ids, size, self.rank, entry_id, time.time(), st.st_mtime)
+            self._writing[name] = need  # counted in `used` while written, invisible to get() until complete
+        path = self.path / name
+        try:
+            # outside the mutex: lookups and loads go on during a write of many GiB
+            size = write_kv_file(path, host, ids, self.key, self.rank, entry_id)
+        except OSError as err:
+            log.warning("disk cache: writing %s failed (%s); not kept on disk", name, err)
+            return None
+        finally:
+            with self._mutex:
+                self._writing.pop(name, None)
+        with self._mutex:
+            e = DiskEntry(name, path, ids, size, self.rank, entry_id, time.time(), path.stat().st_mtime)
             self.entries[name] = e
             self._stats.demotions += 1
             return e
@@ -280,6 +288,14 @@ class DiskTier:
             self._stats.hits += 1
             self._touch(best)
             return best, best_n
+
+    def entry_for(self, token_ids) -> DiskEntry | None:
+        """This rank's file of exactly these tokens (what rank 0 found by prefix with `get`, sent to every rank
+        as its token ids: each rank's own file has its own name), or None when this rank has none."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        with self._mutex:
+            e = self.entries.get(file_name(self.key, ids, self.rank))
+            return e if e is not None and np.array_equal(e.ids, ids) else None
 
     def load_host(self, entry: DiskEntry | str, verify: bool = True) -> HostKV:
         """Promote a file into a (pinned) host buffer, digests checked. A damaged or vanished file is removed

@@ -153,6 +153,8 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None) -> HostKV:
             parts = _layer_parts(kv.layers[i].stored())
             for s in (s for s in sections if s.layer == i):
                 host.tensor(s).copy_(parts[s.part], non_blocking=cuda)
+                if cuda:
+                    parts[s.part].record_stream(stream)  # not reused by the allocator before the copy is done
         if cuda:
             host.ready = torch.cuda.Event()
             host.ready.record(stream)

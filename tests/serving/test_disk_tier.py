@@ -3,11 +3,13 @@ damaged and foreign files."""
 import logging
 import os
 import stat
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+from starshard.serving import disk_tier
 from starshard.serving.disk_tier import DiskTier, DiskTierLocked, file_name, lock_path
 from starshard.serving.kv_file import KVFileError, read_header
 from tests.helpers.kv_shards import assert_kv_equal, key_for, make_kv
@@ -67,6 +69,7 @@ def test_a_restart_finds_a_shared_prefix(tmp_path):
         assert t.get(DOC)[1] == 12  # the whole document: one token is left to run
         assert_kv_equal(kv, t.load(e, "cpu"))
         assert t.get(np.r_[55, DOC]) == (None, 0)
+        assert t.entry_for(DOC).name == e.name and t.entry_for(DOC[:5]) is None  # by exact tokens (other ranks)
 
 
 def test_lru_eviction_within_the_budget_survives_a_restart(tmp_path):
@@ -146,3 +149,30 @@ def test_purge_removes_this_key_and_rank_only(tmp_path):
         t.put(1, [3, 4], make_kv(length=3))
         assert t.purge() == 2 and t.list() == [] and t.used == 0
     assert [p.name for p in tmp_path.glob("*.kv")] == [kept.name]
+
+
+def test_an_entry_being_written_is_invisible_and_blocks_no_lookup(tmp_path, monkeypatch):
+    """A demotion writes outside the tier's mutex: lookups and loads of other entries go on, and the entry
+    appears only once its file is complete (never served half-written)."""
+    kv = make_kv(length=13)
+    with tier(tmp_path) as t:
+        t.put(0, np.arange(5), make_kv(length=5))
+        started, release, real = threading.Event(), threading.Event(), disk_tier.write_kv_file
+
+        def slow_write(*a, **kw):
+            started.set()
+            assert release.wait(30)
+            return real(*a, **kw)
+        monkeypatch.setattr(disk_tier, "write_kv_file", slow_write)
+        writer = threading.Thread(target=t.put, args=(1, DOC, kv))
+        writer.start()
+        assert started.wait(30)
+        assert t.get(np.r_[DOC, 1]) == (None, 0)  # not there yet, and the lookup did not wait for the write
+        assert t.load(t.get(np.arange(6))[0], "cpu").length == 5
+        assert t.put(2, DOC, kv) is None  # the same tokens are being written by the other thread
+        assert t.used > sum(e.nbytes for e in t.list())  # the write's bytes are reserved in the budget
+        release.set()
+        writer.join(30)
+        e, n = t.get(np.r_[DOC, 1])
+        assert n == 13 and not list(tmp_path.glob(".*.tmp"))
+        assert_kv_equal(kv, t.load(e, "cpu"))
