@@ -133,7 +133,10 @@ class DiskTier:
     def _reject(self, path: Path, err: KVFileError) -> None:
         log.warning("disk cache: removed %s (%s: %s)", path.name, err.reason, err.detail)
         self._stats.rejected += 1
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:  # a directory or an unwritable file by that name: skipped all the same
+            log.warning("disk cache: could not remove %s (%s)", path.name, e)
 
     def _index(self, verify: bool) -> None:
         foreign, mine = 0, f"-r{self.rank}.kv"
@@ -145,6 +148,9 @@ class DiskTier:
             m = FILE_RE.match(p.name)
             if m is None or int(m["rank"]) != self.rank:
                 continue  # not a shard file, or another rank's: that rank indexes it
+            if p.is_symlink() or not p.is_file():
+                log.warning("disk cache: skipped %s (not a regular file)", p.name)
+                continue
             if m["key"] != self.key.short:
                 # Another model's or layout's files may share the directory (a server restarted with other
                 # weights or --cp, or another deployment); they are left for that key and for `starshard
@@ -161,8 +167,11 @@ class DiskTier:
             except KVFileError as e:
                 self._reject(p, e)
                 continue
-            self.entries[p.name] = DiskEntry(p.name, p, ids, p.stat().st_size, self.rank, h.entry_id, h.created,
-                                             p.stat().st_mtime)
+            try:
+                st = p.stat()
+            except OSError:
+                continue  # removed meanwhile
+            self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime)
         if foreign:
             log.info("disk cache %s: %d file(s) of rank %d belong to another model or layout (key differs from %s): "
                      "not reused, left in place (`starshard cache list --disk-cache-dir %s` shows them)",
@@ -365,7 +374,10 @@ def scan_dir(directory) -> list[FileInfo]:
         m = FILE_RE.match(p.name)
         if m is None:
             continue
-        st = p.stat()
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # removed meanwhile
         try:
             h, err = read_header(p), None
         except KVFileError as e:

@@ -207,7 +207,7 @@ def _header_bytes(host: HostKV, n_tokens: int, tokens_digest: str, digests, key:
                      tokens_offset=0, tokens_digest=tokens_digest, dtype=str(host.dtype).removeprefix("torch."),
                      fp8=host.fp8, length=host.length, next_position=host.next_position, payload_offset=0,
                      payload_bytes=host.nbytes, sections=host.sections, section_digests=tuple(digests),
-                     created=round(time.time(), 3))
+                     created=int(time.time()))  # whole seconds: a fixed width, so file_bytes is exact
     return json.dumps(h.to_json()).encode()
 
 

@@ -176,3 +176,14 @@ def test_an_entry_being_written_is_invisible_and_blocks_no_lookup(tmp_path, monk
         e, n = t.get(np.r_[DOC, 1])
         assert n == 13 and not list(tmp_path.glob(".*.tmp"))
         assert_kv_equal(kv, t.load(e, "cpu"))
+
+
+def test_odd_directory_entries_never_stop_the_start(tmp_path):
+    key = key_for()
+    (tmp_path / file_name(key, [1], 0)).mkdir()  # a directory with a shard's name
+    (tmp_path / file_name(key, [2], 0)).symlink_to("/etc/hostname")
+    (tmp_path / file_name(key, [3], 0)).write_bytes(b"")  # empty
+    with tier(tmp_path, key=key) as t:
+        assert t.list() == []
+    assert (tmp_path / file_name(key, [1], 0)).is_dir() and (tmp_path / file_name(key, [2], 0)).is_symlink()
+    assert not (tmp_path / file_name(key, [3], 0)).exists()
