@@ -79,7 +79,8 @@ def list_files(directory: Path, as_json: bool) -> int:
               f"({len(group)} files, {sum(i.nbytes for i in group) / 2**30:.2f} GiB)")
         for i in group:
             tokens = "damaged" if i.header is None else f"{i.header.n_tokens} tokens"
-            line = f"  rank {i.rank:<3} {tokens:>16} {i.nbytes / 2**20:12.1f} MiB  used {age(now - i.mtime)} ago  {i.path.name}"
+            line = (f"  rank {i.rank:<3} {tokens:>16} {i.nbytes / 2**20:12.1f} MiB  used {age(now - i.mtime)} ago  "
+                    f"{i.path.name}")
             print(line + (f"  ({i.error})" if i.error else ""))
     return 0
 

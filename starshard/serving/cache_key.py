@@ -40,7 +40,8 @@ def digest(data: bytes | str, size: int = 32) -> str:
 
 
 def _file_sample(path: Path) -> str:
-    """A digest of the file's head and SAMPLES_PER_FILE blocks spread over the rest (a few MiB read, whatever its size)."""
+    """A digest of the file's head and SAMPLES_PER_FILE blocks spread over the rest (about 1 MiB read,
+    whatever the file's size)."""
     size = path.stat().st_size
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:

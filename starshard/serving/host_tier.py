@@ -298,7 +298,8 @@ class HostTier:
         if victims_ids is None:
             if old is not None:
                 self.entries[entry_id] = old
-            raise ValueError(f"a {max(entry.bytes_on(r) for r in range(self.ranks)) / 2**30:.2f} GiB shard does not fit "
+            biggest = max(entry.bytes_on(r) for r in range(self.ranks))
+            raise ValueError(f"a {biggest / 2**30:.2f} GiB shard does not fit "
                              f"the host cache budget of {self.budget / 2**30:.2f} GiB: raise --host-cache-gib")
         victims = [self.entries.pop(i) for i in victims_ids]
         self._stats.evictions += len(victims)

@@ -282,7 +282,8 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
                     futures.append((s, want, pool.submit(_hash, buf[s.offset:s.offset + s.nbytes])))
             for s, want, fut in futures:
                 if fut.result() != want:
-                    raise KVFileError(path, "checksum", f"layer {s.layer} {s.part}: the payload's digest does not match")
+                    raise KVFileError(path, "checksum",
+                                      f"layer {s.layer} {s.part}: the payload's digest does not match")
     except OSError as e:
         raise KVFileError(path, "io", str(e)) from None
     return host, tokens, h

@@ -68,17 +68,17 @@ def test_random_weights_are_their_preset_and_seed():
 
 def test_the_key_binds_dtype_fp8_layout_and_version():
     m = model_fingerprint(CFG, random_preset="tiny", seed=0)
-    base = cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=dict(block_size=64, anchor_size=64,
-                                                                                  query_rank=1, unset=None))
-    again = cache_key(m, dtype="bfloat16", cp=2, strategy="star", options=dict(query_rank=1, anchor_size=64,
-                                                                               block_size=64))
+    star = dict(block_size=64, anchor_size=64, query_rank=1)
+    base = cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=dict(star, unset=None))
+    again = cache_key(m, dtype="bfloat16", cp=2, strategy="star", options=dict(reversed(star.items())))
     assert base == again and base.digest == again.digest and len(base.short) == 16
     assert CacheKey.from_fields(base.fields()) == base  # the header's JSON round trip
-    others = [cache_key(m, dtype=torch.float16, cp=2, strategy="star", options=dict(block_size=64, anchor_size=64, query_rank=1)),
-              cache_key(m, dtype=torch.bfloat16, fp8="kv", cp=2, strategy="star", options=dict(block_size=64, anchor_size=64, query_rank=1)),
-              cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=dict(block_size=32, anchor_size=64, query_rank=1)),
+    others = [cache_key(m, dtype=torch.float16, cp=2, strategy="star", options=star),
+              cache_key(m, dtype=torch.bfloat16, fp8="kv", cp=2, strategy="star", options=star),
+              cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=dict(star, block_size=32)),
               cache_key(m, dtype=torch.bfloat16, cp=2, strategy="ring", options=dict(query_rank=1)),
-              cache_key(m, dtype=torch.bfloat16, tp=2, cp=2, strategy="star", options=dict(block_size=64, anchor_size=64, query_rank=1)),
+              cache_key(m, dtype=torch.bfloat16, tp=2, cp=2, strategy="star", options=star),
+              cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=star, prefill_chunk=4096),
               CacheKey(**{**base.__dict__, "format_version": ck.FORMAT_VERSION + 1})]
     assert len({k.digest for k in others} | {base.digest}) == len(others) + 1
     with pytest.raises(ValueError, match="not a plain value"):
