@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
@@ -351,6 +353,24 @@ class DiskTier:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def load_everywhere(tier: DiskTier, token_ids, device, group=None, extra_capacity: int = 0) -> KVCache | None:
+    """Every rank of `group` loads its own shard of the entry of exactly `token_ids` (what rank 0 found
+    with `get`, sent to every rank), and they agree: each rank's KVCache when every rank loaded its own,
+    None on every rank when any one could not (its file missing, damaged or evicted): then the caller
+    re-prefills. One all-reduce (MIN) over `group`, a CPU (gloo) group such as the service's control
+    group; every rank reaches it whatever happened locally, so a missing file never hangs the group."""
+    kv = None
+    e = tier.entry_for(token_ids)
+    if e is not None:
+        try:
+            kv = tier.load(e, device, extra_capacity)
+        except KVFileError:
+            kv = None  # logged and removed by load; the others learn it below
+    ok = torch.tensor([int(kv is not None)], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return kv if int(ok.item()) else None
 
 
 # ---------------------------------------------------------------------------- offline: `starshard cache`
