@@ -27,7 +27,7 @@ import torch.distributed as dist
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
 from starshard.serving.context_cache import common_prefix
-from starshard.serving.host_tier import HostKV, to_device, to_host
+from starshard.serving.host_tier import DeviceLoader, HostKV, to_device, to_host
 from starshard.serving.kv_file import (
     KVFileError,
     KVFileHeader,
@@ -309,9 +309,15 @@ class DiskTier:
             return e if e is not None and np.array_equal(e.ids, ids) else None
 
     def load_host(self, entry: DiskEntry | str, verify: bool = True) -> HostKV:
-        """Promote a file into a (pinned) host buffer, digests checked. A damaged or vanished file is removed
-        from the index (and the disk), logged, and raised as KVFileError: the caller re-prefills."""
+        """Promote a file into a (pinned) host buffer, digests checked (e.g. into the host tier). A damaged or
+        vanished file is removed from the index (and the disk), logged, and raised as KVFileError: the
+        caller re-prefills."""
         t0 = time.perf_counter()
+        host = self._read(entry, verify, None)
+        self._stats.observe_reload(time.perf_counter() - t0)
+        return host
+
+    def _read(self, entry: DiskEntry | str, verify: bool, on_layer) -> HostKV:
         with self._mutex:
             e = self.entries.get(entry if isinstance(entry, str) else entry.name)
             if e is None:
@@ -319,7 +325,7 @@ class DiskTier:
                                   "not in this disk tier (evicted or never written)")
             self._touch(e)
         try:
-            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify)
+            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer)
             if not np.array_equal(ids, e.ids):
                 raise KVFileError(e.path, "header", "the token ids changed since the file was indexed")
         except KVFileError as err:
@@ -330,15 +336,22 @@ class DiskTier:
                 else:
                     self._reject(e.path, err)
             raise
-        self._stats.observe_reload(time.perf_counter() - t0)
         return host
 
     def load(self, entry: DiskEntry | str, device, extra_capacity: int = 0, verify: bool = True) -> KVCache:
         """Promote a file straight to `device`: a KVCache of exactly its rows plus `extra_capacity`, copies
-        done. Raises KVFileError as load_host."""
-        host = self.load_host(entry, verify)
-        load = to_device(host, device, extra_capacity)
+        done; each layer's host -> device copy starts as soon as its bytes are read. Raises KVFileError as
+        load_host."""
+        t0, loader = time.perf_counter(), []
+
+        def start(host, i):
+            if not loader:
+                loader.append(DeviceLoader(host, device, extra_capacity))
+            loader[0].copy_layer(i)
+        host = self._read(entry, verify, start)
+        load = loader[0].finish() if loader else to_device(host, device, extra_capacity)
         load.synchronize()
+        self._stats.observe_reload(time.perf_counter() - t0)
         return load.kv
 
     def close(self) -> None:

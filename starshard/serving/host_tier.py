@@ -198,43 +198,61 @@ class DeviceLoad:
         return seconds
 
 
+class DeviceLoader:
+    """to_device in steps: the KVCache is allocated at once and each layer copied when `copy_layer(i)` is
+    called, e.g. as soon as a disk read has brought that layer's bytes in (kv_file.read_kv_host's
+    on_layer), so the host -> device copies overlap the rest of the read."""
+
+    def __init__(self, host: HostKV, device, extra_capacity: int = 0, stream: torch.cuda.Stream | None = None):
+        if extra_capacity < 0:
+            raise ValueError(f"extra_capacity must be >= 0, got {extra_capacity}")
+        self.host, self.device = host, torch.device(device)
+        b, h, d = host.shape()
+        self.kv = KVCache(host.layer_ids, b, h, d, host.length + extra_capacity, host.dtype, self.device, host.fp8)
+        self.kv.next_position = host.next_position
+        self.cuda = self.device.type == "cuda"
+        self.stream = None
+        if self.cuda:
+            self.stream = stream or torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the new memory may be in use before
+            if host.ready is not None:
+                self.stream.wait_event(host.ready)
+        elif host.ready is not None:
+            host.synchronize()
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.started = time.perf_counter()
+
+    def copy_layer(self, i: int) -> None:
+        host, layer, n = self.host, self.kv.layers[i], self.host.length
+        dst = _layer_parts(StoredKV(layer.k[:, :, :n], layer.v[:, :, :n], layer.pos[:n],
+                                    *((layer.k_scale[:, :, :n], layer.v_scale[:, :, :n]) if host.fp8 else (None, None))))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for s in (s for s in host.sections if s.layer == i):
+                dst[s.part].copy_(host.tensor(s), non_blocking=self.cuda)
+            layer.length = n
+            if self.cuda:
+                for t in (layer.k, layer.v, layer.pos, layer.k_scale, layer.v_scale):
+                    if t is not None:
+                        t.record_stream(self.stream)  # allocated on the consumer's stream, written on this one
+                self.events[i] = torch.cuda.Event()
+                self.events[i].record(self.stream)
+
+    def finish(self) -> DeviceLoad:
+        """The load, once copy_layer has been called for every layer."""
+        missing = [i for i in self.kv.layers if self.kv.layers[i].length != self.host.length]
+        if missing and self.host.length:
+            raise RuntimeError(f"DeviceLoader.finish: layers {missing} were never copied")
+        return DeviceLoad(self.kv, self.events, self.host if self.cuda else None, self.started)
+
+
 def to_device(host: HostKV, device, extra_capacity: int = 0, stream: torch.cuda.Stream | None = None) -> DeviceLoad:
     """Rebuild a KVCache of the shard on `device` with room for `extra_capacity` more rows. CUDA: copies
     run layer by layer on `stream` (default: a new side stream) with one event per layer (DeviceLoad.wait);
     a HostKV still being filled by to_host is waited for on that stream, not on the host."""
-    if extra_capacity < 0:
-        raise ValueError(f"extra_capacity must be >= 0, got {extra_capacity}")
-    device = torch.device(device)
-    b, h, d = host.shape()
-    layer_ids = host.layer_ids
-    kv = KVCache(layer_ids, b, h, d, host.length + extra_capacity, host.dtype, device, host.fp8)
-    kv.next_position = host.next_position
-    cuda = device.type == "cuda"
-    if cuda:
-        stream = stream or torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the new tensors' memory may be in use before
-        if host.ready is not None:
-            stream.wait_event(host.ready)
-    elif host.ready is not None:
-        host.synchronize()
-    events = {}
-    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-        for i in layer_ids:
-            layer = kv.layers[i]
-            dst = _layer_parts(StoredKV(layer.k[:, :, :host.length], layer.v[:, :, :host.length],
-                                        layer.pos[:host.length], *(
-                                            (layer.k_scale[:, :, :host.length], layer.v_scale[:, :, :host.length])
-                                            if host.fp8 else (None, None))))
-            for s in (s for s in host.sections if s.layer == i):
-                dst[s.part].copy_(host.tensor(s), non_blocking=cuda)
-            layer.length = host.length
-            if cuda:
-                for t in (layer.k, layer.v, layer.pos, layer.k_scale, layer.v_scale):
-                    if t is not None:
-                        t.record_stream(stream)  # allocated on the consumer's stream, written on this one
-                events[i] = torch.cuda.Event()
-                events[i].record(stream)
-    return DeviceLoad(kv, events, host if cuda else None)
+    loader = DeviceLoader(host, device, extra_capacity, stream)
+    for i in host.layer_ids:
+        loader.copy_layer(i)
+    return loader.finish()
 
 
 @dataclass

@@ -28,13 +28,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import FORMAT_VERSION, CacheKey
-from starshard.serving.host_tier import PARTS, STORE_DTYPES, HostKV, Section, layout, pinned_empty, to_device, to_host
+from starshard.serving.host_tier import (
+    PARTS,
+    STORE_DTYPES,
+    DeviceLoader,
+    HostKV,
+    Section,
+    layout,
+    pinned_empty,
+    to_device,
+    to_host,
+)
 
 MAGIC = b"SSKVSHRD"
 PRELUDE = struct.Struct("<8sII16s")  # magic, version, header length, header digest
@@ -260,15 +271,23 @@ def fsync_dir(path) -> None:
 
 
 def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, verify: bool = True,
-                 header: KVFileHeader | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
+                 header: KVFileHeader | None = None,
+                 on_layer: Callable[[HostKV, int], None] | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
     """Read a shard into a (pinned) host buffer by large sequential reads, each section's digest checked
-    on a thread pool as soon as its bytes are in (verify=False skips them). (HostKV, token ids, header)."""
+    on a thread pool as soon as its bytes are in (verify=False skips them). (HostKV, token ids, header).
+    on_layer(host, i) is called as soon as layer i's bytes are in, before the digests are known (to start
+    its copy to the device: host_tier.DeviceLoader); a digest that fails raises after it, and the caller
+    drops what it copied."""
     path = Path(path)
     h = header or read_header(path, key, rank)
     tokens = read_tokens(path, h)
     host = HostKV(pinned_empty(h.payload_bytes), h.sections, getattr(torch, h.dtype), h.fp8, h.length, h.next_position)
     buf = _u8(host.buffer)
     pending, futures, done = list(zip(h.sections, h.section_digests)), [], 0
+    layer_end = {}
+    for s in h.sections:
+        layer_end[s.layer] = max(layer_end.get(s.layer, 0), s.offset + s.nbytes)
+    layers = list(layer_end.items())
     try:
         with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(HASH_THREADS) as pool:
             f.seek(h.payload_offset)
@@ -280,6 +299,8 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
                 while verify and pending and pending[0][0].offset + pending[0][0].nbytes <= done:
                     s, want = pending.pop(0)
                     futures.append((s, want, pool.submit(_hash, buf[s.offset:s.offset + s.nbytes])))
+                while on_layer is not None and layers and layers[0][1] <= done:
+                    on_layer(host, layers.pop(0)[0])
             for s, want, fut in futures:
                 if fut.result() != want:
                     raise KVFileError(path, "checksum",
@@ -293,7 +314,13 @@ def read_kv_file(path, device, key: CacheKey | None = None, rank: int | None = N
                  verify: bool = True) -> tuple[KVCache, np.ndarray]:
     """A file's shard as a KVCache of exactly its rows (plus `extra_capacity`) on `device`, copies done,
     and its token ids."""
-    host, tokens, _ = read_kv_host(path, key, rank, verify)
-    load = to_device(host, device, extra_capacity)
+    loader = []
+
+    def start(host, i):  # each layer's copy to the device overlaps the rest of the read
+        if not loader:
+            loader.append(DeviceLoader(host, device, extra_capacity))
+        loader[0].copy_layer(i)
+    host, tokens, _ = read_kv_host(path, key, rank, verify, on_layer=start)
+    load = loader[0].finish() if loader else to_device(host, device, extra_capacity)
     load.synchronize()
     return load.kv, tokens

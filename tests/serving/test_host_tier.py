@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from starshard.serving.host_tier import HostTier, layout, to_device, to_host
+from starshard.serving.host_tier import DeviceLoader, HostTier, layout, to_device, to_host
 from tests.helpers.kv_shards import assert_kv_equal, make_kv
 
 
@@ -75,3 +75,11 @@ def test_load_promotes_and_counts():
     assert tier.entries == {}
     s = tier.stats.as_dict()
     assert s["promotions"] == 2 and s["reload_seconds_count"] == 2 and s["reload_seconds_buckets"]["+Inf"] == 2
+
+
+def test_the_stepwise_loader_refuses_to_finish_early():
+    host = to_host(make_kv(length=5))
+    loader = DeviceLoader(host, "cpu")
+    loader.copy_layer(0)
+    with pytest.raises(RuntimeError, match=r"layers \[1, 2\] were never copied"):
+        loader.finish()
