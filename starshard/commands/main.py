@@ -6,6 +6,7 @@
     starshard eval --lengths 1024,2048 --out runs/dense            # launch/eval.py
     starshard bench prefill --random-weights llama-3.1-8b ...      # launch/bench.py
     starshard convert --hf DIR --out CKPT --tp 2                   # python -m starshard.checkpoints.convert
+    starshard cache list --disk-cache-dir DIR                      # the disk tier's files; cache purge removes them
     torchrun --nproc-per-node 4 -m starshard run --tp 2 --pp 2 ... # every rank runs the same command
 
 Each command parses its own flags, so `starshard <command> --help` is that command's full help.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from starshard.checkpoints import convert
-from starshard.commands import bench, fidelity, infer, serve
+from starshard.commands import bench, cache, fidelity, infer, serve
 from starshard.commands import eval as accuracy
 from starshard.parallel.exit import exit_process
 from starshard.tools import anchor_calibrate, minference_search
@@ -54,6 +55,7 @@ COMMANDS = {
     "serve": Command(serve.main, "OpenAI-compatible HTTP server over the parallel group (launch/serve.py)"),
     "eval": Command(accuracy.main, "accuracy harness: RULER-style synthetic tasks, --compare runs (launch/eval.py)"),
     "bench": Command(benchmark, "benchmarks -> JSON (+ PNG), one subcommand per benchmark (launch/bench.py)"),
+    "cache": Command(cache.main, "list or purge the context cache's disk tier (--disk-cache-dir)"),
     "convert": Command(convert.main, "convert a Hugging Face dir or a GGUF file into starshard shards"),
     "fidelity": Command(fidelity.main, "per-layer fidelity of approximate attention against dense (launch/fidelity.py)"),
     "minference-search": Command(tool(minference_search.main),

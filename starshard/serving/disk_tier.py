@@ -1,0 +1,447 @@
+"""The disk tier: one rank's cache entry shards as files in a directory (`--disk-cache-dir`), within a
+byte budget, found again by prefix after a restart.
+
+Files are named `<key16>-<tokens16>-r<rank>.kv` (hashes of the cache key and of the token ids: never
+request text) and each rank writes and indexes only its own, so a directory per node and one shared
+filesystem both work. An exclusive lock per rank (`rank<r>.lock`, fcntl.flock) keeps a second server
+off the same directory and rank. LRU order is the files' modification time (touched on each use), so
+it survives a restart too.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import socket
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from starshard.engine.kv_cache import KVCache
+from starshard.serving.cache_key import CacheKey, token_digest
+from starshard.serving.context_cache import common_prefix
+from starshard.serving.host_tier import DeviceLoader, HostKV, to_device, to_host
+from starshard.serving.kv_file import (
+    KVFileError,
+    KVFileHeader,
+    file_bytes,
+    fsync_dir,
+    read_header,
+    read_kv_host,
+    read_tokens,
+    write_kv_file,
+)
+from starshard.serving.tier_stats import TierStats
+
+log = logging.getLogger("starshard.serving.disk_tier")
+
+FILE_RE = re.compile(r"^(?P<key>[0-9a-f]{16})-(?P<tokens>[0-9a-f]{16})-r(?P<rank>\d+)\.kv$")
+TMP_RE = re.compile(r"^\.(?P<name>.+\.kv)\.\d+\.tmp$")  # kv_file.write_kv_file's temporary names
+
+
+class DiskTierLocked(RuntimeError):
+    """Another process holds this directory and rank."""
+
+
+def file_name(key: CacheKey, token_ids, rank: int) -> str:
+    return f"{key.short}-{token_digest(token_ids)}-r{rank}.kv"
+
+
+def lock_path(directory, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.lock"
+
+
+def take_lock(directory, rank: int) -> int:
+    """An exclusive, non-blocking flock on the rank's lock file (its fd); DiskTierLocked naming the file,
+    the holder and the fix when another process has it. Released when the fd is closed (or the process ends)."""
+    path = lock_path(directory, rank)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DiskTierLocked(
+            f"the disk cache lock {path} is held by another process ({holder}): two servers cannot share one "
+            f"--disk-cache-dir for rank {rank}; give this server its own --disk-cache-dir, or stop the other "
+            f"server (the lock is released when it exits)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def make_private_dir(path) -> Path:
+    """The directory, created 0700 if missing; an existing one readable by others is named in a warning
+    (it is the operator's directory: its mode is not changed behind their back)."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("disk cache directory %s has mode %o: other users can read the cached documents; "
+                    "chmod 700 it", path, mode)
+    return path
+
+
+@dataclass
+class DiskEntry:
+    name: str
+    path: Path
+    ids: np.ndarray  # the token ids whose KV the file holds
+    nbytes: int  # the file's size
+    rank: int
+    entry_id: int | None  # the context cache's id when it was written (informational: ids restart with the server)
+    created: float
+    last_used: float  # the file's mtime: LRU order, kept across restarts
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class DiskTier:
+    """One rank's files of one cache key in `path`, LRU within `budget_bytes`.
+
+    verify_on_start: also check every payload's digests while indexing (a full read of the directory);
+    off, start reads headers and token ids only (seconds for terabytes) and a damaged payload is caught
+    when it is loaded: `load` then removes the file and raises KVFileError, and the caller re-prefills.
+    """
+
+    def __init__(self, path, budget_bytes: int, key: CacheKey, rank: int, verify_on_start: bool = False):
+        if budget_bytes <= 0:
+            raise ValueError(f"the disk cache budget must be > 0 bytes (--disk-cache-gib), got {budget_bytes}")
+        self.path = make_private_dir(path)
+        self.budget = budget_bytes
+        self.key = key
+        self.rank = rank
+        self.entries: dict[str, DiskEntry] = {}
+        self._writing: dict[str, int] = {}  # names being written -> the bytes reserved for them
+        self._stats = TierStats()
+        self._mutex = threading.RLock()  # a writer thread may demote while the scheduler looks up
+        self._lock_fd = take_lock(self.path, rank)
+        try:
+            self._index(verify_on_start)
+            self._fit(0)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start
+    def _reject(self, path: Path, err: KVFileError) -> None:
+        log.warning("disk cache: removed %s (%s: %s)", path.name, err.reason, err.detail)
+        self._stats.rejected += 1
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:  # a directory or an unwritable file by that name: skipped all the same
+            log.warning("disk cache: could not remove %s (%s)", path.name, e)
+
+    def _index(self, verify: bool) -> None:
+        foreign, mine = 0, f"-r{self.rank}.kv"
+        for p in sorted(self.path.iterdir()):
+            tmp = TMP_RE.match(p.name)
+            if tmp and tmp["name"].endswith(mine):
+                p.unlink(missing_ok=True)  # a crashed write of this rank's (we hold its lock: no writer is live)
+                continue
+            m = FILE_RE.match(p.name)
+            if m is None or int(m["rank"]) != self.rank:
+                continue  # not a shard file, or another rank's: that rank indexes it
+            if p.is_symlink() or not p.is_file():
+                log.warning("disk cache: skipped %s (not a regular file)", p.name)
+                continue
+            if m["key"] != self.key.short:
+                # Another model's or layout's files may share the directory (a server restarted with other
+                # weights or --cp, or another deployment); they are left for that key and for `starshard
+                # cache purge`, never read as ours.
+                foreign += 1
+                continue
+            try:
+                h = read_header(p, self.key, self.rank)
+                ids = read_tokens(p, h)
+                if token_digest(ids) != m["tokens"]:
+                    raise KVFileError(p, "header", "the token ids do not match the file's name")
+                if verify:
+                    read_kv_host(p, self.key, self.rank, verify=True, header=h)
+            except KVFileError as e:
+                self._reject(p, e)
+                continue
+            try:
+                st = p.stat()
+            except OSError:
+                continue  # removed meanwhile
+            self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime)
+        if foreign:
+            log.info("disk cache %s: %d file(s) of rank %d belong to another model or layout (key differs from %s): "
+                     "not reused, left in place (`starshard cache list --disk-cache-dir %s` shows them)",
+                     self.path, foreign, self.rank, self.key.short, self.path)
+        log.info("disk cache %s rank %d: %d entries, %.2f GiB of %.2f GiB", self.path, self.rank, len(self.entries),
+                 self.used / 2**30, self.budget / 2**30)
+
+    # -- accounting
+    @property
+    def used(self) -> int:
+        return sum(e.nbytes for e in self.entries.values()) + sum(self._writing.values())
+
+    @property
+    def stats(self) -> TierStats:
+        with self._mutex:
+            self._stats.entries = len(self.entries)
+            self._stats.bytes = self.used
+        return self._stats
+
+    def list(self) -> list[DiskEntry]:
+        """This key's entries on this rank, least recently used first."""
+        with self._mutex:
+            return sorted(self.entries.values(), key=lambda e: e.last_used)
+
+    def _remove(self, name: str) -> None:
+        e = self.entries.pop(name, None)
+        if e is not None:
+            e.path.unlink(missing_ok=True)  # a load reading it keeps its open file: POSIX frees it after
+
+    def remove(self, name: str) -> None:
+        with self._mutex:
+            self._remove(name)
+            fsync_dir(self.path)
+
+    def _fit(self, need: int, keep: str | None = None) -> bool:
+        """Evict LRU files until `need` more bytes fit; False (nothing evicted) if they never can."""
+        if need > self.budget:
+            return False
+        victims, used = [], self.used
+        for e in sorted(self.entries.values(), key=lambda e: e.last_used):
+            if used + need <= self.budget:
+                break
+            if e.name != keep:
+                victims.append(e.name)
+                used -= e.nbytes
+        if used + need > self.budget:
+            return False
+        for name in victims:
+            self._remove(name)
+        self._stats.evictions += len(victims)
+        if victims:
+            fsync_dir(self.path)
+        return True
+
+    def purge(self) -> int:
+        """Remove every file of this key and rank; the number removed."""
+        with self._mutex:
+            n = len(self.entries)
+            for name in list(self.entries):
+                self._remove(name)
+            fsync_dir(self.path)
+            return n
+
+    def _touch(self, e: DiskEntry) -> None:
+        now = time.time()
+        e.last_used = max(now, e.last_used + 1e-6)
+        try:
+            os.utime(e.path, (e.last_used, e.last_used))
+        except OSError:
+            pass  # removed meanwhile: the next load reports it
+
+    # -- moves
+    def put(self, entry_id: int | None, token_ids, kv: KVCache | HostKV) -> DiskEntry | None:
+        """Demote a shard to disk: written atomically under its hashed name, LRU files evicted to stay in the
+        budget. None (logged) when it cannot be kept: larger than the budget, or the write failed (disk
+        full, I/O error); the cache is best effort and the caller's entry stays valid where it was."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        name = file_name(self.key, ids, self.rank)
+        with self._mutex:
+            old = self.entries.get(name)
+            if old is not None and np.array_equal(old.ids, ids):
+                self._touch(old)  # the same key and tokens: the same bytes are already here
+                return old
+        host = kv if isinstance(kv, HostKV) else to_host(kv)
+        need = file_bytes(host, len(ids), self.key, self.rank, entry_id)
+        with self._mutex:
+            if name in self._writing:
+                return None  # another thread is writing these tokens right now
+            if not self._fit(need, keep=name):
+                log.warning("disk cache: a %.2f GiB shard does not fit the %.2f GiB budget; not kept on disk "
+                            "(raise --disk-cache-gib)", need / 2**30, self.budget / 2**30)
+                return None
+            self._writing[name] = need  # counted in `used` while written, invisible to get() until complete
+        path = self.path / name
+        try:
+            # outside the mutex: lookups and loads go on during a write of many GiB
+            size = write_kv_file(path, host, ids, self.key, self.rank, entry_id)
+        except OSError as err:
+            log.warning("disk cache: writing %s failed (%s); not kept on disk", name, err)
+            return None
+        finally:
+            with self._mutex:
+                self._writing.pop(name, None)
+        with self._mutex:
+            e = DiskEntry(name, path, ids, size, self.rank, entry_id, time.time(), path.stat().st_mtime)
+            self.entries[name] = e
+            self._stats.demotions += 1
+            return e
+
+    def get(self, token_ids, min_tokens: int = 1) -> tuple[DiskEntry | None, int]:
+        """The file sharing the longest prefix with `token_ids` and that length, capped at len - 1 (as
+        ContextCache.lookup: one prompt token always runs); (None, 0) below `min_tokens`."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        with self._mutex:
+            self._stats.lookups += 1
+            best, best_n = None, 0
+            for e in self.entries.values():
+                n = min(common_prefix(e.ids, ids), len(ids) - 1)
+                if n > best_n:
+                    best, best_n = e, n
+            if best is None or best_n < min_tokens:
+                return None, 0
+            self._stats.hits += 1
+            self._touch(best)
+            return best, best_n
+
+    def entry_for(self, token_ids) -> DiskEntry | None:
+        """This rank's file of exactly these tokens (what rank 0 found by prefix with `get`, sent to every rank
+        as its token ids: each rank's own file has its own name), or None when this rank has none."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        with self._mutex:
+            e = self.entries.get(file_name(self.key, ids, self.rank))
+            return e if e is not None and np.array_equal(e.ids, ids) else None
+
+    def load_host(self, entry: DiskEntry | str, verify: bool = True) -> HostKV:
+        """Promote a file into a (pinned) host buffer, digests checked (e.g. into the host tier). A damaged or
+        vanished file is removed from the index (and the disk), logged, and raised as KVFileError: the
+        caller re-prefills."""
+        t0 = time.perf_counter()
+        host = self._read(entry, verify, None)
+        self._stats.observe_reload(time.perf_counter() - t0)
+        return host
+
+    def _read(self, entry: DiskEntry | str, verify: bool, on_layer) -> HostKV:
+        with self._mutex:
+            e = self.entries.get(entry if isinstance(entry, str) else entry.name)
+            if e is None:
+                raise KVFileError(self.path / str(entry if isinstance(entry, str) else entry.name), "io",
+                                  "not in this disk tier (evicted or never written)")
+            self._touch(e)
+        try:
+            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer)
+            if not np.array_equal(ids, e.ids):
+                raise KVFileError(e.path, "header", "the token ids changed since the file was indexed")
+        except KVFileError as err:
+            with self._mutex:
+                self.entries.pop(e.name, None)
+                if err.reason == "io" and not e.path.exists():
+                    log.warning("disk cache: %s vanished (%s)", e.name, err.detail)
+                else:
+                    self._reject(e.path, err)
+            raise
+        return host
+
+    def load(self, entry: DiskEntry | str, device, extra_capacity: int = 0, verify: bool = True) -> KVCache:
+        """Promote a file straight to `device`: a KVCache of exactly its rows plus `extra_capacity`, copies
+        done; each layer's host -> device copy starts as soon as its bytes are read. Raises KVFileError as
+        load_host."""
+        t0, loader = time.perf_counter(), []
+
+        def start(host, i):
+            if not loader:
+                loader.append(DeviceLoader(host, device, extra_capacity))
+            loader[0].copy_layer(i)
+        host = self._read(entry, verify, start)
+        load = loader[0].finish() if loader else to_device(host, device, extra_capacity)
+        load.synchronize()
+        self._stats.observe_reload(time.perf_counter() - t0)
+        return load.kv
+
+    def close(self) -> None:
+        """Release the rank's lock (also released when the process exits)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def load_everywhere(tier: DiskTier, token_ids, device, group=None, extra_capacity: int = 0) -> KVCache | None:
+    """Every rank of `group` loads its own shard of the entry of exactly `token_ids` (what rank 0 found
+    with `get`, sent to every rank), and they agree: each rank's KVCache when every rank loaded its own,
+    None on every rank when any one could not (its file missing, damaged or evicted): then the caller
+    re-prefills. One all-reduce (MIN) over `group`, a CPU (gloo) group such as the service's control
+    group; every rank reaches it whatever happened locally, so a missing file never hangs the group."""
+    kv = None
+    e = tier.entry_for(token_ids)
+    if e is not None:
+        try:
+            kv = tier.load(e, device, extra_capacity)
+        except KVFileError:
+            kv = None  # logged and removed by load; the others learn it below
+    ok = torch.tensor([int(kv is not None)], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return kv if int(ok.item()) else None
+
+
+# ---------------------------------------------------------------------------- offline: `starshard cache`
+@dataclass
+class FileInfo:
+    """One shard file as `starshard cache list` shows it (header None: unreadable, `error` says why)."""
+
+    path: Path
+    key16: str
+    rank: int
+    nbytes: int
+    mtime: float
+    header: KVFileHeader | None
+    error: str | None = None
+
+
+def scan_dir(directory) -> list[FileInfo]:
+    """Every shard file in a directory, any key or rank, headers checked (payloads not read)."""
+    out = []
+    for p in sorted(Path(directory).iterdir()):
+        m = FILE_RE.match(p.name)
+        if m is None:
+            continue
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            h, err = read_header(p), None
+        except KVFileError as e:
+            h, err = None, f"{e.reason}: {e.detail}"
+        out.append(FileInfo(p, m["key"], int(m["rank"]), st.st_size, st.st_mtime, h, err))
+    return out
+
+
+def _rank_of(name: str) -> int | None:
+    """The rank of a shard file or of its temporary file; None for anything else."""
+    tmp = TMP_RE.match(name)
+    m = FILE_RE.match(tmp["name"] if tmp else name)
+    return int(m["rank"]) if m else None
+
+
+def purge_dir(directory, key_prefix: str | None = None) -> list[Path]:
+    """Remove the shard files (all, or those whose key digest starts with `key_prefix`) and stale temporary
+    files; refuses (DiskTierLocked) while a server holds a rank whose files would go. The paths removed."""
+    directory = Path(directory)
+    files = [p for p in sorted(directory.iterdir()) if _rank_of(p.name) is not None]
+    if key_prefix is not None:
+        files = [p for p in files if FILE_RE.match(p.name) and p.name.startswith(key_prefix)]
+    ranks = sorted({_rank_of(p.name) for p in files})
+    fds = []
+    try:
+        for r in ranks:
+            fds.append(take_lock(directory, r))
+        for p in files:
+            p.unlink(missing_ok=True)
+        fsync_dir(directory)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return files

@@ -1,0 +1,368 @@
+"""The host tier: one rank's cache entry shards kept in (pinned) host memory, within a byte budget.
+
+A shard leaves the device as one flat byte buffer (`HostKV`: each layer's filled rows of k, v,
+positions and, for FP8, the e4m3 bytes with their float32 scales; nothing is converted), copied on a
+side CUDA stream so the compute stream keeps running. The same buffer is what kv_file.py writes to
+disk and reads back, so a shard moves device -> host -> disk -> host -> device without reformatting.
+
+Coming back, `to_device` copies layer by layer on a side stream and records one CUDA event per
+layer: a consumer makes its stream wait for layer i only (`DeviceLoad.wait(i)`) right before layer i
+reads the entry, so the question's forward through layers 0..i-1 overlaps the copies of layers
+i..L-1. A caller with nothing to overlap calls `DeviceLoad.wait_all()` (GPU side, no host sync) or
+`synchronize()`.
+
+An entry being moved is never freed or read half-copied: a HostKV keeps its source KVCache alive
+until its copy is done (`HostKV.synchronize`), a DeviceLoad keeps its HostKV's pinned buffer alive,
+and every reader of a buffer still in flight waits on its event first.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from starshard.engine.kv_cache import KVCache, StoredKV
+from starshard.serving.context_cache import common_prefix
+from starshard.serving.tier_stats import TierStats
+
+ALIGN = 64  # every section starts on a 64-byte boundary: any dtype views it, copies run on aligned lines
+PARTS = ("pos", "k", "v", "k_scale", "v_scale")  # a layer's sections, in buffer order (scales: FP8 only)
+STORE_DTYPES = {str(d).removeprefix("torch."): d for d in
+                (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int64)}
+
+
+@dataclass(frozen=True)
+class Section:
+    """One tensor inside a shard's flat buffer."""
+
+    layer: int
+    part: str  # one of PARTS
+    dtype: str  # a key of STORE_DTYPES
+    shape: tuple[int, ...]
+    offset: int  # bytes from the buffer's start
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout(layer_ids, batch: int, heads: int, head_dim: int, length: int, dtype: torch.dtype,
+           fp8: bool) -> tuple[tuple[Section, ...], int]:
+    """The sections of a shard of `length` rows per layer and the buffer's size in bytes."""
+    store = torch.float8_e4m3fn if fp8 else dtype
+    shapes = dict(pos=((length,), torch.int64), k=((batch, heads, length, head_dim), store),
+                  v=((batch, heads, length, head_dim), store))
+    if fp8:
+        shapes |= dict(k_scale=((batch, heads, length), torch.float32), v_scale=((batch, heads, length), torch.float32))
+    out, off = [], 0
+    for i in layer_ids:
+        for part in PARTS:
+            if part not in shapes:
+                continue
+            shape, dt = shapes[part]
+            n = math.prod(shape) * dt.itemsize
+            out.append(Section(i, part, str(dt).removeprefix("torch."), shape, off, n))
+            off = _align(off + n)
+    return tuple(out), off
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host buffer, page-locked when CUDA is there (asynchronous copies need it)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+@dataclass
+class HostKV:
+    """One rank's entry shard in host memory: `buffer` (uint8, pinned on CUDA hosts) holding `sections`."""
+
+    buffer: torch.Tensor
+    sections: tuple[Section, ...]
+    dtype: torch.dtype  # the compute dtype (an FP8 shard stores e4m3 and dequantizes to this)
+    fp8: bool
+    length: int  # rows per layer
+    next_position: int
+    ready: torch.cuda.Event | None = None  # recorded after the device -> host copy (None: already done)
+    _source: KVCache | None = field(default=None, repr=False)  # kept alive until the copy is done
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(dict.fromkeys(s.layer for s in self.sections))
+
+    def shape(self) -> tuple[int, int, int]:
+        """(batch, KV heads, head dim) of every layer."""
+        k = next(s for s in self.sections if s.part == "k")
+        return k.shape[0], k.shape[1], k.shape[3]
+
+    def tensor(self, s: Section) -> torch.Tensor:
+        return self.buffer[s.offset:s.offset + s.nbytes].view(STORE_DTYPES[s.dtype]).view(s.shape)
+
+    def layer(self, i: int) -> StoredKV:
+        """Layer i's host tensors (views into the buffer); call synchronize() first if the copy may be in flight."""
+        t = {s.part: self.tensor(s) for s in self.sections if s.layer == i}
+        return StoredKV(t["k"], t["v"], t["pos"], t.get("k_scale"), t.get("v_scale"))
+
+    def done(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+    def synchronize(self) -> None:
+        """Block until the device -> host copy is done; then the source KV may be freed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        self.ready, self._source = None, None
+
+
+def _layer_parts(stored: StoredKV) -> dict[str, torch.Tensor]:
+    return dict(pos=stored.pos, k=stored.k, v=stored.v, k_scale=stored.k_scale, v_scale=stored.v_scale)
+
+
+def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None) -> HostKV:
+    """Copy a KV shard's filled rows into one host buffer. CUDA: asynchronous on `stream` (default: a new
+    side stream) after the work already queued on the current stream; the returned HostKV's `ready`
+    event says when. CPU: a plain copy, done on return."""
+    layer_ids = list(kv.layers)
+    if not layer_ids:
+        raise ValueError("to_host: the KV cache holds no layers")
+    first = kv.layers[layer_ids[0]]
+    lengths = {layer.length for layer in kv.layers.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"to_host: the layers hold different lengths {sorted(lengths)}; a cache entry's layers agree")
+    n = lengths.pop()
+    b, h, _, d = first.k.shape
+    sections, nbytes = layout(layer_ids, b, h, d, n, first.dtype, first.fp8)
+    host = HostKV(pinned_empty(nbytes), sections, first.dtype, first.fp8, n, kv.next_position)
+    ends = [s.offset + s.nbytes for s in sections]
+    for end, nxt in zip(ends, [s.offset for s in sections[1:]] + [nbytes]):
+        host.buffer[end:nxt].zero_()  # the gaps between sections: never stale process memory in a file
+    cuda = kv.device.type == "cuda"
+    if cuda:
+        stream = stream or torch.cuda.Stream(kv.device)
+        stream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes are queued there
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        for i in layer_ids:
+            parts = _layer_parts(kv.layers[i].stored())
+            for s in (s for s in sections if s.layer == i):
+                host.tensor(s).copy_(parts[s.part], non_blocking=cuda)
+                if cuda:
+                    parts[s.part].record_stream(stream)  # not reused by the allocator before the copy is done
+        if cuda:
+            host.ready = torch.cuda.Event()
+            host.ready.record(stream)
+            host._source = kv
+    return host
+
+
+@dataclass
+class DeviceLoad:
+    """A shard on its way to the device: `kv` (exactly `length` rows held, plus the extra capacity asked)
+    is complete for layer i once `events[i]` has passed (CUDA); on the CPU everything is done on return."""
+
+    kv: KVCache
+    events: dict[int, torch.cuda.Event]
+    host: HostKV | None  # kept alive until the copies are done (their source is its pinned buffer)
+    started: float = field(default_factory=time.perf_counter)
+    on_done: Callable[[float], None] | None = None  # called once by synchronize() with the seconds taken
+
+    def wait(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait until layer `layer` is on the device; no host sync."""
+        ev = self.events.get(layer)
+        if ev is not None:
+            (stream or torch.cuda.current_stream(self.kv.device)).wait_event(ev)
+
+    def wait_all(self, stream: torch.cuda.Stream | None = None) -> None:
+        for i in self.events:
+            self.wait(i, stream)
+
+    def done(self) -> bool:
+        return all(ev.query() for ev in self.events.values())
+
+    def synchronize(self) -> float:
+        """Block until every layer is on the device; the seconds since the load started."""
+        for ev in self.events.values():
+            ev.synchronize()
+        seconds = time.perf_counter() - self.started
+        self.host = None
+        if self.on_done is not None:
+            self.on_done(seconds)
+            self.on_done = None
+        return seconds
+
+
+class DeviceLoader:
+    """to_device in steps: the KVCache is allocated at once and each layer copied when `copy_layer(i)` is
+    called, e.g. as soon as a disk read has brought that layer's bytes in (kv_file.read_kv_host's
+    on_layer), so the host -> device copies overlap the rest of the read."""
+
+    def __init__(self, host: HostKV, device, extra_capacity: int = 0, stream: torch.cuda.Stream | None = None):
+        if extra_capacity < 0:
+            raise ValueError(f"extra_capacity must be >= 0, got {extra_capacity}")
+        self.host, self.device = host, torch.device(device)
+        b, h, d = host.shape()
+        self.kv = KVCache(host.layer_ids, b, h, d, host.length + extra_capacity, host.dtype, self.device, host.fp8)
+        self.kv.next_position = host.next_position
+        self.cuda = self.device.type == "cuda"
+        self.stream = None
+        if self.cuda:
+            self.stream = stream or torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the new memory may be in use before
+            if host.ready is not None:
+                self.stream.wait_event(host.ready)
+        elif host.ready is not None:
+            host.synchronize()
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.started = time.perf_counter()
+
+    def copy_layer(self, i: int) -> None:
+        host, layer, n = self.host, self.kv.layers[i], self.host.length
+        dst = _layer_parts(StoredKV(layer.k[:, :, :n], layer.v[:, :, :n], layer.pos[:n],
+                                    *((layer.k_scale[:, :, :n], layer.v_scale[:, :, :n]) if host.fp8 else (None, None))))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for s in (s for s in host.sections if s.layer == i):
+                dst[s.part].copy_(host.tensor(s), non_blocking=self.cuda)
+            layer.length = n
+            if self.cuda:
+                for t in (layer.k, layer.v, layer.pos, layer.k_scale, layer.v_scale):
+                    if t is not None:
+                        t.record_stream(self.stream)  # allocated on the consumer's stream, written on this one
+                self.events[i] = torch.cuda.Event()
+                self.events[i].record(self.stream)
+
+    def finish(self) -> DeviceLoad:
+        """The load, once copy_layer has been called for every layer."""
+        missing = [i for i in self.kv.layers if self.kv.layers[i].length != self.host.length]
+        if missing and self.host.length:
+            raise RuntimeError(f"DeviceLoader.finish: layers {missing} were never copied")
+        return DeviceLoad(self.kv, self.events, self.host if self.cuda else None, self.started)
+
+
+def to_device(host: HostKV, device, extra_capacity: int = 0, stream: torch.cuda.Stream | None = None) -> DeviceLoad:
+    """Rebuild a KVCache of the shard on `device` with room for `extra_capacity` more rows. CUDA: copies
+    run layer by layer on `stream` (default: a new side stream) with one event per layer (DeviceLoad.wait);
+    a HostKV still being filled by to_host is waited for on that stream, not on the host."""
+    loader = DeviceLoader(host, device, extra_capacity, stream)
+    for i in host.layer_ids:
+        loader.copy_layer(i)
+    return loader.finish()
+
+
+@dataclass
+class HostEntry:
+    id: int  # the context cache's entry id
+    ids: np.ndarray  # the token ids whose KV the shard holds
+    kv: HostKV
+    rank_bytes: list[int] | None = None  # every CP rank's shard bytes, when the caller plans for all ranks
+    last_used: int = 0
+    hits: int = 0
+
+    def bytes_on(self, rank: int) -> int:
+        return self.kv.nbytes if self.rank_bytes is None else self.rank_bytes[rank]
+
+
+class HostTier:
+    """Host copies by entry id, LRU within `budget_bytes` on each of `ranks` ranks. As ContextCache:
+    given every rank's bytes (`rank_bytes`), every rank makes the same evictions, so rank 0's plan holds
+    everywhere; without them a rank counts its own shard."""
+
+    def __init__(self, budget_bytes: int, ranks: int = 1):
+        if budget_bytes <= 0:
+            raise ValueError(f"the host cache budget must be > 0 bytes (--host-cache-gib), got {budget_bytes}")
+        self.budget = budget_bytes
+        self.ranks = ranks
+        self.entries: dict[int, HostEntry] = {}
+        self._clock = itertools.count(1)
+        self._stats = TierStats()
+
+    def used(self, rank: int = 0) -> int:
+        return sum(e.bytes_on(rank) for e in self.entries.values())
+
+    @property
+    def stats(self) -> TierStats:
+        self._stats.entries = len(self.entries)
+        self._stats.bytes = sum(e.kv.nbytes for e in self.entries.values())
+        return self._stats
+
+    def plan_room(self, need: int | list[int], keep: int | None = None) -> list[int] | None:
+        """Entry ids to evict (LRU first) so that `need` more bytes fit on every rank; None if they never can."""
+        need = [need] * self.ranks if isinstance(need, int) else list(need)
+        free = [self.budget - self.used(r) - need[r] for r in range(self.ranks)]
+        victims = []
+        for e in sorted(self.entries.values(), key=lambda e: e.last_used):
+            if min(free) >= 0:
+                break
+            if e.id == keep:
+                continue
+            victims.append(e.id)
+            free = [f + e.bytes_on(r) for r, f in enumerate(free)]
+        return victims if min(free) >= 0 else None
+
+    def put(self, entry_id: int, ids, kv: HostKV, rank_bytes: list[int] | None = None) -> list[HostEntry]:
+        """Hold a shard (a demotion from the device); evicts LRU entries to make room and returns them
+        (the caller may demote them further, to disk). A shard larger than the budget is refused (ValueError)."""
+        if rank_bytes is not None and len(rank_bytes) != self.ranks:
+            raise ValueError(f"rank_bytes has {len(rank_bytes)} values for {self.ranks} ranks")
+        entry = HostEntry(entry_id, np.asarray(ids, dtype=np.int64), kv, rank_bytes)
+        old = self.entries.pop(entry_id, None)
+        victims_ids = self.plan_room([entry.bytes_on(r) for r in range(self.ranks)])
+        if victims_ids is None:
+            if old is not None:
+                self.entries[entry_id] = old
+            biggest = max(entry.bytes_on(r) for r in range(self.ranks))
+            raise ValueError(f"a {biggest / 2**30:.2f} GiB shard does not fit "
+                             f"the host cache budget of {self.budget / 2**30:.2f} GiB: raise --host-cache-gib")
+        victims = [self.entries.pop(i) for i in victims_ids]
+        self._stats.evictions += len(victims)
+        entry.last_used = next(self._clock)
+        self.entries[entry_id] = entry
+        self._stats.demotions += 1
+        return victims
+
+    def lookup(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest prefix with `ids` and that length, capped at len(ids) - 1 (as
+        ContextCache.lookup: one prompt token always runs); (None, 0) below `min_tokens`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self._stats.lookups += 1
+        best, best_n = None, 0
+        for e in self.entries.values():
+            n = min(common_prefix(e.ids, ids), len(ids) - 1)
+            if n > best_n:
+                best, best_n = e, n
+        if best is None or best_n < min_tokens:
+            return None, 0
+        self._stats.hits += 1
+        best.hits += 1
+        best.last_used = next(self._clock)
+        return best, best_n
+
+    def get(self, entry_id: int) -> HostEntry | None:
+        e = self.entries.get(entry_id)
+        if e is not None:
+            e.last_used = next(self._clock)
+        return e
+
+    def load(self, entry_id: int, device, extra_capacity: int = 0, stream: torch.cuda.Stream | None = None,
+             keep: bool = True) -> DeviceLoad:
+        """Promote: start copying entry `entry_id` to `device` (to_device). keep=False drops the host copy
+        (its buffer lives on in the DeviceLoad until the copies are done). The reload's seconds are
+        observed when the load is synchronized (CPU: at once)."""
+        e = self.entries[entry_id] if keep else self.entries.pop(entry_id)
+        e.last_used = next(self._clock)
+        load = to_device(e.kv, device, extra_capacity, stream)
+        load.on_done = self._stats.observe_reload
+        if not load.events:
+            load.synchronize()
+        return load
+
+    def evict(self, entry_ids: list[int]) -> list[HostEntry]:
+        out = [self.entries.pop(i) for i in entry_ids if i in self.entries]
+        self._stats.evictions += len(out)
+        return out

@@ -1,0 +1,326 @@
+"""One rank's cache entry shard as a file, and back.
+
+    prelude  MAGIC (8 bytes) | format version (u32 LE) | header length (u32 LE) | blake2b-128 of the header
+    header   JSON: the cache key's fields and digest, rank, entry id, token count, the compute dtype, fp8,
+             length, next position, the token section and every payload section (layer, part, dtype,
+             shape, offset, bytes, blake2b-128)
+    tokens   the token ids, int64, at a 4096-byte boundary
+    payload  host_tier.HostKV's buffer as is (each layer's filled rows of pos, k, v and, for FP8, the e4m3
+             bytes and their float32 scales), at a 4096-byte boundary: one large sequential read
+
+Why blake2b per section: the standard library's fastest hash with a digest wide enough (128 bits) that
+no damaged file passes by chance (crc32's 32 bits would, among millions of sections); one digest per
+section lets the reader hash sections on a thread pool (hashlib releases the GIL) while the next ones
+are still being read, so verifying costs little beyond the read itself.
+
+Writes are atomic: a temporary name in the same directory, written, flushed and fsynced, renamed over
+the final name, then the directory fsynced; a crash leaves the old file or none, never half of one.
+Files are created 0600 (they hold users' documents in another form). Every failure to read is a
+KVFileError with a `reason`; the caller skips the file, it never crashes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from starshard.engine.kv_cache import KVCache
+from starshard.serving.cache_key import FORMAT_VERSION, CacheKey
+from starshard.serving.host_tier import (
+    PARTS,
+    STORE_DTYPES,
+    DeviceLoader,
+    HostKV,
+    Section,
+    layout,
+    pinned_empty,
+    to_device,
+    to_host,
+)
+
+MAGIC = b"SSKVSHRD"
+PRELUDE = struct.Struct("<8sII16s")  # magic, version, header length, header digest
+PAGE = 4096
+READ_CHUNK = 64 << 20  # bytes per read call: large and sequential
+MAX_HEADER = 64 << 20  # a header past this is damage, not a model (a few hundred bytes per layer)
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class KVFileError(Exception):
+    """A file that cannot be used. reason: truncated | magic | version | header | checksum | key | rank | io."""
+
+    def __init__(self, path, reason: str, detail: str):
+        self.path, self.reason, self.detail = Path(path), reason, detail
+        super().__init__(f"{path}: {reason}: {detail}")
+
+
+def _hash(view) -> str:
+    return hashlib.blake2b(view, digest_size=16).hexdigest()
+
+
+def _page(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+def _offsets(header_len: int, n_tokens: int) -> tuple[int, int]:
+    """Where the token ids and the payload start, from the header's length and the token count."""
+    tokens = _page(PRELUDE.size + header_len)
+    return tokens, _page(tokens + 8 * n_tokens)
+
+
+def _u8(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class KVFileHeader:
+    key: dict  # CacheKey.fields()
+    key_digest: str
+    rank: int
+    entry_id: int | None
+    n_tokens: int
+    tokens_offset: int
+    tokens_digest: str
+    dtype: str  # compute dtype
+    fp8: bool
+    length: int
+    next_position: int
+    payload_offset: int
+    payload_bytes: int
+    sections: tuple[Section, ...]
+    section_digests: tuple[str, ...]
+    created: float
+
+    @property
+    def file_bytes(self) -> int:
+        return self.payload_offset + self.payload_bytes
+
+    def cache_key(self) -> CacheKey:
+        return CacheKey.from_fields(self.key)
+
+    def to_json(self) -> dict:
+        skip = ("sections", "section_digests", "tokens_offset", "payload_offset")  # offsets: derived (_offsets)
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
+        d["sections"] = [dict(layer=s.layer, part=s.part, dtype=s.dtype, shape=list(s.shape), offset=s.offset,
+                              nbytes=s.nbytes, digest=h) for s, h in zip(self.sections, self.section_digests)]
+        return d
+
+
+def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHeader:
+    """A header from its JSON, every field checked against the others and the file's size."""
+    def bad(detail):
+        return KVFileError(path, "header", detail)
+    try:
+        sections = tuple(Section(int(s["layer"]), str(s["part"]), str(s["dtype"]), tuple(int(x) for x in s["shape"]),
+                                 int(s["offset"]), int(s["nbytes"])) for s in raw["sections"])
+        digests = tuple(str(s["digest"]) for s in raw["sections"])
+        tokens_offset, payload_offset = _offsets(header_len, int(raw["n_tokens"]))
+        h = KVFileHeader(key=dict(raw["key"]), key_digest=str(raw["key_digest"]), rank=int(raw["rank"]),
+                         entry_id=None if raw.get("entry_id") is None else int(raw["entry_id"]),
+                         n_tokens=int(raw["n_tokens"]), tokens_offset=tokens_offset,
+                         tokens_digest=str(raw["tokens_digest"]), dtype=str(raw["dtype"]), fp8=bool(raw["fp8"]),
+                         length=int(raw["length"]), next_position=int(raw["next_position"]),
+                         payload_offset=payload_offset, payload_bytes=int(raw["payload_bytes"]),
+                         sections=sections, section_digests=digests, created=float(raw["created"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad(f"missing or malformed field ({type(e).__name__}: {e})") from None
+    if h.dtype not in COMPUTE_DTYPES:
+        raise bad(f"compute dtype {h.dtype!r} is not one of {COMPUTE_DTYPES}")
+    if not sections:
+        raise bad("no sections")
+    if h.n_tokens < 0 or h.length < 0:
+        raise bad("negative token count or length")
+    first_k = next((s for s in sections if s.part == "k"), None)
+    if first_k is None or len(first_k.shape) != 4:
+        raise bad("no 4-d k section")
+    b, heads, _, d = first_k.shape
+    expect, size = layout(list(dict.fromkeys(s.layer for s in sections)), b, heads, d, h.length,
+                          getattr(torch, h.dtype), h.fp8)
+    if expect != sections or size != h.payload_bytes:  # shapes, dtypes, offsets, sizes all as the layout says
+        raise bad("sections disagree with the layout of their shapes (damaged header)")
+    if any(s.dtype not in STORE_DTYPES or s.part not in PARTS for s in sections):
+        raise bad("unknown section dtype or part")
+    if file_size < h.file_bytes:
+        raise KVFileError(path, "truncated", f"{file_size} bytes, the header promises {h.file_bytes}")
+    if file_size > h.file_bytes:
+        raise bad(f"{file_size} bytes, the header promises {h.file_bytes} (trailing bytes)")
+    return h
+
+
+def read_header(path, key: CacheKey | None = None, rank: int | None = None) -> KVFileHeader:
+    """The checked header of a file (magic, version, header digest, layout, size; the key and rank when
+    given). Reads a few KiB."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            pre = f.read(PRELUDE.size)
+            if len(pre) < PRELUDE.size:
+                raise KVFileError(path, "truncated", f"{len(pre)} bytes, shorter than the {PRELUDE.size}-byte prelude")
+            magic, version, hlen, hdigest = PRELUDE.unpack(pre)
+            if magic != MAGIC:
+                raise KVFileError(path, "magic", f"starts with {magic!r}, not {MAGIC!r}: not a starshard KV file")
+            if version != FORMAT_VERSION:
+                raise KVFileError(path, "version", f"format version {version}, this starshard reads {FORMAT_VERSION}")
+            if hlen > MAX_HEADER:
+                raise KVFileError(path, "header", f"header length {hlen} is implausible")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise KVFileError(path, "io", str(e)) from None
+    if len(raw) < hlen:
+        raise KVFileError(path, "truncated", "the header is cut short")
+    if hashlib.blake2b(raw, digest_size=16).digest() != hdigest:
+        raise KVFileError(path, "checksum", "the header's digest does not match")
+    try:
+        parsed = json.loads(raw)
+    except ValueError as e:
+        raise KVFileError(path, "header", f"not JSON ({e})") from None
+    h = _parse_header(path, parsed, size, hlen)
+    if key is not None and h.key != key.fields():
+        diff = sorted(k for k in set(h.key) | set(key.fields()) if h.key.get(k) != key.fields().get(k))
+        raise KVFileError(path, "key", f"written for another model or layout (differs in {', '.join(diff)})")
+    if key is not None and h.key_digest != key.digest:
+        raise KVFileError(path, "key", "the key digest does not match its fields")
+    if rank is not None and h.rank != rank:
+        raise KVFileError(path, "rank", f"rank {h.rank}'s shard, not rank {rank}'s")
+    return h
+
+
+def read_tokens(path, header: KVFileHeader) -> np.ndarray:
+    """The token ids (int64), checked against their digest."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(header.tokens_offset)
+            raw = f.read(8 * header.n_tokens)
+    except OSError as e:
+        raise KVFileError(path, "io", str(e)) from None
+    if len(raw) < 8 * header.n_tokens:
+        raise KVFileError(path, "truncated", "the token section is cut short")
+    if _hash(raw) != header.tokens_digest:
+        raise KVFileError(path, "checksum", "the token ids' digest does not match")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+def _header_bytes(host: HostKV, n_tokens: int, tokens_digest: str, digests, key: CacheKey, rank: int,
+                  entry_id: int | None) -> bytes:
+    # The offsets follow from the header's length (the reader derives them the same way: _offsets).
+    h = KVFileHeader(key=key.fields(), key_digest=key.digest, rank=int(rank), entry_id=entry_id, n_tokens=n_tokens,
+                     tokens_offset=0, tokens_digest=tokens_digest, dtype=str(host.dtype).removeprefix("torch."),
+                     fp8=host.fp8, length=host.length, next_position=host.next_position, payload_offset=0,
+                     payload_bytes=host.nbytes, sections=host.sections, section_digests=tuple(digests),
+                     created=int(time.time()))  # whole seconds: a fixed width, so file_bytes is exact
+    return json.dumps(h.to_json()).encode()
+
+
+def file_bytes(host: HostKV, n_tokens: int, key: CacheKey, rank: int, entry_id: int | None = None) -> int:
+    """The size write_kv_file gives this shard (what a budget must make room for before writing)."""
+    hdr = _header_bytes(host, n_tokens, "0" * 32, ["0" * 32] * len(host.sections), key, rank, entry_id)
+    return _offsets(len(hdr), n_tokens)[1] + host.nbytes
+
+
+def write_kv_file(path, kv: KVCache | HostKV, token_ids, key: CacheKey, rank: int, entry_id: int | None = None) -> int:
+    """Write one rank's shard atomically (0600); returns the file's size. A KVCache is copied to host first."""
+    path = Path(path)
+    host = kv if isinstance(kv, HostKV) else to_host(kv)
+    host.synchronize()
+    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8"))
+    buf = _u8(host.buffer)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        digests = list(pool.map(lambda s: _hash(buf[s.offset:s.offset + s.nbytes]), host.sections))
+    tokens_bytes = tokens.tobytes()
+    hdr = _header_bytes(host, len(tokens), _hash(tokens_bytes), digests, key, rank, entry_id)
+    tokens_offset, payload_offset = _offsets(len(hdr), len(tokens))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(PRELUDE.pack(MAGIC, FORMAT_VERSION, len(hdr), hashlib.blake2b(hdr, digest_size=16).digest()))
+            f.write(hdr)
+            f.write(b"\0" * (tokens_offset - f.tell()))
+            f.write(tokens_bytes)
+            f.write(b"\0" * (payload_offset - f.tell()))
+            for start in range(0, len(buf), READ_CHUNK):
+                f.write(buf[start:start + READ_CHUNK])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return payload_offset + host.nbytes
+
+
+def fsync_dir(path) -> None:
+    """Make a rename or unlink in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, verify: bool = True,
+                 header: KVFileHeader | None = None,
+                 on_layer: Callable[[HostKV, int], None] | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
+    """Read a shard into a (pinned) host buffer by large sequential reads, each section's digest checked
+    on a thread pool as soon as its bytes are in (verify=False skips them). (HostKV, token ids, header).
+    on_layer(host, i) is called as soon as layer i's bytes are in, before the digests are known (to start
+    its copy to the device: host_tier.DeviceLoader); a digest that fails raises after it, and the caller
+    drops what it copied."""
+    path = Path(path)
+    h = header or read_header(path, key, rank)
+    tokens = read_tokens(path, h)
+    host = HostKV(pinned_empty(h.payload_bytes), h.sections, getattr(torch, h.dtype), h.fp8, h.length, h.next_position)
+    buf = _u8(host.buffer)
+    pending, futures, done = list(zip(h.sections, h.section_digests)), [], 0
+    layer_end = {}
+    for s in h.sections:
+        layer_end[s.layer] = max(layer_end.get(s.layer, 0), s.offset + s.nbytes)
+    layers = list(layer_end.items())
+    try:
+        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(HASH_THREADS) as pool:
+            f.seek(h.payload_offset)
+            while done < h.payload_bytes:
+                n = f.readinto(buf[done:done + READ_CHUNK])
+                if not n:
+                    raise KVFileError(path, "truncated", f"the payload ends after {done} of {h.payload_bytes} bytes")
+                done += n
+                while verify and pending and pending[0][0].offset + pending[0][0].nbytes <= done:
+                    s, want = pending.pop(0)
+                    futures.append((s, want, pool.submit(_hash, buf[s.offset:s.offset + s.nbytes])))
+                while on_layer is not None and layers and layers[0][1] <= done:
+                    on_layer(host, layers.pop(0)[0])
+            for s, want, fut in futures:
+                if fut.result() != want:
+                    raise KVFileError(path, "checksum",
+                                      f"layer {s.layer} {s.part}: the payload's digest does not match")
+    except OSError as e:
+        raise KVFileError(path, "io", str(e)) from None
+    return host, tokens, h
+
+
+def read_kv_file(path, device, key: CacheKey | None = None, rank: int | None = None, extra_capacity: int = 0,
+                 verify: bool = True) -> tuple[KVCache, np.ndarray]:
+    """A file's shard as a KVCache of exactly its rows (plus `extra_capacity`) on `device`, copies done,
+    and its token ids."""
+    loader = []
+
+    def start(host, i):  # each layer's copy to the device overlaps the rest of the read
+        if not loader:
+            loader.append(DeviceLoader(host, device, extra_capacity))
+        loader[0].copy_layer(i)
+    host, tokens, _ = read_kv_host(path, key, rank, verify, on_layer=start)
+    load = loader[0].finish() if loader else to_device(host, device, extra_capacity)
+    load.synchronize()
+    return load.kv, tokens
