@@ -60,6 +60,9 @@ class TokenEvent:
     cached_tokens: int  # prompt tokens whose KV came from the context cache
     completion_tokens: int
     error: str | None = None
+    # why it failed (finish_reason "error"): insufficient_memory, timeout, rejected, failed (executor.CODE_NAMES),
+    # or unavailable (the engine stopped)
+    error_code: str | None = None
 
 
 # ---------------------------------------------------------------------------- rank 0: scheduling
@@ -117,9 +120,10 @@ class Scheduler:
         self.max_batch, self.max_queue, self.max_extend = max_batch, max_queue, max_extend
         strategy = getattr(runner, "strategy", None)
         self.cache = ContextCache(cache_bytes, ranks=1 if strategy is None else strategy.cp)
-        self.executor = Executor(runner, self.cache, cuda_graphs)
-        self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
         self.control = control_group()
+        self.executor = Executor(runner, self.cache, cuda_graphs, control=self.control, config=self.config,
+                                 tp=llm.parallel.tp)
+        self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
@@ -128,6 +132,7 @@ class Scheduler:
         self._error: str | None = None
         self._stop = False
         self.counters = dict(prefill_tokens_total=0, decode_tokens_total=0, cached_tokens_total=0, requests_total=0)
+        self.errors: dict[str, int] = {}  # failed requests by error code
         self._thread: threading.Thread | None = None
 
     # -- front end (rank 0)
@@ -165,7 +170,7 @@ class Scheduler:
             return dict(queue_depth=len(self._waiting), running=len(self._running),
                         cache_bytes=self.cache.used_bytes, cache_budget_bytes=self.cache.budget,
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
-                        cache_lookups=self.cache.lookups, **self.counters)
+                        cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors), **self.counters)
 
     def _cancel(self, rid: int) -> None:
         with self._lock:
@@ -209,14 +214,14 @@ class Scheduler:
                     self._broadcast(None)
                     return
                 self._broadcast(ops)
-                tokens = self.executor.run(ops) if ops else {}
-                self._deliver(tokens)
+                tokens, failures = self.executor.run(ops) if ops else ({}, {})
+                self._deliver(tokens, failures)
         except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
             log.error("engine stopped: %s", e)
             with self._lock:
                 self._error = f"the engine stopped: {type(e).__name__}: {e}"
                 for r in list(self._running.values()) + self._waiting:
-                    self._emit(r, None, "error", error=self._error)
+                    self._emit(r, None, "error", error=self._error, code="unavailable")
                 self._running.clear()
                 self._waiting.clear()
 
@@ -322,9 +327,13 @@ class Scheduler:
             Prefill(entry=self.cache.next_id(), context_len=req.prompt.context_len, head_len=req.prompt.head_len,
                     pinned=not self.reuse, **base)]
 
-    def _deliver(self, tokens: dict[int, int]) -> None:
+    def _deliver(self, tokens: dict[int, int], failures: dict | None = None) -> None:
         finished = []
         with self._lock:
+            for rid, failure in (failures or {}).items():  # rolled back on every rank: nothing to finish
+                req = self._running.pop(rid, None)
+                if req is not None:
+                    self._fail(req, failure.code, failure.message)
             for rid, tok in tokens.items():
                 req = self._running.get(rid)
                 if req is None:
@@ -352,6 +361,12 @@ class Scheduler:
         self._broadcast(ops)
         self.executor.run(ops)
 
+    def _fail(self, req: Request, code: str, message: str) -> None:
+        """End `req` with an error the server maps by its code; the others and the server go on."""
+        log.warning("request %d failed (%s): %s", req.rid, code, message)
+        self.errors[code] = self.errors.get(code, 0) + 1
+        self._emit(req, None, "error", error=message, code=code)
+
     def _detok(self, req: Request) -> str:
         """The text the newest token adds; held back while it ends inside a multi-byte character.
         Decodes a short window (from the last emitted piece on), not the whole answer each step: the
@@ -366,8 +381,10 @@ class Scheduler:
         req.text_start, req.text_end = req.text_end, len(toks)
         return after[len(before):]
 
-    def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None) -> None:
+    def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None,
+              code: str | None = None) -> None:
         try:
-            req.on_event(TokenEvent(tok, text, finish, len(req.prompt.ids), req.cached, len(req.tokens), error))
+            req.on_event(TokenEvent(tok, text, finish, len(req.prompt.ids), req.cached, len(req.tokens), error,
+                                    code))
         except Exception:  # a callback of a client that went away must not stop the step loop
             log.debug("dropping an event for request %d", req.rid, exc_info=True)
