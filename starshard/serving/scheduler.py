@@ -139,11 +139,13 @@ class Scheduler:
         self.executor = Executor(runner, self.cache, cuda_graphs, control=self.control, config=self.config,
                                  tp=llm.parallel.tp)
         self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
-        # A strategy that cannot chunk (APB: its passing blocks need each host's whole block) prefills whole.
-        self.chunked = strategy is None or get_spec(strategy.name).chunked_prefill
-        self.prefill_chunk = prefill_chunk if self.chunked else 0
-        if prefill_chunk and not self.chunked:
-            log.info("--prefill-chunk %d: the %s strategy prefills each prompt whole", prefill_chunk, strategy.name)
+        self.prefill_chunk = prefill_chunk
+        if prefill_chunk:
+            try:  # a strategy that refuses a chunk (APB: its passing blocks need each host's whole block)
+                runner.prefill_bounds(2 * prefill_chunk, 2 * prefill_chunk - 1, prefill_chunk)
+            except ValueError as e:
+                log.info("--prefill-chunk %d: each prompt is prefilled whole (%s)", prefill_chunk, e)
+                self.prefill_chunk = 0
         self.request_timeout = request_timeout
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._lock = threading.Condition()
