@@ -306,7 +306,7 @@ class Scheduler:
             options.pop("query_rank")  # the default: the last rank of the wider group
         pool = ex.pool_bytes([(0, max_tokens - 1)])
         for cp in (2 * ex.cp, 4 * ex.cp, 8 * ex.cp):
-            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options)
+            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options, self.prefill_chunk or None)
             worst = max(max(rows) * ex.token_bytes(), rows[options.get("query_rank", cp - 1)] * ex.token_bytes() + pool)
             if worst <= self.cache.budget:
                 return cp, worst

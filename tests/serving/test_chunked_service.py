@@ -9,8 +9,10 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from starshard import LLM
+from starshard.commands.serve import default_prefill_chunk, parse_args
 from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.ops import PrefillChunk
@@ -144,3 +146,14 @@ def test_timeout_mid_prefill_frees_the_filling_entry(tiny):
     ev, stats = _stop_mid_prefill(tiny, "timeout")
     assert ev.finish_reason == "error" and ev.error_code == "timeout" and "--request-timeout 600 s" in ev.error
     assert stats["timeouts_total"] == 1 and stats["errors_by_code"] == {"timeout": 1}
+
+
+def test_serve_flags():
+    args = parse_args([])
+    assert default_prefill_chunk(args, torch.device("cuda"), 4) == 4 * 2048  # 2048 rows per CP rank
+    assert default_prefill_chunk(args, torch.device("cpu"), 2) == 0 and args.request_timeout is None
+    args = parse_args(["--prefill-chunk", "0", "--request-timeout", "30"])
+    assert default_prefill_chunk(args, torch.device("cuda"), 4) == 0 and args.request_timeout == 30
+    for bad in (["--prefill-chunk", "-1"], ["--request-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
