@@ -87,6 +87,7 @@ class Request:
     bounds: list[tuple[int, int]] = field(default_factory=list)  # a chunked prefill's steps
     step: int = 0  # the next of them
     entry: int = 0  # the entry its chunked prefill fills
+    kind: tuple | None = None  # (the cache's entries it was classified against, Scheduler._classify's answer)
 
 
 class Ticket:
@@ -398,7 +399,15 @@ class Scheduler:
 
     def _classify(self, req: Request):
         """("short", entry, m) for an extend of a cached entry, "parked" for a request the filling
-        document will serve, else "doc"."""
+        document will serve, else "doc". Kept per request until the entries change: the queue is scanned
+        every step, and comparing a long prompt with every entry is not free."""
+        p = self._prefilling
+        key = (tuple((e.id, e.filling) for e in self.cache.entries.values()), None if p is None else p.rid)
+        if req.kind is None or req.kind[0] != key:
+            req.kind = (key, self._classify_now(req))
+        return req.kind[1]
+
+    def _classify_now(self, req: Request):
         entry, m = self.cache.peek(req.ids) if self.reuse else (None, 0)
         if entry is not None and self._extends(len(req.ids), m):
             return "short", entry, m
