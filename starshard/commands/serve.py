@@ -78,6 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--max-extend", type=int, default=4096,
                      help="a prompt that shares a cached prefix runs only the rest when the rest is at most this many "
                      "tokens and no longer than the shared part; otherwise the whole prompt is prefilled and cached")
+    eng.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                     help="prompt tokens one prefill step runs, counted over the whole prompt (a CP group splits each "
+                     "chunk over its ranks); between a new document's chunks the running requests take a decode step, "
+                     "so no stream stalls for a whole prefill. 0: the whole prompt in one step (default: 2048 x cp on "
+                     "CUDA, 0 on CPU; APB always prefills whole)")
+    eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="a request still running this long after it arrived ends with an error (code "
+                     "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -103,6 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue < 0 or args.max_extend < 0:
         ap.error("--max-queue and --max-extend must be >= 0")
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
+        ap.error(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {args.prefill_chunk}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        ap.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.cache_gib is not None and args.cache_gib <= 0:
         ap.error(f"--cache-gib must be > 0, got {args.cache_gib}")
     return args
@@ -150,6 +162,14 @@ def default_cache_bytes(llm, args, device) -> int:
     return worst
 
 
+def default_prefill_chunk(args, device, cp: int) -> int:
+    """--prefill-chunk, else 2048 rows per CP rank on CUDA (a step of about a third of a second at a 128K
+    prefix for an 8B model on one H100, to be calibrated) and the whole prompt on CPU."""
+    if args.prefill_chunk is not None:
+        return args.prefill_chunk
+    return 2048 * cp if device.type == "cuda" else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -167,7 +187,9 @@ def main(argv=None) -> int:
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
-                            max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs)
+                            max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs,
+                            prefill_chunk=default_prefill_chunk(args, llm.device, llm.parallel.cp),
+                            request_timeout=args.request_timeout)
     except (LayoutError, CheckpointError, ValueError) as e:
         if lead:
             print(f"error: {e}", file=sys.stderr)
@@ -200,8 +222,8 @@ def serve_lead(service, args, cache_bytes: int) -> int:
                 return
             failed.wait(0.5)
 
-    log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d", cache_bytes / 2**30, args.max_batch,
-             args.max_queue)
+    log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d; prefill chunk %s", cache_bytes / 2**30,
+             args.max_batch, args.max_queue, service.prefill_chunk or "whole")
     service.start()
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
     server.run()

@@ -13,6 +13,7 @@ from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
 from starshard.parallel.context.base import ContextStrategy
+from starshard.parallel.context.chunked import chunk_attend, chunk_owner, chunk_positions, chunk_segment, hidden_rows
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.local import LocalRunner
 from starshard.runtime.prompt import Prompt
@@ -81,25 +82,82 @@ class ContextParallelRunner(LocalRunner):
         return logits, owner
 
     def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
-        if chunk:
-            raise ValueError("--prefill-chunk is not supported with a context strategy yet: each CP rank "
-                             "already holds only its shard; drop --prefill-chunk")
-        return [(0, prompt_len)]
+        """The strategy's steps (StrategySpec.prefill_bounds: Star also cuts at its block ends, APB
+        refuses a chunk)."""
+        s = self.strategy
+        bounds = s.prefill_bounds(prompt_len, context_len, chunk)
+        if len(bounds) > 1:
+            self._refuse_pipeline()
+        return bounds
+
+    def _refuse_pipeline(self) -> None:
+        if self.link is not None:
+            raise ValueError(f"--prefill-chunk under --cp-strategy {self.strategy.name} does not run with --pp > 1 "
+                             "yet (its later chunks are not pipelined over the stages); drop --prefill-chunk or run "
+                             "--pp 1")
 
     def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig,
                      gen) -> torch.Tensor | None:
-        """Run the prompt sharded over the CP group; returns the first new token on every rank."""
-        if (start, end) != (0, len(prompt.ids)):
-            raise ValueError(f"a context strategy prefills the whole prompt in one step, got [{start}, {end}) of "
-                             f"{len(prompt.ids)} tokens")
+        """Run prompt tokens [start, end) sharded over the CP group on caches holding [0, start): the
+        whole prompt as the strategy prefills it, or one step of prefill_bounds (the first: the
+        strategy's own prefill of prompt[0:end], Star's block 0 excepted; later ones:
+        parallel/context/chunked.py). Returns the first new token on every rank after the last step."""
+        s = self.strategy
+        L = len(prompt.ids)
+        if not 0 <= start < end <= L:
+            raise ValueError(f"a prefill step needs 0 <= start < end <= {L}, got [{start}, {end})")
         ids = torch.tensor(prompt.ids, device=cache.device)
-        self.strategy.use_prompt_head(prompt.head_len)  # APB embeds the query after the chat template's head
+        s.use_prompt_head(prompt.head_len)  # APB embeds the query after the chat template's head
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
-        context_len = min(prompt.context_len, len(prompt.ids) - 1)
-        logits, owner = self.prefill_logits(ids, context_len, cache)
+        context_len = min(prompt.context_len, L - 1)
+        if (start, end) == (0, L):
+            logits, owner = self.prefill_logits(ids, context_len, cache)
+        else:
+            self._refuse_pipeline()
+            logits, owner = self._prefill_chunk(ids, context_len, cache, start, end)
+        if end < L:
+            return None
         sampler = self.is_last and self.strategy.rank == owner
         tok = self.sample(logits[:, -1], sampling, gen) if sampler else torch.zeros(1, dtype=torch.long, device=ids.device)
         return self._broadcast_token(tok, owner)
+
+    def _prefill_chunk(self, ids: torch.Tensor, context_len: int, cache: KVCache, start: int, end: int):
+        """One step of a chunked prefill -> (logits after the last step, else None; owner CP rank)."""
+        s = self.strategy
+        L = ids.shape[0]
+        logits, owner = None, None
+        if s.query_phase:  # Star: the step's context part, then (last step) the question as the query phase
+            if context_len < 1:
+                raise ValueError(f"--cp-strategy {s.name} needs a non-empty context before the question")
+            ctx_end = min(end, context_len)
+            if ctx_end > start:
+                self._later_step(ids, cache, start, ctx_end, s.chunk_hidden(start, context_len))
+            if end == L:
+                with self._strategy_attention(s.decode_attend):
+                    logits = self._forward(ids[None, context_len:], cache=cache, last_only=True,
+                                           positions=torch.arange(context_len, L, device=ids.device))
+                owner = s.query_rank
+        elif start == 0:  # the strategy's own prefill of prompt[0:end]
+            (seg,) = s.segments(end, end)
+            seg = seg.to(ids.device)
+            with self._strategy_attention(s.prefill_attend(seg)):
+                logits = self._forward(ids[seg.index][None], positions=seg.positions, cache=cache,
+                                       output_row=seg.last_row)
+            owner = s.last_token_rank(end, end)
+        else:
+            logits = self._later_step(ids, cache, start, end, None)
+            owner = chunk_owner(start, end, s.cp)
+        cache.next_position = end  # padding rows carry positions past the step
+        return logits, owner
+
+    def _later_step(self, ids: torch.Tensor, cache: KVCache, start: int, end: int, hidden):
+        """Prompt positions [start, end) through the generic chunked path (parallel/context/chunked.py)."""
+        s = self.strategy
+        seg = chunk_segment(start, end, s.cp, s.rank).to(ids.device)
+        attend = chunk_attend(seg, s.group if s.cp > 1 else None, chunk_positions(start, end, s.cp).to(ids.device),
+                              hidden_rows(cache, hidden))
+        with self._strategy_attention(attend):
+            return self._forward(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)
 
     def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None,
                    chunk: int | None = None) -> int:

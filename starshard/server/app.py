@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from starshard.server import protocol as P
 from starshard.server.backend import Backend, QueueFull, ServiceUnavailable
-from starshard.server.errors import ApiError, backend_error, install_error_handlers
+from starshard.server.errors import ApiError, backend_error, generation_error, install_error_handlers
 from starshard.server.intake import RequestGate, read_job
 from starshard.server.metrics import ServerMetrics
 from starshard.server.settings import ServerSettings
@@ -53,7 +53,7 @@ async def _generate(request: Request, body: P.GenerationRequest, api: type[Api])
         log_done(job.rid, gen, reason)
         return JSONResponse(out.response("".join(texts), reason, gen.usage(), gen.take_ids()).model_dump())
     except GenerationFailed as e:
-        raise ApiError(503, f"generation failed: {e}", code="engine_error") from e
+        raise generation_error(str(e), e.code) from e
     except ClientGone:
         log.info("%s: client disconnected before the answer; cancelled", job.rid)
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it

@@ -52,6 +52,30 @@ def backend_error(e: Exception, param: str | None = None) -> ApiError:
     return ApiError(400, str(e), param=param)  # ValueError: the backend's message names the limit
 
 
+# A failed generation's TokenEvent.error_code -> (status, OpenAI error code, Retry-After seconds or None). The
+# request failed alone (the others and the server go on), so out of memory and a timeout are worth a retry.
+GENERATION_ERRORS = {
+    "insufficient_memory": (503, "insufficient_memory", "1"),
+    "timeout": (503, "request_timeout", None),
+    "rejected": (400, "invalid_request", None),
+    "unavailable": (503, "engine_unavailable", None),
+}
+
+
+def generation_error(message: str, code: str | None) -> ApiError:
+    """A generation that the engine ended with an error (before its first token) as an HTTP error:
+    503 with Retry-After for out of memory, 503 request_timeout, 400 for a refusal, else 503 engine_error."""
+    status, api_code, retry = GENERATION_ERRORS.get(code, (503, "engine_error", None))
+    return ApiError(status, f"generation failed: {message}", code=api_code,
+                    headers={"Retry-After": retry} if retry else None)
+
+
+def error_info(e: ApiError) -> P.ErrorInfo:
+    """The error object of `e`, for a stream that already answered 200."""
+    return P.ErrorInfo(message=e.message, type=_ERROR_TYPES.get(e.status, "internal_error"), param=e.param,
+                       code=e.code)
+
+
 def _describe_validation(errors: list[dict]) -> tuple[str, str | None]:
     """A readable message naming the field, and the field, from FastAPI's (pydantic's) errors."""
     first = errors[0]

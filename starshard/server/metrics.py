@@ -29,6 +29,12 @@ _ENGINE_METRICS = {
     "prefill_tokens_total": ("starshard_prefill_tokens", "Prompt tokens prefilled", "counter"),
     "decode_tokens_total": ("starshard_decode_tokens", "Tokens decoded", "counter"),
     "cached_tokens_total": ("starshard_cached_prompt_tokens", "Prompt tokens served from the context cache", "counter"),
+    "prefill_chunks_total": ("starshard_prefill_chunks", "Prefill steps run (a document's chunks, a whole prompt's one)",
+                             "counter"),
+    "prefilling_tokens_left": ("starshard_prefilling_tokens_left",
+                               "Prompt tokens of the document being prefilled that are still to run", "gauge"),
+    "cancelled_total": ("starshard_cancelled_requests", "Requests cancelled (client gone or stop string)", "counter"),
+    "timeouts_total": ("starshard_request_timeouts", "Requests ended by --request-timeout", "counter"),
 }
 
 
@@ -52,6 +58,12 @@ class _BackendCollector:
             if key in stats:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 yield family(name, doc, value=float(stats[key]))
+        errors = stats.get("errors_by_code")
+        if errors is not None:  # requests the engine ended with an error (each failed alone)
+            family = CounterMetricFamily("starshard_request_errors", "Requests that failed, by error code", labels=["code"])
+            for code, n in sorted(errors.items()):
+                family.add_metric([code], float(n))
+            yield family
         # The ratio since start; for a windowed rate use rate(hits) / rate(lookups).
         hits, lookups = stats.get("cache_hits"), stats.get("cache_lookups")
         if hits is not None and lookups is not None:

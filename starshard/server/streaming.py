@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from starshard.server import protocol as P
 from starshard.server.backend import TokenEvent
+from starshard.server.errors import error_info, generation_error
 from starshard.server.intake import Job
 
 log = logging.getLogger("starshard.server")
@@ -26,7 +27,11 @@ class ClientGone(Exception):
 
 
 class GenerationFailed(Exception):
-    pass
+    """The engine ended the request with an error; `code` is its TokenEvent.error_code (errors.py maps it)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class StopFilter:
@@ -93,7 +98,8 @@ class Generation:
                 self.metrics.ttft.observe(self.first_token_at - self.arrival)
             if ev.finish_reason in ("error", "cancelled"):  # "cancelled" that we did not ask for
                 self.done = True
-                raise GenerationFailed(ev.error or f"the engine ended the request ({ev.finish_reason})")
+                raise GenerationFailed(ev.error or f"the engine ended the request ({ev.finish_reason})",
+                                       ev.error_code)
             text = self.stop.feed(ev.text)
             if ev.token_id is not None:
                 self.ids.append(ev.token_id)
@@ -263,8 +269,7 @@ async def stream(gen: Generation, out: Api, first, include_usage: bool, rid: str
             yield out.usage(gen.usage())
         log_done(rid, gen, reason)
     except GenerationFailed as e:  # after the 200 went out: tell the client in the stream
-        info = P.ErrorInfo(message=f"generation failed: {e}", type="service_unavailable", code="engine_error")
-        yield sse(P.ErrorResponse(error=info))
+        yield sse(P.ErrorResponse(error=error_info(generation_error(str(e), e.code))))
     except ClientGone:
         log.info("%s: client disconnected mid-stream; cancelled", rid)
         return

@@ -34,6 +34,7 @@ class CacheEntry:
     pinned: bool = False  # not for reuse (APB: its KV depends on the question); dropped when unused
     hits: int = field(default=0)
     rank_bytes: list[int] | None = None  # each CP rank's shard in bytes (None: nbytes on one rank)
+    filling: bool = False  # its prefill still runs chunk by chunk: not reusable yet (its request holds it)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -78,16 +79,22 @@ class ContextCache:
         """The reusable entry sharing the longest prefix with `ids` and that length (0: none).
         At least one prompt token is always left to run (its logits give the first new token)."""
         self.lookups += 1
+        best, best_n = self.peek(ids, min_tokens)
+        if best is not None:
+            self.hits += 1
+        return best, best_n
+
+    def peek(self, ids: np.ndarray, min_tokens: int = 1) -> tuple[CacheEntry | None, int]:
+        """lookup without counting (the scheduler scans its queue with it)."""
         best, best_n = None, 0
         for e in self.entries.values():
-            if e.pinned:
+            if e.pinned or e.filling:
                 continue
             n = min(common_prefix(e.ids, ids), len(ids) - 1)
             if n > best_n:
                 best, best_n = e, n
         if best is None or best_n < min_tokens:
             return None, 0
-        self.hits += 1
         return best, best_n
 
     def next_id(self) -> int:

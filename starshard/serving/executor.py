@@ -4,6 +4,7 @@ model, KV shards, cache entries and batch. Every rank holds the same entries and
 own shard."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,11 +14,72 @@ import torch.distributed as dist
 from starshard.config import SamplingConfig
 from starshard.engine.sampling import sample
 from starshard.kernels.common import DECODE_MAX_ROWS
+from starshard.planner import Layout, Workload, plan_memory
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes
-from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
+from starshard.serving.ops import Abort, Decode, Evict, Extend, Finish, Op, Prefill, PrefillChunk
+
+log = logging.getLogger("starshard.serve")
+
+# A failed request's code (TokenEvent.error_code), as the votes carry it: 0 is success.
+INSUFFICIENT_MEMORY, REJECTED, FAILED = 1, 2, 3
+CODE_NAMES = {INSUFFICIENT_MEMORY: "insufficient_memory", REJECTED: "rejected", FAILED: "failed"}
+MEMORY_MARGIN = 1.05  # the pre-check wants this much more free memory than a step's estimate
+
+
+class InsufficientMemory(Exception):
+    """The memory pre-check refused a step before it allocated."""
+
+
+def _code(e: BaseException) -> int:
+    if isinstance(e, (torch.OutOfMemoryError, InsufficientMemory)):
+        return INSUFFICIENT_MEMORY
+    return REJECTED if isinstance(e, ValueError) else FAILED
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 100 else f"{n / 2**20:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request failed, decided alike on every rank: its code (CODE_NAMES) and a message naming
+    the rank and the sizes."""
+
+    code: str
+    message: str
+
+
+@dataclass
+class Fault:
+    """Test hook (Executor.faults): raise `error` for request `rid` in phase "prepare" (before any
+    allocation), "compute" (after its prefill or extend forward, where the join allocates) or "decode" (a
+    decode step it is in; one process only) on global rank `rank` (None: every rank)."""
+
+    phase: str
+    rid: int
+    error: BaseException
+    rank: int | None = None
+
+
+@dataclass
+class _Admission:
+    """What a prefill or extend built on this rank, committed only once every rank voted success."""
+
+    op: object
+    kv: object = None  # a prefill's new entry KV
+    prompt: Prompt | None = None  # a chunked prefill's prompt
+    rank_bytes: list[int] | None = None
+    entry: CacheEntry | None = None
+    own: OwnKV | None = None  # an extend's own-token KV (query rank)
+    new_entry: bool = True
+    hit: bool = False
+    gen: torch.Generator | None = None
+    token: int = 0
+    row: "Row | None" = None
+    pool: OwnKV | None = None  # the batch's pool with the new row
 
 
 @dataclass
@@ -40,8 +102,13 @@ class Executor:
     """Runs the scheduler's operations on this rank. The same instance state on every rank: the
     scheduler's decisions (rank 0) arrive as lists of operations (serving/ops.py)."""
 
-    def __init__(self, runner, cache: ContextCache, cuda_graphs: bool = True):
+    def __init__(self, runner, cache: ContextCache, cuda_graphs: bool = True, *, control=None, config=None,
+                 tp: int = 1):
         self.runner = runner
+        self.control = control  # the gloo group over every rank (the step broadcast's); None in one process
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.config, self.tp = config, tp  # the model's config and tp, for a step's working set (work_bytes)
+        self.faults: list[Fault] = []  # test hook: errors to raise for given requests (Fault)
         self.model = runner.model
         self.cache = cache
         strategy = getattr(runner, "strategy", None)
@@ -55,6 +122,7 @@ class Executor:
         # gets the same token).
         self.sampler = runner.sample if isinstance(runner, ContextParallelRunner) else getattr(runner, "sampler", sample)
         self.rows: list[Row] = []
+        self.filling: dict[int, _Admission] = {}  # entry id -> a document whose prefill runs chunk by chunk
         self.pool: OwnKV | None = None  # the batch's own KV, rebuilt when rows join or leave
         attn = self.model.layers[0].attention
         self.kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
@@ -81,10 +149,10 @@ class Executor:
         """KV bytes of one token in the own-KV pool: always the compute dtype (cascade.OwnKV)."""
         return len(self.model.layers) * (2 * self.kv_heads * self.head_dim * self.dtype.itemsize + 8)
 
-    def entry_rank_bytes(self, prompt_len: int, context_len: int) -> list[int]:
+    def entry_rank_bytes(self, prompt_len: int, context_len: int, chunk: int | None = None) -> list[int]:
         """What a prefilled entry of this prompt allocates on each CP rank: exactly its shard
-        (StrategySpec.rank_rows; the runner allocates the same rows)."""
-        rows = [prompt_len] if self.strategy is None else self.strategy.rank_rows(prompt_len, context_len)
+        (StrategySpec.rank_rows; the runner allocates the same rows), prefilled `chunk` tokens a step."""
+        rows = [prompt_len] if self.strategy is None else self.strategy.rank_rows(prompt_len, context_len, chunk)
         return [max(1, n) * self.token_bytes() for n in rows]
 
     def entry_bytes(self, n_tokens: int) -> int:
@@ -103,11 +171,102 @@ class Executor:
         cap = max(max(own for own, _ in rows) + max([left for _, left in rows] + [1]), 1)
         return len(rows) * cap * self.own_token_bytes()
 
+    # -- failure containment (every rank takes the same decision: votes over the control group)
+    def free_bytes(self) -> int | None:
+        """Bytes this rank may still allocate (free on the card plus what torch holds unused); None
+        off CUDA, where the memory pre-check is skipped. Tests override it."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def work_bytes(self, rows: int) -> int:
+        """The working set of one forward of `rows` rows on this rank (the planner's activation peak of
+        one layer and the last row's logits; attention assumed fused)."""
+        if self.config is None or rows <= 0:
+            return 0
+        w = Workload(rows, rows, 0, None, self.dtype.itemsize)
+        return plan_memory(self.config, Layout(tp=self.tp), w).worst.activations
+
+    def _inject(self, rid: int, phase: str) -> None:
+        for f in self.faults:
+            if f.rid == rid and f.phase == phase and f.rank in (None, self.rank):
+                raise f.error
+
+    def _vote(self, code: int, need: int) -> list[tuple[int, int, int]]:
+        """Every rank's (code, free bytes or -1, need bytes), the same list on every rank: one gloo
+        all-gather on the control group (the one the step broadcast uses)."""
+        free = self.free_bytes()
+        mine = (code, -1 if free is None else free, need)
+        if self.control is None:
+            return [mine]
+        t = torch.tensor(mine, dtype=torch.long)
+        out = [torch.zeros(3, dtype=torch.long) for _ in range(dist.get_world_size(self.control))]
+        dist.all_gather(out, t, group=self.control)
+        return [tuple(int(x) for x in o) for o in out]
+
+    def _failure(self, votes, error: BaseException | None, what: str) -> Failure:
+        """The request's error from the votes (identical on every rank; rank 0's message is sent)."""
+        rank, (code, free, need) = next((r, v) for r, v in enumerate(votes) if v[0])
+        free_s = "its free memory is unknown (not CUDA)" if free < 0 else f"{_size(free)} are free there"
+        if code == INSUFFICIENT_MEMORY:
+            msg = (f"out of memory: this request's {what} needs {_size(need)} on rank {rank} (its new KV and the "
+                   f"step's working set) but {free_s}; other requests are unaffected; retry later, or start the "
+                   f"server with a lower --cache-gib or --prefill-chunk")
+        elif error is not None and rank == self.rank:
+            msg = f"{what} failed on rank {rank}: {type(error).__name__}: {error}"
+        else:
+            msg = f"{what} failed on rank {rank} (see that rank's log)"
+        return Failure(CODE_NAMES[code], msg)
+
+    def _contained(self, op, prepare, compute, what: str):
+        """prepare (host work and allocations, no collectives) / vote / compute (the forwards) / vote:
+        a failure on any rank rolls the op back on every rank -> (result, None) or (None, Failure).
+        Nothing is committed before both votes: a rollback drops what prepare and compute built.
+        An exception raised on only some ranks inside a collective leaves the peers waiting there: that
+        stays the dead-rank path (the dist timeout ends the server)."""
+        state, err, code, need = None, None, 0, 0
+        try:
+            self._inject(op.rid, "prepare")
+            state, need = prepare(op)
+        except Exception as e:  # noqa: BLE001 (contained: every rank decides by the vote)
+            err, code = e, _code(e)
+        votes = self._vote(code, need)
+        if any(v[0] for v in votes):
+            state = None  # freed before empty_cache
+            return None, self._fail(op, votes, err, what)
+        result = None
+        try:
+            result = compute(op, state)
+            self._inject(op.rid, "compute")
+        except Exception as e:  # noqa: BLE001
+            err, code = e, _code(e)
+        votes = self._vote(code, need)
+        if any(v[0] for v in votes):
+            state = result = None
+            return None, self._fail(op, votes, err, what)
+        return result, None
+
+    def _fail(self, op, votes, err, what: str) -> Failure:
+        if err is not None:
+            log.error("request %d: %s failed on this rank: %s: %s", op.rid, what, type(err).__name__, err)
+            err.__traceback__ = None  # its frames hold the step's tensors
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self._failure(votes, err, what)
+
+    def _check_memory(self, need: int) -> None:
+        """The memory pre-check: refuse a step that would not fit, before it allocates."""
+        free = self.free_bytes()
+        if free is not None and free < MEMORY_MARGIN * need:
+            raise InsufficientMemory(f"needs {need} bytes, {free} free")
+
     # -- operations
-    def run(self, ops: list[Op]) -> dict[int, int]:
-        """Apply `ops` in order -> {request id: sampled token} (the same on every rank). A step
-        admits a request or decodes, never both, so each request gets at most one token a step."""
+    def run(self, ops: list[Op]) -> tuple[dict[int, int], dict[int, Failure]]:
+        """Apply `ops` in order -> ({request id: sampled token}, {request id: its failure}), the same on
+        every rank. A failed request's memory is freed on every rank; the others go on."""
         tokens: dict[int, int] = {}
+        failures: dict[int, Failure] = {}
         with torch.inference_mode():
             for op in ops:
                 match op:
@@ -116,14 +275,25 @@ class Executor:
                     case Finish():
                         self._finish(op.rids)
                     case Prefill():
-                        tokens[op.rid] = self._prefill(op)
+                        self._admit(op, self._prefill_prepare, self._prefill_compute, "prefill", tokens, failures)
+                    case PrefillChunk():
+                        self._prefill_chunk(op, tokens, failures)
+                    case Abort():
+                        self._abort(op.entry)
                     case Extend():
-                        tokens[op.rid] = self._extend(op)
+                        self._admit(op, self._extend_prepare, self._extend_compute, "extend", tokens, failures)
                     case Decode():
-                        tokens.update(self._decode())
+                        self._decode_contained(tokens, failures)
                     case _:
                         raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
-        return tokens
+        return tokens, failures
+
+    def _admit(self, op, prepare, compute, what, tokens, failures) -> None:
+        result, failure = self._contained(op, prepare, compute, what)
+        if failure is not None:
+            failures[op.rid] = failure
+            return
+        tokens[op.rid] = self._commit(result)
 
     def _gen(self, seed):
         return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
@@ -139,63 +309,156 @@ class Executor:
             dist.broadcast(toks, src=dist.get_global_rank(self.group, self.query_rank), group=self.group)
         return toks.tolist()
 
-    def _join(self, row: Row) -> None:
-        self.rows.append(row)
-        self._rebuild_pool()
-        self._graph, self._steady = None, 0
+    def _gather_pool(self, rows: list[Row]) -> OwnKV | None:
+        """The batch's own-KV pool for `rows` (query rank; None elsewhere), built beside the old one:
+        nothing changes until _set_rows commits it."""
+        if not self.is_query_rank or not rows:
+            return None
+        parts = [(r.pool, r.pool_row) for r in rows]
+        extra = max([r.remaining for r in rows] + [1])
+        return OwnKV.gather(parts, extra, self.model.layer_ids, self.kv_heads, self.head_dim, self.dtype, self.device)
 
-    def _rebuild_pool(self) -> None:
-        if not self.is_query_rank:
-            return
-        parts = [(r.pool, r.pool_row) for r in self.rows]
-        extra = max([r.remaining for r in self.rows] + [1])
-        self.pool = OwnKV.gather(parts, extra, self.model.layer_ids, self.kv_heads, self.head_dim, self.dtype,
-                                 self.device)
-        for b, r in enumerate(self.rows):
-            r.pool, r.pool_row = self.pool, b
+    def _set_rows(self, rows: list[Row], pool: OwnKV | None) -> None:
+        self.rows, self.pool = rows, pool
+        if pool is not None:
+            for b, r in enumerate(rows):
+                r.pool, r.pool_row = pool, b
+        self._graph, self._steady = None, 0
 
     def _new_row(self, op: Prefill | Extend, entry: CacheEntry, prefix: int, pool: OwnKV | None, first: int,
                  gen) -> Row:
         return Row(op.rid, entry, prefix, len(op.ids), first, op.max_tokens - 1, op.sampling, gen, pool, 0)
 
-    def _prefill(self, op: Prefill) -> int:
+    def _pool_need(self, own: int, remaining: int) -> int:
+        """The query rank's pool after a row of (own, remaining) joins, while the old one is held."""
+        if not self.is_query_rank:
+            return 0
+        return self.pool_bytes(self.pool_rows() + [(own, remaining)]) + self.pool_bytes(self.pool_rows())
+
+    def _prefill_prepare(self, op: Prefill):
+        L = len(op.ids)
+        rank_bytes = self.entry_rank_bytes(L, op.context_len)
+        rows = rank_bytes[self.cp_rank] // self.token_bytes()
+        need = rank_bytes[self.cp_rank] + max(self.work_bytes(rows), self._pool_need(0, op.max_tokens - 1))
+        self._check_memory(need)
+        kv = self.runner.new_cache(L, L, op.context_len)  # exactly this rank's shard
+        return _Admission(op, kv=kv, rank_bytes=rank_bytes), need
+
+    def _prefill_compute(self, op: Prefill, st: "_Admission") -> "_Admission":
         ids = op.ids
         prompt = Prompt(list(ids), op.context_len, op.head_len)
-        kv = self.runner.new_cache(len(ids), len(ids), op.context_len)  # exactly this rank's shard
-        gen = self._gen(op.sampling.seed)
-        tok = int(self.runner.prefill(prompt, kv, op.sampling, gen))
-        self.runner.end_generation()
-        rank_bytes = self.entry_rank_bytes(len(ids), op.context_len)
-        if kv_bytes(kv) > rank_bytes[self.cp_rank]:  # the scheduler admitted by rank_bytes: it must not drift
-            raise RuntimeError(f"CP rank {self.cp_rank}'s entry holds {kv_bytes(kv)} bytes, more than the "
+        st.gen = self._gen(op.sampling.seed)
+        try:
+            st.token = int(self.runner.prefill(prompt, st.kv, op.sampling, st.gen))
+        finally:
+            self.runner.end_generation()
+        rank_bytes = st.rank_bytes
+        if kv_bytes(st.kv) > rank_bytes[self.cp_rank]:  # the scheduler admitted by rank_bytes: it must not drift
+            raise RuntimeError(f"CP rank {self.cp_rank}'s entry holds {kv_bytes(st.kv)} bytes, more than the "
                                f"{rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
-        entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), kv, max(rank_bytes), pinned=op.pinned,
-                           rank_bytes=rank_bytes)
-        self.cache.add(entry)
-        self.cache.acquire(entry)
-        pool = self._empty_pool() if self.is_query_rank else None
-        self._join(self._new_row(op, entry, len(ids), pool, tok, gen))
-        return tok
+        st.entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), st.kv, max(rank_bytes), pinned=op.pinned,
+                              rank_bytes=rank_bytes)
+        own = self._empty_pool() if self.is_query_rank else None
+        st.row = self._new_row(op, st.entry, len(ids), own, st.token, st.gen)
+        st.pool = self._gather_pool(self.rows + [st.row])
+        return st
+
+    def _commit(self, st: "_Admission") -> int:
+        """Past both votes: the new entry and row become the executor's (no allocation here)."""
+        if st.new_entry:
+            self.cache.add(st.entry)
+        self.cache.acquire(st.entry)
+        if st.hit:
+            st.entry.hits += 1
+        self._set_rows(self.rows + [st.row], st.pool)
+        return st.token
+
+    # -- a document's prefill, one chunk a step (the entry is "filling" between its chunks)
+    def _prefill_chunk(self, op: PrefillChunk, tokens, failures) -> None:
+        # Every chunk is voted on: each allocates its working set, the first the entry, the last the pool.
+        st, failure = self._contained(op, self._chunk_prepare, self._chunk_compute, "prefill")
+        if failure is not None:
+            self._abort(op.entry)  # a later chunk's entry is filling on every rank
+            failures[op.rid] = failure
+            return
+        if op.start == 0:
+            self.cache.add(st.entry)
+            self.cache.acquire(st.entry)  # held by its request: neither evicted nor reused while it fills
+            self.filling[op.entry] = st
+        if op.last:
+            del self.filling[op.entry]
+            st.entry.filling = False
+            self._set_rows(self.rows + [st.row], st.pool)
+            tokens[op.rid] = st.token
+
+    def _chunk_prepare(self, op: PrefillChunk):
+        rows = -(-(op.end - op.start) // self.cp)  # this step's rows per rank
+        pool = self._pool_need(0, op.max_tokens - 1) if op.last else 0
+        if op.start:
+            st = self.filling[op.entry]
+            need = max(self.work_bytes(rows), pool)
+            self._check_memory(need)
+            return st, need
+        L = op.prompt_len
+        rank_bytes = self.entry_rank_bytes(L, op.context_len, op.chunk)
+        need = rank_bytes[self.cp_rank] + max(self.work_bytes(rows), pool)
+        self._check_memory(need)
+        kv = self.runner.new_cache(L, L, op.context_len, op.chunk)  # exactly this rank's shard, chunked layout
+        entry = CacheEntry(op.entry, np.asarray(op.ids, dtype=np.int64), kv, max(rank_bytes), rank_bytes=rank_bytes,
+                           filling=True)
+        return _Admission(op, kv=kv, rank_bytes=rank_bytes, entry=entry, gen=self._gen(op.sampling.seed),
+                          prompt=Prompt(list(op.ids), op.context_len, op.head_len)), need
+
+    def _chunk_compute(self, op: PrefillChunk, st: "_Admission") -> "_Admission":
+        tok = self.runner.prefill_step(st.prompt, st.kv, op.start, op.end, op.sampling, st.gen)
+        if not op.last:
+            return st
+        self.runner.end_generation()
+        if kv_bytes(st.kv) > st.rank_bytes[self.cp_rank]:
+            raise RuntimeError(f"CP rank {self.cp_rank}'s entry holds {kv_bytes(st.kv)} bytes, more than the "
+                               f"{st.rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
+        st.token = int(tok)
+        own = self._empty_pool() if self.is_query_rank else None
+        L = op.prompt_len
+        st.row = Row(op.rid, st.entry, L, L, st.token, op.max_tokens - 1, op.sampling, st.gen, own, 0)
+        st.pool = self._gather_pool(self.rows + [st.row])
+        return st
+
+    def _abort(self, entry_id: int) -> None:
+        """Drop a filling entry on this rank (its prefill was cancelled, timed out or failed)."""
+        if self.filling.pop(entry_id, None) is None:
+            return
+        self.cache.entries.pop(entry_id, None)
+        self.runner.end_generation()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _empty_pool(self) -> OwnKV:
         return OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, 1, self.dtype, self.device)
 
-    def _extend(self, op: Extend) -> int:
+    def _extend_prepare(self, op: Extend):
         ids, m = op.ids, op.prefix
+        own = len(ids) - m
         entry = self.cache.entries[op.entry]
-        self.cache.acquire(entry)
-        entry.hits += 1
-        suffix = torch.tensor([ids[m:]], device=self.device)
-        pos = torch.arange(m, len(ids), device=self.device)[None]
+        need = self.work_bytes(own) + (own * self.own_token_bytes() if self.is_query_rank else 0)
+        need += self._pool_need(own, op.max_tokens - 1)
+        self._check_memory(need)
         pool = None
         if self.is_query_rank:
-            pool = OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, len(ids) - m, self.dtype, self.device)
-        cascade = CascadeAttention([SharedGroup(entry.kv, [0], [m], len(entry))], pool, self.group, self.device)
+            pool = OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, own, self.dtype, self.device)
+        return _Admission(op, entry=entry, own=pool, new_entry=False, hit=True), need
+
+    def _extend_compute(self, op: Extend, st: "_Admission") -> "_Admission":
+        ids, m, entry = op.ids, op.prefix, st.entry
+        suffix = torch.tensor([ids[m:]], device=self.device)
+        pos = torch.arange(m, len(ids), device=self.device)[None]
+        cascade = CascadeAttention([SharedGroup(entry.kv, [0], [m], len(entry))], st.own, self.group, self.device)
         logits = run_cascade(self.model, suffix, pos, cascade)
-        gen = self._gen(op.sampling.seed)
-        tok = self._sample(logits, [(op.sampling, gen)])[0]
-        self._join(self._new_row(op, entry, m, pool, tok, gen))
-        return tok
+        st.gen = self._gen(op.sampling.seed)
+        st.token = self._sample(logits, [(op.sampling, st.gen)])[0]
+        st.row = self._new_row(op, entry, m, st.own, st.token, st.gen)
+        st.pool = self._gather_pool(self.rows + [st.row])
+        return st
 
     def _batch_cascade(self) -> CascadeAttention:
         """The batch's attention: one shared group per cache entry its rows use, and the own-KV pool."""
@@ -205,6 +468,28 @@ class Executor:
             g.rows.append(b)
             g.prefix.append(r.prefix)
         return CascadeAttention(list(by_entry.values()), self.pool, self.group, self.device)
+
+    def _decode_contained(self, tokens: dict[int, int], failures: dict[int, "Failure"]) -> None:
+        """A decode step. Without peers (tp = cp = 1) a failure in it is contained: the row it names
+        (a fault's), else the newest row (the last to add memory) leaves and the rest go on. With
+        peers it is not: the ranks would disagree inside the forward's collectives."""
+        if self.control is not None:
+            tokens.update(self._decode())
+            return
+        try:
+            for r in self.rows:
+                self._inject(r.rid, "decode")
+            tokens.update(self._decode())
+        except Exception as e:  # noqa: BLE001
+            rid = next((f.rid for f in self.faults if f.error is e), None)
+            victim = next((r for r in self.rows if r.rid == rid), self.rows[-1])
+            log.error("request %d: decode failed: %s: %s", victim.rid, type(e).__name__, e)
+            self._graph, self._steady = None, 0
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._finish([victim.rid])
+            failures[victim.rid] = self._failure([(_code(e), -1 if self.free_bytes() is None else self.free_bytes(),
+                                                   self.pool_bytes(self.pool_rows()))], e, "decode step")
 
     def _decode(self) -> dict[int, int]:
         rows = self.rows
@@ -228,9 +513,5 @@ class Executor:
         for r in self.rows:
             if r.rid in gone:
                 self.cache.release(r.entry)
-        self.rows = [r for r in self.rows if r.rid not in gone]
-        self._graph, self._steady = None, 0
-        if self.rows:
-            self._rebuild_pool()
-        else:
-            self.pool = None
+        rows = [r for r in self.rows if r.rid not in gone]
+        self._set_rows(rows, self._gather_pool(rows))

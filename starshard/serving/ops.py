@@ -2,8 +2,9 @@
 applies, in order. A step is a list of them, broadcast from rank 0 as one pickled object (plain
 dataclasses: the receiving ranks import this module, so the types arrive as they were sent).
 
-A step admits one request (prefill or extend, after any evictions) or decodes, never both; finish
-can come first in either, and alone between steps when requests end.
+A step runs one prefill-side action (a whole prefill, one chunk of a document's prefill, or an extend,
+after any evictions) or decodes, never both; finish and abort can come first in either, and finish
+alone between steps when requests end.
 """
 from __future__ import annotations
 
@@ -42,6 +43,39 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class PrefillChunk:
+    """One prefill step of a document: prompt tokens [start, end) (runner.prefill_bounds with `chunk`)
+    into cache entry `entry`. The first chunk (start 0, the only one that carries `ids`) allocates the
+    entry at its exact per-rank shard for the chunked layout; until the last chunk the entry is filling:
+    neither evictable nor reusable. The last chunk samples the first token and the request joins the
+    batch."""
+
+    rid: int
+    entry: int
+    start: int
+    end: int
+    chunk: int  # the prefill's step size (the shard layout depends on it)
+    prompt_len: int
+    ids: list[int] | None  # the whole prompt on the first chunk; None after (every rank kept it)
+    max_tokens: int
+    sampling: SamplingConfig
+    context_len: int
+    head_len: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.prompt_len
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop a filling entry (a document's prefill cancelled, timed out or failed between its chunks)."""
+
+    rid: int
+    entry: int
+
+
+@dataclass(frozen=True)
 class Extend:
     """Run only the prompt's tokens after its first `prefix`, which cache entry `entry` holds:
     attention reads the entry's first `prefix` tokens (cascade.py), the prefill is skipped."""
@@ -59,4 +93,4 @@ class Decode:
     """One token for every running request, in one forward."""
 
 
-Op = Evict | Finish | Prefill | Extend | Decode
+Op = Evict | Finish | Prefill | PrefillChunk | Abort | Extend | Decode

@@ -6,7 +6,9 @@ rank executes (`Executor`, serving/executor.py), broadcast from rank 0 over a CP
 the ranks' KV shards, cache entries and batch stay identical in shape:
 
     prefill  a prompt with no usable cache entry runs through the runner (any context strategy);
-             its KV becomes a cache entry, and the request decodes on it
+             its KV becomes a cache entry, and the request decodes on it. With --prefill-chunk the
+             document runs one chunk a step, and decode steps of the running batch take turns with
+             its chunks (no stream stalls for a whole prefill)
     extend   a prompt that begins with an entry's tokens runs only the rest, attending the entry's
              first m tokens (serving/cascade.py): the prefill is skipped
     decode   one token for every running request, in one forward: each entry's context is read once
@@ -20,6 +22,7 @@ scheduler's thread through the request's callback.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -33,9 +36,9 @@ import torch.distributed as dist
 
 from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
-from starshard.serving.context_cache import ContextCache
+from starshard.serving.context_cache import ContextCache, common_prefix
 from starshard.serving.executor import Executor
-from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
+from starshard.serving.ops import Abort, Decode, Evict, Extend, Finish, Op, Prefill, PrefillChunk
 from starshard.strategies import get_spec
 
 log = logging.getLogger("starshard.serve")
@@ -60,6 +63,9 @@ class TokenEvent:
     cached_tokens: int  # prompt tokens whose KV came from the context cache
     completion_tokens: int
     error: str | None = None
+    # why it failed (finish_reason "error"): insufficient_memory, timeout, rejected, failed (executor.CODE_NAMES),
+    # or unavailable (the engine stopped)
+    error_code: str | None = None
 
 
 # ---------------------------------------------------------------------------- rank 0: scheduling
@@ -77,6 +83,11 @@ class Request:
     cached: int = 0
     cancelled: bool = False
     running: bool = False
+    ids: np.ndarray | None = None  # prompt.ids as an array (cache lookups)
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # a chunked prefill's steps
+    step: int = 0  # the next of them
+    entry: int = 0  # the entry its chunked prefill fills
+    kind: tuple | None = None  # (the cache's entries it was classified against, Scheduler._classify's answer)
 
 
 class Ticket:
@@ -100,16 +111,24 @@ class Scheduler:
     llm: a starshard.LLM over any layout without pipeline stages (one process, tp, cp, tp x cp).
     cache_bytes: the context cache's budget per rank; max_batch: requests decoding together;
     max_queue: requests waiting beyond the batch before submit() answers QueueFull.
+    prefill_chunk: prompt tokens one prefill step runs (0: the whole prompt); a document's chunks take
+    turns with the batch's decode steps. request_timeout: seconds from arrival after which a request
+    ends with an error (code "timeout") and is freed; None: no limit.
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
-                 max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True):
+                 max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True,
+                 prefill_chunk: int = 0, request_timeout: float | None = None):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
             raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
                              "model with --tp and the document with --cp")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} / {max_queue}")
+        if prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {prefill_chunk}")
+        if request_timeout is not None and request_timeout <= 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
         self.llm, self.config = llm, llm.config
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
@@ -117,17 +136,32 @@ class Scheduler:
         self.max_batch, self.max_queue, self.max_extend = max_batch, max_queue, max_extend
         strategy = getattr(runner, "strategy", None)
         self.cache = ContextCache(cache_bytes, ranks=1 if strategy is None else strategy.cp)
-        self.executor = Executor(runner, self.cache, cuda_graphs)
-        self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
         self.control = control_group()
+        self.executor = Executor(runner, self.cache, cuda_graphs, control=self.control, config=self.config,
+                                 tp=llm.parallel.tp)
+        self.reuse = strategy is None or get_spec(strategy.name).context_cache  # APB's KV depends on the question
+        self.prefill_chunk = prefill_chunk
+        if prefill_chunk:
+            try:  # a strategy that refuses a chunk (APB: its passing blocks need each host's whole block)
+                runner.prefill_bounds(2 * prefill_chunk, 2 * prefill_chunk - 1, prefill_chunk)
+            except ValueError as e:
+                log.info("--prefill-chunk %d: each prompt is prefilled whole (%s)", prefill_chunk, e)
+                self.prefill_chunk = 0
+        self.request_timeout = request_timeout
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
+        self._prefilling: Request | None = None  # the one document whose prefill runs chunk by chunk
+        self._decoded = False  # the last step was a decode (decode first: the next one is prefill-side)
+        self._turn = "short"  # which class of prefill-side work goes first when both have some
+        self.step_log: collections.deque = collections.deque(maxlen=4096)  # (kind D/P/E, rid) of each step
         self._rids = itertools.count(1)
         self._error: str | None = None
         self._stop = False
-        self.counters = dict(prefill_tokens_total=0, decode_tokens_total=0, cached_tokens_total=0, requests_total=0)
+        self.counters = dict(prefill_tokens_total=0, decode_tokens_total=0, cached_tokens_total=0, requests_total=0,
+                             prefill_chunks_total=0, cancelled_total=0, timeouts_total=0)
+        self.errors: dict[str, int] = {}  # failed requests by error code
         self._thread: threading.Thread | None = None
 
     # -- front end (rank 0)
@@ -151,7 +185,8 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue}); "
                                 "retry later")
-            req = Request(next(self._rids), prompt, max_tokens, sampling, on_event)
+            req = Request(next(self._rids), prompt, max_tokens, sampling, on_event,
+                          ids=np.asarray(prompt.ids, dtype=np.int64))
             self._waiting.append(req)
             self.counters["requests_total"] += 1
             self._lock.notify()
@@ -162,20 +197,26 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(queue_depth=len(self._waiting), running=len(self._running),
+            p = self._prefilling
+            left = 0 if p is None else len(p.prompt.ids) - (p.bounds[p.step - 1][1] if p.step else 0)
+            return dict(queue_depth=len(self._waiting), running=len(self._running), prefilling_tokens_left=left,
                         cache_bytes=self.cache.used_bytes, cache_budget_bytes=self.cache.budget,
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
-                        cache_lookups=self.cache.lookups, **self.counters)
+                        cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors), **self.counters)
 
     def _cancel(self, rid: int) -> None:
         with self._lock:
             for r in self._waiting:
                 if r.rid == rid:
                     self._waiting.remove(r)
+                    self.counters["cancelled_total"] += 1
                     self._emit(r, None, "cancelled")
                     return
-            if rid in self._running:
-                self._running[rid].cancelled = True
+            req = self._running.get(rid)
+            if req is None and self._prefilling is not None and self._prefilling.rid == rid:
+                req = self._prefilling
+            if req is not None:
+                req.cancelled = True
                 self._lock.notify()
 
     # -- the loop
@@ -209,14 +250,14 @@ class Scheduler:
                     self._broadcast(None)
                     return
                 self._broadcast(ops)
-                tokens = self.executor.run(ops) if ops else {}
-                self._deliver(tokens)
+                tokens, failures = self.executor.run(ops) if ops else ({}, {})
+                self._deliver(tokens, failures)
         except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
             log.error("engine stopped: %s", e)
             with self._lock:
                 self._error = f"the engine stopped: {type(e).__name__}: {e}"
                 for r in list(self._running.values()) + self._waiting:
-                    self._emit(r, None, "error", error=self._error)
+                    self._emit(r, None, "error", error=self._error, code="unavailable")
                 self._running.clear()
                 self._waiting.clear()
 
@@ -231,7 +272,7 @@ class Scheduler:
         own-KV pool rebuilt with it (its own tokens outside the entry and max_tokens) while the old pool
         and its own tokens' KV are still held. `running`: the running rows' (own tokens, remaining)."""
         ex, L = self.executor, len(prompt.ids)
-        need = [0] * ex.cp if prefix else ex.entry_rank_bytes(L, prompt.context_len)
+        need = [0] * ex.cp if prefix else ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None)
         own = L - prefix if prefix else 0  # a prefill's tokens (Star's question too) are in its entry
         running = list(running)
         need[ex.query_rank] += (ex.pool_bytes(running + [(own, max_tokens - 1)]) + ex.pool_bytes(running)
@@ -245,7 +286,7 @@ class Scheduler:
         if ex.strategy is None or ex.cp == 1:
             what = f"{sizes} GiB (its KV: {L} tokens, and {max_tokens} new tokens)"
         else:
-            pool = need[ex.query_rank] - ex.entry_rank_bytes(L, prompt.context_len)[ex.query_rank]
+            pool = need[ex.query_rank] - ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None)[ex.query_rank]
             what = (f"per rank {sizes} GiB (entry shard of {L} tokens over cp={ex.cp} {ex.strategy.name}; rank "
                     f"{ex.query_rank} also holds {max_tokens} new tokens: {pool / gib:.3g} GiB)")
         fixes = [f"start with --cache-gib {math.ceil(max(need) / gib * 10) / 10:.1f}"]
@@ -266,65 +307,220 @@ class Scheduler:
             options.pop("query_rank")  # the default: the last rank of the wider group
         pool = ex.pool_bytes([(0, max_tokens - 1)])
         for cp in (2 * ex.cp, 4 * ex.cp, 8 * ex.cp):
-            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options)
+            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options, self.prefill_chunk or None)
             worst = max(max(rows) * ex.token_bytes(), rows[options.get("query_rank", cp - 1)] * ex.token_bytes() + pool)
             if worst <= self.cache.budget:
                 return cp, worst
         return None
 
     def _plan(self) -> list[Op] | None:
-        """The next step's operations (None: shut down)."""
+        """The next step's operations (None: shut down): housekeeping (cancelled and timed-out requests),
+        then a decode if rows run and the last step was not one, else one prefill-side action."""
         with self._lock:
-            while not self._stop and not self._waiting and not self._running:
+            while not self._stop and not self._waiting and not self._running and self._prefilling is None:
                 if not self._lock.wait(IDLE_TICK_S) and self.control is not None:
                     return []  # keep the other ranks' broadcast from timing out
             if self._stop:
                 return None
-            ops: list[Op] = []
-            cancelled = [r.rid for r in self._running.values() if r.cancelled]
-            if cancelled:
-                ops.append(Finish(cancelled))
-                for rid in cancelled:
-                    self._emit(self._running.pop(rid), None, "cancelled")
-            if self._waiting and len(self._running) < self.max_batch:
-                op = self._admit(self._waiting[0])
-                if op is not None:
-                    req = self._waiting.pop(0)
-                    ops.extend(op)
-                    req.running = True
-                    self._running[req.rid] = req
-                    return ops  # the newcomer's first token; decoding resumes next step
+            ops = self._housekeeping()
+            if self._running and not self._decoded:
+                self._decoded = True
+                return self._logged(ops + [Decode()])
+            action = self._prefill_side()
+            if action:
+                self._decoded = False
+                return self._logged(ops + action)
             if self._running:
-                ops.append(Decode())
+                self._decoded = True
+                return self._logged(ops + [Decode()])
+            if not ops:  # waiting work that cannot start yet: wait for a change, not in a busy loop
+                self._lock.wait(0.05)
             return ops
 
-    def _admit(self, req: Request) -> list[Op] | None:
-        """The operations that start `req`, or None while the cache has no room for it yet."""
-        ids = np.asarray(req.prompt.ids, dtype=np.int64)
-        running = self.executor.pool_rows()  # every rank holds the rows; the pool lives on the query rank
-        entry, m = self.cache.lookup(ids) if self.reuse else (None, 0)
-        base = dict(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling)
-        rest = len(ids) - m
+    def _logged(self, ops: list[Op]) -> list[Op]:
+        for op in ops:
+            match op:
+                case Decode():
+                    self.step_log.append(("D", None))
+                case Prefill() | PrefillChunk():
+                    self.step_log.append(("P", op.rid))
+                    self.counters["prefill_chunks_total"] += 1
+                case Extend():
+                    self.step_log.append(("E", op.rid))
+        return ops
+
+    def _expired(self, req: Request, now: float) -> bool:
+        return self.request_timeout is not None and now - req.arrived > self.request_timeout
+
+    def _time_out(self, req: Request, now: float) -> None:
+        self.counters["timeouts_total"] += 1
+        self._fail(req, "timeout", f"the request ran past --request-timeout {self.request_timeout:g} s: "
+                                   f"{now - req.arrived:.2f} s since it arrived")
+
+    def _housekeeping(self) -> list[Op]:
+        """Finish cancelled and timed-out rows, abort a cancelled or timed-out document prefill, and
+        fail timed-out waiting requests."""
+        ops: list[Op] = []
+        now = time.monotonic()
+        gone = [r for r in self._running.values() if r.cancelled or self._expired(r, now)]
+        if gone:
+            ops.append(Finish([r.rid for r in gone]))
+        for r in gone:
+            del self._running[r.rid]
+            self._end_early(r, now)
+        p = self._prefilling
+        if p is not None and (p.cancelled or self._expired(p, now)):
+            ops.append(Abort(p.rid, p.entry))
+            self._prefilling = None
+            self._end_early(p, now)
+        for r in [r for r in self._waiting if self._expired(r, now)]:
+            self._waiting.remove(r)
+            self._time_out(r, now)
+        return ops
+
+    def _end_early(self, req: Request, now: float) -> None:
+        if req.cancelled:
+            self.counters["cancelled_total"] += 1
+            self._emit(req, None, "cancelled")
+        else:
+            self._time_out(req, now)
+
+    def _prefill_side(self) -> list[Op] | None:
+        """One prefill-side action. Two classes, each in arrival order, take turns when both have work:
+        short admissions (an extend of a cached document) and document work (the next chunk of the
+        document being prefilled, else the oldest new document once its holdings fit). A request for
+        the document still filling is parked until it completes, then extends."""
+        short, doc = self._short_work(), self._doc_work()
+        pick = short if doc is None or (short is not None and self._turn == "short") else doc
+        if pick is None:
+            return None
+        self._turn = "doc" if pick is short else "short"
+        return pick()
+
+    def _classify(self, req: Request):
+        """("short", entry, m) for an extend of a cached entry, "parked" for a request the filling
+        document will serve, else "doc". Kept per request until the entries change: the queue is scanned
+        every step, and comparing a long prompt with every entry is not free."""
+        p = self._prefilling
+        key = (tuple((e.id, e.filling) for e in self.cache.entries.values()), None if p is None else p.rid)
+        if req.kind is None or req.kind[0] != key:
+            req.kind = (key, self._classify_now(req))
+        return req.kind[1]
+
+    def _classify_now(self, req: Request):
+        entry, m = self.cache.peek(req.ids) if self.reuse else (None, 0)
+        if entry is not None and self._extends(len(req.ids), m):
+            return "short", entry, m
+        p = self._prefilling
+        if p is not None and self.reuse:
+            m = min(common_prefix(p.ids, req.ids), len(req.ids) - 1)
+            if m > 0 and self._extends(len(req.ids), m):
+                return "parked", None, 0
+        return "doc", None, 0
+
+    def _extends(self, n: int, m: int) -> bool:
         # Run only the rest when the cache holds most of the prompt and the rest is short. A prompt that
         # shares just a chat template's header with an entry is a new document: prefill it, cache it.
-        if entry is not None and rest <= self.max_extend and rest <= m:
+        return n - m <= self.max_extend and n - m <= m
+
+    def _short_work(self):
+        """The oldest waiting extend, as a thunk that admits it, or None when it cannot start now."""
+        for req in self._waiting:
+            kind, entry, m = self._classify(req)
+            if kind != "short":
+                continue
+            if len(self._running) >= self.max_batch:
+                return None
+            running = self.executor.pool_rows()
             victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, m, running), keep=entry.id)
             if victims is None:
                 return None
-            req.cached = m
-            return ([Evict(victims)] if victims else []) + [Extend(entry=entry.id, prefix=m, **base)]
-        victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, running=running))
+
+            def admit(req=req, entry=entry, m=m, victims=victims):
+                self.cache.lookup(req.ids)  # counted once per admitted request
+                req.cached = m
+                self._start(req)
+                return ([Evict(victims)] if victims else []) + [
+                    Extend(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling,
+                           entry=entry.id, prefix=m)]
+            return admit
+        return None
+
+    def _doc_work(self):
+        """The next chunk of the document being prefilled, else the oldest new document's first step
+        once its holdings fit (a thunk), or None."""
+        p = self._prefilling
+        if p is not None:
+            return self._next_chunk(p)
+        req = next((r for r in self._waiting if self._classify(r)[0] == "doc"), None)
+        if req is None:
+            return None
+        L, chunk = len(req.ids), self.prefill_chunk
+        bounds = self.llm.runner.prefill_bounds(L, req.prompt.context_len, chunk) if chunk else [(0, L)]
+        if len(bounds) == 1 and len(self._running) >= self.max_batch:
+            return None  # it joins the batch in this very step
+        victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, running=self.executor.pool_rows()))
         if victims is None:
-            if not self._running:
+            if not self._running and not self.executor.filling:
                 raise RuntimeError("the context cache cannot hold a prompt it accepted")  # submit() checks the size
             return None
-        return ([Evict(victims)] if victims else []) + [
-            Prefill(entry=self.cache.next_id(), context_len=req.prompt.context_len, head_len=req.prompt.head_len,
-                    pinned=not self.reuse, **base)]
 
-    def _deliver(self, tokens: dict[int, int]) -> None:
+        def start():
+            if self.reuse:
+                self.cache.lookup(req.ids)  # counted once per admitted request
+            entry = self.cache.next_id()
+            evict = [Evict(victims)] if victims else []
+            if not chunk:
+                self._start(req)
+                return evict + [Prefill(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens,
+                                        sampling=req.sampling, entry=entry, context_len=req.prompt.context_len,
+                                        head_len=req.prompt.head_len, pinned=not self.reuse)]
+            self._waiting.remove(req)
+            req.bounds, req.step, req.entry = bounds, 0, entry
+            self._prefilling = req
+            return evict + [self._chunk_op(req)]
+        return start
+
+    def _next_chunk(self, req: Request):
+        if req.step == len(req.bounds) - 1:  # the last chunk joins the batch: a slot and the pool's room
+            if len(self._running) >= self.max_batch:
+                return None
+            ex = self.executor
+            running = ex.pool_rows()
+            need = [0] * ex.cp
+            need[ex.query_rank] = ex.pool_bytes(running + [(0, req.max_tokens - 1)]) + ex.pool_bytes(running)
+            victims = self.cache.plan_room(need)
+            if victims is None:
+                return None
+            return lambda: ([Evict(victims)] if victims else []) + [self._chunk_op(req)]
+        return lambda: [self._chunk_op(req)]
+
+    def _chunk_op(self, req: Request) -> PrefillChunk:
+        start, end = req.bounds[req.step]
+        req.step += 1
+        if end == len(req.ids):  # the last chunk: the request joins the batch with its first token
+            self._prefilling = None
+            req.running = True
+            self._running[req.rid] = req
+        return PrefillChunk(rid=req.rid, entry=req.entry, start=start, end=end, chunk=self.prefill_chunk,
+                            prompt_len=len(req.ids), ids=req.prompt.ids if start == 0 else None,
+                            max_tokens=req.max_tokens, sampling=req.sampling, context_len=req.prompt.context_len,
+                            head_len=req.prompt.head_len)
+
+    def _start(self, req: Request) -> None:
+        self._waiting.remove(req)
+        req.running = True
+        self._running[req.rid] = req
+
+    def _deliver(self, tokens: dict[int, int], failures: dict | None = None) -> None:
         finished = []
         with self._lock:
+            for rid, failure in (failures or {}).items():  # rolled back on every rank: nothing to finish
+                req = self._running.pop(rid, None)
+                if req is None and self._prefilling is not None and self._prefilling.rid == rid:
+                    req, self._prefilling = self._prefilling, None
+                if req is not None:
+                    self._fail(req, failure.code, failure.message)
             for rid, tok in tokens.items():
                 req = self._running.get(rid)
                 if req is None:
@@ -352,6 +548,12 @@ class Scheduler:
         self._broadcast(ops)
         self.executor.run(ops)
 
+    def _fail(self, req: Request, code: str, message: str) -> None:
+        """End `req` with an error the server maps by its code; the others and the server go on."""
+        log.warning("request %d failed (%s): %s", req.rid, code, message)
+        self.errors[code] = self.errors.get(code, 0) + 1
+        self._emit(req, None, "error", error=message, code=code)
+
     def _detok(self, req: Request) -> str:
         """The text the newest token adds; held back while it ends inside a multi-byte character.
         Decodes a short window (from the last emitted piece on), not the whole answer each step: the
@@ -366,8 +568,10 @@ class Scheduler:
         req.text_start, req.text_end = req.text_end, len(toks)
         return after[len(before):]
 
-    def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None) -> None:
+    def _emit(self, req: Request, tok, finish, *, text: str = "", error: str | None = None,
+              code: str | None = None) -> None:
         try:
-            req.on_event(TokenEvent(tok, text, finish, len(req.prompt.ids), req.cached, len(req.tokens), error))
+            req.on_event(TokenEvent(tok, text, finish, len(req.prompt.ids), req.cached, len(req.tokens), error,
+                                    code))
         except Exception:  # a callback of a client that went away must not stop the step loop
             log.debug("dropping an event for request %d", req.rid, exc_info=True)

@@ -25,7 +25,7 @@ class DenseSpec(StrategySpec):
             chunk = max(512, -(-L // (4 * lay.pp)))
         return L + N, min(L, chunk or L), 0
 
-    def rank_rows(self, cp, prompt_len, context_len, options):
+    def whole_rows(self, cp, prompt_len, context_len, options):
         return [prompt_len]
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):

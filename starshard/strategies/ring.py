@@ -27,13 +27,14 @@ def ring_flops(cfg: ModelConfig, context: int, cp: int, query_len: int = 1, kv_b
 class RingSpec(StrategySpec):
     name = "ring"
     sparse = False  # a ring step sees part of a row's keys: no pattern estimate over the whole range
+    chunked_prefill = True
 
     def kv_rows(self, lay, w):
         rows = 2 * math.ceil(w.prompt_tokens / (2 * lay.cp))  # zigzag: two chunks of ceil(L / 2cp) per rank
         # a send and a receive KV block of one layer in flight
         return rows + w.max_new_tokens, rows, 2 * rows
 
-    def rank_rows(self, cp, prompt_len, context_len, options):
+    def whole_rows(self, cp, prompt_len, context_len, options):
         return [zigzag_rows(prompt_len, cp, r) for r in range(cp)]
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):

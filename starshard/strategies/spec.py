@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from starshard.config import ModelConfig
+from starshard.partition import zigzag_rows
 from starshard.strategies.flops import PrefillFlops
 
 
@@ -80,6 +81,8 @@ class StrategySpec:
     fp8_attention: str | None = None  # where --fp8 attention's 8-bit scores run in it, e.g. "in Ulysses"
     context_cache = True  # a cached context's KV serves another question (APB's depends on the question)
     chunked_prefill = False  # the prompt runs in chunks after held KV (--prefill-chunk, pp > 1 stages)
+    # A context strategy's later chunks (start > 0) run one generic path (parallel/context/chunked.py):
+    # the chunk's rows zigzagged over the CP ranks, its queries gathered against every rank's stored keys.
 
     def validate(self, cp: int, options: dict) -> None:
         """Refuse (ValueError naming the fix) option values it cannot run on `cp` ranks; `options`:
@@ -93,13 +96,42 @@ class StrategySpec:
         forward, transient KV tokens in flight) on the worst CP rank."""
         raise NotImplementedError
 
-    def rank_rows(self, cp: int, prompt_len: int, context_len: int, options: dict) -> list[int]:
+    def prefill_bounds(self, cp: int, prompt_len: int, context_len: int, options: dict,
+                       chunk: int | None) -> list[tuple[int, int]]:
+        """The prompt positions [start, end) of each prefill step: `chunk` tokens each, counted over the
+        whole prompt (None or 0: the whole prompt in one step). The runner and rank_rows follow it."""
+        if chunk is not None and chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {chunk}")
+        if not chunk or chunk >= prompt_len:
+            return [(0, prompt_len)]
+        return [(s, min(s + chunk, prompt_len)) for s in range(0, prompt_len, chunk)]
+
+    def rank_rows(self, cp: int, prompt_len: int, context_len: int, options: dict,
+                  chunk: int | None = None) -> list[int]:
         """KV rows each CP rank keeps for one prompt's prefill (real tokens: padding is never stored):
         its entry shard, plus on the query rank the query tokens where the strategy's query phase
         stores them (Star, APB). `context_len`: the prompt's document part (the exact strategies run
-        the whole prompt and ignore it); `options`: field -> value of the options given. The runner
-        sizes each rank's cache by it and the service admits by it."""
+        the whole prompt and ignore it); `options`: field -> value of the options given; `chunk`: the
+        prefill's step size (prefill_bounds), which lays the shards out step by step. The runner sizes
+        each rank's cache by it and the service admits by it."""
+        bounds = self.prefill_bounds(cp, prompt_len, context_len, options, chunk)
+        if len(bounds) == 1:
+            return self.whole_rows(cp, prompt_len, context_len, options)
+        return self.chunked_rows(cp, prompt_len, context_len, options, bounds)
+
+    def whole_rows(self, cp: int, prompt_len: int, context_len: int, options: dict) -> list[int]:
+        """rank_rows of a prefill in one step."""
         raise NotImplementedError
+
+    def chunked_rows(self, cp: int, prompt_len: int, context_len: int, options: dict,
+                     bounds: list[tuple[int, int]]) -> list[int]:
+        """rank_rows of a prefill in steps `bounds`: the first step is the strategy's own prefill of
+        prompt[0:end], each later one keeps the real rows of its zigzag shard of the step."""
+        _, end = bounds[0]
+        rows = self.whole_rows(cp, end, end, options)
+        for s, e in bounds[1:]:
+            rows = [n + zigzag_rows(e - s, cp, r) for r, n in enumerate(rows)]
+        return rows
 
     def activation_elements(self, rows: int, heads: int, kv_heads: int, head_dim: int) -> int:
         """Planner: elements per batch row it holds beyond one layer's forward of `rows` rows."""

@@ -3,7 +3,7 @@ first tokens), then the query attends every rank's blocks, merged by lse."""
 from __future__ import annotations
 
 from starshard.config import ModelConfig
-from starshard.partition import star_blocks, star_sizes
+from starshard.partition import star_blocks, star_sizes, zigzag_rows
 from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
 from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least, query_context, query_rank
 
@@ -34,6 +34,7 @@ class StarSpec(StrategySpec):
     options = (BLOCK_SIZE, NUM_BLOCKS, ANCHOR_SIZE)
     exact = False
     fp8_attention = "in Star's context blocks"
+    chunked_prefill = True  # context chunks cut at block ends; the anchor is the document's first chunks, run once
 
     def validate(self, cp, options):
         at_least(options, 1, BLOCK_SIZE, ANCHOR_SIZE, NUM_BLOCKS)
@@ -50,11 +51,32 @@ class StarSpec(StrategySpec):
         rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
         return max(kept), rows, 0
 
-    def rank_rows(self, cp, prompt_len, context_len, options):
+    def whole_rows(self, cp, prompt_len, context_len, options):
         C = query_context(prompt_len, context_len)
         block, _ = star_sizes(C, cp, options.get("block_size"), options.get("anchor_size"), options.get("num_blocks"))
         rows = [sum(e - s for s, e in blocks) for blocks in star_blocks(C, block, cp)]  # the anchor is not kept
         rows[query_rank(cp, options)] += prompt_len - C  # the query phase stores the question there
+        return rows
+
+    def prefill_bounds(self, cp, prompt_len, context_len, options, chunk):
+        """Context steps of `chunk` tokens, also cut at block ends (a step never spans two blocks); the
+        last one runs the question (the query phase) too."""
+        whole = super().prefill_bounds(cp, prompt_len, context_len, options, chunk)
+        C = query_context(prompt_len, context_len)
+        if not chunk or C < 1:
+            return whole
+        block, _ = star_sizes(C, cp, options.get("block_size"), options.get("anchor_size"), options.get("num_blocks"))
+        cuts = sorted({*range(chunk, C, chunk), *range(block, C, block)})
+        return list(zip([0, *cuts], [*cuts, prompt_len]))
+
+    def chunked_rows(self, cp, prompt_len, context_len, options, bounds):
+        # Every context step keeps its zigzag shard's real rows (the anchor is block 0's, kept once);
+        # the query phase stores the question on the query rank.
+        C = query_context(prompt_len, context_len)
+        rows = [0] * cp
+        for s, e in bounds:
+            rows = [n + zigzag_rows(min(e, C) - s, cp, r) for r, n in enumerate(rows)]
+        rows[query_rank(cp, options)] += prompt_len - C
         return rows
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):

@@ -25,6 +25,7 @@ def check_ulysses_heads(hq: int, hkv: int, cp: int) -> None:
 class UlyssesSpec(StrategySpec):
     name = "ulysses"
     fp8_attention = "in Ulysses"
+    chunked_prefill = True
 
     def check_heads(self, heads, kv_heads, cp, options):
         if cp > 1:
@@ -34,7 +35,7 @@ class UlyssesSpec(StrategySpec):
         rows = math.ceil(w.prompt_tokens / lay.cp)
         return rows + w.max_new_tokens, rows, 0  # the all-to-all buffers: activation_elements
 
-    def rank_rows(self, cp, prompt_len, context_len, options):
+    def whole_rows(self, cp, prompt_len, context_len, options):
         return [contiguous_rows(prompt_len, cp, r) for r in range(cp)]
 
     def activation_elements(self, rows, heads, kv_heads, head_dim):

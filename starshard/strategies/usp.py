@@ -27,7 +27,7 @@ class UspSpec(RingSpec):  # the ring's zigzag shards, KV rows and FLOPs; Ulysses
     def validate(self, cp, options):
         check_degree(self.degree(cp, options), cp)
 
-    def rank_rows(self, cp, prompt_len, context_len, options):
+    def whole_rows(self, cp, prompt_len, context_len, options):
         u = self.degree(cp, options)  # CP rank c: ring rank c // u, Ulysses rank c % u
         return [usp_rows(prompt_len, cp // u, u, c // u, c % u) for c in range(cp)]
 

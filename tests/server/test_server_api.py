@@ -65,6 +65,7 @@ class FakeBackend:
         self.script, self.delay = list(SCRIPT), 0.002
         self.fail_next: Exception | None = None  # raised by the next submit()
         self.error_after: int | None = None  # emit this many tokens, then an "error" event
+        self.error = ("rank 1 died", None)  # that event's message and error_code
         self.unhealthy: str | None = None
         self.calls: list[dict] = []
         self.tickets: list[FakeTicket] = []
@@ -105,19 +106,19 @@ class FakeBackend:
         ticket = FakeTicket()
         self.tickets.append(ticket)
         args = (ticket, len(prompt.ids), cached, max_tokens, on_event, list(self.script), self.delay,
-                self.error_after)
+                self.error_after, self.error)
         threading.Thread(target=self._run, args=args, daemon=True).start()
         return ticket
 
-    def _run(self, ticket, n_prompt, cached, max_tokens, on_event, script, delay, error_after):
-        def event(tid, text, finish, done, error=None):
-            on_event(TokenEvent(tid, text, finish, n_prompt, cached, done, error))
+    def _run(self, ticket, n_prompt, cached, max_tokens, on_event, script, delay, error_after, error):
+        def event(tid, text, finish, done, error=None, code=None):
+            on_event(TokenEvent(tid, text, finish, n_prompt, cached, done, error, code))
 
         for i, word in enumerate(script):
             if ticket.cancelled.wait(delay):
                 return event(None, "", "cancelled", i)
             if error_after == i:
-                return event(None, "", "error", i, "rank 1 died")
+                return event(None, "", "error", i, *error)
             ticket.emitted += 1
             self.counts["decode"] += 1
             last = i + 1 == max_tokens
@@ -134,7 +135,9 @@ class FakeBackend:
         return {"queue_depth": 0, "running": sum(not t.cancelled.is_set() for t in self.tickets[-4:]),
                 "cache_bytes": 1000 * len(self.cache), "cache_budget_bytes": 1 << 20, "cache_hits": c["hits"],
                 "cache_lookups": c["lookups"], "prefill_tokens_total": c["prefill"],
-                "decode_tokens_total": c["decode"], "cached_tokens_total": c["cached"]}
+                "decode_tokens_total": c["decode"], "cached_tokens_total": c["cached"], "prefill_chunks_total": 3,
+                "prefilling_tokens_left": 0, "cancelled_total": 1, "timeouts_total": 2,
+                "errors_by_code": {"insufficient_memory": 4, "timeout": 2}}
 
 
 # ---- a real server ----
@@ -448,6 +451,41 @@ def test_failure_before_first_token_is_503_also_streaming(client, engine):
     assert_alive(client)
 
 
+MEMORY = ("out of memory: this request's prefill needs 5.20 GiB on rank 3 (its new KV and the step's working set) but "
+          "3.10 GiB are free there; other requests are unaffected; retry later, or start the server with a lower "
+          "--cache-gib or --prefill-chunk")
+
+
+def test_out_of_memory_is_503_with_retry_after_and_the_sizes(http, engine):
+    engine.error_after, engine.error = 0, (MEMORY, "insufficient_memory")
+    try:
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "stream": stream,
+                                                        "messages": [{"role": "user", "content": DOC}]})
+            err = r.json()["error"]
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert err["code"] == "insufficient_memory" and "5.20 GiB on rank 3" in err["message"]
+            assert "3.10 GiB are free" in err["message"] and "--cache-gib" in err["message"]
+    finally:
+        engine.error_after, engine.error = None, ("rank 1 died", None)
+
+
+def test_timeout_is_503_request_timeout_and_mid_stream_an_error_event(http, client, engine):
+    engine.error_after, engine.error = 0, ("the request ran past --request-timeout 2s (2.01 s)", "timeout")
+    try:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": DOC})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "request_timeout", r.text
+        assert "retry-after" not in r.headers and "--request-timeout" in r.json()["error"]["message"]
+        engine.error_after = 2
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": DOC, "stream": True})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert '"request_timeout"' in events[-2] and events[-1] == "[DONE]"
+    finally:
+        engine.error_after, engine.error = None, ("rank 1 died", None)
+    assert_alive(client)
+
+
 def test_failure_mid_stream_is_an_error_event(client, engine):
     engine.error_after = 3
     seen = []
@@ -536,7 +574,11 @@ def test_metrics_are_open_and_named(anon, client, engine):
                  "starshard_context_cache_budget_bytes", "starshard_context_cache_hit_rate",
                  "starshard_context_cache_hits_total", "starshard_prefill_tokens_total",
                  "starshard_decode_tokens_total", "starshard_cached_prompt_tokens_total",
-                 "starshard_time_to_first_token_seconds_bucket", "starshard_engine_up 1.0"]:
+                 "starshard_time_to_first_token_seconds_bucket", "starshard_engine_up 1.0",
+                 "starshard_prefill_chunks_total 3.0", "starshard_prefilling_tokens_left 0.0",
+                 "starshard_cancelled_requests_total 1.0", "starshard_request_timeouts_total 2.0",
+                 'starshard_request_errors_total{code="insufficient_memory"} 4.0',
+                 'starshard_request_errors_total{code="timeout"} 2.0']:
         assert name in text, name
     assert 'starshard_context_cache_hit_rate 0.5' in text
     requests = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

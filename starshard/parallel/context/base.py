@@ -89,9 +89,16 @@ class ContextStrategy:
     def rank_rows(self, prompt_len: int, context_len: int, chunk: int | None = None) -> list[int]:
         """KV rows each CP rank keeps for this prompt's prefill (StrategySpec.rank_rows), run whole or
         `chunk` tokens a step: pure arithmetic, the same on every rank, no collective."""
-        if chunk:
-            raise ValueError("--prefill-chunk is not supported with a context strategy yet: drop --prefill-chunk")
-        return get_spec(self.name).rank_rows(self.cp, prompt_len, context_len, self.spec_options())
+        return get_spec(self.name).rank_rows(self.cp, prompt_len, context_len, self.spec_options(), chunk)
+
+    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
+        """The prompt positions [start, end) of each prefill step (StrategySpec.prefill_bounds)."""
+        return get_spec(self.name).prefill_bounds(self.cp, prompt_len, context_len, self.spec_options(), chunk)
+
+    def chunk_hidden(self, start: int, context_len: int) -> tuple[int, int] | None:
+        """Key positions [lo, hi) that a later prefill step starting at `start` must not see although
+        they precede it (parallel/context/chunked.py); None: it sees every earlier key (exact)."""
+        return None
 
     # -- optional hooks: the runner calls each on every strategy; the defaults do nothing
     def check_heads(self, heads: int, kv_heads: int) -> None:

@@ -45,6 +45,13 @@ class StarAttention(ContextStrategy):
         defaults to the block size."""
         return star_sizes(context_len, self.cp, self.block_size, self.anchor_size, self.num_blocks)
 
+    def chunk_hidden(self, start: int, context_len: int) -> tuple[int, int] | None:
+        # A step in the block starting at bs sees the anchor [0, min(A, bs)) and its block, as
+        # segments() encodes each block; the anchor's KV is block 0's, stored once for the document.
+        block, anchor = self.resolved_sizes(context_len)
+        bs = start // block * block
+        return (min(anchor, bs), bs)
+
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         if context_len < 1:
             raise ValueError("Star Attention needs a non-empty context before the query")
