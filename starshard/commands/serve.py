@@ -120,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def default_cache_bytes(llm, args, device) -> int:
+def default_cache_bytes(llm, args, device, chunk: int) -> int:
     """The context cache budget per rank without --cache-gib. On CUDA what the memory plan leaves
     (planner.cache_budget: 90% of the GPU, less what is allocated (the weights), the largest step's working
     set and the decode graphs' pool), the worst rank's over the group; 2 GiB on CPU."""
@@ -135,8 +135,7 @@ def default_cache_bytes(llm, args, device) -> int:
     window = cfg.max_position_embeddings
     layout = Layout(p.tp, p.pp, p.cp, p.cp_strategy, tuple(p.pp_layers) if p.pp_layers else None, p.block_size,
                     p.anchor_size, p.query_rank)
-    chunk = getattr(args, "prefill_chunk", None) or None  # 0 / unset: the whole prompt in one step
-    work = Workload(window, window, 0, chunk, DTYPE_BYTES[dtype], fp8_kv=fp8.kv, fp8_linear=fp8.linear,
+    work = Workload(window, window, 0, chunk or None, DTYPE_BYTES[dtype], fp8_kv=fp8.kv, fp8_linear=fp8.linear,
                     fp8_experts=fp8.experts)
     budget, refused = None, None
     try:
@@ -183,12 +182,13 @@ def main(argv=None) -> int:
     try:
         llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel_config(args), progress=lead,
                   random_weights=args.random_weights, sparse=sparse_config(args), fp8=fp8_config(args))
-        cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device)
+        chunk = default_prefill_chunk(args, llm.device, llm.parallel.cp)
+        cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device, chunk)
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
                             max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs,
-                            prefill_chunk=default_prefill_chunk(args, llm.device, llm.parallel.cp),
+                            prefill_chunk=chunk,
                             request_timeout=args.request_timeout)
     except (LayoutError, CheckpointError, ValueError) as e:
         if lead:

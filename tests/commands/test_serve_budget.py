@@ -40,7 +40,7 @@ def test_default_cache_bytes_one_rank(monkeypatch, caplog):
     W = llm.config.max_position_embeddings
     args = serve_args(["--max-batch", "8", "--max-extend", "1024"], 4096)
     with caplog.at_level("INFO", logger="starshard.serve"):
-        got = default_cache_bytes(llm, args, CUDA)
+        got = default_cache_bytes(llm, args, CUDA, 4096)
     want = cache_budget(llm.config, Layout(), Workload(W, W, 0, 4096), total_bytes=total, weights_bytes=weights,
                         max_batch=8, max_extend=1024)
     assert got == want.bytes > 50 * GiB
@@ -48,12 +48,12 @@ def test_default_cache_bytes_one_rank(monkeypatch, caplog):
     assert "step 0.53 GiB (one 4096-token chunk) - graphs 0.50 GiB" in caplog.text
     # no CUDA graphs: no pool kept for them
     assert default_cache_bytes(llm, serve_args(["--max-batch", "8", "--max-extend", "1024", "--no-cuda-graphs"],
-                                               4096), CUDA) == got + GRAPH_POOL_BYTES
+                                               4096), CUDA, 4096) == got + GRAPH_POOL_BYTES
     # no chunk (0 or unset): a window-long prefill, which a 1M window leaves no room for
     for chunk in (0, None):
         with pytest.raises(ValueError, match=r"--cache-gib.*a whole 1048576-token prompt.*--prefill-chunk"):
-            default_cache_bytes(llm, serve_args([], chunk), CUDA)
-    assert default_cache_bytes(llm, serve_args([], 0), torch.device("cpu")) == 2 * GiB  # the CPU's default
+            default_cache_bytes(llm, serve_args([], chunk), CUDA, chunk)
+    assert default_cache_bytes(llm, serve_args([], 0), torch.device("cpu"), 0) == 2 * GiB  # the CPU's default
 
 
 def _group_rank(rank, world, scenarios):
@@ -64,7 +64,7 @@ def _group_rank(rank, world, scenarios):
             fake_gpu(mp, 80 * 10**9, allocated[rank])
             try:
                 out.append(default_cache_bytes(fake_llm(ParallelConfig(cp=2, cp_strategy="ring")),
-                                               serve_args([], 8192), CUDA))
+                                               serve_args([], 8192), CUDA, 8192))
             except ValueError as e:
                 out.append(str(e))
     return out
