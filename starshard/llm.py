@@ -93,6 +93,25 @@ def check_fp8_experts(cfg: ModelConfig) -> None:
                           "`experts` from --fp8 (linear holds a dense model's MLP in e4m3)")
 
 
+def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp8: Fp8Config) -> None:
+    """Refuse what cannot run this model's attention exactly (LayoutError naming the config field and the
+    fix): a sliding window, a logit soft-cap or a query_pre_attn_scalar scale (ModelConfig.attention_extras)
+    run in the dense single-rank attention only (tp and pp split heads and layers, not keys). Context
+    strategies, sparse prefill methods and --fp8 attention's 8-bit scores do not take them yet."""
+    extras = cfg.attention_extras
+    if not extras:
+        return
+    what = f"{cfg.arch}'s {' / '.join(extras)} ({', '.join(f'{e}={getattr(cfg, e)}' for e in extras)})"
+    if parallel.cp > 1 or parallel.cp_strategy != "dense":
+        raise LayoutError(f"--cp-strategy {parallel.cp_strategy} (cp={parallel.cp}) does not run {what} yet; run this "
+                          "model with --cp 1 --cp-strategy dense (tp and pp are fine)")
+    if sparse is not None:
+        raise LayoutError(f"sparse prefill ({sparse.method}) does not run {what}; run this model without --sparse")
+    if fp8.attention:
+        raise LayoutError(f"--fp8 attention (8-bit prefill scores) does not run {what}; drop `attention` from --fp8 "
+                          "(linear and kv are fine)")
+
+
 class LLM:
     """One model over this process's ranks.
 
@@ -138,6 +157,7 @@ class LLM:
         if w.is_default:
             sparse = default_model_sparse(sparse)
         cfg = w.config if sliced else None
+        check_attention_kinds(w.config, p, sparse, fp8)  # before any weight loads
         if fp8.experts:  # refused before any weight loads
             check_fp8_experts(w.config)
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective

@@ -80,9 +80,9 @@ def _head_len(tokenizer, head_text: str, ids: list[int], use_template) -> int:
 
 
 def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget: str = "max_new_tokens") -> None:
-    """Refuse a request the model cannot hold: prompt + new tokens over the window (or over a sliding
-    window, which is not supported). The message names the limit and what to change; `budget` is what
-    the caller calls the new-token budget (a flag, an API field)."""
+    """Refuse a request the model cannot hold: prompt + new tokens over the window. The message names the
+    limit and what to change; `budget` is what the caller calls the new-token budget (a flag, an API
+    field). A sliding window is no limit: local layers attend their window (engine/model.py)."""
     window = cfg.max_position_embeddings
     if prompt_len == 0:
         raise ValueError("the prompt is empty")
@@ -93,12 +93,6 @@ def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget:
         raise PromptTooLongError(
             f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the model window of "
             f"{window} tokens; shorten the prompt to at most {window - max_new_tokens} tokens or lower {budget}"
-        )
-    sw = cfg.sliding_window
-    if sw is not None and prompt_len + max_new_tokens > sw:
-        raise PromptTooLongError(
-            f"sequence of {prompt_len + max_new_tokens} tokens exceeds the model's sliding window of {sw}; "
-            "sliding-window attention is not supported, keep prompt + new tokens within the window"
         )
 
 

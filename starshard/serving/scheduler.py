@@ -110,6 +110,10 @@ class Scheduler:
                              "model with --tp and the document with --cp")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} / {max_queue}")
+        if llm.config.attention_extras:  # the context cache's cascade attention (serving/cascade.py) lacks them
+            extras = llm.config.attention_extras
+            raise ValueError(f"the service does not run {llm.config.arch}'s {' / '.join(extras)} yet (its context cache "
+                             f"attends plain causal): run this model with `starshard infer` or LLM.generate")
         self.llm, self.config = llm, llm.config
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
