@@ -192,3 +192,24 @@ def test_bad_gemma_configs_and_paths_are_refused(families):
     with pytest.raises(ValueError, match=r"--cp-strategy apb \(cp=1\) does not run gemma2's sliding_window / "
                                          r"attn_logit_softcapping / query_pre_attn_scalar"):
         LLM(path, parallel=ParallelConfig(cp_strategy="apb"))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_graph_decode_step_matches_transformers(families, name):
+    """The device-indexed decode step CUDA graphs replay (run eagerly here) gives each local layer its
+    window, Gemma 2's soft-cap and the query_pre_attn_scalar scale: its logits are transformers'."""
+    from starshard.runtime.cuda_graph import GraphDecoder
+
+    hf, path = families[name]
+    ids = ids_of(L, seed=2)
+    with torch.no_grad():
+        g = hf.generate(ids[None], attention_mask=torch.ones(1, L, dtype=torch.long), max_new_tokens=STEPS,
+                        do_sample=False, output_logits=True, return_dict_in_generate=True)
+        model = load_model(path)
+        cache = LocalRunner(model).new_cache(L + STEPS)
+        rows = [model(ids[None], cache=cache, last_only=True)[0, -1]]
+        dec = GraphDecoder(model, cache, capture=False)
+        for t in g.sequences[0, L : L + STEPS - 1].tolist():
+            rows.append(dec.step(torch.tensor([[t]]))[0, -1].clone())
+    ref = torch.cat(g.logits)
+    assert rel(torch.stack(rows), ref) <= 1e-4, rel(torch.stack(rows), ref)
