@@ -10,7 +10,8 @@ from typing import Any
 
 # HF `architectures` entry -> our family name. The decoder in engine/model.py covers all of them:
 # Llama / Mistral / Qwen2 share one layout; Qwen3 adds a per-head RMSNorm of q and k before RoPE;
-# Phi-3 fuses qkv_proj and gate_up_proj, which the loader splits into the same fused layout.
+# Phi-3 fuses qkv_proj and gate_up_proj, which the loader splits into the same fused layout;
+# Gemma 2 / 3 (text only) see GEMMA_ARCHS. Sliding windows: _layer_types_from_hf.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
