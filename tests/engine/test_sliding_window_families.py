@@ -161,3 +161,24 @@ def test_what_cannot_run_a_window_is_refused(families):
     llm = SimpleNamespace(runner=SimpleNamespace(), config=load_model(path).config)
     with pytest.raises(ValueError, match=r"the service does not run qwen2's sliding_window"):
         Scheduler(llm, cache_bytes=1 << 20)
+
+
+def test_causal_and_after_held_attention_take_the_window():
+    """The entry points the engine's attention path calls besides `attention`: causal_attention (square,
+    index-causal) and attention_after_held (a chunk after held keys, the FP8 cache's prefill path) equal
+    `attention` over all keys with the same window, soft-cap, scale and sinks (the sink applied once)."""
+    from starshard.kernels.attention import attention, attention_after_held, causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 40, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    pos = torch.arange(40)
+    sinks = torch.randn(4, generator=g)
+    for extras in (dict(window=W), dict(window=W, softcap=2.0, scale=0.3), dict(window=7, sinks=sinks)):
+        want, want_lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, **extras)
+        assert torch.allclose(causal_attention(q, k, v, **extras)[0], want, atol=1e-5), extras
+        out, lse = attention_after_held(q[:, :, 25:], k[:, :, 25:], v[:, :, 25:], pos[25:], k[:, :, :25], v[:, :, :25],
+                                        pos[:25], **extras)
+        assert torch.allclose(out, want[:, :, 25:], atol=1e-5) and torch.allclose(lse, want_lse[:, :, 25:], atol=1e-5)
+        plain = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)[0]
+        assert (want - plain).abs().max() > 1e-2  # the extras change the result
