@@ -189,13 +189,16 @@ def _gemma3_rope_hf(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
     return out, float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
 
 
-def _layer_types_from_hf(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, list[str] | None]:
+def _layer_types_from_hf(hf: dict[str, Any], arch: str, num_layers: int,
+                         max_len: int) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) as transformers 5 runs each family: window None = every layer global.
     Mistral / Mixtral / Phi-3: `sliding_window` on every layer; Qwen2 / Qwen3: with `use_sliding_window`, the
     config's `layer_types` or else layers from `max_window_layers` on; Qwen3-MoE: every layer with
     `use_sliding_window`; Gemma 2: `layer_types` or else every other layer (the first local); Gemma 3:
     `layer_types` or else `sliding_window_pattern` (default 6: five local, then a global one); Llama: none.
-    Unknown layer types, or a list of the wrong length, are refused naming the field."""
+    A window of at least `max_len` (the longest sequence the model runs) hides nothing and is dropped
+    (Phi-3-128K's 262144), so such a model keeps every path plain attention has. Unknown layer types, or
+    a list of the wrong length, are refused naming the field."""
     window = hf.get("sliding_window")
     types = hf.get("layer_types")
     if arch == "llama":
@@ -206,6 +209,8 @@ def _layer_types_from_hf(hf: dict[str, Any], arch: str, num_layers: int) -> tupl
         return None, None
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise UnsupportedArchitectureError(f"sliding_window must be a positive integer, got {window!r}")
+    if window >= max_len:
+        return None, None
     if arch in GEMMA_ARCHS + ("qwen2", "qwen3") and types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
             raise UnsupportedArchitectureError(
@@ -405,7 +410,7 @@ class ModelConfig:
         if arch == "gemma3":
             hf, local_theta = _gemma3_rope_hf(hf)
         theta, scaling, window = _rope_from_hf(hf, arch, head_dim)
-        sw, layer_types = _layer_types_from_hf(hf, arch, hf["num_hidden_layers"])
+        sw, layer_types = _layer_types_from_hf(hf, arch, hf["num_hidden_layers"], window)
         if arch in ("qwen3", "qwen3_moe") and hf.get("attention_bias", False):
             raise UnsupportedArchitectureError(
                 f"{arch} with attention_bias=True (an o_proj bias) is not supported; starshard's o_proj has no bias")

@@ -369,6 +369,13 @@ class Transformer(nn.Module):
         finally:
             self._hooks = saved
 
+    def drop_windows(self) -> None:
+        """Every local layer attends as a global one from now on: for a caller whose attention cannot take a
+        window and that keeps every run within the window (where it hides nothing), checking that per
+        request (llm.py LLM.run_without_windows)."""
+        for layer in self.layers:
+            layer.attention.extras.pop("window", None)
+
     def set_rope_length(self, length: int | None) -> None:
         """Fix the RoPE frequencies for a run of up to `length` positions (None: the model's window).
         Only dynamic and longrope scaling depend on it. The buffer is updated in place, so whoever

@@ -32,7 +32,7 @@ import numpy as np
 import torch.distributed as dist
 
 from starshard.config import SamplingConfig
-from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
+from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt
 from starshard.serving.context_cache import ContextCache
 from starshard.serving.executor import Executor
 from starshard.serving.ops import Decode, Evict, Extend, Finish, Op, Prefill
@@ -110,10 +110,14 @@ class Scheduler:
                              "model with --tp and the document with --cp")
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} / {max_queue}")
-        if llm.config.attention_extras:  # the context cache's cascade attention (serving/cascade.py) lacks them
-            extras = llm.config.attention_extras
-            raise ValueError(f"the service does not run {llm.config.arch}'s {' / '.join(extras)} yet (its context cache "
+        # The context cache's cascade attention (serving/cascade.py) is plain causal: a soft-cap or scale is
+        # refused, a sliding window served on sequences within it (LLM.run_without_windows).
+        hard = [e for e in llm.config.attention_extras if e != "sliding_window"]
+        if hard:
+            raise ValueError(f"the service does not run {llm.config.arch}'s {' / '.join(hard)} yet (its context cache "
                              f"attends plain causal): run this model with `starshard infer` or LLM.generate")
+        if llm.config.attention_extras and llm.unwindowed is None:
+            llm.run_without_windows("the service")
         self.llm, self.config = llm, llm.config
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
@@ -143,7 +147,7 @@ class Scheduler:
 
     def submit(self, prompt: Prompt, *, max_tokens: int, sampling: SamplingConfig, stop=None,
                on_event: Callable[[TokenEvent], None]) -> Ticket:
-        check_window(self.config, len(prompt.ids), max_tokens, budget="max_tokens")
+        self.llm.check_length(len(prompt.ids), max_tokens, budget="max_tokens")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         need = self.holdings(prompt, max_tokens)  # alone, on an empty cache

@@ -133,6 +133,18 @@ def test_window_configs_as_transformers_and_refused():
         assert c.layer_types == ["sliding_attention"] * 2, arch
     c = ModelConfig.from_hf(_hf_dict(architectures=["MistralForCausalLM"], sliding_window=None))
     assert c.sliding_window is None and c.attention_extras == []
+    # A window as long as the model's longest sequence hides nothing: plain attention (Phi-3-128K's 262144).
+    c = ModelConfig.from_hf(_hf_dict(architectures=["Phi3ForCausalLM"], sliding_window=256))
+    assert c.sliding_window is None and c.attention_extras == []
+    assert ModelConfig.from_hf(_hf_dict(architectures=["Phi3ForCausalLM"], sliding_window=255)).sliding_window == 255
+    moe = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    c = ModelConfig.from_hf(_hf_dict(architectures=["MixtralForCausalLM"], sliding_window=W, **moe))
+    assert c.layer_types == ["sliding_attention"] * 2
+    c = ModelConfig.from_hf(_hf_dict(architectures=["Qwen3MoeForCausalLM"], sliding_window=W, **moe))
+    assert c.sliding_window is None  # no use_sliding_window
+    c = ModelConfig.from_hf(_hf_dict(architectures=["Qwen3MoeForCausalLM"], sliding_window=W, use_sliding_window=True,
+                                     max_window_layers=1, **moe))
+    assert c.layer_types == ["sliding_attention"] * 2  # transformers' Qwen3-MoE: every layer
     with pytest.raises(UnsupportedArchitectureError, match=r"unsupported layer_types \['chunked_attention'\]"):
         ModelConfig.from_hf(_hf_dict(use_sliding_window=True, sliding_window=W,
                                      layer_types=["chunked_attention", "full_attention"]))
@@ -144,41 +156,31 @@ def test_window_configs_as_transformers_and_refused():
         assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
 
 
-def test_what_cannot_run_a_window_is_refused(families):
-    """Context strategies, sparse prefill and --fp8 attention refuse a windowed model, naming
-    sliding_window and the fix; so does the service (its context cache's attention has no window)."""
+def test_paths_without_windows_hold_only_sequences_within_the_window(families):
+    """Context strategies, sparse prefill, --fp8 attention and the service (its context cache's attention)
+    do not run a sliding window yet. They still run a model whose only extra is its window on sequences
+    within it, where the window hides nothing (as before issue 38), and refuse longer ones naming
+    sliding_window and the fix."""
     from starshard.serving.scheduler import Scheduler
 
-    _, path = families["qwen2"]
-    with pytest.raises(ValueError, match=r"--cp-strategy star \(cp=1\) does not run qwen2's sliding_window "
-                                         r"\(sliding_window=16\).*--cp 1 --cp-strategy dense"):
-        LLM(path, parallel=ParallelConfig(cp_strategy="star"))
-    with pytest.raises(ValueError, match=r"sparse prefill \(minference\) does not run qwen2's sliding_window.*without "
-                                         r"--sparse"):
-        LLM(path, sparse=SparseConfig("minference", min_length=0))
-    with pytest.raises(ValueError, match=r"--fp8 attention .* does not run qwen2's sliding_window.*drop `attention`"):
-        LLM(path, fp8="attention")
-    llm = SimpleNamespace(runner=SimpleNamespace(), config=load_model(path).config)
-    with pytest.raises(ValueError, match=r"the service does not run qwen2's sliding_window"):
-        Scheduler(llm, cache_bytes=1 << 20)
-
-
-def test_causal_and_after_held_attention_take_the_window():
-    """The entry points the engine's attention path calls besides `attention`: causal_attention (square,
-    index-causal) and attention_after_held (a chunk after held keys, the FP8 cache's prefill path) equal
-    `attention` over all keys with the same window, soft-cap, scale and sinks (the sink applied once)."""
-    from starshard.kernels.attention import attention, attention_after_held, causal_attention
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 40, 16, generator=g)
-    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
-    pos = torch.arange(40)
-    sinks = torch.randn(4, generator=g)
-    for extras in (dict(window=W), dict(window=W, softcap=2.0, scale=0.3), dict(window=7, sinks=sinks)):
-        want, want_lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, **extras)
-        assert torch.allclose(causal_attention(q, k, v, **extras)[0], want, atol=1e-5), extras
-        out, lse = attention_after_held(q[:, :, 25:], k[:, :, 25:], v[:, :, 25:], pos[25:], k[:, :, :25], v[:, :, :25],
-                                        pos[:25], **extras)
-        assert torch.allclose(out, want[:, :, 25:], atol=1e-5) and torch.allclose(lse, want_lse[:, :, 25:], atol=1e-5)
-        plain = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)[0]
-        assert (want - plain).abs().max() > 1e-2  # the extras change the result
+    hf, path = families["qwen2"]
+    ids = ids_of(W - 4, seed=3)
+    with torch.no_grad():
+        want = hf.generate(ids[None], attention_mask=torch.ones(1, W - 4, dtype=torch.long), max_new_tokens=4,
+                           do_sample=False)[0, W - 4 :].tolist()
+    long = ids_of(L).tolist()
+    runs = [(dict(parallel=ParallelConfig(cp_strategy="star")), r"--cp-strategy star \(cp=1\)"),
+            (dict(sparse=SparseConfig("minference", min_length=0)), r"sparse prefill \(minference\)"),
+            (dict(fp8="attention"), r"--fp8 attention \(8-bit prefill scores\)")]
+    for kw, what in runs:
+        llm = LLM(path, **kw)
+        assert all("window" not in layer.attention.extras for layer in llm.model.layers)
+        assert llm.generate(ids.tolist(), max_new_tokens=4).token_ids == want, what
+        with pytest.raises(ValueError, match=r"prompt of 80 tokens \+ 4 new tokens exceeds the model's sliding window "
+                                             rf"\(sliding_window=16\), and {what} does not run sliding windows yet"):
+            llm.generate(long, max_new_tokens=4)
+    llm = LLM(path)
+    svc = Scheduler(llm, cache_bytes=1 << 20)
+    assert llm.unwindowed == "the service"
+    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(sliding_window=16\), and the service"):
+        svc.submit(svc.text_prompt(long), max_tokens=4, sampling=None, on_event=None)
