@@ -453,6 +453,17 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        if d.get("sliding_window") is not None and "layer_types" not in d:
+            # A manifest from before per-layer windows: its window applied to every layer (which those
+            # families do) or to layers it cannot say (Qwen2 / Qwen3's max_window_layers).
+            if d["sliding_window"] >= d.get("max_position_embeddings", 8192):
+                d["sliding_window"] = None
+            elif d["arch"] in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+                d["layer_types"] = ["sliding_attention"] * d["num_layers"]
+            else:
+                raise UnsupportedArchitectureError(
+                    f"this {d['arch']} checkpoint was converted before starshard ran sliding windows per layer "
+                    f"(sliding_window={d['sliding_window']}, its windowed layers unrecorded); convert it again")
         return cls(**d)
 
 

@@ -152,8 +152,15 @@ def test_window_configs_as_transformers_and_refused():
         ModelConfig.from_hf(_hf_dict(use_sliding_window=True, sliding_window=W, layer_types=["full_attention"]))
     with pytest.raises(UnsupportedArchitectureError, match=r"sliding_window must be a positive integer"):
         ModelConfig.from_hf(_hf_dict(architectures=["MistralForCausalLM"], sliding_window=0))
-    for c in (ModelConfig.from_hf(_hf_dict(use_sliding_window=True, sliding_window=W, max_window_layers=1)),):
-        assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    c = ModelConfig.from_hf(_hf_dict(use_sliding_window=True, sliding_window=W, max_window_layers=1))
+    assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    # Manifests written before per-layer windows (no layer_types): every layer where the family does that,
+    # refused where the windowed layers are not recorded.
+    old = {k: v for k, v in c.to_dict().items() if k not in ("layer_types", "local_rope_theta")}
+    with pytest.raises(UnsupportedArchitectureError, match=r"converted before .*\(sliding_window=16, .*convert it again"):
+        ModelConfig.from_dict(old)
+    assert ModelConfig.from_dict(dict(old, arch="mistral")).layer_types == ["sliding_attention"] * 2
+    assert ModelConfig.from_dict(dict(old, arch="phi3", sliding_window=256)).sliding_window is None
 
 
 def test_paths_without_windows_hold_only_sequences_within_the_window(families):
