@@ -10,7 +10,8 @@ from typing import Any
 
 # HF `architectures` entry -> our family name. The decoder in engine/model.py covers all of them:
 # Llama / Mistral / Qwen2 share one layout; Qwen3 adds a per-head RMSNorm of q and k before RoPE;
-# Phi-3 fuses qkv_proj and gate_up_proj, which the loader splits into the same fused layout.
+# Phi-3 fuses qkv_proj and gate_up_proj, which the loader splits into the same fused layout;
+# Gemma 2 / 3 (text only) see GEMMA_ARCHS. Sliding windows: _layer_types_from_hf.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -19,9 +20,20 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# Gemma 2 / 3 (text): RMSNorm scaling by (1 + weight), norms after attention and after the MLP as well as
+# before, the embedding scaled by sqrt(hidden), a GeGLU MLP (gelu_pytorch_tanh), tied embeddings,
+# query_pre_attn_scalar for the attention scale, local (sliding-window) and global layers; Gemma 2 soft-caps
+# attention and final logits, Gemma 3 has q/k norms and a RoPE base of its own for the local layers.
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# The attention kind of each layer (transformers' config.layer_types): a sliding window of
+# config.sliding_window keys, or every earlier key.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Mixture-of-experts families (engine/moe.py): Qwen3-MoE (Qwen3's attention, `decoder_sparse_step` /
 # `mlp_only_layers` pick the sparse layers, `norm_topk_prob`) and Mixtral (Mistral's attention, every
 # layer sparse, top-k weights always renormalized). Neither has shared experts.
@@ -153,6 +165,101 @@ def _rope_from_hf(hf: dict[str, Any], arch: str, head_dim: int) -> tuple[float, 
     return float(theta), rs, window
 
 
+def _gemma3_rope_hf(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """(a HF config whose RoPE fields are the global layers', the local layers' RoPE base) of Gemma 3.
+    transformers 5 writes rope_parameters per layer type ({"full_attention": {...}, "sliding_attention":
+    {...}}); older config.json files give rope_theta / rope_scaling (global) and rope_local_base_freq. The
+    local layers' RoPE must be plain (default type): anything else is refused."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        out = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
+        out["rope_parameters"] = full
+    else:
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+        out = dict(hf)
+        out.setdefault("rope_theta", 1_000_000.0)
+    rtype = local.get("rope_type", local.get("type", "default"))
+    if rtype != "default":
+        raise UnsupportedArchitectureError(
+            f"gemma3 with RoPE scaling {rtype!r} on the sliding-window layers (rope_parameters.sliding_attention) is "
+            "not supported; starshard's local layers take a plain RoPE base (rope_local_base_freq)")
+    return out, float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+
+
+def _layer_types_from_hf(hf: dict[str, Any], arch: str, num_layers: int,
+                         max_len: int) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as transformers 5 runs each family: window None = every layer global.
+    Mistral / Mixtral / Phi-3: `sliding_window` on every layer; Qwen2 / Qwen3: with `use_sliding_window`, the
+    config's `layer_types` or else layers from `max_window_layers` on; Qwen3-MoE: every layer with
+    `use_sliding_window`; Gemma 2: `layer_types` or else every other layer (the first local); Gemma 3:
+    `layer_types` or else `sliding_window_pattern` (default 6: five local, then a global one); Llama: none.
+    A window of at least `max_len` (the longest sequence the model runs) hides nothing and is dropped
+    (Phi-3-128K's 262144), so such a model keeps every path plain attention has. Unknown layer types, or
+    a list of the wrong length, are refused naming the field."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if arch == "llama":
+        return None, None
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        return None, None
+    if window is None:
+        return None, None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise UnsupportedArchitectureError(f"sliding_window must be a positive integer, got {window!r}")
+    if window >= max_len:
+        return None, None
+    if arch in GEMMA_ARCHS + ("qwen2", "qwen3") and types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise UnsupportedArchitectureError(
+                f"layer_types must list one type per layer ({num_layers}), got {types!r}")
+        bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
+        if bad:
+            raise UnsupportedArchitectureError(
+                f"unsupported layer_types {bad} ({arch}); starshard runs {', '.join(LAYER_TYPES)}")
+        types = list(types)
+    elif arch == "gemma2":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    elif arch == "gemma3":
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        if not isinstance(pattern, int) or pattern < 1:
+            raise UnsupportedArchitectureError(f"sliding_window_pattern must be an integer >= 1, got {pattern!r}")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif arch in ("qwen2", "qwen3"):
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:  # mistral, mixtral, phi3, qwen3_moe: one window on every layer
+        types = ["sliding_attention"] * num_layers
+    if "sliding_attention" not in types:
+        return None, None
+    return window, types
+
+
+def _gemma_from_hf(hf: dict[str, Any], arch: str, head_dim: int) -> dict[str, Any]:
+    """ModelConfig's Gemma fields (none for other families)."""
+    if arch not in GEMMA_ARCHS:
+        return {}
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedArchitectureError(
+            f"{arch} with use_bidirectional_attention=True (an encoder) is not supported; starshard's attention "
+            "is causal")
+    if hf.get("attention_bias", False):
+        raise UnsupportedArchitectureError(f"{arch} with attention_bias=True is not supported")
+    attn_cap = hf.get("attn_logit_softcapping")
+    if arch == "gemma3" and attn_cap is not None:  # transformers 5's Gemma 3 attention never applies it
+        raise UnsupportedArchitectureError(
+            f"gemma3 with attn_logit_softcapping={attn_cap} is not supported (transformers' Gemma 3 ignores it, so "
+            "its meaning is unclear); set it to null")
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    return dict(norm_unit_offset=True, sandwich_norms=True, embed_scale=float(hf["hidden_size"]) ** 0.5,
+                query_pre_attn_scalar=None if scalar is None else float(scalar),
+                attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
+                final_logit_softcapping=(None if hf.get("final_logit_softcapping") is None
+                                         else float(hf["final_logit_softcapping"])))
+
+
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 
 
@@ -188,7 +295,7 @@ def _moe_from_hf(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral
+    arch: str  # llama | mistral | qwen2 | qwen3 | phi3 | qwen3_moe | mixtral | gemma2 | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -205,7 +312,19 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (head_dim weights) before RoPE
+    # Sliding-window attention: on the layers `layer_types` marks "sliding_attention", a query at position
+    # p sees the keys at positions (p - sliding_window, p] (transformers' convention: W keys, itself
+    # included); the other layers ("full_attention") every earlier key. None / None: every layer global.
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (plain); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    norm_unit_offset: bool = False  # Gemma: every RMSNorm scales by (1 + weight), weights stored as HF has them
+    sandwich_norms: bool = False  # Gemma 2 / 3: RMSNorms after attention and after the MLP too
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size) (rounded to the compute dtype)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) | gelu_pytorch_tanh (GeGLU, Gemma)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Mixture of experts (qwen3_moe, mixtral; num_experts 0 = every layer dense). A sparse layer
@@ -222,6 +341,25 @@ class ModelConfig:
         """Whether global layer `layer` has the expert MLP (transformers' Qwen3-MoE / Mixtral rule)."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of global layer `layer` (None: a global layer, every earlier key)."""
+        if self.sliding_window is None or self.layer_types is None:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def attention_extras(self) -> list[str]:
+        """The attention features of this model beyond plain causal softmax(q.k / sqrt(head_dim)), by their
+        config field: what a path that cannot run them must refuse."""
+        out = []
+        if self.sliding_window is not None and self.layer_types and "sliding_attention" in self.layer_types:
+            out.append("sliding_window")
+        if self.attn_logit_softcapping is not None:
+            out.append("attn_logit_softcapping")
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar != self.head_dim:
+            out.append("query_pre_attn_scalar")
+        return out
 
     @property
     def moe_layers(self) -> list[int]:
@@ -257,21 +395,27 @@ class ModelConfig:
                 f"(model_type={hf.get('model_type')!r}); starshard supports "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
+        if arch in GEMMA_ARCHS:  # transformers' Gemma reads hidden_activation (old files also carry hidden_act)
+            act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        else:
+            act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        act = "silu" if act == "swish" else act
+        if act not in MLP_ACTIVATIONS or (act != "silu" and arch in MOE_ARCHS):
             raise UnsupportedArchitectureError(
-                f"unsupported MLP activation hidden_act={act!r} ({arch}); starshard's MLP is SwiGLU (silu)")
+                f"unsupported MLP activation hidden_act={act!r} ({arch}); starshard's MLP is SwiGLU (silu) or, for "
+                f"dense models, GeGLU (gelu_pytorch_tanh)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        local_theta = None
+        if arch == "gemma3":
+            hf, local_theta = _gemma3_rope_hf(hf)
         theta, scaling, window = _rope_from_hf(hf, arch, head_dim)
+        sw, layer_types = _layer_types_from_hf(hf, arch, hf["num_hidden_layers"], window)
         if arch in ("qwen3", "qwen3_moe") and hf.get("attention_bias", False):
             raise UnsupportedArchitectureError(
                 f"{arch} with attention_bias=True (an o_proj bias) is not supported; starshard's o_proj has no bias")
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        window_sw = hf.get("sliding_window")
-        if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
-            window_sw = None
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -285,10 +429,14 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=window,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHS)),
             qkv_bias=(arch == "qwen2") or (arch != "phi3" and bool(hf.get("attention_bias", False))),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            sliding_window=window_sw,
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+            sliding_window=sw,
+            layer_types=layer_types,
+            local_rope_theta=local_theta,
+            hidden_act=act,
+            **_gemma_from_hf(hf, arch, head_dim),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **_moe_from_hf(hf, arch),
@@ -305,6 +453,17 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        if d.get("sliding_window") is not None and "layer_types" not in d:
+            # A manifest from before per-layer windows: its window applied to every layer (which those
+            # families do) or to layers it cannot say (Qwen2 / Qwen3's max_window_layers).
+            if d["sliding_window"] >= d.get("max_position_embeddings", 8192):
+                d["sliding_window"] = None
+            elif d["arch"] in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+                d["layer_types"] = ["sliding_attention"] * d["num_layers"]
+            else:
+                raise UnsupportedArchitectureError(
+                    f"this {d['arch']} checkpoint was converted before starshard ran sliding windows per layer "
+                    f"(sliding_window={d['sliding_window']}, its windowed layers unrecorded); convert it again")
         return cls(**d)
 
 

@@ -93,6 +93,34 @@ def check_fp8_experts(cfg: ModelConfig) -> None:
                           "`experts` from --fp8 (linear holds a dense model's MLP in e4m3)")
 
 
+def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp8: Fp8Config) -> str | None:
+    """Refuse what cannot run this model's attention exactly (LayoutError naming the config field and the
+    fix): a sliding window, a logit soft-cap or a query_pre_attn_scalar scale (ModelConfig.attention_extras)
+    run in the dense single-rank attention only (tp and pp split heads and layers, not keys). Context
+    strategies, sparse prefill methods and --fp8 attention's 8-bit scores do not take them yet. A model
+    whose only extra is its sliding window still runs there, on sequences within the window (where it hides
+    nothing; Mistral v0.1, Phi-3-4K): the answer names that path, for LLM.run_without_windows."""
+    extras = cfg.attention_extras
+    if not extras:
+        return None
+    paths = []
+    if parallel.cp > 1 or parallel.cp_strategy != "dense":
+        paths.append((f"--cp-strategy {parallel.cp_strategy} (cp={parallel.cp})",
+                      "run this model with --cp 1 --cp-strategy dense (tp and pp are fine)"))
+    if sparse is not None:
+        paths.append((f"sparse prefill ({sparse.method})", "run this model without --sparse"))
+    if fp8.attention:
+        paths.append(("--fp8 attention (8-bit prefill scores)", "drop `attention` from --fp8 (linear and kv are fine)"))
+    if not paths:
+        return None
+    hard = [e for e in extras if e != "sliding_window"]
+    if hard:
+        what = f"{cfg.arch}'s {' / '.join(extras)} ({', '.join(f'{e}={getattr(cfg, e)}' for e in extras)})"
+        path, fix = paths[0]
+        raise LayoutError(f"{path} does not run {what} yet; {fix}")
+    return " and ".join(p for p, _ in paths)
+
+
 class LLM:
     """One model over this process's ranks.
 
@@ -138,6 +166,7 @@ class LLM:
         if w.is_default:
             sparse = default_model_sparse(sparse)
         cfg = w.config if sliced else None
+        unwindowed = check_attention_kinds(w.config, p, sparse, fp8)  # before any weight loads
         if fp8.experts:  # refused before any weight loads
             check_fp8_experts(w.config)
         if sliced:  # layout checks need only the config: a bad layout fails here, before any collective
@@ -163,6 +192,9 @@ class LLM:
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp, cuda_graphs=cuda_graphs, kv_fp8=fp8.kv,
                                     int8_scores=fp8.attention and p.cp_strategy != "dense")
         self.config: ModelConfig = model.config
+        self.unwindowed: str | None = None  # what runs this model without its windows (check_window)
+        if unwindowed is not None:
+            self.run_without_windows(unwindowed)
         self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
         eos = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -176,8 +208,15 @@ class LLM:
     def encode(self, prompt=None, *, context=None, question=None, raw=False) -> Prompt:
         return build_prompt(self.tokenizer, prompt=prompt, context=context, question=question, raw=raw)
 
-    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        check_window(self.config, prompt_len, max_new_tokens)
+    def check_length(self, prompt_len: int, max_new_tokens: int, budget: str = "max_new_tokens") -> None:
+        check_window(self.config, prompt_len, max_new_tokens, budget, unwindowed=self.unwindowed)
+
+    def run_without_windows(self, why: str) -> None:
+        """Attention that cannot take a sliding window runs this model (`why` names it): the local layers
+        attend as global ones, and every request must stay within the window (check_length refuses the
+        rest, naming sliding_window), where the two are the same."""
+        self.model.drop_windows()
+        self.unwindowed = why
 
     def generate(
         self,

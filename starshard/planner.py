@@ -189,6 +189,7 @@ def layer_elements(cfg: ModelConfig, tp: int, layer: int, experts: float | None 
     qkv = (hq + 2 * hkv) * d
     n = 2 * h + qkv * h + (qkv if cfg.qkv_bias else 0) + h * hq * d
     n += 2 * d if cfg.qk_norm else 0  # Qwen3's q / k norms, whole on every TP rank
+    n += 2 * h if cfg.sandwich_norms else 0  # Gemma's norms after attention and after the MLP
     if cfg.is_moe_layer(layer):
         fe = cfg.moe_intermediate_size // tp
         return n + cfg.num_experts * h + (cfg.num_experts if experts is None else experts) * 3 * fe * h

@@ -2,6 +2,10 @@
 
 Llama, Mistral, Qwen2 and Qwen3 share one HF naming scheme; Qwen2 adds q/k/v biases, Qwen3 a q/k
 RMSNorm per head (`self_attn.q_norm` / `k_norm`, head_dim weights, the same on every TP rank).
+Gemma 2 / 3: four norms per layer (`input_layernorm`, `post_attention_layernorm` after attention,
+`pre_feedforward_layernorm`, `post_feedforward_layernorm`), Gemma 3 q/k norms too; their weights are kept
+as HF stores them (the engine's OffsetRMSNorm scales by 1 + weight; GGUF files, which store 1 + weight,
+come through transformers' reader, which subtracts the 1).
 Phi-3 fuses `self_attn.qkv_proj` ([q; k; v] rows) and `mlp.gate_up_proj` ([gate; up] rows):
 `FusedHFView` reads them under the unfused names, so they are split and re-fused per TP rank like
 every other family. Our fused tensors: `wqkv` = [q heads; k heads; v heads] of this TP rank,
@@ -171,7 +175,12 @@ def plan_shard(
             add(o + "attention.q_norm.weight", (d,), lambda p=p: src.get(p + "self_attn.q_norm.weight"))
             add(o + "attention.k_norm.weight", (d,), lambda p=p: src.get(p + "self_attn.k_norm.weight"))
         add(o + "attention.wo.weight", (H, lo.heads * d), lambda p=p: src.get(p + "self_attn.o_proj.weight")[:, q_rows])
-        add(o + "ffn_norm.weight", (H,), lambda p=p: src.get(p + "post_attention_layernorm.weight"))
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm follows attention; the MLP's own norm before it
+            add(o + "post_attention_norm.weight", (H,), lambda p=p: src.get(p + "post_attention_layernorm.weight"))
+            add(o + "ffn_norm.weight", (H,), lambda p=p: src.get(p + "pre_feedforward_layernorm.weight"))
+            add(o + "post_ffn_norm.weight", (H,), lambda p=p: src.get(p + "post_feedforward_layernorm.weight"))
+        else:
+            add(o + "ffn_norm.weight", (H,), lambda p=p: src.get(p + "post_attention_layernorm.weight"))
         if cfg.is_moe_layer(i):
             for name, shape, build in moe_layer(cfg, src, lo, p):
                 add(o + name, shape, build)

@@ -22,7 +22,7 @@ from starshard.checkpoints.hf import (
     read_hf_config,
 )
 from starshard.config import ModelConfig
-from starshard.engine.model import Transformer, rope_inv_freq
+from starshard.engine.model import Transformer, local_rope_inv_freq, rope_inv_freq
 from starshard.kernels.fp8 import FP8_DTYPE
 from starshard.partition import TPShard
 
@@ -152,6 +152,8 @@ def materialize(model: Transformer, state: dict[str, torch.Tensor], dtype: torch
         model.output.weight = model.tok_embeddings.weight
     # Buffers made on meta hold no data; the frequencies follow the model's RoPE length (None: its window).
     model.inv_freq = rope_inv_freq(model.config, getattr(model, "rope_length", None)).to(device)
+    local = local_rope_inv_freq(model.config)
+    model.local_inv_freq = None if local is None else local.to(device)
     return model.eval().requires_grad_(False)
 
 

@@ -115,8 +115,8 @@ class RandomSource:
 
     def get(self, name: str) -> torch.Tensor:
         t = torch.empty(self._shape(name), dtype=self.dtype, device=self.device)
-        if name.endswith("norm.weight"):
-            return t.fill_(1.0)
+        if name.endswith("norm.weight"):  # the identity norm: Gemma's scale by 1 + weight
+            return t.fill_(0.0 if self.cfg.norm_unit_offset else 1.0)
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{name}".encode()).digest()[:7], "little")
         return t.normal_(0.0, 0.02, generator=torch.Generator(device=self.device).manual_seed(seed))
 
@@ -156,6 +156,7 @@ class StarshardAsHF:
         q, kv, f = c.q_size, c.kv_size, c.intermediate_size
         table = {
             "input_layernorm": ("attention_norm", None), "post_attention_layernorm": ("ffn_norm", None),
+            "pre_feedforward_layernorm": ("ffn_norm", None), "post_feedforward_layernorm": ("post_ffn_norm", None),
             "self_attn.q_proj": ("attention.wqkv", slice(0, q)),
             "self_attn.k_proj": ("attention.wqkv", slice(q, q + kv)),
             "self_attn.v_proj": ("attention.wqkv", slice(q + kv, q + 2 * kv)),
@@ -164,6 +165,8 @@ class StarshardAsHF:
             "mlp.gate_proj": ("feed_forward.w13", slice(0, f)), "mlp.up_proj": ("feed_forward.w13", slice(f, 2 * f)),
             "mlp.down_proj": ("feed_forward.w2", None),
         }
+        if c.sandwich_norms:  # Gemma: post_attention_layernorm follows attention (hf.py plan_shard)
+            table["post_attention_layernorm"] = ("post_attention_norm", None)
         ours, rows = table[part]
         return f"{o}{ours}.{kind}", rows, 0
 

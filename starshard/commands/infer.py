@@ -324,6 +324,10 @@ def run(args, launch, lead: bool, t_start: float) -> int:
                       cuda_graphs=not args.no_cuda_graphs, weights=weights)
         except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
             raise Abort(str(e)) from None
+        try:  # a sliding-window model on a path without windows holds only sequences within the window
+            llm.check_length(n_prompt, args.max_new_tokens, budget="--max-new-tokens")
+        except ValueError as e:
+            raise Abort(str(e)) from None
         times["setup"] = time.perf_counter() - t0
         watchdog = None
         if launch.world_size > 1:

@@ -1,5 +1,11 @@
-"""The decoder, written once for one device: Llama / Mistral / Qwen2 / Qwen3 / Phi-3, and the
-mixture-of-experts Qwen3-MoE / Mixtral (engine/moe.py: the same attention, expert MLPs).
+"""The decoder, written once for one device: Llama / Mistral / Qwen2 / Qwen3 / Phi-3, Gemma 2 / Gemma 3
+(text), and the mixture-of-experts Qwen3-MoE / Mixtral (engine/moe.py: the same attention, expert MLPs).
+
+Attention kinds per layer (config.py ModelConfig.layer_window): a local layer attends a sliding window of
+keys (positions (p - window, p]), a global one every earlier key; Gemma 3's local layers rotate with a RoPE
+base of their own. A layer's window, logit soft-cap and scale (Gemma's query_pre_attn_scalar) reach its
+AttendFn as keywords, passed only when the model has them, so hooks written for plain attention keep
+working for plain models; the runtime refuses hooks that cannot take them (llm.py check_attention_kinds).
 
 Parallelism is applied to this model from outside (runtime/build.py and the runners, using
 parallel/: tensor-parallel linears swapped in, layers split into pipeline stages, a context
@@ -22,7 +28,7 @@ from starshard.config import ModelConfig
 from starshard.engine.kv_cache import KVCache, LayerKV
 from starshard.engine.linear import Linear, project_add, project_heads
 from starshard.engine.moe import MoEFeedForward
-from starshard.kernels.activation import silu_mul
+from starshard.kernels.activation import gelu_tanh_mul, silu_mul
 from starshard.kernels.attention import (DECODE_MAX_ROWS, attention, attention_after_held,
                                          causal_attention_int8_scores)
 from starshard.kernels.common import mark_arange
@@ -37,6 +43,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @classmethod
+    def of(cls, cfg: ModelConfig, dim: int) -> "RMSNorm":
+        """The model's RMSNorm: Gemma's (1 + weight) form where the config says so."""
+        return (OffsetRMSNorm if cfg.norm_unit_offset else cls)(dim, cfg.rms_norm_eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_norm_kernel(x):  # decode: one short Triton launch (kernels/norm.py)
             return rms_norm(x, self.weight, self.eps)
@@ -45,6 +56,24 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the normalized row times (1 + weight), in float32, rounded once to the input's
+    dtype (transformers' Gemma norms). The weight is kept as checkpoints store it (zero = identity), so
+    every source (HF, GGUF through transformers, converted shards) loads it unchanged. A class of its
+    own: code that fuses RMSNorm (parallel/fp8.py fuse_inputs, the RoPE kernel's q/k norm) checks the
+    exact type and leaves this one alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rope_inv_freq(cfg: ModelConfig, length: int | None = None) -> torch.Tensor:
@@ -101,6 +130,15 @@ def rope_inv_freq(cfg: ModelConfig, length: int | None = None) -> torch.Tensor:
     return inv.float()
 
 
+def local_rope_inv_freq(cfg: ModelConfig) -> torch.Tensor | None:
+    """Inverse frequencies of the local layers' own RoPE (Gemma 3: plain, base cfg.local_rope_theta), or
+    None where every layer rotates with `rope_inv_freq`."""
+    if cfg.local_rope_theta is None:
+        return None
+    d = cfg.rope_dim
+    return (1.0 / (cfg.local_rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))).float()
+
+
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """The factor transformers multiplies cos and sin by (yarn, longrope; 1 otherwise): it scales
     q and k, so attention logits by its square."""
@@ -115,15 +153,20 @@ class AttendFn(Protocol):
     positions; cache: the layer's KV (None when the hook holds its own); sparse: the layer's
     LayerSparse (kernels/sparse.py) or None. The hook decides which keys each query sees and what
     enters the cache; it returns out [B, Hq, L, D].
+    Keywords given only when the layer has them (kernels/attention.py's meaning): window (a local
+    layer's sliding window), softcap (Gemma 2's attention logit cap), scale (softmax scale other than
+    head_dim ** -0.5). A hook that cannot honour one must not be installed for such a model.
     """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                 cache: LayerKV | None, sparse=None) -> torch.Tensor: ...
+                 cache: LayerKV | None, sparse=None, **extras) -> torch.Tensor: ...
 
 
-def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
+def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None, *, window=None, softcap=None, scale=None):
     """Single-device causal attention over the cache (if any) plus this step's keys; `sparse`: the
-    layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks."""
+    layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks; window / softcap / scale:
+    the layer's (AttendFn). A local layer's cache keeps every key: the window masks by position."""
+    extras = dict(window=window, softcap=softcap, scale=scale)
     scales = {}
     pattern = pattern_for(sparse, q)
     if cache is not None and q.shape[2] <= DECODE_MAX_ROWS:  # decode: attend the cache as stored (FP8 too)
@@ -134,7 +177,7 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
         # A prefill block after FP8 entries: the prefix as stored (no whole-prefix copy), own keys as given.
         held = cache.append_stored(k, v, pos)
         out, _ = attention_after_held(q, k, v, pos, held.k, held.v, held.pos, k_scale=held.k_scale,
-                                      v_scale=held.v_scale)
+                                      v_scale=held.v_scale, **extras)
         return out
     elif cache is not None:
         held = cache.length
@@ -143,16 +186,22 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None):
             k_pos = pos
     else:
         k_pos = pos
-    # One new token follows everything cached: no mask (saves the mask check in every decode step).
-    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=q.shape[2] > 1, sparse=pattern, **scales)
+    # One new token follows everything cached: no mask (saves the mask check in every decode step), unless
+    # a window hides the oldest keys.
+    causal = q.shape[2] > 1 or window is not None
+    out, _ = attention(q, k, v, q_pos=pos, k_pos=k_pos, causal=causal, sparse=pattern, **scales, **extras)
     return out
 
 
-def dense_attend_int8_scores(q, k, v, pos, cache: LayerKV | None, sparse=None):
+def dense_attend_int8_scores(q, k, v, pos, cache: LayerKV | None, sparse=None, **extras):
     """dense_attend, except that a prefill block starting an empty cache (the whole prompt unless
     prefill is chunked) attends itself with 8-bit scores (`--fp8 attention`,
     kernels/attention.py causal_attention_int8_scores, which keeps 16-bit scores where the layer's sparse
-    pattern applies); decode steps and later chunks are dense_attend's."""
+    pattern applies); decode steps and later chunks are dense_attend's. The 8-bit kernel takes no window,
+    soft-cap or scale: a layer with one is refused."""
+    if extras:
+        raise ValueError(f"--fp8 attention (8-bit prefill scores) does not run {', '.join(sorted(extras))}; "
+                         "drop `attention` from --fp8 for this model")
     if q.shape[2] > DECODE_MAX_ROWS and (cache is None or cache.length == 0):
         if cache is not None:
             cache.store(k, v, pos)
@@ -162,7 +211,7 @@ def dense_attend_int8_scores(q, k, v, pos, cache: LayerKV | None, sparse=None):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim
         # Local head counts: tensor parallelism divides them (parallel/tensor.py).
@@ -170,10 +219,19 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.num_kv_heads
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        # Qwen3: RMSNorm over each head's q and k (weights of head_dim, the same on every TP rank).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: RMSNorm over each head's q and k (weights of head_dim, the same on every TP rank).
+        self.q_norm = RMSNorm.of(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = RMSNorm.of(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.sparse = None  # LayerSparse when a sparse prefill method is on (kernels/sparse.py)
+        self.window = cfg.layer_window(layer_id)  # None: a global layer
+        # Gemma 3: a local layer takes the local RoPE (Transformer.forward hands it the local cos / sin).
+        self.local_rope = self.window is not None and cfg.local_rope_theta is not None
+        scale = None
+        if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+            scale = cfg.query_pre_attn_scalar ** -0.5
+        # What the AttendFn gets beyond plain attention (only those set: plain models call hooks as before).
+        extras = dict(window=self.window, softcap=cfg.attn_logit_softcapping, scale=scale)
+        self.extras = {k: v for k, v in extras.items() if v is not None}
 
     def forward(self, x, cos, sin, pos, cache: LayerKV | None, attend: AttendFn = dense_attend,
                 residual: torch.Tensor | None = None):
@@ -185,7 +243,8 @@ class Attention(nn.Module):
         q = q.view(B, L, self.n_heads, d)
         k = k.view(B, L, self.n_kv_heads, d)
         v = v.view(B, L, self.n_kv_heads, d).transpose(1, 2)
-        if use_rope_kernel(q):  # GPU: (q / k norm +) RoPE on both in one Triton launch (kernels/rope.py)
+        plain_norm = self.q_norm is None or type(self.q_norm) is RMSNorm
+        if use_rope_kernel(q) and plain_norm:  # GPU: (q / k norm +) RoPE on both in one Triton launch (kernels/rope.py)
             qn, kn = self.q_norm, self.k_norm  # Qwen3's norms share cfg.rms_norm_eps
             q, k = rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
                            None if qn is None else qn.weight, None if kn is None else kn.weight,
@@ -195,7 +254,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, pos, cache, sparse=self.sparse)
+        out = attend(q, k, v, pos, cache, sparse=self.sparse, **self.extras)
         return project_heads(self.wo, out, residual)
 
 
@@ -206,12 +265,19 @@ class SiluMul(nn.Module):
         return silu_mul(gate_up)
 
 
+class GeluTanhMul(nn.Module):
+    """GeGLU's activation (Gemma), gelu_tanh(gate) * up, of w13's output [.., 2F] (gate columns first)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul(gate_up)
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         # a module of its own so that an FP8 w2 can take it over (parallel/fp8.py sets it to identity)
-        self.act = SiluMul()
+        self.act = GeluTanhMul() if cfg.hidden_act == "gelu_pytorch_tanh" else SiluMul()
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, residual: torch.Tensor | None = None):
@@ -221,13 +287,19 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_norm = RMSNorm.of(cfg, cfg.hidden_size)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm.of(cfg, cfg.hidden_size)
         # Qwen3-MoE / Mixtral: the expert MLP on the config's sparse layers (global index), dense elsewhere.
         self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
+        # Gemma 2 / 3: the attention's and the MLP's outputs are normalized before they join the residual.
+        self.post_attention_norm = RMSNorm.of(cfg, cfg.hidden_size) if cfg.sandwich_norms else None
+        self.post_ffn_norm = RMSNorm.of(cfg, cfg.hidden_size) if cfg.sandwich_norms else None
 
     def forward(self, x, cos, sin, pos, cache: LayerKV | None, attend: AttendFn = dense_attend):
+        if self.post_attention_norm is not None:
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, pos, cache, attend))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
         # h = x + attention(...), out = h + feed_forward(...): the sums are passed in, so a projection
         # that can adds them in its own kernel (project_add)
         h = self.attention(self.attention_norm(x), cos, sin, pos, cache, attend, residual=x)
@@ -259,13 +331,15 @@ class Transformer(nn.Module):
         # global index of each held layer (a pipeline stage holds a slice; MoE layers are picked by it)
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in self.layer_ids)
-        self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm: nn.Module | None = RMSNorm.of(cfg, cfg.hidden_size)
         self.output: nn.Module | None = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_length: int | None = None
         self.rope_scale = rope_attention_factor(cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Gemma 3: the local layers' RoPE (None: every layer rotates with inv_freq)
+        self.register_buffer("local_inv_freq", local_rope_inv_freq(cfg), persistent=False)
         self.int8_scores = False  # --fp8 attention: the own attention takes 8-bit prefill scores
         self._hooks: list[AttendFn] | None = None  # one per held layer while attention_hooks() is active
 
@@ -295,6 +369,13 @@ class Transformer(nn.Module):
         finally:
             self._hooks = saved
 
+    def drop_windows(self) -> None:
+        """Every local layer attends as a global one from now on: for a caller whose attention cannot take a
+        window and that keeps every run within the window (where it hides nothing), checking that per
+        request (llm.py LLM.run_without_windows)."""
+        for layer in self.layers:
+            layer.attention.extras.pop("window", None)
+
     def set_rope_length(self, length: int | None) -> None:
         """Fix the RoPE frequencies for a run of up to `length` positions (None: the model's window).
         Only dynamic and longrope scaling depend on it. The buffer is updated in place, so whoever
@@ -308,8 +389,9 @@ class Transformer(nn.Module):
         else:
             self.inv_freq.copy_(inv)
 
-    def rope(self, pos: torch.Tensor):
-        freqs = pos.to(self.inv_freq.device).float()[..., None] * self.inv_freq
+    def rope(self, pos: torch.Tensor, inv_freq: torch.Tensor | None = None):
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = pos.to(inv_freq.device).float()[..., None] * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if self.rope_scale != 1.0:  # yarn / longrope attention factor, applied to cos and sin as transformers does
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
@@ -338,10 +420,16 @@ class Transformer(nn.Module):
             end = start + L
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
+            if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers
+                x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rope(positions)
         cos, sin = cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
+        local = None
+        if self.local_inv_freq is not None:
+            local = tuple(t.to(x.device, x.dtype) for t in self.rope(positions, self.local_inv_freq))
         for i, layer, attend in zip(self.layer_ids, self.layers, self.layer_attends()):
-            x = layer(x, cos, sin, positions, cache.layer(i) if cache is not None else None, attend)
+            c, s = local if local is not None and layer.attention.local_rope else (cos, sin)
+            x = layer(x, c, s, positions, cache.layer(i) if cache is not None else None, attend)
         if cache is not None:
             cache.advance(positions, end)
         if (last_only or output_row is not None) and self.output is not None:
@@ -349,5 +437,5 @@ class Transformer(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         if self.output is not None:
-            x = self.output(x).float()
+            x = softcap(self.output(x).float(), self.config.final_logit_softcapping)
         return x

@@ -631,9 +631,9 @@ def capture_attention(model, ids: torch.Tensor,
     restored afterwards."""
 
     def hook(layer_id):
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, **extras):  # extras: the layer's window, softcap, scale
             on_layer(layer_id, q, k, v)
-            return dense_attend(q, k, v, pos, cache, sparse=sparse)
+            return dense_attend(q, k, v, pos, cache, sparse=sparse, **extras)
 
         return attend
 

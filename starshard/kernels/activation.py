@@ -3,6 +3,7 @@
     x8, scale = rms_norm_quant(x, weight, eps)   # = quantize_rows(rms_norm(x, weight, eps)), one kernel
     a8, scale = silu_mul_quant(gate_up)          # = quantize_rows(silu(gate) * up), gate_up = [gate | up]
     a = silu_mul(gate_up)                        # SwiGLU's activation (CUDA decode rows, long prefills: one launch)
+    a = gelu_tanh_mul(gate_up)                   # GeGLU's (Gemma), torch ops
     o8, scale = quantize_heads(o)                # = quantize_rows(o [B, H, L, D] as rows [B * L, H * D])
 
 Why: a prefill FP8 GEMM (torch._scaled_mm, kernels/fp8.py) takes its activations in e4m3 with one
@@ -62,6 +63,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul_rows(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of gate_up [.., 2F] (gate: the first F columns): GeGLU, Gemma's MLP activation
+    (transformers' gelu_pytorch_tanh), torch ops on every device."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # silu_mul on CUDA: one kernel for decode rows and for long prefills, torch's two launches between. At decode

@@ -235,21 +235,26 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, sparse=None, k_
     return attention_math(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, **extras)
 
 
-def causal_attention(q, k, v, *, scale=None):
+def causal_attention(q, k, v, *, scale=None, window=None, softcap=None, sinks=None):
     """Square index-causal attention (Lq == Lk, row i sees keys 0..i), for callers that already know
     their layout: the sparse methods' dense heads, after `query_offset` read the positions (offset 0
     over as many keys as rows, strictly increasing positions: position-causal is index-causal). Same
-    kernels as `attention`, without `mask_mode`'s read of the positions (a host sync per call)."""
+    kernels as `attention`, without `mask_mode`'s read of the positions (a host sync per call).
+    window, softcap, sinks: as `attention` (rows at indices, so the window counts indices); any of them
+    keeps the call off torch's fused kernels."""
     check_shapes(q, k, v)
     B, Hq, L, D = q.shape
     if k.shape[2] != L:
         raise ValueError(f"causal_attention needs as many keys as query rows, got {L} rows and {k.shape[2]} keys")
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and L > DECODE_MAX_ROWS:
+    plain = window is None and softcap is None and sinks is None
+    if (plain and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and L > DECODE_MAX_ROWS):
         backend = cuda_backend(q, L, "causal", sm_count(q.device))
         if backend in ("cudnn", "flash-sdpa"):
             return _fused(q, k, v, causal=True, scale=scale, op="cudnn" if backend == "cudnn" else "flash")
     pos = torch.arange(L, device=q.device)
-    return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, scale=scale)
+    return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, scale=scale, window=window, softcap=softcap,
+                     sinks=sinks)
 
 
 def causal_attention_at(q, k, v, *, q_pos, k_pos, offset: int, scale=None):
@@ -308,16 +313,21 @@ def causal_attention_int8_scores(q, k, v, *, q_pos, k_pos, scale=None, sparse=No
     return out, lse + shift * scale
 
 
-def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None, v_scale=None):
+def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None, v_scale=None, scale=None,
+                         window=None, softcap=None, sinks=None):
     """(out, lse) of a query block at positions `pos` over keys held before it (held_k / held_v /
     held_pos as stored: e4m3 with k_scale / v_scale for an FP8 cache) and its own keys k, v at `pos`
     (as given, so the block attends its own keys exactly), causal by position; the two partials
     merge by lse. A chunked prefill over an FP8 cache runs this instead of attending a dequantized
     copy of the whole prefix: on CUDA the held part is read in e4m3 by a Triton kernel and the own
-    part takes the fused index-causal path."""
-    o1, l1 = attention(q, held_k, held_v, q_pos=pos, k_pos=held_pos, causal=True, k_scale=k_scale, v_scale=v_scale)
-    o2, l2 = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True)
-    return merge_partials(o1, l1, o2, l2)
+    part takes the fused index-causal path. window, softcap: as `attention`, in both parts (positions
+    carry the window); sinks: applied once, to the merged result (the lse excludes them)."""
+    extras = dict(scale=scale, window=window, softcap=softcap)
+    o1, l1 = attention(q, held_k, held_v, q_pos=pos, k_pos=held_pos, causal=True, k_scale=k_scale, v_scale=v_scale,
+                       **extras)
+    o2, l2 = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, **extras)
+    out, lse = merge_partials(o1, l1, o2, l2)
+    return (out, lse) if sinks is None else apply_sink(out, lse, sinks)
 
 
 def head_subset(q, k, v, heads):

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from starshard.engine.model import FeedForward, RMSNorm
+from starshard.engine.model import FeedForward, RMSNorm, SiluMul
 from starshard.engine.moe import GroupedExperts, MoEFeedForward
 from starshard.kernels.activation import quantize_heads, rms_norm_quant, silu_mul, silu_mul_quant, use_fused_quant
 from starshard.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_rows, scaled_mm
@@ -208,7 +208,7 @@ def _fuse_block_inputs(block: nn.Module) -> None:
     if isinstance(ff.w13, Fp8Linear) and type(block.ffn_norm) is RMSNorm:
         block.ffn_norm = DeferredRMSNorm.of(block.ffn_norm)
         ff.w13.fuse_norm(block.ffn_norm)
-    if isinstance(ff.w2, Fp8Linear) and ff.w2.input_act is None:
+    if isinstance(ff.w2, Fp8Linear) and ff.w2.input_act is None and type(ff.act) is SiluMul:  # GeGLU stays
         ff.act = nn.Identity()
         ff.w2.input_act = "silu_mul"
 

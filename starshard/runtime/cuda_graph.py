@@ -50,12 +50,15 @@ class GraphDecoder:
         """Another step fits without the cache growing (growth would move its tensors)."""
         return not self.appends or all(kv.length < kv.capacity for kv in self.cache.layers.values())
 
-    def _attend(self, kv: LayerKV, q, k, v, pos, cache=None, sparse=None):  # decode is dense: sparse unused
+    def _attend(self, kv: LayerKV, q, k, v, pos, cache=None, sparse=None, *, window=None, softcap=None,
+                scale=None):  # decode is dense: sparse unused
         if self.appends:
             kv.write_slot(self.slot, k, v, pos)
-        # The whole preallocated cache (FP8: e4m3 with its scales); `length` says how much is valid.
-        out, lse = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=False, length=self.length,
-                                    k_scale=kv.k_scale, v_scale=kv.v_scale)
+        # The whole preallocated cache (FP8: e4m3 with its scales); `length` says how much is valid. A
+        # local layer's window masks the oldest keys by position (causal: the window needs it).
+        out, lse = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=window is not None,
+                                    length=self.length, k_scale=kv.k_scale, v_scale=kv.v_scale, window=window,
+                                    softcap=softcap, scale=scale)
         if self.group is not None:
             out, _ = merge_over_group(out, lse, self.group)
         return out

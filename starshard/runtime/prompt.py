@@ -79,10 +79,13 @@ def _head_len(tokenizer, head_text: str, ids: list[int], use_template) -> int:
     return n
 
 
-def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget: str = "max_new_tokens") -> None:
-    """Refuse a request the model cannot hold: prompt + new tokens over the window (or over a sliding
-    window, which is not supported). The message names the limit and what to change; `budget` is what
-    the caller calls the new-token budget (a flag, an API field)."""
+def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget: str = "max_new_tokens",
+                 unwindowed: str | None = None) -> None:
+    """Refuse a request the model cannot hold: prompt + new tokens over the window. The message names the
+    limit and what to change; `budget` is what the caller calls the new-token budget (a flag, an API
+    field). A sliding window is no limit where the local layers attend it (engine/model.py); `unwindowed`
+    names what runs this model without its windows (a context strategy, the service), which then holds
+    only sequences within the sliding window, where the window hides nothing."""
     window = cfg.max_position_embeddings
     if prompt_len == 0:
         raise ValueError("the prompt is empty")
@@ -95,10 +98,11 @@ def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget:
             f"{window} tokens; shorten the prompt to at most {window - max_new_tokens} tokens or lower {budget}"
         )
     sw = cfg.sliding_window
-    if sw is not None and prompt_len + max_new_tokens > sw:
+    if unwindowed is not None and sw is not None and prompt_len + max_new_tokens > sw:
         raise PromptTooLongError(
-            f"sequence of {prompt_len + max_new_tokens} tokens exceeds the model's sliding window of {sw}; "
-            "sliding-window attention is not supported, keep prompt + new tokens within the window"
+            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the model's sliding window "
+            f"(sliding_window={sw}), and {unwindowed} does not run sliding windows yet: keep prompt + new tokens "
+            f"within {sw}, or run with --cp 1 --cp-strategy dense, no --sparse, no --fp8 attention (LLM.generate)"
         )
 
 

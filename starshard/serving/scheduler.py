@@ -35,7 +35,7 @@ import numpy as np
 import torch.distributed as dist
 
 from starshard.config import SamplingConfig
-from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt, check_window
+from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt
 from starshard.serving.context_cache import ContextCache, common_prefix
 from starshard.serving.executor import Executor
 from starshard.serving.ops import Abort, Decode, Evict, Extend, Finish, Op, Prefill, PrefillChunk
@@ -129,6 +129,14 @@ class Scheduler:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {prefill_chunk}")
         if request_timeout is not None and request_timeout <= 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+        # The context cache's cascade attention (serving/cascade.py) is plain causal: a soft-cap or scale is
+        # refused, a sliding window served on sequences within it (LLM.run_without_windows).
+        hard = [e for e in llm.config.attention_extras if e != "sliding_window"]
+        if hard:
+            raise ValueError(f"the service does not run {llm.config.arch}'s {' / '.join(hard)} yet (its context cache "
+                             f"attends plain causal): run this model with `starshard infer` or LLM.generate")
+        if llm.config.attention_extras and llm.unwindowed is None:
+            llm.run_without_windows("the service")
         self.llm, self.config = llm, llm.config
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
@@ -173,7 +181,7 @@ class Scheduler:
 
     def submit(self, prompt: Prompt, *, max_tokens: int, sampling: SamplingConfig, stop=None,
                on_event: Callable[[TokenEvent], None]) -> Ticket:
-        check_window(self.config, len(prompt.ids), max_tokens, budget="max_tokens")
+        self.llm.check_length(len(prompt.ids), max_tokens, budget="max_tokens")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         need = self.holdings(prompt, max_tokens)  # alone, on an empty cache

@@ -15,10 +15,10 @@ def probe_layers(model, ids: list[int], observe: Callable[[int, torch.Tensor, to
     want = set(range(len(model.layers))) if layers is None else set(layers)
 
     def wrap(i, fn):
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, **extras):  # extras: the layer's window, softcap, scale
             if i in want:
                 observe(i, q, k)
-            return fn(q, k, v, pos, cache, sparse=sparse)
+            return fn(q, k, v, pos, cache, sparse=sparse, **extras)
 
         return attend
 

@@ -31,6 +31,14 @@ def make_hf_model(arch: str, tmp_path, seed: int = 0, **overrides):
         kw.update(bos_token_id=1, eos_token_id=2, pad_token_id=None)
         kw.update(overrides)
         cfg, cls = transformers.Phi3Config(**kw), transformers.Phi3ForCausalLM
+    elif arch in ("gemma2", "gemma3"):  # head_dim defaults to 256 there; tied embeddings, GeGLU, (1 + w) norms
+        kw.update(head_dim=kw["hidden_size"] // kw["num_attention_heads"], bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+        kw.update(overrides)
+        if arch == "gemma2":
+            cfg, cls = transformers.Gemma2Config(**kw), transformers.Gemma2ForCausalLM
+        else:
+            cfg, cls = transformers.Gemma3TextConfig(**kw), transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     model = cls(cfg).eval()
