@@ -69,6 +69,10 @@ class StarSpec(StrategySpec):
         cuts = sorted({*range(chunk, C, chunk), *range(block, C, block)})
         return list(zip([0, *cuts], [*cuts, prompt_len]))
 
+    def first_step_rows(self, lay, w, end):
+        # Every context step runs the generic zigzag path; the last one also runs the question.
+        return max(2 * -(-end // (2 * lay.cp)), w.prompt_tokens - w.context), 0
+
     def chunked_rows(self, cp, prompt_len, context_len, options, bounds):
         # Every context step keeps its zigzag shard's real rows (the anchor is block 0's, kept once);
         # the query phase stores the question on the query rank.
