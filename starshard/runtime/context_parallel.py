@@ -88,6 +88,10 @@ class ContextParallelRunner(LocalRunner):
         bounds = s.prefill_bounds(prompt_len, context_len, chunk)
         if len(bounds) > 1:
             self._refuse_pipeline()
+            if any(getattr(layer.attention, "sparse", None) is not None for layer in self.model.layers):
+                raise ValueError(f"--sparse does not compose with --prefill-chunk under --cp-strategy {s.name} (a "
+                                 "later chunk's queries attend each rank's stored keys apart, not a row's whole key "
+                                 "range); drop one of them")
         return bounds
 
     def _refuse_pipeline(self) -> None:

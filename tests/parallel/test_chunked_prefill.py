@@ -87,7 +87,7 @@ def _generate(model, strategy, case: Case, chunk, count_below: int | None):
 
     hook = model.layers[0].register_forward_pre_hook(count) if count_below is not None else None
     context = case.context or case.L
-    prompt = Prompt(IDS[case.L], context)
+    prompt = Prompt(_ids(case.L), context)
     cache = runner.new_cache(case.L + STEPS, case.L, context, chunk)
     capacity = cache.layer(0).capacity
     with torch.no_grad():
@@ -109,8 +109,6 @@ def _generate(model, strategy, case: Case, chunk, count_below: int | None):
 def _ids(L: int) -> list[int]:
     return torch.randint(0, 211, (L,), generator=torch.Generator().manual_seed(L)).tolist()
 
-
-IDS = {c.L: _ids(c.L) for cases in CASES.values() for c in cases}
 
 
 def _world(rank, world, path):
@@ -185,7 +183,7 @@ def test_chunked_equals_unchunked(model_path, world, case):
     for r in results:
         assert r[case.name][case.chunk]["tokens"] == r[case.name][None]["tokens"] == results[0][case.name][None]["tokens"]
     if case.strategy in EXACT and not case.fp8:  # exact: also the float32 dense single-process run
-        ref_first, ref_tokens = _dense(model_path, IDS[case.L])
+        ref_first, ref_tokens = _dense(model_path, _ids(case.L))
         assert _rel(chunked[0], ref_first) <= TOL
         assert results[0][case.name][case.chunk]["tokens"] == ref_tokens
 
@@ -217,7 +215,7 @@ def test_star_chunked_is_star_not_dense(model_path):
     """Guards the comparison: these Star cases are an approximation that differs from dense."""
     results = _results(2, model_path)
     case = CASES[2][9]
-    ref_first, _ = _dense(model_path, IDS[case.L])
+    ref_first, _ = _dense(model_path, _ids(case.L))
     assert _rel(_sampled_logits(results, case.name, case.chunk)[0], ref_first) > 1e-3
 
 
@@ -299,3 +297,16 @@ def test_planner_honours_the_chunk_for_context_strategies():
         assert chunked.activations < whole.activations / 4, name
     apb = Layout(cp=cp, strategy="apb")  # it runs the whole prompt in one step (the runner refuses a chunk)
     assert plan_memory(cfg, apb, Workload(L, C, N, chunk)).worst == plan_memory(cfg, apb, Workload(L, C, N)).worst
+
+
+@pytest.mark.parametrize("case", [Case("star", 41, 6, context=35, options={"num_blocks": 3, "anchor_size": 4}),
+                                  Case("ring", 23, 4), Case("ulysses", 23, 30)], ids=lambda c: c.name)
+def test_one_rank(model_path, case):
+    """A strategy studied on one rank (--cp 1 --cp-strategy star --num-blocks N) chunks the same way."""
+    model = load_model(model_path)
+    cls = {"star": StarAttention, "ring": RingAttention, "ulysses": UlyssesAttention}[case.strategy]
+    whole, chunked = (_generate(model, cls(None, **case.options), case, chunk, None) for chunk in (None, case.chunk))
+    assert whole["tokens"] == chunked["tokens"]
+    for a, b in zip(whole["logits"].values(), chunked["logits"].values()):
+        assert torch.equal(a, b) if case.L <= case.chunk else _rel(b, a) <= TOL
+    assert [chunked["after_prefill"]] == chunked["rank_rows"] and chunked["capacity"] == chunked["final_capacity"]
