@@ -310,3 +310,23 @@ def test_one_rank(model_path, case):
     for a, b in zip(whole["logits"].values(), chunked["logits"].values()):
         assert torch.equal(a, b) if case.L <= case.chunk else _rel(b, a) <= TOL
     assert [chunked["after_prefill"]] == chunked["rank_rows"] and chunked["capacity"] == chunked["final_capacity"]
+
+
+def test_refusals(model_path):
+    from types import SimpleNamespace
+
+    model = load_model(model_path)
+    with pytest.raises(ValueError, match="does not run with --pp > 1.*drop --prefill-chunk or run --pp 1"):
+        ContextParallelRunner(model, RingAttention(None), link=SimpleNamespace(is_last=True)).prefill_bounds(37, 37, 8)
+    runner = ContextParallelRunner(model, RingAttention(None))
+    assert runner.prefill_bounds(37, 37, 40) == [(0, 37)]
+    model.layers[1].attention.sparse = object()  # a sparse method on: only the whole prompt may run
+    try:
+        assert runner.prefill_bounds(37, 37, None) == [(0, 37)]
+        with pytest.raises(ValueError, match="--sparse does not compose with --prefill-chunk"):
+            runner.prefill_bounds(37, 37, 8)
+    finally:
+        model.layers[1].attention.sparse = None
+    with pytest.raises(ValueError, match="must lie in one block of 8 tokens"):
+        StarAttention(None, block_size=8).chunk_hidden(4, 12, 30)
+    assert StarAttention(None, block_size=8, anchor_size=3).chunk_hidden(17, 24, 30) == (3, 16)
