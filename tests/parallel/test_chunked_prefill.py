@@ -25,6 +25,7 @@ from starshard.parallel.context.star import StarAttention
 from starshard.parallel.context.ulysses import UlyssesAttention
 from starshard.parallel.context.usp import UspAttention
 from starshard.runtime.context_parallel import ContextParallelRunner
+from starshard.runtime.generate import generate_tokens
 from starshard.runtime.prompt import Prompt
 from starshard.strategies import get_spec
 
@@ -121,6 +122,20 @@ def _world(rank, world, path):
             strategy = make_strategy(case.strategy, dist.group.WORLD, cp_groups=[list(range(world))], **case.options)
             res[chunk] = _generate(model, strategy, case, chunk, anchor)
         out[case.name] = res
+    case = CASES[world][0]  # infer's loop: generate_tokens sizes the shards
+    runner = ContextParallelRunner(model, make_strategy(case.strategy, dist.group.WORLD, cp_groups=[list(range(world))]))
+    made, new_cache = [], runner.new_cache
+
+    def sized(*args):
+        cache = new_cache(*args)
+        made.append((cache, cache.layer(0).capacity))
+        return cache
+
+    runner.new_cache = sized
+    g = generate_tokens(runner, Prompt(_ids(case.L), case.L), max_new_tokens=STEPS, sampling=SamplingConfig(),
+                        eos_ids=set(), prefill_chunk=case.chunk)
+    ((cache, capacity),) = made
+    out["generate"] = {"tokens": g.tokens, "capacity": capacity, "final_capacity": cache.layer(0).capacity}
     return out
 
 
@@ -330,3 +345,17 @@ def test_refusals(model_path):
     with pytest.raises(ValueError, match="must lie in one block of 8 tokens"):
         StarAttention(None, block_size=8).chunk_hidden(4, 12, 30)
     assert StarAttention(None, block_size=8, anchor_size=3).chunk_hidden(17, 24, 30) == (3, 16)
+
+
+
+def test_generate_sizes_the_cache_for_the_chunked_layout(model_path):
+    """generate_tokens (infer's loop) allocates each shard for the chunked layout (here one more row
+    on rank 0 than unchunked): no shard grows, and the tokens are the chunked prefill's."""
+    results = _results(2, model_path)
+    case = CASES[2][0]
+    rows = get_spec(case.strategy).rank_rows(2, case.L, case.L, {}, case.chunk)
+    assert rows != get_spec(case.strategy).rank_rows(2, case.L, case.L, {})
+    for rank, r in enumerate(results):
+        g = r["generate"]
+        assert g["capacity"] == g["final_capacity"] == rows[rank] + (STEPS if rank == 1 else 0)
+        assert g["tokens"] == r[case.name][case.chunk]["tokens"]
