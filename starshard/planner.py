@@ -248,8 +248,7 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, w: Workload) -> int:
 
 def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int, int, int]:
     """(KV tokens kept, rows of the largest prefill forward, transient KV tokens in flight) on the worst CP rank."""
-    spec = get_spec(lay.strategy)
-    return spec.chunked_kv_rows(lay, w) or spec.kv_rows(lay, w)
+    return get_spec(lay.strategy).kv_rows(lay, w)
 
 
 def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layers: int,

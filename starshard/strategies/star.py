@@ -42,6 +42,9 @@ class StarSpec(StrategySpec):
             raise ValueError("give --block-size or --num-blocks, not both")
 
     def kv_rows(self, lay, w):
+        chunked = self.chunked_kv_rows(lay, w)  # --prefill-chunk: one chunk's shard per forward
+        if chunked is not None:
+            return chunked
         cp, C, Q, N = lay.cp, w.context, w.prompt_tokens - w.context, w.max_new_tokens
         q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
         block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size)
