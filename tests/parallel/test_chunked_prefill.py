@@ -123,7 +123,8 @@ def _world(rank, world, path):
             res[chunk] = _generate(model, strategy, case, chunk, anchor)
         out[case.name] = res
     case = CASES[world][0]  # infer's loop: generate_tokens sizes the shards
-    runner = ContextParallelRunner(model, make_strategy(case.strategy, dist.group.WORLD, cp_groups=[list(range(world))]))
+    strategy = make_strategy(case.strategy, dist.group.WORLD, cp_groups=[list(range(world))], **case.options)
+    runner = ContextParallelRunner(model, strategy)
     made, new_cache = [], runner.new_cache
 
     def sized(*args):
