@@ -270,7 +270,9 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
     attn_bytes = b * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
     spec = get_spec(lay.strategy)
-    held_fp8 = w.fp8_kv and spec.chunked_prefill and rows < w.prompt_tokens  # chunks after held FP8 entries
+    cp_chunked = spec.chunked_kv_rows(lay, w) is not None  # a context strategy's later chunks (chunked.py)
+    # chunks after held FP8 entries
+    held_fp8 = w.fp8_kv and (cp_chunked or spec.single_rank and spec.chunked_prefill and rows < w.prompt_tokens)
     if held_fp8:
         attn_bytes += hq * d * (b + 8)  # the own-keys partial and two float32 merge buffers
     mlp_part = max(3 * h + 4 * ffn, 4 * h + 3 * ffn)
@@ -286,6 +288,8 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
         act += cfg.num_experts * 3 * fe * h * (4 + b)
     act += B * b * spec.activation_elements(rows, hq, hkv, d)  # ulysses: the whole sequence's q, k, v, out for heads / cp
     act += B * flight * 2 * hkv * d * b
+    if cp_chunked:  # a later chunk's queries gathered over the CP group, their partials packed, sent and received
+        act += B * lay.cp * rows * hq * (d * b + 2 * (d + 1) * 4)
     if last:
         act += B * vrows * LOGIT_BYTES
     return StageMemory(pp_rank, layers, weights, kv, act, kv_tok, rows)

@@ -37,6 +37,7 @@ from starshard.runtime.monitor import RunMonitor, Watchdog
 from starshard.runtime.preflight import Weights, check_weights
 from starshard.runtime.prompt import Prompt, build_prompt, load_tokenizer
 from starshard.runtime.prompt import check_window as check_prompt_window
+from starshard.strategies import get_spec
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 log = logging.getLogger("starshard.infer")
@@ -63,8 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    gen.add_argument("--prefill-chunk", type=int, default=None,
-                     help="run the prompt through the model this many tokens at a time (bounds activation memory)")
+    gen.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                     help="run the prompt through the model this many tokens at a time, counted over the whole prompt "
+                     "(bounds activation memory; default: the whole prompt in one step). Under a context "
+                     "strategy each chunk is split over the CP ranks as the prompt would be (ring, ulysses, usp: the "
+                     "same result within float rounding; star: also cut at its block ends, the anchor computed once); "
+                     "apb refuses it; not with --pp > 1 under a context strategy")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -122,6 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = layout_error(args)
     if bad:
         ap.error(bad)
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        ap.error(f"--prefill-chunk must be >= 1 tokens, got {args.prefill_chunk} (leave it out: the whole prompt)")
+    spec = get_spec(default_strategy(args))
+    if args.prefill_chunk and not spec.chunked_prefill:
+        ap.error(spec.chunk_error())
     return args
 
 

@@ -3,7 +3,11 @@
 With pipeline parallelism each rank holds one stage: every forward (a strategy's prefill segment,
 the query phase, a decode step) enters at the first stage and its hidden states go stage to stage
 (pipeline.StageLink); the strategy's hooks run inside each stage's layers, over that stage's CP
-group. The last stage samples; the token is broadcast over its CP group, then down the pipeline."""
+group. The last stage samples; the token is broadcast over its CP group, then down the pipeline.
+
+A chunked prefill (--prefill-chunk, prefill_bounds / prefill_step) runs its first step as the
+strategy's own prefill of prompt[0:end] and every later one through parallel/context/chunked.py;
+the shards it leaves are laid out step by step, which decode (masking by stored position) ignores."""
 from __future__ import annotations
 
 import torch
@@ -38,7 +42,11 @@ class ContextParallelRunner(LocalRunner):
         return self.model.attention_hooks(fn)
 
     def _broadcast_token(self, tok: torch.Tensor, src_cp_rank: int) -> torch.Tensor:
-        """The owner's token on every rank: over the last stage's CP group, then down the pipeline."""
+        """The owner's token on every rank: over the last stage's CP group, then down the pipeline.
+
+A chunked prefill (--prefill-chunk, prefill_bounds / prefill_step) runs its first step as the
+strategy's own prefill of prompt[0:end] and every later one through parallel/context/chunked.py;
+the shards it leaves are laid out step by step, which decode (masking by stored position) ignores."""
         s = self.strategy
         if s.cp > 1 and self.is_last:
             tok = tok.contiguous()
@@ -88,6 +96,10 @@ class ContextParallelRunner(LocalRunner):
         bounds = s.prefill_bounds(prompt_len, context_len, chunk)
         if len(bounds) > 1:
             self._refuse_pipeline()
+            if any(getattr(layer.attention, "sparse", None) is not None for layer in self.model.layers):
+                raise ValueError(f"--sparse does not compose with --prefill-chunk under --cp-strategy {s.name} (a "
+                                 "later chunk's queries attend each rank's stored keys apart, not a row's whole key "
+                                 "range); drop one of them")
         return bounds
 
     def _refuse_pipeline(self) -> None:
@@ -131,7 +143,7 @@ class ContextParallelRunner(LocalRunner):
                 raise ValueError(f"--cp-strategy {s.name} needs a non-empty context before the question")
             ctx_end = min(end, context_len)
             if ctx_end > start:
-                self._later_step(ids, cache, start, ctx_end, s.chunk_hidden(start, context_len))
+                self._later_step(ids, cache, start, ctx_end, s.chunk_hidden(start, ctx_end, context_len))
             if end == L:
                 with self._strategy_attention(s.decode_attend):
                     logits = self._forward(ids[None, context_len:], cache=cache, last_only=True,

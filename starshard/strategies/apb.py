@@ -80,12 +80,6 @@ def apb_flops(cfg: ModelConfig, context: int, cp: int, anchor: int, passing: int
     return out
 
 
-APB_CHUNK_REFUSAL = (
-    "--cp-strategy apb prefills the whole prompt in one step: each host's passing blocks are chosen per layer from "
-    "its whole block (scored against the embedded question), and its KV depends on the question; drop "
-    "--prefill-chunk (or use --cp-strategy star, ring, ulysses or usp, which chunk)")
-
-
 class APBSpec(StrategySpec):
     name = "apb"
     options = (ANCHOR_SIZE, NUM_BLOCKS, PASSING_SIZE, COMPRESSOR, COMPRESSOR_PATH, EMBED_QUERY, PREFIX_LEN, APB_HOSTS)
@@ -123,10 +117,10 @@ class APBSpec(StrategySpec):
         kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)]
         return max(kept), block + anchor + Q, cp * min(passing, block)
 
-    def prefill_bounds(self, cp, prompt_len, context_len, options, chunk):
-        if chunk:
-            raise ValueError(APB_CHUNK_REFUSAL)
-        return super().prefill_bounds(cp, prompt_len, context_len, options, chunk)
+    def chunk_error(self):
+        return ("--cp-strategy apb prefills the whole prompt in one step: each host's passing blocks are chosen per "
+                "layer from its whole block (scored against the embedded question), and its KV depends on the "
+                "question; drop --prefill-chunk (or use --cp-strategy star, ring, ulysses or usp, which chunk)")
 
     def whole_rows(self, cp, prompt_len, context_len, options):
         # Each rank keeps its block (cp = 1: every virtual host's, i.e. the whole context); the anchor and

@@ -30,6 +30,9 @@ class RingSpec(StrategySpec):
     chunked_prefill = True
 
     def kv_rows(self, lay, w):
+        chunked = self.chunked_kv_rows(lay, w)  # --prefill-chunk: one chunk's shard per forward
+        if chunked is not None:
+            return chunked
         rows = 2 * math.ceil(w.prompt_tokens / (2 * lay.cp))  # zigzag: two chunks of ceil(L / 2cp) per rank
         # a send and a receive KV block of one layer in flight
         return rows + w.max_new_tokens, rows, 2 * rows

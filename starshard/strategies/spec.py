@@ -5,7 +5,7 @@ parallel/context/ under the same names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from starshard.config import ModelConfig
@@ -102,9 +102,41 @@ class StrategySpec:
         whole prompt (None or 0: the whole prompt in one step). The runner and rank_rows follow it."""
         if chunk is not None and chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {chunk}")
+        if chunk and not self.chunked_prefill:
+            raise ValueError(self.chunk_error())
         if not chunk or chunk >= prompt_len:
             return [(0, prompt_len)]
         return [(s, min(s + chunk, prompt_len)) for s in range(0, prompt_len, chunk)]
+
+    def chunk_error(self) -> str:
+        """Why it refuses --prefill-chunk (where chunked_prefill is False)."""
+        return f"--cp-strategy {self.name} prefills the whole prompt in one step; drop --prefill-chunk"
+
+    def chunked_kv_rows(self, lay, w) -> tuple[int, int, int] | None:
+        """kv_rows of a context strategy's chunked prefill (Workload.prefill_chunk), None where it runs in
+        one step: each rank keeps rank_rows(chunk=) plus the decode tokens on the query rank; the largest
+        forward is the first step's (the strategy's own prefill of prompt[0:end]) or a later step's
+        zigzag shard, about chunk / cp rows (parallel/context/chunked.py)."""
+        if self.single_rank or not self.chunked_prefill or not w.prefill_chunk:
+            return None
+        options = {k: v for k, v in (("block_size", lay.block_size), ("anchor_size", lay.anchor_size),
+                                     ("query_rank", lay.query_rank)) if v is not None}
+        L, C = w.prompt_tokens, w.context
+        bounds = self.prefill_bounds(lay.cp, L, C, options, w.prefill_chunk)
+        if len(bounds) == 1:
+            return None
+        q = query_rank(lay.cp, options)
+        rows = self.rank_rows(lay.cp, L, C, options, w.prefill_chunk)
+        kept = max(n + (w.max_new_tokens if r == q else 0) for r, n in enumerate(rows))
+        first, flight = self.first_step_rows(lay, w, bounds[0][1])
+        step = max(2 * -(-(e - s) // (2 * lay.cp)) for s, e in bounds[1:])
+        return kept, max(first, step), flight
+
+    def first_step_rows(self, lay, w, end: int) -> tuple[int, int]:
+        """(rows of the forward, transient KV tokens) of a chunked prefill's first step, prompt[0:end]."""
+        _, rows, flight = self.kv_rows(lay, replace(w, prompt_tokens=end, context_tokens=end, prefill_chunk=None,
+                                                    max_new_tokens=0))
+        return rows, flight
 
     def rank_rows(self, cp: int, prompt_len: int, context_len: int, options: dict,
                   chunk: int | None = None) -> list[int]:

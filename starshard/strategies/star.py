@@ -42,6 +42,9 @@ class StarSpec(StrategySpec):
             raise ValueError("give --block-size or --num-blocks, not both")
 
     def kv_rows(self, lay, w):
+        chunked = self.chunked_kv_rows(lay, w)  # --prefill-chunk: one chunk's shard per forward
+        if chunked is not None:
+            return chunked
         cp, C, Q, N = lay.cp, w.context, w.prompt_tokens - w.context, w.max_new_tokens
         q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
         block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size)
@@ -68,6 +71,10 @@ class StarSpec(StrategySpec):
         block, _ = star_sizes(C, cp, options.get("block_size"), options.get("anchor_size"), options.get("num_blocks"))
         cuts = sorted({*range(chunk, C, chunk), *range(block, C, block)})
         return list(zip([0, *cuts], [*cuts, prompt_len]))
+
+    def first_step_rows(self, lay, w, end):
+        # Every context step runs the generic zigzag path; the last one also runs the question.
+        return max(2 * -(-end // (2 * lay.cp)), w.prompt_tokens - w.context), 0
 
     def chunked_rows(self, cp, prompt_len, context_len, options, bounds):
         # Every context step keeps its zigzag shard's real rows (the anchor is block 0's, kept once);

@@ -32,6 +32,9 @@ class UlyssesSpec(StrategySpec):
             check_ulysses_heads(heads, kv_heads, cp)
 
     def kv_rows(self, lay, w):
+        chunked = self.chunked_kv_rows(lay, w)  # --prefill-chunk: one chunk's shard per forward
+        if chunked is not None:
+            return chunked
         rows = math.ceil(w.prompt_tokens / lay.cp)
         return rows + w.max_new_tokens, rows, 0  # the all-to-all buffers: activation_elements
 

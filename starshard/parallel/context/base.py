@@ -95,8 +95,8 @@ class ContextStrategy:
         """The prompt positions [start, end) of each prefill step (StrategySpec.prefill_bounds)."""
         return get_spec(self.name).prefill_bounds(self.cp, prompt_len, context_len, self.spec_options(), chunk)
 
-    def chunk_hidden(self, start: int, context_len: int) -> tuple[int, int] | None:
-        """Key positions [lo, hi) that a later prefill step starting at `start` must not see although
+    def chunk_hidden(self, start: int, end: int, context_len: int) -> tuple[int, int] | None:
+        """Key positions [lo, hi) that a later prefill step of context [start, end) must not see although
         they precede it (parallel/context/chunked.py); None: it sees every earlier key (exact)."""
         return None
 

@@ -14,6 +14,8 @@ Every later step, whatever the strategy:
   (`ContextStrategy.chunk_hidden`); a rank's stored positions increase row by row (steps in order,
   zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`).
 Decode, extends and the cascade mask by stored position, so this layout is transparent to them.
+An FP8 KV cache (--fp8 kv) is attended as stored, the step's own keys included (a whole-prompt ring
+attends its own block as computed: the two differ by the e4m3 rounding of those keys).
 """
 from __future__ import annotations
 

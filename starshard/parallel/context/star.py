@@ -45,11 +45,15 @@ class StarAttention(ContextStrategy):
         defaults to the block size."""
         return star_sizes(context_len, self.cp, self.block_size, self.anchor_size, self.num_blocks)
 
-    def chunk_hidden(self, start: int, context_len: int) -> tuple[int, int] | None:
+    def chunk_hidden(self, start: int, end: int, context_len: int) -> tuple[int, int] | None:
         # A step in the block starting at bs sees the anchor [0, min(A, bs)) and its block, as
-        # segments() encodes each block; the anchor's KV is block 0's, stored once for the document.
+        # segments() encodes each block; the anchor's KV is block 0's, stored once for the document
+        # (unchunked, every rank r >= 1 recomputes it for each of its blocks).
         block, anchor = self.resolved_sizes(context_len)
         bs = start // block * block
+        if end > bs + block:
+            raise ValueError(f"a Star prefill step must lie in one block of {block} tokens, got context [{start}, "
+                             f"{end}) (use the runner's prefill_bounds, which cut at block ends)")
         return (min(anchor, bs), bs)
 
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
