@@ -302,6 +302,8 @@ def calculate_metrics(records: list[RequestRecord], duration: float, *, metrics=
             st = _stats(m, ks[m], percentiles)
             row.update({k: v for k, v in st.items() if k.startswith("p")})
         out["by_kind"][kind] = row
+    out["max_itl_ms"] = 1000.0 * max(s["itl"]) if s["itl"] else None
+    out["itl_during_new_doc_prefill"] = stall_stats(records, percentiles)
     # Follow-ups the server answered from its cache, among those whose usage came back.
     follow = [r for r in records if r.kind == "follow_up" and r.cached_tokens is not None]
     out["cache_hit_rate"] = sum(r.cached_tokens > 0 for r in follow) / len(follow) if follow else None
@@ -314,6 +316,17 @@ def calculate_metrics(records: list[RequestRecord], duration: float, *, metrics=
     out["lost_examples"] = [f"request {r.index}: {r.error or 'the stream ended without a finish reason'}"
                             for r in records if r.outcome == "lost"][:5]
     return out
+
+
+def stall_stats(records: list[RequestRecord], percentiles=(50.0, 90.0, 99.0)) -> dict:
+    """The other streams' inter-token gaps while a new document prefills (from its send to its first
+    token): what a prefill costs everyone else, which the all-gaps ITL percentiles dilute (a stall of a
+    few streams is a small share of all gaps). `count`: such gaps; percentiles and max in ms."""
+    windows = [(r.index, r.start, r.token_times[0]) for r in records if r.kind == "new_doc" and r.token_times]
+    gaps = [b - a for r in records for a, b in zip(r.token_times, r.token_times[1:])
+            if any(i != r.index and a < end and b > start for i, start, end in windows)]
+    st = {k: v for k, v in _stats("itl", gaps, percentiles).items() if k.startswith("p")}
+    return {"count": len(gaps), **st, "max_itl_ms": 1000.0 * max(gaps) if gaps else None}
 
 
 def detailed(records: list[RequestRecord]) -> dict:
@@ -432,6 +445,13 @@ def print_summary(result: dict, metrics=METRICS, percentiles=(50.0, 90.0, 99.0),
         line(f"Median {short} (ms):", result[f"median_{m}_ms"])
         for p in percentiles:
             line(f"P{pkey(p)} {short} (ms):", result[f"p{pkey(p)}_{m}_ms"])
+    stall = result.get("itl_during_new_doc_prefill")
+    if stall is not None:
+        print("{s:{c}^{n}}".format(s="ITL while a new document prefills", n=50, c="-"), file=file)
+        line("Gaps:", stall["count"])
+        for p in percentiles:
+            line(f"P{pkey(p)} ITL (ms):", stall.get(f"p{pkey(p)}_itl_ms"))
+        line("Max ITL (ms):", stall["max_itl_ms"])
     if result.get("errors"):
         print("{s:{c}^{n}}".format(s="Errors", n=50, c="-"), file=file)
         for k, n in result["errors"].items():

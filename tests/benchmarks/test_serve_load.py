@@ -57,6 +57,12 @@ def test_metrics_follow_vllm_definitions_and_names():
     assert m["by_kind"]["new_doc"]["count"] == 3 and m["by_kind"]["new_doc"]["completed"] == 1
     assert m["by_kind"]["follow_up"]["p50_ttft_ms"] == pytest.approx(150.0)
     assert m["by_kind"]["new_doc"]["p50_itl_ms"] == pytest.approx(750.0)
+    assert m["max_itl_ms"] == pytest.approx(1000.0)
+    # request 0's gap 1.5 -> 2.5 s spans request 5's prefill (sent 2.0, first token 2.2); no other gap
+    # meets another new document's prefill
+    stall = m["itl_during_new_doc_prefill"]
+    assert stall["count"] == 1
+    assert stall["max_itl_ms"] == stall["p50_itl_ms"] == pytest.approx(1000.0)
     assert m["cache_hit_rate"] == pytest.approx(1 / 3)  # follow-ups 1 (hit), 2 (miss), 3 (cancelled, miss)
     assert m["errors"] == {"503": 1} and m["error_examples"] == ["503: out of memory"]
     assert "timeout" in m["lost_examples"][0]
