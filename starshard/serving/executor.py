@@ -83,6 +83,35 @@ class _Admission:
 
 
 @dataclass
+class _ExtendBatch:
+    """Extends that run as one forward (Executor._extend_together); `rid`: the first's, for the fault hook."""
+
+    ops: list[Extend]
+
+    @property
+    def rid(self) -> int:
+        return self.ops[0].rid
+
+
+def _batched(ops: list[Op]) -> list:
+    """The step's operations with each run of consecutive extends of one entry, with equal prefix and
+    suffix lengths, as one list (one forward); everything else as it came."""
+    out: list = []
+    for op in ops:
+        prev = out[-1] if out else None
+        last = prev[-1] if isinstance(prev, list) else prev
+        if (isinstance(op, Extend) and isinstance(last, Extend) and op.entry == last.entry
+                and op.prefix == last.prefix and len(op.ids) == len(last.ids)):
+            if isinstance(prev, list):
+                prev.append(op)
+            else:
+                out[-1] = [last, op]
+        else:
+            out.append(op)
+    return out
+
+
+@dataclass
 class Row:
     """A running request as every rank holds it."""
 
@@ -268,7 +297,7 @@ class Executor:
         tokens: dict[int, int] = {}
         failures: dict[int, Failure] = {}
         with torch.inference_mode():
-            for op in ops:
+            for op in _batched(ops):
                 match op:
                     case Evict():
                         self.cache.evict(op.entries)
@@ -282,6 +311,8 @@ class Executor:
                         self._abort(op.entry)
                     case Extend():
                         self._admit(op, self._extend_prepare, self._extend_compute, "extend", tokens, failures)
+                    case list():  # extends of one entry with one shape: one forward
+                        self._extend_together(op, tokens, failures)
                     case Decode():
                         self._decode_contained(tokens, failures)
                     case _:
@@ -459,6 +490,60 @@ class Executor:
         st.row = self._new_row(op, entry, m, st.own, st.token, st.gen)
         st.pool = self._gather_pool(self.rows + [st.row])
         return st
+
+    def _extend_together(self, ops: list[Extend], tokens, failures) -> None:
+        """Several requests' extends of one entry, with equal prefix and suffix lengths, in one forward
+        (one shared group of len(ops) rows, one own pool). If the batch fails on any rank, every rank
+        retries each alone, so a failing request still fails alone."""
+        group = _ExtendBatch(ops)
+        result, failure = self._contained(group, self._together_prepare, self._together_compute, "extend")
+        if failure is not None:
+            for op in ops:
+                self._admit(op, self._extend_prepare, self._extend_compute, "extend", tokens, failures)
+            return
+        for st in result:
+            self.cache.acquire(st.entry)
+            st.entry.hits += 1
+            tokens[st.op.rid] = st.token
+        self._set_rows(self.rows + [st.row for st in result], result[0].pool)
+
+    def _together_prepare(self, group: "_ExtendBatch"):
+        ops, B = group.ops, len(group.ops)
+        for op in ops[1:]:  # _contained injects the first's
+            self._inject(op.rid, "prepare")
+        own = len(ops[0].ids) - ops[0].prefix
+        need = self.work_bytes(B * own) + (B * own * self.own_token_bytes() if self.is_query_rank else 0)
+        if self.is_query_rank:
+            rows = self.pool_rows() + [(own, op.max_tokens - 1) for op in ops]
+            need += self.pool_bytes(rows) + self.pool_bytes(self.pool_rows())
+        self._check_memory(need)
+        pool = None
+        if self.is_query_rank:
+            pool = OwnKV(self.model.layer_ids, B, self.kv_heads, self.head_dim, own, self.dtype, self.device)
+        return _Admission(ops[0], entry=self.cache.entries[ops[0].entry], own=pool, new_entry=False, hit=True), need
+
+    def _together_compute(self, group: "_ExtendBatch", st: "_Admission") -> list["_Admission"]:
+        ops, m, entry = group.ops, group.ops[0].prefix, st.entry
+        B, n = len(ops), len(ops[0].ids)
+        suffix = torch.tensor([op.ids[m:] for op in ops], device=self.device)
+        pos = torch.arange(m, n, device=self.device)[None].expand(B, n - m)
+        cascade = CascadeAttention([SharedGroup(entry.kv, list(range(B)), [m] * B, len(entry))], st.own, self.group,
+                                   self.device)
+        logits = run_cascade(self.model, suffix, pos, cascade)
+        gens = [self._gen(op.sampling.seed) for op in ops]
+        toks = self._sample(logits, [(op.sampling, g) for op, g in zip(ops, gens)])
+        out = []
+        for b, (op, g, t) in enumerate(zip(ops, gens, toks)):
+            a = _Admission(op, entry=entry, new_entry=False, hit=True, gen=g, token=t)
+            a.row = self._new_row(op, entry, m, st.own, t, g)
+            a.row.pool_row = b
+            out.append(a)
+        pool = self._gather_pool(self.rows + [a.row for a in out])
+        for a in out:
+            a.pool = pool
+        for op in ops[1:]:
+            self._inject(op.rid, "compute")
+        return out
 
     def _batch_cascade(self) -> CascadeAttention:
         """The batch's attention: one shared group per cache entry its rows use, and the own-KV pool."""

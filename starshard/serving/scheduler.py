@@ -432,27 +432,36 @@ class Scheduler:
         return n - m <= self.max_extend and n - m <= m
 
     def _short_work(self):
-        """The oldest waiting extend, as a thunk that admits it, or None when it cannot start now."""
+        """The waiting extends that can start now, oldest first, as a thunk that admits them, or None.
+        Several start in one step (the executor runs those on one entry with one shape in one forward):
+        questions arriving together then wait one step for their first token, not one step each. The
+        ones after the first start only without evictions (plan_room saw the cache before the first's)."""
+        picks, running = [], self.executor.pool_rows()
         for req in self._waiting:
             kind, entry, m = self._classify(req)
             if kind != "short":
                 continue
-            if len(self._running) >= self.max_batch:
-                return None
-            running = self.executor.pool_rows()
+            if len(self._running) + len(picks) >= self.max_batch:
+                break
             victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, m, running), keep=entry.id)
-            if victims is None:
-                return None
+            if victims is None or (picks and victims):
+                break
+            picks.append((req, entry, m, victims))
+            running = running + [(len(req.ids) - m, req.max_tokens - 1)]
+        if not picks:
+            return None
 
-            def admit(req=req, entry=entry, m=m, victims=victims):
+        def admit():
+            ops: list[Op] = []
+            for req, entry, m, victims in picks:
                 self.cache.lookup(req.ids)  # counted once per admitted request
                 req.cached = m
                 self._start(req)
-                return ([Evict(victims)] if victims else []) + [
+                ops += ([Evict(victims)] if victims else []) + [
                     Extend(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling,
                            entry=entry.id, prefix=m)]
-            return admit
-        return None
+            return ops
+        return admit
 
     def _doc_work(self):
         """The next chunk of the document being prefilled, else the oldest new document's first step
