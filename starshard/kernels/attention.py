@@ -323,8 +323,10 @@ def attention_after_held(q, k, v, pos, held_k, held_v, held_pos, *, k_scale=None
     part takes the fused index-causal path. window, softcap: as `attention`, in both parts (positions
     carry the window); sinks: applied once, to the merged result (the lse excludes them)."""
     extras = dict(scale=scale, window=window, softcap=softcap)
-    o1, l1 = attention(q, held_k, held_v, q_pos=pos, k_pos=held_pos, causal=True, k_scale=k_scale, v_scale=v_scale,
-                       **extras)
+    # Every held key precedes the block: no mask (and no host read of the positions to find that out),
+    # unless a window hides the oldest ones.
+    o1, l1 = attention(q, held_k, held_v, q_pos=pos, k_pos=held_pos, causal=window is not None, k_scale=k_scale,
+                       v_scale=v_scale, **extras)
     o2, l2 = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, **extras)
     out, lse = merge_partials(o1, l1, o2, l2)
     return (out, lse) if sinks is None else apply_sink(out, lse, sinks)

@@ -106,11 +106,12 @@ def test_merge_keeps_empty_rows_and_inputs():
 
 
 # ---------------------------------------------------------------------------- through the model
-def _dequantize_then_attend(q, k, v, pos, held_k, held_v, held_pos, *, k_scale, v_scale):
-    """The previous behaviour (LayerKV.append): the held prefix dequantized, then one call over all keys."""
+def _dequantize_then_attend(q, k, v, pos, held_k, held_v, held_pos, *, k_scale, v_scale, **extras):
+    """The previous behaviour (LayerKV.append): the held prefix dequantized, then one call over all keys
+    (extras: the layer's window / softcap / scale, as dense_attend passes them)."""
     kd, vd = dequantize(held_k, k_scale, q.dtype), dequantize(held_v, v_scale, q.dtype)
     return attention(q, torch.cat([kd, k], 2), torch.cat([vd, v], 2), q_pos=pos, k_pos=torch.cat([held_pos, pos]),
-                     causal=True)
+                     causal=True, **extras)
 
 
 def _prefill_logits(llm, ids, chunk):
