@@ -43,7 +43,8 @@ from starshard.strategies import get_spec
 
 log = logging.getLogger("starshard.serve")
 
-IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the other ranks never time out
+IDLE_TICK_S = 1.0
+SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran  # rank 0 sends an empty step this often while idle, so the other ranks never time out
 
 
 class QueueFull(Exception):
@@ -164,6 +165,7 @@ class Scheduler:
         self._decoded = False  # the last step was a decode (decode first: the next one is prefill-side)
         self._turn = "short"  # which class of prefill-side work goes first when both have some
         self.step_log: collections.deque = collections.deque(maxlen=4096)  # (kind D/P/E, rid) of each step
+        self.slow_steps: collections.deque = collections.deque(maxlen=16)  # (seconds, ops) of steps >= SLOW_STEP_S
         self._rids = itertools.count(1)
         self._error: str | None = None
         self._stop = False
@@ -210,7 +212,8 @@ class Scheduler:
             return dict(queue_depth=len(self._waiting), running=len(self._running), prefilling_tokens_left=left,
                         cache_bytes=self.cache.used_bytes, cache_budget_bytes=self.cache.budget,
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
-                        cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors), **self.counters)
+                        cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors),
+                        slow_steps=list(self.slow_steps), **self.counters)
 
     def _cancel(self, rid: int) -> None:
         with self._lock:
@@ -258,8 +261,10 @@ class Scheduler:
                     self._broadcast(None)
                     return
                 self._broadcast(ops)
+                t0 = time.perf_counter()
                 tokens, failures = self.executor.run(ops) if ops else ({}, {})
                 self._deliver(tokens, failures)
+                self._time_step(ops, time.perf_counter() - t0)
         except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
             log.error("engine stopped: %s", e)
             with self._lock:
@@ -268,6 +273,17 @@ class Scheduler:
                     self._emit(r, None, "error", error=self._error, code="unavailable")
                 self._running.clear()
                 self._waiting.clear()
+
+    def _time_step(self, ops: list[Op], seconds: float) -> None:
+        """Log a slow step (kernel compilation, a CUDA-graph capture, a long chunk): operators see what
+        stalled the streams; stats() keeps the last few. A step's time ends when its tokens are read,
+        so a step without tokens (a middle chunk) is counted in the next one."""
+        if seconds < SLOW_STEP_S:
+            return
+        what = ", ".join(f"{type(op).__name__}" + (f" {op.start}:{op.end}" if isinstance(op, PrefillChunk) else "")
+                         for op in ops)
+        log.warning("slow step: %.2f s (%s; %d running)", seconds, what, len(self._running))
+        self.slow_steps.append((round(seconds, 3), what))
 
     def _broadcast(self, ops) -> None:
         if self.control is not None:
