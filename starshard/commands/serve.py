@@ -81,8 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                      help="prompt tokens one prefill step runs, counted over the whole prompt (a CP group splits each "
                      "chunk over its ranks); between a new document's chunks the running requests take a decode step, "
-                     "so no stream stalls for a whole prefill. 0: the whole prompt in one step (default: 2048 x cp on "
-                     "CUDA, 0 on CPU; APB always prefills whole)")
+                     "so no stream stalls for a whole prefill. 0: the whole prompt in one step (default: 4096 x cp on "
+                     "CUDA, 0 on CPU; APB always prefills whole). Smaller chunks shorten the other streams' longest "
+                     "gap and cost prefill time: an 8B model's 128K prefill took 1.30x / 1.09x / 1.02x the whole "
+                     "prompt's time at 2048 / 4096 / 8192 on one H200")
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
@@ -162,11 +164,12 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
 
 
 def default_prefill_chunk(args, device, cp: int) -> int:
-    """--prefill-chunk, else 2048 rows per CP rank on CUDA (a step of about a third of a second at a 128K
-    prefix for an 8B model on one H100, to be calibrated) and the whole prompt on CPU."""
+    """--prefill-chunk, else 4096 rows per CP rank on CUDA and the whole prompt on CPU. 4096: the
+    smallest chunk within 10% of a whole prefill (an 8B model at 128K on one H200: 1.09x; 2048: 1.30x,
+    fixed costs per step; docs/results.md, Service); its step at a 128K prefix is about half a second."""
     if args.prefill_chunk is not None:
         return args.prefill_chunk
-    return 2048 * cp if device.type == "cuda" else 0
+    return 4096 * cp if device.type == "cuda" else 0
 
 
 def main(argv=None) -> int:

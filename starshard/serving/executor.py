@@ -278,7 +278,9 @@ class Executor:
 
     def _fail(self, op, votes, err, what: str) -> Failure:
         if err is not None:
-            log.error("request %d: %s failed on this rank: %s: %s", op.rid, what, type(err).__name__, err)
+            # Out of memory and refusals are the request's; anything else is a bug: keep its traceback.
+            log.error("request %d: %s failed on this rank: %s: %s", op.rid, what, type(err).__name__, err,
+                      exc_info=err if _code(err) == FAILED else None)
             err.__traceback__ = None  # its frames hold the step's tensors
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

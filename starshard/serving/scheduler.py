@@ -43,8 +43,8 @@ from starshard.strategies import get_spec
 
 log = logging.getLogger("starshard.serve")
 
-IDLE_TICK_S = 1.0
-SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran  # rank 0 sends an empty step this often while idle, so the other ranks never time out
+IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the other ranks never time out
+SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran
 
 
 class QueueFull(Exception):
