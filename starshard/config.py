@@ -582,6 +582,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    ignore_eos: bool = False  # run to max_tokens past an end-of-sequence token (benchmarks; vLLM's extension)
 
     def __post_init__(self):
         if self.temperature < 0:

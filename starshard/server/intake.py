@@ -110,7 +110,7 @@ class Job:
 def sampling_of(body: P.GenerationRequest) -> SamplingConfig:
     """Only what the request set; the rest keeps SamplingConfig's defaults (greedy)."""
     given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-             "top_k": None if body.top_k is None else max(body.top_k, 0)}
+             "top_k": None if body.top_k is None else max(body.top_k, 0), "ignore_eos": body.ignore_eos or None}
     return SamplingConfig(**{k: v for k, v in given.items() if v is not None})
 
 

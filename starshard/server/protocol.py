@@ -61,6 +61,7 @@ class GenerationRequest(_Request):
     # vLLM's extension: each choice carries the generated token ids, and a stream sends one chunk per token
     # event, also when its text is "" (random weights have no tokenizer: inter-token times stay measurable).
     return_token_ids: bool | None = False
+    ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens even past an end-of-sequence token
 
     @field_validator("stop")
     @classmethod

@@ -565,7 +565,7 @@ class Scheduler:
                     self.counters["cached_tokens_total"] += req.cached
                 else:
                     self.counters["decode_tokens_total"] += 1
-                eos = tok in self.llm.eos_ids
+                eos = tok in self.llm.eos_ids and not req.sampling.ignore_eos
                 text = "" if eos else self._detok(req)
                 finish = "stop" if eos else ("length" if len(req.tokens) >= req.max_tokens else None)
                 self._emit(req, tok, finish, text=text)
