@@ -20,7 +20,7 @@ import numpy as np
 import torch.distributed as dist
 
 from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
-from starshard.serving.disk_tier import DiskEntry, DiskTier
+from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
 from starshard.serving.host_tier import HostTier
 
 log = logging.getLogger("starshard.serve")
@@ -80,21 +80,34 @@ class Tiers:
         self.token_bytes = token_bytes
         self.disk_bytes: dict[str, list[int]] = {}
         if config.disk_dir is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank)
-            self._index_all(ranks, cp_rank, control)
+            self._open_disk(config, ranks, cp_rank, key, control)
 
-    def _index_all(self, ranks: int, cp_rank: int, control) -> None:
-        """Every rank's files after a start: rank 0 learns each entry's shard bytes on every CP rank."""
-        mine = {digest_of(e): e.rows for e in self.disk.list()}
-        every = [(cp_rank, mine)]
+    def _open_disk(self, config: TierConfig, ranks: int, cp_rank: int, key: CacheKey, control) -> None:
+        """Every rank opens (locks, indexes) its files, then one all-gather: rank 0 learns each entry's shard
+        bytes on every CP rank, and a rank that could not open the directory stops every rank (no hang)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine, err = {}, None
+        try:
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank)
+            mine = {digest_of(e): e.rows for e in self.disk.list()}
+        except (DiskTierLocked, OSError) as e:
+            err = e
+        own = (cp_rank, mine, None if err is None else f"{type(err).__name__}: {err}")
+        every = [own]
         if control is not None:
             every = [None] * dist.get_world_size(control)
-            dist.all_gather_object(every, (cp_rank, mine), group=control)
+            dist.all_gather_object(every, own, group=control)
+        failed = [(r, msg) for r, (_, _, msg) in enumerate(every) if msg]
+        if failed:
+            self.close()
+            if isinstance(err, DiskTierLocked):
+                raise err
+            r, msg = failed[0]
+            raise ValueError(f"--disk-cache-dir {config.disk_dir}: rank {r} could not open it ({msg})")
         for digest in mine:
             rows = [None] * ranks
-            if all(digest in files for _, files in every):
-                for r, files in every:
+            if all(digest in files for _, files, _ in every):
+                for r, files, _ in every:
                     rows[r] = files[digest]
             if None not in rows:
                 self.disk_bytes[digest] = [max(1, n) * self.token_bytes for n in rows]

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from starshard import LLM
+from starshard.commands.serve import parse_args
 from starshard.config import ParallelConfig, SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.disk_tier import DiskTierLocked, file_name
 from starshard.serving.kv_file import read_header
 from starshard.serving.scheduler import Scheduler
 from starshard.serving.tiers import TierConfig
+from starshard.server.metrics import ServerMetrics
 from tests.helpers.mp_harness import run_ranks
 
 STEPS = 4
@@ -89,8 +91,28 @@ def test_host_tier_demotes_and_promotes(tiny):
         assert stats["host"]["reload_seconds_count"] == 1 and stats["device"]["entries"] == 1
         tokens, cached = _ask(svc, d2 + q3, len(d2))  # and back again
         assert tokens == _solo(tiny, d2 + q3) and cached == len(d2)
+        text = ServerMetrics(svc.stats).render()[0].decode()
+        for line in ['starshard_context_cache_tier_entries{tier="host"} 1.0',
+                     'starshard_context_cache_tier_entries{tier="device"} 1.0',
+                     'starshard_context_cache_tier_demotions_total{tier="host"} 3.0',
+                     'starshard_context_cache_tier_promotions_total{tier="host"} 2.0',
+                     'starshard_context_cache_tier_hits_total{tier="host"} 2.0',
+                     'starshard_context_cache_reload_seconds_count{tier="host"} 2.0',
+                     'starshard_context_cache_reload_seconds_bucket{le="+Inf",tier="host"} 2.0',
+                     'starshard_context_cache_tier_bytes{tier="host"}', "starshard_context_cache_reload_failures_total 0.0"]:
+            assert line in text, line
     finally:
         svc.shutdown()
+
+
+def test_serve_flags(tmp_path):
+    args = parse_args(["--random-weights", "tiny", "--host-cache-gib", "0.5", "--disk-cache-dir", str(tmp_path),
+                       "--disk-cache-gib", "2"])
+    assert args.tiers == TierConfig(2**29, str(tmp_path), 2 * 2**30)
+    assert parse_args(["--random-weights", "tiny"]).tiers == TierConfig()
+    for bad in (["--disk-cache-dir", str(tmp_path)], ["--disk-cache-gib", "1"], ["--host-cache-gib", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--random-weights", "tiny", *bad])
 
 
 def _damage(directory, svc_key, ids):
