@@ -296,7 +296,7 @@ class Scheduler:
                 self._broadcast(ops)
                 t0 = time.perf_counter()
                 tokens, failures = self.executor.run(ops) if ops else ({}, {})
-                if any(isinstance(op, (Demote, Promote)) for op in ops):
+                if any(isinstance(op, (Evict, Demote, Promote)) for op in ops):
                     self._tier_version += 1
                 self._deliver(tokens, failures)
                 self._time_step(ops, time.perf_counter() - t0)

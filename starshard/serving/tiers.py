@@ -121,17 +121,18 @@ class Tiers:
 
     # -- rank 0: lookups (not counted: the scheduler scans its queue with them)
     def peek(self, ids: np.ndarray) -> tuple[str | None, object, int]:
-        """(tier, entry, shared tokens) of the lower tier entry sharing the longest prefix with `ids`,
-        the host tier first; (None, None, 0) when none."""
+        """(tier, entry, shared tokens) of the lower tier entry sharing the longest prefix with `ids`, the
+        host tier's on a tie (the faster reload); (None, None, 0) when none."""
+        best = (None, None, 0)
         if self.host is not None:
             e, m = self.host.peek(ids)
             if e is not None:
-                return "host", e, m
+                best = ("host", e, m)
         if self.disk is not None:
             e, m = self.disk.peek(ids, only=self.disk_bytes)
-            if e is not None:
-                return "disk", e, m
-        return None, None, 0
+            if e is not None and m > best[2]:
+                best = ("disk", e, m)
+        return best
 
     def stats(self) -> dict:
         out = {}

@@ -6,6 +6,7 @@ both ranks' shards."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,8 +116,8 @@ def test_serve_flags(tmp_path):
             parse_args(["--random-weights", "tiny", *bad])
 
 
-def _damage(directory, svc_key, ids):
-    p = directory / file_name(svc_key, ids, 0)
+def _damage(directory, svc_key, ids, rank=0):
+    p = directory / file_name(svc_key, ids, rank)
     h = read_header(p)
     raw = bytearray(p.read_bytes())
     raw[h.payload_offset + h.sections[1].offset] ^= 4
@@ -196,12 +197,15 @@ def test_fp8_kv_stays_e4m3_through_host_and_disk(tmp_path):
 def _cp2(rank, world, directory):
     llm = LLM(random_weights="tiny", progress=False, parallel=ParallelConfig(cp=world, cp_strategy="ring"))
     (d1, d2), (q1, q2, q3) = _docs(seed=8)
-    solo = [llm.generate(d + q, max_new_tokens=STEPS).token_ids for d, q in ((d1, q2), (d1, q3))]
+    solo = [llm.generate(d + q, max_new_tokens=STEPS).token_ids for d, q in ((d1, q2), (d1, q3), (d2, q2))]
     budget, _ = _budget(llm, len(d1) + len(q1))
     tiers = TierConfig(disk_dir=directory, disk_bytes=1 << 30)
     out = dict(solo=solo)
     for run in range(2):  # the second is a restart on the same directory
+        if run == 1 and rank == 1:  # rank 1's copy of d2 damaged in its payload: found only when loaded
+            _damage(Path(directory), key, d2 + q1, rank)
         svc = Scheduler(llm, cache_bytes=budget, max_batch=4, tiers=tiers)
+        key = svc.tiers.disk.key
         if rank != 0:
             svc.serve_forever()
             continue
@@ -214,6 +218,8 @@ def _cp2(rank, world, directory):
             else:
                 out["restart"] = _ask(svc, d1 + q3, len(d1))
                 out["prefills"] = svc.counters["prefill_chunks_total"]
+                out["damaged"] = _ask(svc, d2 + q2, len(d2))  # rank 1 cannot load it: every rank prefills
+                out["failures"] = svc.counters["reload_failures_total"], svc.counters["prefill_chunks_total"]
         finally:
             svc.shutdown()
     return out
@@ -224,4 +230,6 @@ def test_cp2_ring_demotes_and_promotes_both_shards(tmp_path):
     docs, _ = _docs(seed=8)
     assert lead["first"] == (lead["solo"][0], len(docs[0]))
     assert lead["restart"] == (lead["solo"][1], len(docs[0])) and lead["prefills"] == 0
-    assert sorted(p.name.split("-r")[1] for p in tmp_path.glob("*.kv")) == ["0.kv", "0.kv", "1.kv", "1.kv"]
+    assert lead["damaged"] == (lead["solo"][2], 0) and lead["failures"] == (1, 1)
+    # d1's shard file on each rank; d2's were removed on both ranks when rank 1's failed to load
+    assert sorted(p.name.split("-r")[1] for p in tmp_path.glob("*.kv")) == ["0.kv", "1.kv"]
