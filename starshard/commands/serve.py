@@ -243,6 +243,10 @@ def serve_lead(service, args, cache_bytes: int) -> int:
 
     log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d; prefill chunk %s", cache_bytes / 2**30,
              args.max_batch, args.max_queue, service.prefill_chunk or "whole")
+    tiers = args.tiers
+    if tiers.any:
+        log.info("context cache tiers per rank: host %s, disk %s", f"{tiers.host_bytes / 2**30:.2f} GiB" if tiers.host_bytes
+                 else "off", f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir}" if tiers.disk_dir else "off")
     service.start()
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
     server.run()

@@ -339,20 +339,24 @@ class Executor:
         disk tier and leaves this rank without the file (a promotion of it then falls back everywhere)."""
         tiers = self.tiers
         e = self.cache.entries.get(op.entry)
-        if e is not None:  # from the device
-            if e.users:
-                raise RuntimeError(f"context cache entry {op.entry} cannot be demoted while requests use it")
-            self.cache.evict([op.entry])
-            if op.to == "host":
-                host = to_host(e.kv)
-                host.synchronize()  # the device memory is free (for this step's allocation) once the copy is done
-                tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
-            else:
-                tiers.disk.put(e.id, e.ids, e.kv)
-            return
-        he = tiers.host.take(op.entry)  # from the host tier: only to disk
-        if he is not None:
-            tiers.disk.put(he.id, he.ids, he.kv)
+        if e is not None and e.users:
+            raise RuntimeError(f"context cache entry {op.entry} cannot be demoted while requests use it")
+        try:
+            if e is not None:  # from the device
+                self.cache.evict([op.entry])
+                if op.to == "host":
+                    host = to_host(e.kv)
+                    host.synchronize()  # the device memory is free (for this step's allocation) once copied
+                    tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
+                else:
+                    tiers.disk.put(e.id, e.ids, e.kv)
+                return
+            he = tiers.host.take(op.entry)  # from the host tier: only to disk
+            if he is not None:
+                tiers.disk.put(he.id, he.ids, he.kv)
+        except Exception as err:  # noqa: BLE001 (e.g. no pinned memory left): dropped here; a promotion falls back
+            log.warning("demoting cache entry %d to %s failed on rank %d (dropped): %s: %s", op.entry, op.to,
+                        self.rank, type(err).__name__, err)
 
     def _promote(self, op: Promote) -> None:
         """Load this rank's shard back to the device, then one vote: the entry becomes reusable only when

@@ -35,7 +35,7 @@ def _docs(n_docs=2, seed=5):
     return docs, questions
 
 
-def _ask(svc, ids, context_len):
+def _submit(svc, ids, context_len):
     events, done = [], threading.Event()
 
     def on_event(ev):
@@ -44,9 +44,17 @@ def _ask(svc, ids, context_len):
             done.set()
 
     svc.submit(Prompt(ids, context_len), max_tokens=STEPS, sampling=SamplingConfig(), on_event=on_event)
+    return events, done
+
+
+def _result(events, done):
     assert done.wait(120)
     assert events[-1].finish_reason == "length", events[-1]
     return [e.token_id for e in events if e.token_id is not None], events[-1].cached_tokens
+
+
+def _ask(svc, ids, context_len):
+    return _result(*_submit(svc, ids, context_len))
 
 
 def _budget(llm, length):
@@ -75,6 +83,7 @@ def tiny():
 def test_host_tier_demotes_and_promotes(tiny):
     (d1, d2), (q1, q2, q3) = _docs()
     budget, entry = _budget(tiny, len(d1) + len(q1))
+    want = _solo(tiny, d1 + q2), _solo(tiny, d2 + q3)  # before the service runs: the model is then its thread's
     svc = _service(tiny, TierConfig(host_bytes=int(1.5 * entry)), budget)
     try:
         _ask(svc, d1 + q1, len(d1))
@@ -84,14 +93,14 @@ def test_host_tier_demotes_and_promotes(tiny):
         assert list(next(iter(host.entries.values())).ids) == d1 + q1
         chunks = svc.counters["prefill_chunks_total"]
         tokens, cached = _ask(svc, d1 + q2, len(d1))  # promoted back; d2 swaps into the host tier
-        assert tokens == _solo(tiny, d1 + q2)
+        assert tokens == want[0]
         assert cached == len(d1) and svc.counters["prefill_chunks_total"] == chunks
         assert [list(e.ids) for e in host.entries.values()] == [d2 + q1]
         stats = svc.stats()["tiers"]
         assert stats["host"]["demotions"] == 2 and stats["host"]["promotions"] == 1 and stats["host"]["hits"] == 1
         assert stats["host"]["reload_seconds_count"] == 1 and stats["device"]["entries"] == 1
         tokens, cached = _ask(svc, d2 + q3, len(d2))  # and back again
-        assert tokens == _solo(tiny, d2 + q3) and cached == len(d2)
+        assert tokens == want[1] and cached == len(d2)
         text = ServerMetrics(svc.stats).render()[0].decode()
         for line in ['starshard_context_cache_tier_entries{tier="host"} 1.0',
                      'starshard_context_cache_tier_entries{tier="device"} 1.0',
@@ -127,6 +136,7 @@ def _damage(directory, svc_key, ids, rank=0):
 def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
     (d1, d2), (q1, q2, q3) = _docs(seed=6)
     budget, _ = _budget(tiny, len(d1) + len(q1))
+    want = {name: _solo(tiny, ids) for name, ids in (("d1q2", d1 + q2), ("d1q3", d1 + q3), ("d2q2", d2 + q2))}
     tiers = TierConfig(disk_dir=tmp_path / "kv", disk_bytes=1 << 30)
     svc = _service(tiny, tiers, budget)
     try:
@@ -135,7 +145,7 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
         with pytest.raises(DiskTierLocked, match="rank0.lock"):  # a second server on the directory
             Scheduler(tiny, cache_bytes=budget, tiers=tiers)
         tokens, cached = _ask(svc, d1 + q2, len(d1))
-        assert tokens == _solo(tiny, d1 + q2) and cached == len(d1)
+        assert tokens == want["d1q2"] and cached == len(d1)
         assert svc.counters["prefill_chunks_total"] == 2
         key = svc.tiers.disk.key
     finally:
@@ -144,9 +154,11 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
     svc = _service(tiny, tiers, budget)  # the restart: the directory is indexed, both documents found
     try:
         assert len(svc.tiers.disk.entries) == 2 and not svc.cache.entries
-        tokens, cached = _ask(svc, d1 + q3, len(d1))
-        assert tokens == _solo(tiny, d1 + q3) and cached == len(d1)
-        assert svc.counters["prefill_chunks_total"] == 0 and svc.counters["prefill_tokens_total"] == len(q3)
+        with svc._lock:  # two follow-ups arrive together: one promotion, then both extend the entry
+            runs = [_submit(svc, d1 + q, len(d1)) for q in (q3, q2)]
+        results = [_result(*run) for run in runs]
+        assert results == [(want["d1q3"], len(d1)), (want["d1q2"], len(d1))]
+        assert svc.counters["prefill_chunks_total"] == 0 and svc.counters["prefill_tokens_total"] == len(q3) + len(q2)
         assert svc.stats()["tiers"]["disk"]["promotions"] == 1
     finally:
         svc.shutdown()
@@ -154,7 +166,7 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
     svc = _service(tiny, tiers, budget)  # the damaged file is found at load: a prefill instead, no error
     try:
         tokens, cached = _ask(svc, d2 + q2, len(d2))
-        assert tokens == _solo(tiny, d2 + q2) and cached == 0
+        assert tokens == want["d2q2"] and cached == 0
         assert svc.counters["reload_failures_total"] == 1 and svc.counters["prefill_chunks_total"] == 1
         assert svc.health() is None and svc.stats()["tiers"]["disk"]["rejected"] == 1
     finally:
