@@ -109,7 +109,8 @@ def test_host_tier_demotes_and_promotes(tiny):
                      'starshard_context_cache_tier_hits_total{tier="host"} 2.0',
                      'starshard_context_cache_reload_seconds_count{tier="host"} 2.0',
                      'starshard_context_cache_reload_seconds_bucket{le="+Inf",tier="host"} 2.0',
-                     'starshard_context_cache_tier_bytes{tier="host"}', "starshard_context_cache_reload_failures_total 0.0"]:
+                     'starshard_context_cache_tier_bytes{tier="host"}',
+                     "starshard_context_cache_reload_failures_total 0.0"]:
             assert line in text, line
     finally:
         svc.shutdown()
