@@ -163,6 +163,7 @@ class LLM:
         w = weights or check_weights(path, random_weights=random_weights, weights_seed=weights_seed,
                                      fp8_linear=fp8.linear, progress=progress and launch.rank == 0)
         self.path, src, stored_fp8 = w.path, w.source, w.stored_fp8  # a --fp8 linear checkpoint needs --fp8 linear
+        self.random_weights, self.weights_seed = random_weights, weights_seed  # the disk cache's model fingerprint
         if w.is_default:
             sparse = default_model_sparse(sparse)
         cfg = w.config if sliced else None

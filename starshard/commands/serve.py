@@ -27,7 +27,9 @@ from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
 from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.runconfig import parse_with_config
+from starshard.serving.disk_tier import DiskTierLocked
 from starshard.serving.scheduler import Scheduler
+from starshard.serving.tiers import TierConfig
 from starshard.server.app import create_app, make_server
 from starshard.server.settings import API_KEY_ENV, ServerSettings
 
@@ -88,6 +90,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
+    tiers = ap.add_argument_group("context cache tiers (per rank; each rank moves only its own shard)")
+    tiers.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GiB",
+                       help="pinned host memory for cache entries the device budget evicts: they move here (least "
+                       "recently used first) instead of being dropped, and a prompt on such a document copies its KV "
+                       "back instead of prefilling it again. 0: off")
+    tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="a directory (created 0700; one per node, or one on a shared filesystem) for entries that "
+                       "leave the host tier (or the device, without one): written as files per rank, found again "
+                       "after a restart; bound to the model, dtype, FP8 parts and layout, so another model reuses "
+                       "nothing. A second server on the same directory refuses to start. `starshard cache list|purge` "
+                       "shows and removes the files. Needs --disk-cache-gib")
+    tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
+                       help="the disk tier's budget per rank: least recently used files are removed beyond it")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -119,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.cache_gib is not None and args.cache_gib <= 0:
         ap.error(f"--cache-gib must be > 0, got {args.cache_gib}")
+    try:
+        args.tiers = TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib)
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -192,8 +211,8 @@ def main(argv=None) -> int:
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
                             max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs,
                             prefill_chunk=chunk,
-                            request_timeout=args.request_timeout)
-    except (LayoutError, CheckpointError, ValueError) as e:
+                            request_timeout=args.request_timeout, tiers=args.tiers)
+    except (LayoutError, CheckpointError, ValueError, DiskTierLocked) as e:
         if lead:
             print(f"error: {e}", file=sys.stderr)
         return 2
@@ -227,6 +246,11 @@ def serve_lead(service, args, cache_bytes: int) -> int:
 
     log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d; prefill chunk %s", cache_bytes / 2**30,
              args.max_batch, args.max_queue, service.prefill_chunk or "whole")
+    tiers = args.tiers
+    if tiers.any:
+        host = f"{tiers.host_bytes / 2**30:.2f} GiB" if tiers.host_bytes else "off"
+        disk = f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir}" if tiers.disk_dir else "off"
+        log.info("context cache tiers per rank: host %s, disk %s", host, disk)
     service.start()
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
     server.run()

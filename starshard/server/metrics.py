@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 log = logging.getLogger("starshard.server")
 
@@ -35,6 +35,24 @@ _ENGINE_METRICS = {
                                "Prompt tokens of the document being prefilled that are still to run", "gauge"),
     "cancelled_total": ("starshard_cancelled_requests", "Requests cancelled (client gone or stop string)", "counter"),
     "timeouts_total": ("starshard_request_timeouts", "Requests ended by --request-timeout", "counter"),
+    "reload_failures_total": ("starshard_context_cache_reload_failures",
+                              "Promotions that failed on some rank (a missing or damaged file): prefilled instead",
+                              "counter"),
+}
+
+# stats()["tiers"][tier] key -> (metric name, help, kind), labelled by tier (device, host, disk)
+_TIER_METRICS = {
+    "bytes": ("starshard_context_cache_tier_bytes", "Bytes the tier holds (rank 0's shards)", "gauge"),
+    "entries": ("starshard_context_cache_tier_entries", "Entries the tier holds", "gauge"),
+    "lookups": ("starshard_context_cache_tier_lookups", "Lookups the tier answered", "counter"),
+    "hits": ("starshard_context_cache_tier_hits", "Lookups that found a prefix in the tier", "counter"),
+    "demotions": ("starshard_context_cache_tier_demotions", "Entries moved into the tier from the tier above",
+                  "counter"),
+    "promotions": ("starshard_context_cache_tier_promotions", "Entries reloaded from the tier to the device",
+                   "counter"),
+    "evictions": ("starshard_context_cache_tier_evictions", "Entries dropped by the tier to stay within its budget",
+                  "counter"),
+    "rejected": ("starshard_context_cache_tier_rejected", "Files skipped as damaged, foreign or unreadable", "counter"),
 }
 
 
@@ -58,6 +76,7 @@ class _BackendCollector:
             if key in stats:
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 yield family(name, doc, value=float(stats[key]))
+        yield from _tier_metrics(stats.get("tiers") or {})
         errors = stats.get("errors_by_code")
         if errors is not None:  # requests the engine ended with an error (each failed alone)
             family = CounterMetricFamily("starshard_request_errors", "Requests that failed, by error code", labels=["code"])
@@ -75,6 +94,29 @@ class _BackendCollector:
 
     def describe(self):
         return []  # unknown until the first scrape; keeps registration from calling stats()
+
+
+def _tier_metrics(tiers: dict):
+    """One family per tier statistic, labelled by tier, and the reload seconds as a histogram."""
+    for key, (name, doc, kind) in _TIER_METRICS.items():
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["tier"])
+        found = False
+        for tier, st in tiers.items():
+            if key in st:
+                family.add_metric([tier], float(st[key]))
+                found = True
+        if found:
+            yield family
+    reloads = HistogramMetricFamily("starshard_context_cache_reload_seconds",
+                                    "Seconds to bring an entry back to the device from a lower tier", labels=["tier"])
+    found = False
+    for tier, st in tiers.items():
+        if "reload_seconds_buckets" in st:
+            reloads.add_metric([tier], [(b, float(n)) for b, n in st["reload_seconds_buckets"].items()],
+                               float(st["reload_seconds_sum"]))
+            found = True
+    if found:
+        yield reloads
 
 
 class ServerMetrics:

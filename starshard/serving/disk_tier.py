@@ -99,6 +99,7 @@ class DiskEntry:
     entry_id: int | None  # the context cache's id when it was written (informational: ids restart with the server)
     created: float
     last_used: float  # the file's mtime: LRU order, kept across restarts
+    rows: int = 0  # KV rows per layer the shard holds (its device size: rows x a token's bytes)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -173,7 +174,8 @@ class DiskTier:
                 st = p.stat()
             except OSError:
                 continue  # removed meanwhile
-            self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime)
+            self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime,
+                                             h.length)
         if foreign:
             log.info("disk cache %s: %d file(s) of rank %d belong to another model or layout (key differs from %s): "
                      "not reused, left in place (`starshard cache list --disk-cache-dir %s` shows them)",
@@ -278,26 +280,37 @@ class DiskTier:
             with self._mutex:
                 self._writing.pop(name, None)
         with self._mutex:
-            e = DiskEntry(name, path, ids, size, self.rank, entry_id, time.time(), path.stat().st_mtime)
+            e = DiskEntry(name, path, ids, size, self.rank, entry_id, time.time(), path.stat().st_mtime, host.length)
             self.entries[name] = e
             self._stats.demotions += 1
             return e
 
-    def get(self, token_ids, min_tokens: int = 1) -> tuple[DiskEntry | None, int]:
+    def get(self, token_ids, min_tokens: int = 1, only=None) -> tuple[DiskEntry | None, int]:
         """The file sharing the longest prefix with `token_ids` and that length, capped at len - 1 (as
         ContextCache.lookup: one prompt token always runs); (None, 0) below `min_tokens`."""
-        ids = np.asarray(token_ids, dtype=np.int64)
         with self._mutex:
             self._stats.lookups += 1
+            best, best_n = self.peek(token_ids, min_tokens, only)
+            if best is None:
+                return None, 0
+            self._stats.hits += 1
+            self._touch(best)
+            return best, best_n
+
+    def peek(self, token_ids, min_tokens: int = 1, only=None) -> tuple[DiskEntry | None, int]:
+        """get without counting or touching (a scheduler scans its queue with it); `only`: the token
+        digests (file names' middle part) to consider, e.g. those every rank holds."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        with self._mutex:
             best, best_n = None, 0
             for e in self.entries.values():
+                if only is not None and e.name.split("-")[1] not in only:
+                    continue
                 n = min(common_prefix(e.ids, ids), len(ids) - 1)
                 if n > best_n:
                     best, best_n = e, n
             if best is None or best_n < min_tokens:
                 return None, 0
-            self._stats.hits += 1
-            self._touch(best)
             return best, best_n
 
     def entry_for(self, token_ids) -> DiskEntry | None:

@@ -1,7 +1,7 @@
 """What every rank of the service runs: the scheduler's operations (serving/ops.py: prefill,
-extend, decode, finish, evict; serving/scheduler.py decides them on rank 0) applied to this rank's
-model, KV shards, cache entries and batch. Every rank holds the same entries and rows, each with its
-own shard."""
+extend, decode, finish, evict, demote, promote; serving/scheduler.py decides them on rank 0) applied to
+this rank's model, KV shards, cache entries (in every tier) and batch. Every rank holds the same entries
+and rows, each with its own shard."""
 from __future__ import annotations
 
 import logging
@@ -19,13 +19,17 @@ from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes
-from starshard.serving.ops import Abort, Decode, Evict, Extend, Finish, Op, Prefill, PrefillChunk
+from starshard.serving.host_tier import to_host
+from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
+from starshard.serving.tiers import Tiers
 
 log = logging.getLogger("starshard.serve")
 
 # A failed request's code (TokenEvent.error_code), as the votes carry it: 0 is success.
 INSUFFICIENT_MEMORY, REJECTED, FAILED = 1, 2, 3
 CODE_NAMES = {INSUFFICIENT_MEMORY: "insufficient_memory", REJECTED: "rejected", FAILED: "failed"}
+# An extend whose entry could not be promoted on every rank: the scheduler prefills the request instead.
+RELOAD_FAILED = "reload_failed"
 MEMORY_MARGIN = 1.05  # the pre-check wants this much more free memory than a step's estimate
 
 
@@ -134,6 +138,8 @@ class Executor:
     def __init__(self, runner, cache: ContextCache, cuda_graphs: bool = True, *, control=None, config=None,
                  tp: int = 1):
         self.runner = runner
+        self.tiers: Tiers | None = None  # the host and disk tiers (Scheduler sets them: they need token_bytes)
+        self.lost: set[int] = set()  # entries whose promotion failed: an extend on one fails with RELOAD_FAILED
         self.control = control  # the gloo group over every rank (the step broadcast's); None in one process
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.config, self.tp = config, tp  # the model's config and tp, for a step's working set (work_bytes)
@@ -303,6 +309,14 @@ class Executor:
                 match op:
                     case Evict():
                         self.cache.evict(op.entries)
+                        if self.tiers is not None and self.tiers.host is not None:
+                            self.tiers.host.evict(op.entries)
+                    case Demote():
+                        self._demote(op)
+                    case Promote():
+                        self._promote(op)
+                    case Extend() | list() if self._lost(op, failures):
+                        pass
                     case Finish():
                         self._finish(op.rids)
                     case Prefill():
@@ -320,6 +334,81 @@ class Executor:
                     case _:
                         raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
         return tokens, failures
+
+    # -- the lower tiers (serving/tiers.py): moves rank 0 decided, each rank moving its own shard
+    def _demote(self, op: Demote) -> None:
+        """One tier down: device -> host or disk, or host -> disk. A disk write that fails is logged by the
+        disk tier and leaves this rank without the file (a promotion of it then falls back everywhere)."""
+        tiers = self.tiers
+        e = self.cache.entries.get(op.entry)
+        if e is not None and e.users:
+            raise RuntimeError(f"context cache entry {op.entry} cannot be demoted while requests use it")
+        try:
+            if e is not None:  # from the device
+                self.cache.evict([op.entry])
+                if op.to == "host":
+                    host = to_host(e.kv)
+                    host.synchronize()  # the device memory is free (for this step's allocation) once copied
+                    tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
+                else:
+                    tiers.disk.put(e.id, e.ids, e.kv)
+                return
+            he = tiers.host.take(op.entry)  # from the host tier: only to disk
+            if he is not None:
+                tiers.disk.put(he.id, he.ids, he.kv)
+        except Exception as err:  # noqa: BLE001 (e.g. no pinned memory left): dropped here; a promotion falls back
+            log.warning("demoting cache entry %d to %s failed on rank %d (dropped): %s: %s", op.entry, op.to,
+                        self.rank, type(err).__name__, err)
+
+    def _promote(self, op: Promote) -> None:
+        """Load this rank's shard back to the device, then one vote: the entry becomes reusable only when
+        every rank has its shard; otherwise no rank keeps it and the lower tier's copy is dropped on every
+        rank (a disk load that failed removed its file already), so the request is prefilled instead."""
+        tiers, kv, ids = self.tiers, None, None
+        try:
+            self._check_memory(op.rank_bytes[self.cp_rank])
+            if op.source == "host":
+                he = tiers.host.get(op.entry)
+                ids = he.ids
+                load = tiers.host.load(op.entry, self.device)
+                load.synchronize()
+                kv = load.kv
+            else:
+                ids = np.asarray(op.ids, dtype=np.int64)
+                found = tiers.disk.entry_for(ids)
+                if found is None:
+                    raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(ids)} tokens")
+                kv = tiers.disk.load(found, self.device)
+            if kv_bytes(kv) > op.rank_bytes[self.cp_rank]:
+                raise RuntimeError(f"the reloaded shard holds {kv_bytes(kv)} bytes, more than the "
+                                   f"{op.rank_bytes[self.cp_rank]} the scheduler counts")
+        except Exception as e:  # noqa: BLE001 (contained: every rank decides by the vote)
+            log.warning("promoting cache entry %d from %s failed on rank %d: %s: %s", op.entry, op.source, self.rank,
+                        type(e).__name__, e)
+            kv = None
+        if not all(v[0] == 0 for v in self._vote(0 if kv is not None else FAILED, 0)):
+            kv = None
+            self.lost.add(op.entry)
+            if op.source == "host":
+                tiers.host.evict([op.entry])
+            else:
+                found = tiers.disk.entry_for(op.ids)
+                if found is not None:
+                    tiers.disk.remove(found.name)
+            return
+        if op.source == "host":
+            tiers.host.take(op.entry)  # moved up: the host copy's buffer is free once the copies are done
+        self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes)))
+
+    def _lost(self, op: Extend | list, failures) -> bool:
+        """An extend of an entry whose promotion failed fails with RELOAD_FAILED (the scheduler prefills it)."""
+        ops = op if isinstance(op, list) else [op]
+        if ops[0].entry not in self.lost:
+            return False
+        self.lost.discard(ops[0].entry)
+        for o in ops:
+            failures[o.rid] = Failure(RELOAD_FAILED, f"cache entry {o.entry} could not be reloaded on every rank")
+        return True
 
     def _admit(self, op, prepare, compute, what, tokens, failures) -> None:
         result, failure = self._contained(op, prepare, compute, what)

@@ -287,8 +287,9 @@ class HostTier:
 
     @property
     def stats(self) -> TierStats:
-        self._stats.entries = len(self.entries)
-        self._stats.bytes = sum(e.kv.nbytes for e in self.entries.values())
+        held = list(self.entries.values())  # one snapshot: the step loop may move entries meanwhile
+        self._stats.entries = len(held)
+        self._stats.bytes = sum(e.kv.nbytes for e in held)
         return self._stats
 
     def plan_room(self, need: int | list[int], keep: int | None = None) -> list[int] | None:
@@ -326,17 +327,36 @@ class HostTier:
         self._stats.demotions += 1
         return victims
 
-    def lookup(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
-        """The entry sharing the longest prefix with `ids` and that length, capped at len(ids) - 1 (as
-        ContextCache.lookup: one prompt token always runs); (None, 0) below `min_tokens`."""
+    def hold(self, entry_id: int, ids, kv: HostKV, rank_bytes: list[int] | None = None) -> None:
+        """Hold a shard whose room the caller planned (the scheduler, for every rank at once): nothing is
+        evicted here. The tier may be over its budget within a step, until that step's promotion takes
+        the entry it counted as leaving."""
+        self.entries[entry_id] = HostEntry(entry_id, np.asarray(ids, dtype=np.int64), kv, rank_bytes,
+                                           next(self._clock))
+        self._stats.demotions += 1
+
+    def take(self, entry_id: int) -> HostEntry | None:
+        """Remove an entry that moves on (down to disk, or up to the device): not counted as an eviction."""
+        return self.entries.pop(entry_id, None)
+
+    def peek(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
+        """lookup without counting or touching (a scheduler scans its queue with it)."""
         ids = np.asarray(ids, dtype=np.int64)
-        self._stats.lookups += 1
         best, best_n = None, 0
         for e in self.entries.values():
             n = min(common_prefix(e.ids, ids), len(ids) - 1)
             if n > best_n:
                 best, best_n = e, n
         if best is None or best_n < min_tokens:
+            return None, 0
+        return best, best_n
+
+    def lookup(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest prefix with `ids` and that length, capped at len(ids) - 1 (as
+        ContextCache.lookup: one prompt token always runs); (None, 0) below `min_tokens`."""
+        self._stats.lookups += 1
+        best, best_n = self.peek(ids, min_tokens)
+        if best is None:
             return None, 0
         self._stats.hits += 1
         best.hits += 1

@@ -3,8 +3,8 @@ applies, in order. A step is a list of them, broadcast from rank 0 as one pickle
 dataclasses: the receiving ranks import this module, so the types arrive as they were sent).
 
 A step runs one prefill-side action (a whole prefill, one chunk of a document's prefill, or an extend,
-after any evictions) or decodes, never both; finish and abort can come first in either, and finish
-alone between steps when requests end.
+after any evictions, demotions and a promotion) or decodes, never both; finish and abort can come first
+in either, and finish alone between steps when requests end.
 """
 from __future__ import annotations
 
@@ -15,9 +15,34 @@ from starshard.config import SamplingConfig
 
 @dataclass(frozen=True)
 class Evict:
-    """Remove these cache entries (least recently used first) to make room inside the budget."""
+    """Remove these cache entries (least recently used first) to make room inside the budget, from the
+    tier that holds each (the device, or the host tier)."""
 
     entries: list[int]
+
+
+@dataclass(frozen=True)
+class Demote:
+    """Move entry `entry` one tier down instead of dropping it: from the device to "host" or "disk", or
+    from the host tier to "disk". Each rank moves its own shard; the entry leaves the tier above (the
+    budgets rank 0 planned count it gone). A disk write that fails on a rank leaves that rank without the
+    file: a later promotion then falls back to a prefill on every rank."""
+
+    entry: int
+    to: str  # "host" | "disk"
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Bring an entry back to the device as cache entry `entry`: from the host tier (the same id), or from
+    the disk tier (every rank loads its own file of exactly `ids`). Reusable only once complete on every
+    rank; if any rank cannot load its shard, no rank keeps it, the lower tier's copy is dropped everywhere,
+    and an Extend on it fails with code "reload_failed" (the scheduler prefills that request instead)."""
+
+    entry: int
+    source: str  # "host" | "disk"
+    ids: list[int] | None  # the entry's token ids (disk; None for host: every rank holds them)
+    rank_bytes: list[int]  # the entry's bytes on each CP rank, as the device budget counts them
 
 
 @dataclass(frozen=True)
@@ -93,4 +118,4 @@ class Decode:
     """One token for every running request, in one forward."""
 
 
-Op = Evict | Finish | Prefill | PrefillChunk | Abort | Extend | Decode
+Op = Evict | Demote | Promote | Finish | Prefill | PrefillChunk | Abort | Extend | Decode

@@ -15,6 +15,10 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
              for all requests on it, each request's own tokens beside it, merged by log-sum-exp
     finish   requests leave the batch; entries they held become evictable
     evict    entries removed, least recently used first, to make room inside the budget
+    demote   with lower tiers (--host-cache-gib, --disk-cache-dir; serving/tiers.py) an evicted entry moves
+             down instead: device -> host, the host tier's least recently used -> disk, else dropped
+    promote  a prompt whose prefix a lower tier's entry holds (the same rule as extend) brings that entry
+             back to the device (each rank its shard; all or none), then extends it
 
 The HTTP front end (starshard/server, written against its `Backend` protocol) talks to `Scheduler`
 only: submit(), cancel through the ticket, health(), stats(). Token events are delivered from the
@@ -36,9 +40,11 @@ import torch.distributed as dist
 
 from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt
+from starshard.serving.cache_key import token_digest
 from starshard.serving.context_cache import ContextCache, common_prefix
-from starshard.serving.executor import Executor
-from starshard.serving.ops import Abort, Decode, Evict, Extend, Finish, Op, Prefill, PrefillChunk
+from starshard.serving.executor import RELOAD_FAILED, Executor
+from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
+from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.strategies import get_spec
 
 log = logging.getLogger("starshard.serve")
@@ -114,12 +120,13 @@ class Scheduler:
     max_queue: requests waiting beyond the batch before submit() answers QueueFull.
     prefill_chunk: prompt tokens one prefill step runs (0: the whole prompt); a document's chunks take
     turns with the batch's decode steps. request_timeout: seconds from arrival after which a request
-    ends with an error (code "timeout") and is freed; None: no limit.
+    ends with an error (code "timeout") and is freed; None: no limit. tiers: the host and disk tiers'
+    budgets per rank (serving/tiers.py; None: the device only).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
                  max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True,
-                 prefill_chunk: int = 0, request_timeout: float | None = None):
+                 prefill_chunk: int = 0, request_timeout: float | None = None, tiers: TierConfig | None = None):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
             raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
@@ -158,6 +165,17 @@ class Scheduler:
                 self.prefill_chunk = 0
         self.request_timeout = request_timeout
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tiers: Tiers | None = None
+        self._tier_version = 0  # bumped when a step moved entries between tiers (cached classifications go stale)
+        if tiers is not None and tiers.any:
+            if not self.reuse:  # APB: the KV depends on the question, so an entry is never reused, in any tier
+                raise ValueError(f"--host-cache-gib / --disk-cache-dir: --cp-strategy {strategy.name}'s cache entries "
+                                 "depend on the question and are never reused, so they are not tiered; drop those "
+                                 "flags or serve with another --cp-strategy")
+            ex = self.executor
+            key = server_key(llm, ex.dtype, self.prefill_chunk) if tiers.disk_dir is not None else None
+            self.tiers = ex.tiers = Tiers(tiers, ranks=ex.cp, cp_rank=ex.cp_rank, token_bytes=ex.token_bytes(),
+                                          key=key, control=self.control)
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
@@ -170,7 +188,7 @@ class Scheduler:
         self._error: str | None = None
         self._stop = False
         self.counters = dict(prefill_tokens_total=0, decode_tokens_total=0, cached_tokens_total=0, requests_total=0,
-                             prefill_chunks_total=0, cancelled_total=0, timeouts_total=0)
+                             prefill_chunks_total=0, cancelled_total=0, timeouts_total=0, reload_failures_total=0)
         self.errors: dict[str, int] = {}  # failed requests by error code
         self._thread: threading.Thread | None = None
 
@@ -213,7 +231,16 @@ class Scheduler:
                         cache_bytes=self.cache.used_bytes, cache_budget_bytes=self.cache.budget,
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
                         cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors),
-                        slow_steps=list(self.slow_steps), **self.counters)
+                        slow_steps=list(self.slow_steps), tiers=self._tier_stats(), **self.counters)
+
+    def _tier_stats(self) -> dict:
+        """Per tier (device, and host / disk when configured): bytes and entries held now, hits, and for the
+        lower tiers demotions into them, promotions out of them and reload seconds (tier_stats.TierStats)."""
+        out = dict(device=dict(bytes=self.cache.used_bytes, entries=len(self.cache.entries), hits=self.cache.hits,
+                               lookups=self.cache.lookups))
+        if self.tiers is not None:
+            out |= self.tiers.stats()
+        return out
 
     def _cancel(self, rid: int) -> None:
         with self._lock:
@@ -242,6 +269,11 @@ class Scheduler:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()  # the disk tier's lock: a new server may take the directory
 
     def serve_forever(self) -> None:
         """Every rank but 0: execute the broadcast steps until rank 0 says stop."""
@@ -250,6 +282,7 @@ class Scheduler:
             dist.broadcast_object_list(box, src=0, group=self.control)
             ops = box[0]
             if ops is None:
+                self._close_tiers()
                 return
             self.executor.run(ops)
 
@@ -263,6 +296,8 @@ class Scheduler:
                 self._broadcast(ops)
                 t0 = time.perf_counter()
                 tokens, failures = self.executor.run(ops) if ops else ({}, {})
+                if any(isinstance(op, (Evict, Demote, Promote)) for op in ops):
+                    self._tier_version += 1
                 self._deliver(tokens, failures)
                 self._time_step(ops, time.perf_counter() - t0)
         except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
@@ -426,7 +461,8 @@ class Scheduler:
         document will serve, else "doc". Kept per request until the entries change: the queue is scanned
         every step, and comparing a long prompt with every entry is not free."""
         p = self._prefilling
-        key = (tuple((e.id, e.filling) for e in self.cache.entries.values()), None if p is None else p.rid)
+        key = (tuple((e.id, e.filling) for e in self.cache.entries.values()), None if p is None else p.rid,
+               self._tier_version)
         if req.kind is None or req.kind[0] != key:
             req.kind = (key, self._classify_now(req))
         return req.kind[1]
@@ -435,6 +471,13 @@ class Scheduler:
         entry, m = self.cache.peek(req.ids) if self.reuse else (None, 0)
         if entry is not None and self._extends(len(req.ids), m):
             return "short", entry, m
+        if self.tiers is not None:
+            tier, lower, m = self.tiers.peek(req.ids)
+            if lower is not None and self._extends(len(req.ids), m):
+                need = self._promoted_bytes(tier, lower)
+                alone = self.holdings(req.prompt, req.max_tokens, m)
+                if max(a + b for a, b in zip(need, alone)) <= self.cache.budget:  # else: a prefill (smaller budget)
+                    return "promote", (tier, lower), m
         p = self._prefilling
         if p is not None and self.reuse:
             m = min(common_prefix(p.ids, req.ids), len(req.ids) - 1)
@@ -455,29 +498,111 @@ class Scheduler:
         picks, running = [], self.executor.pool_rows()
         for req in self._waiting:
             kind, entry, m = self._classify(req)
-            if kind != "short":
+            if kind not in ("short", "promote"):
                 continue
-            if len(self._running) + len(picks) >= self.max_batch:
-                break
-            victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, m, running), keep=entry.id)
+            if len(self._running) + len(picks) >= self.max_batch or (kind == "promote" and picks):
+                break  # a promotion starts alone: its room is planned on the tiers as they are
+            need = self.holdings(req.prompt, req.max_tokens, m, running)
+            if kind == "promote":
+                need = [a + b for a, b in zip(need, self._promoted_bytes(*entry))]
+            victims = self.cache.plan_room(need, keep=entry.id if kind == "short" else None)
             if victims is None or (picks and victims):
                 break
-            picks.append((req, entry, m, victims))
+            picks.append((req, kind, entry, m, victims))
             running = running + [(len(req.ids) - m, req.max_tokens - 1)]
+            if kind == "promote":
+                break
         if not picks:
             return None
 
         def admit():
             ops: list[Op] = []
-            for req, entry, m, victims in picks:
+            for req, kind, entry, m, victims in picks:
                 self.cache.lookup(req.ids)  # counted once per admitted request
                 req.cached = m
                 self._start(req)
-                ops += ([Evict(victims)] if victims else []) + [
-                    Extend(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling,
-                           entry=entry.id, prefix=m)]
+                if kind == "promote":
+                    promote = self._promote(req, *entry)
+                    ops += self._make_room(victims, promoting=promote.entry if promote.source == "host" else None)
+                    ops.append(promote)
+                    entry_id = promote.entry
+                else:
+                    ops += self._make_room(victims)
+                    entry_id = entry.id
+                ops.append(Extend(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling,
+                                  entry=entry_id, prefix=m))
             return ops
         return admit
+
+    # -- the lower tiers (rank 0 plans every move; serving/tiers.py)
+    def _promoted_bytes(self, tier: str, lower) -> list[int]:
+        """A lower tier entry's bytes on each CP rank once back on the device."""
+        if tier == "host":
+            return list(lower.rank_bytes) if lower.rank_bytes is not None else [lower.kv.nbytes] * self.executor.cp
+        return self.tiers.disk_bytes[token_digest(lower.ids)]
+
+    def _promote(self, req: Request, tier: str, lower) -> Promote:
+        """The op that brings `lower` back to the device (the lookup counted in its tier's stats)."""
+        if tier == "host":
+            self.tiers.host.lookup(req.ids)
+            return Promote(entry=lower.id, source="host", ids=None, rank_bytes=self._promoted_bytes(tier, lower))
+        self.tiers.disk.get(req.ids, only=self.tiers.disk_bytes)
+        return Promote(entry=self.cache.next_id(), source="disk", ids=lower.ids.tolist(),
+                       rank_bytes=self._promoted_bytes(tier, lower))
+
+    def _make_room(self, victims: list[int], promoting: int | None = None) -> list[Op]:
+        """The ops that free the device's `victims` (least recently used first): each moves one tier down,
+        to the host tier when its shard fits there (that tier's least recently used entries moving on to
+        disk, or dropped), else to disk, else it is dropped. `promoting`: a host entry this step brings up
+        (its room counts as free; never a victim). Pinned (APB) entries are never tiered."""
+        tiers = self.tiers
+        if not victims:
+            return []
+        if tiers is None:
+            return [Evict(victims)]
+        ops: list[Op] = []
+        drop: list[int] = []
+        gone = {promoting} if promoting is not None else set()
+        arriving = [0] * self.executor.cp
+        for v in victims:
+            e = self.cache.entries[v]
+            rank_bytes = list(e.rank_bytes) if e.rank_bytes is not None else [e.nbytes] * self.executor.cp
+            if e.pinned:
+                drop.append(v)
+                continue
+            out = self._host_room(rank_bytes, gone, arriving) if tiers.host is not None else None
+            if out is not None:
+                for h in out:
+                    gone.add(h)
+                    he = tiers.host.entries[h]
+                    ops.append(self._to_disk(h, he.ids, he.rank_bytes or [he.kv.nbytes] * self.executor.cp))
+                arriving = [a + b for a, b in zip(arriving, rank_bytes)]
+                ops.append(Demote(v, "host"))
+            elif tiers.disk is not None:
+                ops.append(self._to_disk(v, e.ids, rank_bytes))
+            else:
+                drop.append(v)
+        return ([Evict(drop)] if drop else []) + ops
+
+    def _to_disk(self, entry: int, ids, rank_bytes) -> Op:
+        if self.tiers.disk is None:
+            return Evict([entry])
+        self.tiers.disk_bytes[token_digest(ids)] = list(rank_bytes)  # what a promotion of the file will need
+        return Demote(entry, "disk")
+
+    def _host_room(self, need: list[int], gone: set[int], arriving: list[int]) -> list[int] | None:
+        """Host entries to move on (least recently used first) so that `need` fits on every rank beside the
+        entries not `gone` and the bytes `arriving` this step; None when it never fits."""
+        host = self.tiers.host
+        kept = [e for e in host.entries.values() if e.id not in gone]
+        free = [host.budget - sum(e.bytes_on(r) for e in kept) - arriving[r] - need[r] for r in range(len(need))]
+        out = []
+        for e in sorted(kept, key=lambda e: e.last_used):
+            if min(free) >= 0:
+                break
+            out.append(e.id)
+            free = [f + e.bytes_on(r) for r, f in enumerate(free)]
+        return out if min(free) >= 0 else None
 
     def _doc_work(self):
         """The next chunk of the document being prefilled, else the oldest new document's first step
@@ -502,7 +627,7 @@ class Scheduler:
             if self.reuse:
                 self.cache.lookup(req.ids)  # counted once per admitted request
             entry = self.cache.next_id()
-            evict = [Evict(victims)] if victims else []
+            evict = self._make_room(victims)
             if not chunk:
                 self._start(req)
                 return evict + [Prefill(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens,
@@ -525,7 +650,7 @@ class Scheduler:
             victims = self.cache.plan_room(need)
             if victims is None:
                 return None
-            return lambda: ([Evict(victims)] if victims else []) + [self._chunk_op(req)]
+            return lambda: self._make_room(victims) + [self._chunk_op(req)]
         return lambda: [self._chunk_op(req)]
 
     def _chunk_op(self, req: Request) -> PrefillChunk:
@@ -549,6 +674,9 @@ class Scheduler:
         finished = []
         with self._lock:
             for rid, failure in (failures or {}).items():  # rolled back on every rank: nothing to finish
+                if failure.code == RELOAD_FAILED:
+                    self._requeue(rid)
+                    continue
                 req = self._running.pop(rid, None)
                 if req is None and self._prefilling is not None and self._prefilling.rid == rid:
                     req, self._prefilling = self._prefilling, None
@@ -575,6 +703,19 @@ class Scheduler:
                 self._running.pop(rid, None)
         if finished:  # leave the batch before the next step (all ranks through the next broadcast)
             self._finish_now(finished)
+
+    def _requeue(self, rid: int) -> None:
+        """A request whose entry could not be promoted on every rank waits again in its arrival order; the
+        lower tier's copy is gone, so it is prefilled (or finds another entry)."""
+        req = self._running.pop(rid, None)
+        if req is None:
+            return
+        self.counters["reload_failures_total"] += 1
+        log.warning("request %d: its cached document could not be reloaded on every rank; prefilling it", rid)
+        req.running, req.cached, req.kind = False, 0, None
+        self._waiting.insert(next((i for i, r in enumerate(self._waiting) if r.arrived > req.arrived),
+                                  len(self._waiting)), req)
+        self._tier_version += 1
 
     def _finish_now(self, rids: list[int]) -> None:
         ops = [Finish(rids)]

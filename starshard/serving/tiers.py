@@ -1,0 +1,148 @@
+"""The context cache's lower tiers on one rank, as the service uses them: pinned host memory
+(--host-cache-gib) and a directory (--disk-cache-dir, --disk-cache-gib), each within its budget per rank.
+
+The scheduler on rank 0 decides every move (serving/ops.py: Demote down a tier when the device budget
+evicts an entry, Promote back up when a new prompt's prefix matches a lower tier's entry) and every
+rank's executor applies it to its own shard, so all ranks agree on what lives where. The disk tier's
+files are bound to this server by `server_key` (model fingerprint, dtype, FP8 parts, layout): another
+model or layout on the same directory reuses nothing.
+
+APB entries are never tiered: their KV depends on the question, so they are never reused at all
+(the service refuses the tier flags under APB).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
+from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
+from starshard.serving.host_tier import HostTier
+
+log = logging.getLogger("starshard.serve")
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The lower tiers' budgets per rank; 0 / None: that tier is off."""
+
+    host_bytes: int = 0
+    disk_dir: str | Path | None = None
+    disk_bytes: int = 0
+
+    @classmethod
+    def from_gib(cls, host_gib: float = 0.0, disk_dir=None, disk_gib: float | None = None) -> "TierConfig":
+        if host_gib < 0:
+            raise ValueError(f"--host-cache-gib must be >= 0 (0: no host tier), got {host_gib}")
+        if disk_dir is None and disk_gib is not None:
+            raise ValueError("--disk-cache-gib needs --disk-cache-dir (the directory the disk tier keeps its files in)")
+        if disk_dir is not None and (disk_gib is None or disk_gib <= 0):
+            raise ValueError(f"--disk-cache-dir needs --disk-cache-gib > 0 (the disk tier's budget per rank), "
+                             f"got {disk_gib}")
+        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB))
+
+    @property
+    def any(self) -> bool:
+        return bool(self.host_bytes) or self.disk_dir is not None
+
+
+def server_key(llm, dtype, chunk: int) -> CacheKey:
+    """What this server's shards depend on: the model (its weight files sampled, or the random weights'
+    preset and seed), the compute dtype and FP8 parts, tp / cp / the strategy and its options, and the
+    prefill chunk where it lays a CP rank's shard out."""
+    if llm.path is not None:
+        model = model_fingerprint(llm.config, weights_path=llm.path)
+    else:
+        model = model_fingerprint(llm.config, random_preset=llm.random_weights, seed=llm.weights_seed)
+    strategy = getattr(llm.runner, "strategy", None)
+    cp = 1 if strategy is None else strategy.cp
+    return cache_key(model, dtype=dtype, fp8=llm.fp8, tp=llm.parallel.tp, cp=cp, pp=llm.parallel.pp,
+                     strategy="dense" if strategy is None else strategy.name,
+                     options={} if strategy is None else strategy.spec_options(),
+                     prefill_chunk=(chunk or None) if cp > 1 else None)
+
+
+class Tiers:
+    """One rank's host and disk tiers. `disk_bytes` (what rank 0 plans with): each disk entry's bytes on
+    every CP rank once loaded to the device, by token digest; only entries every rank holds a file of
+    are listed after a start, so rank 0 promotes only what every rank can load."""
+
+    def __init__(self, config: TierConfig, *, ranks: int, cp_rank: int, token_bytes: int, key: CacheKey | None,
+                 control=None):
+        self.host = HostTier(config.host_bytes, ranks) if config.host_bytes else None
+        self.disk = None
+        self.token_bytes = token_bytes
+        self.disk_bytes: dict[str, list[int]] = {}
+        if config.disk_dir is not None:
+            self._open_disk(config, ranks, cp_rank, key, control)
+
+    def _open_disk(self, config: TierConfig, ranks: int, cp_rank: int, key: CacheKey, control) -> None:
+        """Every rank opens (locks, indexes) its files, then one all-gather: rank 0 learns each entry's shard
+        bytes on every CP rank, and a rank that could not open the directory stops every rank (no hang)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine, err = {}, None
+        try:
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank)
+            mine = {digest_of(e): e.rows for e in self.disk.list()}
+        except (DiskTierLocked, OSError) as e:
+            err = e
+        own = (cp_rank, mine, None if err is None else f"{type(err).__name__}: {err}")
+        every = [own]
+        if control is not None:
+            every = [None] * dist.get_world_size(control)
+            dist.all_gather_object(every, own, group=control)
+        failed = [(r, msg) for r, (_, _, msg) in enumerate(every) if msg]
+        if failed:
+            self.close()
+            if isinstance(err, DiskTierLocked):
+                raise err
+            r, msg = failed[0]
+            raise ValueError(f"--disk-cache-dir {config.disk_dir}: rank {r} could not open it ({msg})")
+        for digest in mine:
+            rows = [None] * ranks
+            if all(digest in files for _, files, _ in every):
+                for r, files, _ in every:
+                    rows[r] = files[digest]
+            if None not in rows:
+                self.disk_bytes[digest] = [max(1, n) * self.token_bytes for n in rows]
+        if self.disk.entries:
+            log.info("disk cache: %d of this rank's %d entries are held by every rank (reusable)",
+                     len(self.disk_bytes), len(self.disk.entries))
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    # -- rank 0: lookups (not counted: the scheduler scans its queue with them)
+    def peek(self, ids: np.ndarray) -> tuple[str | None, object, int]:
+        """(tier, entry, shared tokens) of the lower tier entry sharing the longest prefix with `ids`, the
+        host tier's on a tie (the faster reload); (None, None, 0) when none."""
+        best = (None, None, 0)
+        if self.host is not None:
+            e, m = self.host.peek(ids)
+            if e is not None:
+                best = ("host", e, m)
+        if self.disk is not None:
+            e, m = self.disk.peek(ids, only=self.disk_bytes)
+            if e is not None and m > best[2]:
+                best = ("disk", e, m)
+        return best
+
+    def stats(self) -> dict:
+        out = {}
+        if self.host is not None:
+            out["host"] = self.host.stats.as_dict()
+        if self.disk is not None:
+            out["disk"] = self.disk.stats.as_dict()
+        return out
+
+
+def digest_of(entry: DiskEntry) -> str:
+    """The token digest a disk entry's file name carries (the same on every rank)."""
+    return entry.name.split("-")[1]
