@@ -41,7 +41,8 @@ from starshard.benchmarks import serve_client
 from starshard.benchmarks.common import commit, device_name, ints, save_json, today, write
 from starshard.benchmarks.serve_load import (METRICS, RequestRecord, RequestSpec, arrival_offsets, calculate_metrics,
                                              crosscheck_http, crosscheck_stats, detailed, make_workload,
-                                             parse_len_dist, parse_token_range, print_summary, run_load)
+                                             parse_len_dist, parse_token_range, print_summary, run_load,
+                                             tier_deltas)
 from starshard.cli import add_layout_arguments, layout_error, parallel_config
 from starshard.config import SamplingConfig
 from starshard.llm import LLM
@@ -445,6 +446,7 @@ def finish(args, result, records, duration, specs, before, after, crosscheck) ->
     result["early_stops"] = sum(r.outcome == "completed" and r.output_len < s.max_tokens
                                 for r, s in zip(records, specs))
     result["server_metrics"] = {"before": before, "after": after}
+    result["hits_by_tier"] = tier_deltas(before, after)
     result["crosscheck"] = crosscheck
     if args.save_detailed:
         result["detailed"] = detailed(records)

@@ -354,6 +354,29 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+_TIER_SAMPLE = re.compile(r'^starshard_context_cache_tier_(hits|promotions|demotions)_total\{tier="(\w+)"\}$')
+
+
+def tier_deltas(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """{tier: {hits, promotions, demotions}} over the run, from the server's tier counters: a /metrics
+    scrape (parse_prometheus) or Scheduler.stats() (its "tiers"). Empty when the server has no tiers."""
+    def counts(snapshot: dict) -> dict[tuple[str, str], float]:
+        if "tiers" in snapshot:  # stats()
+            return {(t, k): float(st.get(k, 0)) for t, st in (snapshot["tiers"] or {}).items()
+                    for k in ("hits", "promotions", "demotions")}
+        out = {}
+        for name, value in snapshot.items():
+            m = _TIER_SAMPLE.match(name)
+            if m:
+                out[(m.group(2), m.group(1))] = value
+        return out
+    b, a = counts(before), counts(after)
+    deltas: dict[str, dict[str, float]] = {}
+    for (tier, key), value in a.items():
+        deltas.setdefault(tier, {})[key] = value - b.get((tier, key), 0.0)
+    return deltas
+
+
 def _check(name: str, client, server, ok: bool) -> dict:
     return {"name": name, "client": client, "server": server, "ok": bool(ok)}
 
@@ -445,6 +468,8 @@ def print_summary(result: dict, metrics=METRICS, percentiles=(50.0, 90.0, 99.0),
         line(f"Median {short} (ms):", result[f"median_{m}_ms"])
         for p in percentiles:
             line(f"P{pkey(p)} {short} (ms):", result[f"p{pkey(p)}_{m}_ms"])
+    for tier, d in (result.get("hits_by_tier") or {}).items():
+        line(f"Context cache {tier} hits / promotions:", f"{d.get('hits', 0):g} / {d.get('promotions', 0):g}")
     stall = result.get("itl_during_new_doc_prefill")
     if stall is not None:
         print("{s:{c}^{n}}".format(s="ITL while a new document prefills", n=50, c="-"), file=file)

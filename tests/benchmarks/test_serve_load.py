@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from starshard.benchmarks.serve_load import (RequestRecord, arrival_offsets, calculate_metrics, crosscheck_http,
-                                             make_workload, parse_len_dist, parse_prometheus)
+                                             make_workload, parse_len_dist, parse_prometheus, tier_deltas)
 from starshard.commands.bench import main
 from starshard.config import ParallelConfig
 from starshard.llm import LLM
@@ -190,3 +190,16 @@ def test_in_process_load_on_one_cpu_process(tmp_path, capsys):
     assert r["crosscheck"]["ok"], r["crosscheck"]
     assert r["cache_budget_bytes"] == int(0.02 * 2**30)
     assert r["total_output_tokens"] == 6 * r["completed"]  # tiny has no EOS: every answer runs to --output-len
+
+
+def test_hits_by_tier_from_metrics_or_stats():
+    before = parse_prometheus('starshard_context_cache_tier_hits_total{tier="host"} 2.0\n'
+                              'starshard_context_cache_tier_promotions_total{tier="disk"} 1.0\n')
+    after = parse_prometheus('starshard_context_cache_tier_hits_total{tier="host"} 5.0\n'
+                             'starshard_context_cache_tier_promotions_total{tier="disk"} 4.0\n'
+                             'starshard_context_cache_tier_bytes{tier="host"} 9.0\n')
+    assert tier_deltas(before, after) == {"host": {"hits": 3.0}, "disk": {"promotions": 3.0}}
+    st0 = {"tiers": {"device": {"hits": 1, "promotions": 0, "demotions": 0}}}
+    st1 = {"tiers": {"device": {"hits": 4, "promotions": 0, "demotions": 2}}}
+    assert tier_deltas(st0, st1) == {"device": {"hits": 3.0, "promotions": 0.0, "demotions": 2.0}}
+    assert tier_deltas({}, {}) == {}
