@@ -75,7 +75,7 @@ from starshard.kernels.common import mark_arange
 from starshard.kernels.rope import apply_rope
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import apb_bounds, apb_default_sizes
-from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, refuse_extras
 from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
@@ -593,7 +593,8 @@ class APBAttention(ContextStrategy):
                 runs[device] = (block, front)
             return runs[device]
 
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, **extras):
+            refuse_extras(self.name, extras)  # a block's local layers would need the previous block's edge
             i = calls[0]
             calls[0] += 1
             layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i

@@ -14,7 +14,7 @@ from starshard.kernels.attention import attention, causal_attention_int8_scores
 from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import star_blocks, star_sizes
-from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, refuse_extras
 from starshard.strategies.star import STAR
 
 
@@ -76,7 +76,8 @@ class StarAttention(ContextStrategy):
         if pos.dim() == 1 and bool((pos.diff() > 0).all()):
             mark_increasing(pos)
 
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, **extras):
+            refuse_extras(self.name, extras)  # a block's local layers would need the previous block's edge
             # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
             # rows see the anchor in full and their block causally. Earlier blocks held by this
             # rank stay invisible (each block is encoded independently). A square index-causal call:
