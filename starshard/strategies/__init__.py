@@ -86,5 +86,5 @@ def attention_extras_error(name: str, extras: list[str]) -> str | None:
         return None
     exact = _names([s.name for s in SPECS.values() if s.windows and not s.single_rank])
     return (f"--cp-strategy {name} does not run this model's {' / '.join(extras)} yet (its local layers would need "
-            f"the previous block's window edge, which it does not exchange); use --cp-strategy {exact}, which run "
-            f"them exactly, or --cp 1 --cp-strategy dense")
+            f"the previous block's window edge, which it does not exchange); use --cp-strategy {exact}, whose local "
+            f"layers run exactly, or --cp 1 --cp-strategy dense")

@@ -42,6 +42,10 @@ MODELS = {
                               final_logit_softcapping=3.0)),
 }
 CASES = [("ring", None, {}), ("ulysses", None, {}), ("ring", 24, {}), ("usp", None, {"ulysses_degree": 1})]
+# Star on the all-local Mistral: every layer's query sees [anchor; previous block's edge; block] under its
+# window, which is exactly its dense keys (the anchor approximates global layers only): Star equals dense.
+# Anchors of 4 tokens: a block's first 15 queries need the previous block's last keys (edges travel).
+STAR_CASES = [("star", None, {"anchor_size": 4}), ("star", 10, {"block_size": 35, "anchor_size": 4})]
 
 
 def _ids() -> list[int]:
@@ -96,7 +100,15 @@ def _world(rank, world, paths):
         for strategy, chunk, options in CASES:
             s = make_strategy(strategy, dist.group.WORLD, cp_groups=[list(range(world))], **options)
             out[(name, strategy, chunk)] = _generate(model, s, chunk)
-        if name == "mistral":  # the same ring with every layer global: whole blocks travel
+        if name == "mistral":
+            for strategy, chunk, options in STAR_CASES:
+                s = make_strategy(strategy, dist.group.WORLD, cp_groups=[list(range(world))], **options)
+                out[(name, strategy, chunk)] = _generate(model, s, chunk)
+            try:  # two blocks on one rank: refused on every rank before any transfer
+                _generate(model, make_strategy("star", dist.group.WORLD, block_size=20), None)
+            except ValueError as e:
+                out["star-blocks"] = str(e)
+            # the same ring with every layer global: whole blocks travel
             model.drop_windows()
             out[(name, "ring-global", None)] = _generate(model, make_strategy("ring", dist.group.WORLD), None)
     return out
@@ -135,6 +147,33 @@ def _dense(path):
     return first, toks
 
 
+def _check_equal(results, key, first, tokens):
+    steps = {}
+    for r in results:
+        assert not steps.keys() & r[key]["logits"].keys()  # one rank samples each token
+        steps |= r[key]["logits"]
+    assert sorted(steps) == list(range(STEPS)), key
+    assert _rel(steps[0], first) <= TOL, (key, _rel(steps[0], first))
+    for r in results:
+        assert r[key]["tokens"] == tokens, key
+
+
+def test_star_with_every_layer_local_equals_one_process(paths, results):
+    first, tokens = _dense(paths["mistral"])
+    for strategy, chunk, _ in STAR_CASES:
+        _check_equal(results, ("mistral", strategy, chunk), first, tokens)
+    row = 2 * 8 * 4  # KV heads x head_dim x float32 bytes
+    # blocks of 35: rank 0 sends its last W - 1 keys of each of 3 local layers (K and V), rank 1 nothing
+    assert [r[("mistral", "star", None)]["wire"] for r in results] == [3 * 2 * (W - 1) * row, 0]
+    assert "one block per CP rank" in results[0]["star-blocks"] and "sliding_window=16" in results[0]["star-blocks"]
+    # one device, three virtual hosts: the edges come from the cache
+    model = load_model(paths["mistral"])
+    with torch.no_grad():
+        logits, _ = ContextParallelRunner(model, StarAttention(None, num_blocks=3, anchor_size=4)).prefill_logits(
+            torch.tensor(_ids()), L - 1, ContextParallelRunner(model, StarAttention(None)).new_cache(L + 1))
+    assert _rel(logits[0, -1], first) <= TOL
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_strategies_equal_one_process(paths, results, model):
     first, tokens = _dense(paths[model])
@@ -144,15 +183,7 @@ def test_strategies_equal_one_process(paths, results, model):
     with torch.no_grad():
         assert _rel(m(torch.tensor([_ids()]))[0, -1], first) > 1e-2
     for strategy, chunk, _ in CASES:
-        key = (model, strategy, chunk)
-        steps = {}
-        for r in results:
-            assert not steps.keys() & r[key]["logits"].keys()  # one rank samples each token
-            steps |= r[key]["logits"]
-        assert sorted(steps) == list(range(STEPS)), key
-        assert _rel(steps[0], first) <= TOL, (key, _rel(steps[0], first))
-        for r in results:
-            assert r[key]["tokens"] == tokens, key
+        _check_equal(results, (model, strategy, chunk), first, tokens)
 
 
 def test_local_layers_send_only_the_window_edge(results):
@@ -197,20 +228,19 @@ def test_edge_plan_receives_exactly_the_window_edges():
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_exact_strategies_pass_and_star_apb_refuse(paths, name):
+def test_window_strategies_pass_and_apb_refuses(paths, name):
     model = load_model(paths[name])
     cfg = model.config
-    for strategy in ("ring", "ulysses", "usp"):
+    for strategy in ("ring", "ulysses", "usp", "star"):
         assert check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy=strategy), None, Fp8Config()) is None
     if name == "gemma2":  # soft-caps: no plain-attention fallback
-        with pytest.raises(LayoutError, match=r"--cp-strategy star \(cp=2\) does not run gemma2's sliding_window / "
-                                              r"attn_logit_softcapping.*use --cp-strategy ring / ulysses / usp"):
-            check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy="star"), None, Fp8Config())
+        with pytest.raises(LayoutError, match=r"--cp-strategy apb \(cp=2\) does not run gemma2's sliding_window / "
+                                              r"attn_logit_softcapping.*use --cp-strategy ring / ulysses / usp / star"):
+            check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy="apb"), None, Fp8Config())
     else:  # a window only: runs with windows dropped on prompts within the window (LLM.run_without_windows)
         assert check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy="apb"), None, Fp8Config()) is not None
-    # The strategies themselves refuse a layer's window, naming the field and the fix.
-    for strategy in (StarAttention(None, num_blocks=2), APBAttention(None, num_blocks=2)):
-        runner = ContextParallelRunner(model, strategy)
-        with pytest.raises(ValueError, match=rf"--cp-strategy {strategy.name} does not run this model's "
-                                             r"sliding_window.*use --cp-strategy ring, ulysses or usp"):
-            runner.prefill_logits(torch.tensor(_ids()), L - 4, runner.new_cache(L + 1))
+    # APB itself refuses a layer's window, naming the field and the fix.
+    runner = ContextParallelRunner(model, APBAttention(None, num_blocks=2))
+    with pytest.raises(ValueError, match=r"--cp-strategy apb does not run this model's sliding_window.*use "
+                                         r"--cp-strategy ring, ulysses, usp or star"):
+        runner.prefill_logits(torch.tensor(_ids()), L - 4, runner.new_cache(L + 1))

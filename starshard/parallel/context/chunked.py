@@ -12,7 +12,8 @@ Every later step, whatever the strategy:
   exact for ring, Ulysses and USP, local layers too (their window masks each rank's keys by position).
 - Star: a step in block j > 0 must not see the stored keys between the anchor and its block
   (`ContextStrategy.chunk_hidden`); a rank's stored positions increase row by row (steps in order,
-  zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`).
+  zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`) by
+  global layers; a local layer sees the previous block's edge through its window, as Star's own prefill.
 Decode, extends and the cascade mask by stored position, so this layout is transparent to them.
 An FP8 KV cache (--fp8 kv) is attended as stored, the step's own keys included (a whole-prompt ring
 attends its own block as computed: the two differ by the e4m3 rounding of those keys).
@@ -122,7 +123,10 @@ def chunk_attend(segment: Segment, group, q_pos: torch.Tensor, skip: tuple[int, 
             raise ValueError("a chunked prefill needs a KV cache")
         cache_append(cache, k, v, pos, rows)
         qa = _gather_queries(q, group) if cp > 1 else q
-        out, lse = _partial(qa, q_pos, cache.stored(), skip, window=window, softcap=softcap, scale=scale)
+        # Star's hidden keys lie before the block; a local layer's window already hides all but the previous
+        # block's edge, which it needs (star.py): it skips nothing.
+        out, lse = _partial(qa, q_pos, cache.stored(), skip if window is None else None, window=window,
+                            softcap=softcap, scale=scale)
         return _return_rows(out, lse, group) if cp > 1 else out
 
     return attend
