@@ -164,7 +164,7 @@ def test_window_configs_as_transformers_and_refused():
 
 
 def test_paths_without_windows_hold_only_sequences_within_the_window(families):
-    """Context strategies, sparse prefill, --fp8 attention and the service (its context cache's attention)
+    """APB, sparse prefill, --fp8 attention and the service (its context cache's attention)
     do not run a sliding window yet. They still run a model whose only extra is its window on sequences
     within it, where the window hides nothing (as before issue 38), and refuse longer ones naming
     sliding_window and the fix."""
@@ -176,7 +176,7 @@ def test_paths_without_windows_hold_only_sequences_within_the_window(families):
         want = hf.generate(ids[None], attention_mask=torch.ones(1, W - 4, dtype=torch.long), max_new_tokens=4,
                            do_sample=False)[0, W - 4 :].tolist()
     long = ids_of(L).tolist()
-    runs = [(dict(parallel=ParallelConfig(cp_strategy="star")), r"--cp-strategy star \(cp=1\)"),
+    runs = [(dict(parallel=ParallelConfig(cp_strategy="apb")), r"--cp-strategy apb \(cp=1\)"),
             (dict(sparse=SparseConfig("minference", min_length=0)), r"sparse prefill \(minference\)"),
             (dict(fp8="attention"), r"--fp8 attention \(8-bit prefill scores\)")]
     for kw, what in runs:

@@ -13,6 +13,15 @@ the zigzag layout (rank r holds chunks r and 2cp-1-r) this gives every rank the 
 unmasked call per remote block and three mask-free calls for the local one, and the hot loop needs
 no host synchronisation.
 
+Local (sliding-window) layers: every call takes the layer's window (and soft-cap, scale), so masks by
+position stay exact. Positions are known per block, so a rank skips the steps whose keys lie wholly
+before every one of its queries' windows (`plan_steps(window=)`). Over self-attention shards (zigzag,
+USP) a local layer does better: it leaves the ring and each rank receives from each peer only the
+keys some query of its own can see, the window's edge (`EdgePlan`; zigzag: the last W - 1 keys of the
+chunk before each of its chunks), when no rank then receives more than one block; blocks beyond the
+window never travel. (One round of transfers, overlapped with the rank's own block; a window longer
+than the blocks takes the ring with skipped steps, where every block still travels.)
+
 With an FP8 KV cache the blocks travel as e4m3 plus per-(head, token) scales (wire.py, about half
 the bytes): a received block is dequantized on arrival, so it is attended exactly as the sender's
 FP8 cache holds it; the rank's own block is attended as computed.

@@ -39,7 +39,7 @@ class StarAttention(ContextStrategy):
         self.block_size = block_size
         self.anchor_size = anchor_size
         self.num_blocks = num_blocks
-        self._model = None  # bound by the runner: its layers' windows decide the edge exchange
+        self._model = None  # bound by the runner: its config's windows decide which layouts can exchange edges
         self._context_len = 0
 
     @classmethod
@@ -72,9 +72,10 @@ class StarAttention(ContextStrategy):
         self._model = model
 
     def _window(self) -> int | None:
-        """The bound model's largest sliding window now (None: no local layer, or windows dropped)."""
-        layers = [] if self._model is None else self._model.layers
-        ws = [w for w in (getattr(getattr(x, "attention", None), "extras", {}).get("window") for x in layers) if w]
+        """The bound model's largest sliding window over all its layers (config: the same on every pipeline
+        stage, so every rank refuses alike; None: no local layer)."""
+        cfg = getattr(self._model, "config", None)
+        ws = [w for w in (cfg.layer_window(i) for i in range(cfg.num_layers)) if w] if cfg is not None else []
         return max(ws) if ws else None
 
     def edge_len(self, start: int, window: int) -> int:
