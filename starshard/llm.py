@@ -97,8 +97,9 @@ def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp
     """Refuse what cannot run this model's attention exactly (LayoutError naming the config field and the
     fix): a sliding window, a logit soft-cap or a query_pre_attn_scalar scale (ModelConfig.attention_extras)
     run in the dense attention (tp and pp split heads and layers, not keys) and in the exact context
-    strategies (StrategySpec.windows: ring, Ulysses, USP, their chunked prefill and the sharded decode).
-    Star and APB, sparse prefill methods and --fp8 attention's 8-bit scores do not take them yet. A model
+    strategies (StrategySpec.windows: ring, Ulysses, USP, their chunked prefill and the sharded decode; Star's
+    local layers, exactly), sparse prefill on the global layers (install_sparse leaves local ones dense;
+    the patterns take no soft-cap). APB and --fp8 attention's 8-bit scores do not take them yet. A model
     whose only extra is its sliding window still runs there, on sequences within the window (where it hides
     nothing; Mistral v0.1, Phi-3-4K): the answer names that path, for LLM.run_without_windows."""
     extras = cfg.attention_extras
@@ -109,7 +110,7 @@ def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp
         exact = " / ".join(s.name for s in SPECS.values() if s.windows and not s.single_rank)
         paths.append((f"--cp-strategy {parallel.cp_strategy} (cp={parallel.cp})",
                       f"use --cp-strategy {exact} (exact with windows), or --cp 1 --cp-strategy dense"))
-    if sparse is not None:
+    if sparse is not None and "attn_logit_softcapping" in extras:
         paths.append((f"sparse prefill ({sparse.method})", "run this model without --sparse"))
     if fp8.attention:
         paths.append(("--fp8 attention (8-bit prefill scores)", "drop `attention` from --fp8 (linear and kv are fine)"))

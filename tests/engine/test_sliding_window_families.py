@@ -13,7 +13,6 @@ from tests.helpers.hf_models import make_hf_model
 
 from starshard.checkpoints.load import load_model
 from starshard.config import ModelConfig, ParallelConfig, UnsupportedArchitectureError
-from starshard.kernels.sparse import SparseConfig
 from starshard.llm import LLM
 from starshard.runtime.local import LocalRunner
 
@@ -164,7 +163,7 @@ def test_window_configs_as_transformers_and_refused():
 
 
 def test_paths_without_windows_hold_only_sequences_within_the_window(families):
-    """APB, sparse prefill, --fp8 attention and the service (its context cache's attention)
+    """APB, --fp8 attention and the service (its context cache's attention)
     do not run a sliding window yet. They still run a model whose only extra is its window on sequences
     within it, where the window hides nothing (as before issue 38), and refuse longer ones naming
     sliding_window and the fix."""
@@ -177,7 +176,6 @@ def test_paths_without_windows_hold_only_sequences_within_the_window(families):
                            do_sample=False)[0, W - 4 :].tolist()
     long = ids_of(L).tolist()
     runs = [(dict(parallel=ParallelConfig(cp_strategy="apb")), r"--cp-strategy apb \(cp=1\)"),
-            (dict(sparse=SparseConfig("minference", min_length=0)), r"sparse prefill \(minference\)"),
             (dict(fp8="attention"), r"--fp8 attention \(8-bit prefill scores\)")]
     for kw, what in runs:
         llm = LLM(path, **kw)

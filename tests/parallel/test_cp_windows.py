@@ -253,3 +253,19 @@ def test_window_strategies_pass_and_apb_refuses(paths, name):
     with pytest.raises(ValueError, match=r"--cp-strategy apb does not run this model's sliding_window.*use "
                                          r"--cp-strategy ring, ulysses, usp or star"):
         runner.prefill_logits(torch.tensor(_ids()), L - 4, runner.new_cache(L + 1))
+
+
+def test_sparse_prefill_runs_global_layers_only(paths):
+    """A sparse method binds the global layers only (local ones attend their window densely); a model with
+    soft-caps stays refused (the patterns take none), naming the field and the fix."""
+    from starshard.kernels.sparse import SparseConfig, install_sparse, load_sparse_method
+
+    sparse = SparseConfig("minference", min_length=0)
+    model = load_model(paths["gemma2"])
+    install_sparse(model, load_sparse_method(sparse))
+    assert [layer.attention.sparse is None for layer in model.layers] == [
+        "window" in layer.attention.extras for layer in model.layers] == [True, False, True]
+    assert check_attention_kinds(load_model(paths["mistral"]).config, ParallelConfig(), sparse, Fp8Config()) is None
+    with pytest.raises(LayoutError, match=r"sparse prefill \(minference\) does not run gemma2's sliding_window / "
+                                          r"attn_logit_softcapping.*without --sparse"):
+        check_attention_kinds(model.config, ParallelConfig(), sparse, Fp8Config())
