@@ -52,8 +52,8 @@ def _ids() -> list[int]:
     return torch.randint(0, 211, (L,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-def _generate(model, strategy, chunk):
-    runner = ContextParallelRunner(model, strategy)
+def _generate(model, strategy, chunk, kv_fp8=False):
+    runner = ContextParallelRunner(model, strategy, kv_fp8=kv_fp8)
     logits, step = {}, [0]
 
     def sample(lg, sampling, gen):  # the sampling rank's logits of each token
@@ -110,6 +110,8 @@ def _world(rank, world, paths):
             for strategy, chunk, options in STAR_CASES:
                 s = make_strategy(strategy, dist.group.WORLD, cp_groups=[list(range(world))], **options)
                 out[(name, strategy, chunk)] = _generate(model, s, chunk)
+            s = make_strategy("star", dist.group.WORLD, anchor_size=4)  # edges travel as e4m3 + scales
+            out[(name, "star-fp8", None)] = _generate(model, s, None, kv_fp8=True)
             try:  # two blocks on one rank: refused on every rank before any transfer
                 _generate(model, make_strategy("star", dist.group.WORLD, block_size=20), None)
             except ValueError as e:
@@ -171,6 +173,9 @@ def test_star_with_every_layer_local_equals_one_process(paths, results):
     row = 2 * 8 * 4  # KV heads x head_dim x float32 bytes
     # blocks of 35: rank 0 sends its last W - 1 keys of each of 3 local layers (K and V), rank 1 nothing
     assert [r[("mistral", "star", None)]["wire"] for r in results] == [3 * 2 * (W - 1) * row, 0]
+    assert [r[("mistral", "star-fp8", None)]["wire"] for r in results] == [3 * 2 * (W - 1) * 2 * (8 + 4), 0]
+    fp8 = next(r[("mistral", "star-fp8", None)]["logits"][0] for r in results if 0 in r[("mistral", "star-fp8", None)]["logits"])
+    assert 0 < _rel(fp8, first) < 5e-2  # e4m3 keys (edges and the query phase's cache reads) against float32
     assert "one block per CP rank" in results[0]["star-blocks"] and "sliding_window=16" in results[0]["star-blocks"]
     # one device, three virtual hosts: the edges come from the cache
     model = load_model(paths["mistral"])

@@ -24,7 +24,7 @@ from starshard.kernels.sparse import pattern_for
 from starshard.partition import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
 from starshard.parallel.context.merge import merge_partials
-from starshard.parallel.context.wire import fp8_wire, nbytes, pack_fp8, unpack_fp8
+from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
 from starshard.strategies.star import STAR
 
 
@@ -144,7 +144,7 @@ class StarAttention(ContextStrategy):
             self.wire.add(nbytes(ks, vs))
         if src is not None:
             B, H, _, D = k.shape
-            shape, dtype = (B, H, e_in, D + 4 if fp8 else D), torch.uint8 if fp8 else k.dtype
+            shape, dtype = (B, H, e_in, D + SCALE_BYTES if fp8 else D), torch.uint8 if fp8 else k.dtype
             recv = (torch.empty(shape, dtype=dtype, device=k.device), torch.empty(shape, dtype=dtype, device=k.device))
             peer = dist.get_global_rank(self.group, src)
             ops += [dist.P2POp(dist.irecv, recv[0], peer, self.group), dist.P2POp(dist.irecv, recv[1], peer, self.group)]
