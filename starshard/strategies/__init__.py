@@ -78,13 +78,3 @@ def fp8_attention_error(name: str, cp: int, sparse: bool) -> str | None:
             f"--sparse; got --cp {cp} --cp-strategy {name}" + (" with --sparse" if sparse else "")
             + f": drop `attention` from --fp8, or use --cp-strategy {' / '.join(s.name for s in wired)} without --sparse")
 
-
-def attention_extras_error(name: str, extras: list[str]) -> str | None:
-    """Why strategy `name` cannot run a model with these attention extras (ModelConfig.attention_extras:
-    sliding_window, attn_logit_softcapping, query_pre_attn_scalar), None where it runs them exactly."""
-    if not extras or get_spec(name).windows:
-        return None
-    exact = _names([s.name for s in SPECS.values() if s.windows and not s.single_rank])
-    return (f"--cp-strategy {name} does not run this model's {' / '.join(extras)} yet (its local layers would need "
-            f"the previous block's window edge, which it does not exchange); use --cp-strategy {exact}, whose local "
-            f"layers run exactly, or --cp 1 --cp-strategy dense")

@@ -3,8 +3,9 @@ layers), Ulysses, USP and the chunked ring prefill on cp=2 gloo ranks equal the 
 model for a windowed Mistral (window 16, a 70-token prompt) and a tiny Gemma 2 (alternating windows,
 soft-caps, query_pre_attn_scalar): first-token logits within the exact tests' tolerance and 6 greedy
 tokens equal (so the sharded decode is covered). A local layer's ring sends only its window's edge
-(bytes counted), steps wholly outside every query's window are skipped, and Star / APB refuse windows
-naming the fields and the fix.
+(bytes counted), steps wholly outside every query's window are skipped; Star and APB run their local
+layers exactly (the previous block's window edge travels): with every layer local they equal dense.
+Sparse methods bind global layers only.
 
 One spawn runs every multi-rank case (spawning dominates the run time)."""
 from __future__ import annotations
@@ -45,7 +46,8 @@ CASES = [("ring", None, {}), ("ulysses", None, {}), ("ring", 24, {}), ("usp", No
 # Star on the all-local Mistral: every layer's query sees [anchor; previous block's edge; block] under its
 # window, which is exactly its dense keys (the anchor approximates global layers only): Star equals dense.
 # Anchors of 4 tokens: a block's first 15 queries need the previous block's last keys (edges travel).
-STAR_CASES = [("star", None, {"anchor_size": 4}), ("star", 10, {"block_size": 35, "anchor_size": 4})]
+STAR_CASES = [("star", None, {"anchor_size": 4}), ("star", 10, {"block_size": 35, "anchor_size": 4}),
+              ("apb", None, {"anchor_size": 4})]  # APB: the same edges; anchors and passing serve global layers
 
 
 def _ids() -> list[int]:
@@ -166,23 +168,25 @@ def _check_equal(results, key, first, tokens):
         assert r[key]["tokens"] == tokens, key
 
 
-def test_star_with_every_layer_local_equals_one_process(paths, results):
+def test_star_and_apb_with_every_layer_local_equal_one_process(paths, results):
     first, tokens = _dense(paths["mistral"])
     for strategy, chunk, _ in STAR_CASES:
         _check_equal(results, ("mistral", strategy, chunk), first, tokens)
     row = 2 * 8 * 4  # KV heads x head_dim x float32 bytes
     # blocks of 35: rank 0 sends its last W - 1 keys of each of 3 local layers (K and V), rank 1 nothing
-    assert [r[("mistral", "star", None)]["wire"] for r in results] == [3 * 2 * (W - 1) * row, 0]
+    for strategy in ("star", "apb"):
+        assert [r[("mistral", strategy, None)]["wire"] for r in results] == [3 * 2 * (W - 1) * row, 0], strategy
     assert [r[("mistral", "star-fp8", None)]["wire"] for r in results] == [3 * 2 * (W - 1) * 2 * (8 + 4), 0]
     fp8 = next(r[("mistral", "star-fp8", None)]["logits"][0] for r in results if 0 in r[("mistral", "star-fp8", None)]["logits"])
     assert 0 < _rel(fp8, first) < 5e-2  # e4m3 keys (edges and the query phase's cache reads) against float32
     assert "one block per CP rank" in results[0]["star-blocks"] and "sliding_window=16" in results[0]["star-blocks"]
     # one device, three virtual hosts: the edges come from the cache
     model = load_model(paths["mistral"])
-    with torch.no_grad():
-        logits, _ = ContextParallelRunner(model, StarAttention(None, num_blocks=3, anchor_size=4)).prefill_logits(
-            torch.tensor(_ids()), L - 1, ContextParallelRunner(model, StarAttention(None)).new_cache(L + 1))
-    assert _rel(logits[0, -1], first) <= TOL
+    for strategy in (StarAttention(None, num_blocks=3, anchor_size=4), APBAttention(None, num_blocks=3, anchor_size=4)):
+        runner = ContextParallelRunner(model, strategy)
+        with torch.no_grad():
+            logits, _ = runner.prefill_logits(torch.tensor(_ids()), L - 1, runner.new_cache(L + 1))
+        assert _rel(logits[0, -1], first) <= TOL, strategy.name
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -242,22 +246,10 @@ def test_edge_plan_receives_exactly_the_window_edges():
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_window_strategies_pass_and_apb_refuses(paths, name):
-    model = load_model(paths[name])
-    cfg = model.config
-    for strategy in ("ring", "ulysses", "usp", "star"):
+def test_every_strategy_takes_windows(paths, name):
+    cfg = load_model(paths[name]).config
+    for strategy in ("ring", "ulysses", "usp", "star", "apb"):
         assert check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy=strategy), None, Fp8Config()) is None
-    if name == "gemma2":  # soft-caps: no plain-attention fallback
-        with pytest.raises(LayoutError, match=r"--cp-strategy apb \(cp=2\) does not run gemma2's sliding_window / "
-                                              r"attn_logit_softcapping.*use --cp-strategy ring / ulysses / usp / star"):
-            check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy="apb"), None, Fp8Config())
-    else:  # a window only: runs with windows dropped on prompts within the window (LLM.run_without_windows)
-        assert check_attention_kinds(cfg, ParallelConfig(cp=2, cp_strategy="apb"), None, Fp8Config()) is not None
-    # APB itself refuses a layer's window, naming the field and the fix.
-    runner = ContextParallelRunner(model, APBAttention(None, num_blocks=2))
-    with pytest.raises(ValueError, match=r"--cp-strategy apb does not run this model's sliding_window.*use "
-                                         r"--cp-strategy ring, ulysses, usp or star"):
-        runner.prefill_logits(torch.tensor(_ids()), L - 4, runner.new_cache(L + 1))
 
 
 def test_sparse_prefill_runs_global_layers_only(paths):

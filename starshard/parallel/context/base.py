@@ -18,7 +18,7 @@ from starshard.engine.model import AttendFn
 from starshard.kernels.attention import attention
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.wire import WireStats
-from starshard.strategies import attention_extras_error, get_spec
+from starshard.strategies import get_spec
 
 
 @dataclass
@@ -48,18 +48,6 @@ def cache_append(cache: LayerKV | None, k, v, pos, rows: torch.Tensor | None) ->
     if rows is not None:
         k, v, pos = k[:, :, rows], v[:, :, rows], pos[rows]
     cache.store(k, v, pos)
-
-
-# An AttendFn's keywords (engine/model.py) -> the config fields they come from (ModelConfig.attention_extras).
-EXTRA_FIELDS = {"window": "sliding_window", "softcap": "attn_logit_softcapping", "scale": "query_pre_attn_scalar"}
-
-
-def refuse_extras(name: str, extras: dict) -> None:
-    """ValueError (naming the config fields and the fix) when a layer hands strategy `name` a window,
-    soft-cap or scale that it cannot run exactly."""
-    err = attention_extras_error(name, [EXTRA_FIELDS.get(k, k) for k in extras])
-    if err:
-        raise ValueError(err)
 
 
 def group_size(group) -> int:

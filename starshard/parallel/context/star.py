@@ -16,15 +16,14 @@ With every layer local, Star is dense attention. Soft-caps and scales reach ever
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from starshard.kernels.attention import attention, causal_attention_int8_scores
 from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.edges import cached_edge, post_edges
 from starshard.parallel.context.merge import merge_partials
-from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
 from starshard.strategies.star import STAR
 
 
@@ -121,44 +120,16 @@ class StarAttention(ContextStrategy):
         return segs
 
     def _edge(self, start: int, end: int, k, v, cache, window: int):
-        """A local layer's edge exchange for the block [start, end): posts the transfers (sending this
-        block's last keys to the next block's rank, receiving the previous block's) -> a function that
-        waits and returns (k, v, positions, k_scale, v_scale) of the edge, or None."""
+        """A local layer's edge exchange for the block [start, end) (edges.py): this block's last keys go to
+        the next block's rank, the previous block's come in -> a function that waits and returns the edge."""
         e_in, e_out = self.edge_len(start, window), self.edge_len(end, window) if end < self._context_len else 0
         src = self._owner(start - 1) if e_in else None
         dst = self._owner(end) if e_out else None
         if src == self.rank:  # the previous block ran here before (one device): its rows end the cache
-            s = cache.stored()
-            n = s.pos.numel()
-            fp8 = s.k_scale is not None
-            got = (s.k[:, :, n - e_in :], s.v[:, :, n - e_in :], s.pos[n - e_in :],
-                   s.k_scale[:, :, n - e_in :] if fp8 else None, s.v_scale[:, :, n - e_in :] if fp8 else None)
-            return lambda: got
-        fp8 = fp8_wire(cache)
-        ops, recv = [], None
-        if dst is not None and dst != self.rank:
-            ks, vs = k[:, :, -e_out:], v[:, :, -e_out:]
-            ks, vs = (pack_fp8(ks), pack_fp8(vs)) if fp8 else (ks.contiguous(), vs.contiguous())
-            peer = dist.get_global_rank(self.group, dst)
-            ops += [dist.P2POp(dist.isend, ks, peer, self.group), dist.P2POp(dist.isend, vs, peer, self.group)]
-            self.wire.add(nbytes(ks, vs))
-        if src is not None:
-            B, H, _, D = k.shape
-            shape, dtype = (B, H, e_in, D + SCALE_BYTES if fp8 else D), torch.uint8 if fp8 else k.dtype
-            recv = (torch.empty(shape, dtype=dtype, device=k.device), torch.empty(shape, dtype=dtype, device=k.device))
-            peer = dist.get_global_rank(self.group, src)
-            ops += [dist.P2POp(dist.irecv, recv[0], peer, self.group), dist.P2POp(dist.irecv, recv[1], peer, self.group)]
-        reqs = dist.batch_isend_irecv(ops) if ops else []
-
-        def finish():
-            for req in reqs:
-                req.wait()
-            if recv is None:
-                return None
-            ke, ve = (unpack_fp8(recv[0], k.dtype), unpack_fp8(recv[1], v.dtype)) if fp8 else recv
-            return ke, ve, torch.arange(start - e_in, start, device=k.device), None, None
-
-        return finish
+            edge = cached_edge(cache, e_in)
+            return lambda: edge
+        return post_edges(k, v, cache, self.group, send_to=None if dst == self.rank else dst, send_rows=e_out,
+                          recv_from=src, recv_rows=e_in, start=start, stats=self.wire)
 
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
