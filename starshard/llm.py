@@ -98,8 +98,9 @@ def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp
     fix): a sliding window, a logit soft-cap or a query_pre_attn_scalar scale (ModelConfig.attention_extras)
     run in the dense attention (tp and pp split heads and layers, not keys) and in the exact context
     strategies (StrategySpec.windows: ring, Ulysses, USP, their chunked prefill and the sharded decode; Star's
-    local layers, exactly), sparse prefill on the global layers (install_sparse leaves local ones dense;
-    the patterns take no soft-cap). APB and --fp8 attention's 8-bit scores do not take them yet. A model
+    and APB's local layers, exactly, their anchors approximating global layers only), sparse prefill on the
+    global layers (install_sparse leaves local ones dense; the patterns take no soft-cap). --fp8 attention's
+    8-bit scores do not take them yet. A model
     whose only extra is its sliding window still runs there, on sequences within the window (where it hides
     nothing; Mistral v0.1, Phi-3-4K): the answer names that path, for LLM.run_without_windows."""
     extras = cfg.attention_extras

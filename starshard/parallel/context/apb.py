@@ -11,7 +11,8 @@ tensor). Rank h then attends
     block rows:  [anchor (full), passing blocks of ranks < h (full), own block (causal)]
 
 The passing KV is dropped after the layer: it never enters the FFN or the cache. Only the block's
-KV is cached. Phase 2 (the query tokens, then decode) is ContextStrategy.decode_attend, as in Star.
+KV is cached. A local (sliding-window) layer runs exactly instead: its block rows attend their own
+block and the previous block's window edge (edges.py, as Star), no anchor, no passing entries. Phase 2 (the query tokens, then decode) is ContextStrategy.decode_attend, as in Star.
 With an FP8 KV cache the passing entries travel as e4m3 plus per-(head, token) scales (wire.py, about
 half the bytes) and are attended dequantized, as the sender's FP8 cache holds them.
 
