@@ -32,7 +32,7 @@ from starshard.runtime.model_parallel import ParallelRunner, VocabSampler
 from starshard.runtime.monitor import RunCallbacks
 from starshard.runtime.preflight import Weights, check_weights
 from starshard.runtime.prompt import Prompt, build_prompt, check_window, load_tokenizer
-from starshard.strategies import fp8_attention_error, get_spec, given_options, sparse_error
+from starshard.strategies import SPECS, fp8_attention_error, get_spec, given_options, sparse_error
 
 
 @dataclass
@@ -96,18 +96,22 @@ def check_fp8_experts(cfg: ModelConfig) -> None:
 def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp8: Fp8Config) -> str | None:
     """Refuse what cannot run this model's attention exactly (LayoutError naming the config field and the
     fix): a sliding window, a logit soft-cap or a query_pre_attn_scalar scale (ModelConfig.attention_extras)
-    run in the dense single-rank attention only (tp and pp split heads and layers, not keys). Context
-    strategies, sparse prefill methods and --fp8 attention's 8-bit scores do not take them yet. A model
+    run in the dense attention (tp and pp split heads and layers, not keys) and in the exact context
+    strategies (StrategySpec.windows: ring, Ulysses, USP, their chunked prefill and the sharded decode; Star's
+    and APB's local layers, exactly, their anchors approximating global layers only), sparse prefill on the
+    global layers (install_sparse leaves local ones dense; the patterns take no soft-cap). --fp8 attention's
+    8-bit scores do not take them yet. A model
     whose only extra is its sliding window still runs there, on sequences within the window (where it hides
     nothing; Mistral v0.1, Phi-3-4K): the answer names that path, for LLM.run_without_windows."""
     extras = cfg.attention_extras
     if not extras:
         return None
     paths = []
-    if parallel.cp > 1 or parallel.cp_strategy != "dense":
+    if (parallel.cp > 1 or parallel.cp_strategy != "dense") and not get_spec(parallel.cp_strategy).windows:
+        exact = " / ".join(s.name for s in SPECS.values() if s.windows and not s.single_rank)
         paths.append((f"--cp-strategy {parallel.cp_strategy} (cp={parallel.cp})",
-                      "run this model with --cp 1 --cp-strategy dense (tp and pp are fine)"))
-    if sparse is not None:
+                      f"use --cp-strategy {exact} (exact with windows), or --cp 1 --cp-strategy dense"))
+    if sparse is not None and "attn_logit_softcapping" in extras:
         paths.append((f"sparse prefill ({sparse.method})", "run this model without --sparse"))
     if fp8.attention:
         paths.append(("--fp8 attention (8-bit prefill scores)", "drop `attention` from --fp8 (linear and kv are fine)"))

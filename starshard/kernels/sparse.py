@@ -231,11 +231,14 @@ def pattern_for(sparse: LayerSparse | None, q, offset: int = 0):
 
 
 def install_sparse(model, method: SparseMethod | None, head_offset: int = 0) -> None:
-    """Bind `method` to every attention layer of `model` (None removes it). Layer ids are global
-    (a pipeline stage's `layer_ids`), so each stage reads its own layers' patterns."""
+    """Bind `method` to every global attention layer of `model` (None removes it). Layer ids are global
+    (a pipeline stage's `layer_ids`), so each stage reads its own layers' patterns. A local layer (a
+    sliding window) keeps dense attention: its window already bounds its keys, and the kernels' patterns
+    take no window."""
     ids = getattr(model, "layer_ids", None) or list(range(len(model.layers)))
     for gid, block in zip(ids, model.layers):
-        block.attention.sparse = None if method is None else LayerSparse(method, gid, head_offset)
+        local = "window" in getattr(block.attention, "extras", {})
+        block.attention.sparse = None if method is None or local else LayerSparse(method, gid, head_offset)
 
 
 def refuse_sparse(sparse: LayerSparse | None, strategy: str) -> None:

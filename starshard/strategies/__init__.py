@@ -77,3 +77,4 @@ def fp8_attention_error(name: str, cp: int, sparse: bool) -> str | None:
     return (f"--fp8 attention (8-bit prefill scores) runs {_names([s.fp8_attention for s in wired], 'and')}, without "
             f"--sparse; got --cp {cp} --cp-strategy {name}" + (" with --sparse" if sparse else "")
             + f": drop `attention` from --fp8, or use --cp-strategy {' / '.join(s.name for s in wired)} without --sparse")
+

@@ -87,6 +87,7 @@ class APBSpec(StrategySpec):
                   "ablations: --anchor-size 0, --passing-size 0, --compressor random, --no-embed-query)")
     exact = False
     context_cache = False  # the anchors embed the question: a cached context's KV serves only that question
+    windows = True  # local layers exact (the previous block's edge); anchors and passing blocks serve global layers
 
     def validate(self, cp, options):
         at_least(options, 0, ANCHOR_SIZE, PASSING_SIZE, PREFIX_LEN)

@@ -17,6 +17,7 @@ class DenseSpec(StrategySpec):
     single_rank = True
     fp8_attention = "on the dense path"
     chunked_prefill = True
+    windows = True
 
     def kv_rows(self, lay, w):
         L, N = w.prompt_tokens, w.max_new_tokens

@@ -78,6 +78,7 @@ class StrategySpec:
     exact = True  # output equals dense attention's
     single_rank = False  # runs on one CP rank only (dense)
     sparse = True  # composes with --sparse (a row's whole key range is seen by one attention call)
+    windows = False  # runs local (sliding-window) layers exactly, and logit soft-caps and query_pre_attn_scalar
     fp8_attention: str | None = None  # where --fp8 attention's 8-bit scores run in it, e.g. "in Ulysses"
     context_cache = True  # a cached context's KV serves another question (APB's depends on the question)
     chunked_prefill = False  # the prompt runs in chunks after held KV (--prefill-chunk, pp > 1 stages)

@@ -26,6 +26,7 @@ class UlyssesSpec(StrategySpec):
     name = "ulysses"
     fp8_attention = "in Ulysses"
     chunked_prefill = True
+    windows = True
 
     def check_heads(self, heads, kv_heads, cp, options):
         if cp > 1:

@@ -16,7 +16,7 @@ from tests.helpers.hf_models import make_hf_model
 
 from starshard.checkpoints.convert import convert
 from starshard.checkpoints.load import load_model
-from starshard.config import ModelConfig, ParallelConfig, UnsupportedArchitectureError
+from starshard.config import ModelConfig, UnsupportedArchitectureError
 from starshard.llm import LLM
 from starshard.runtime.local import LocalRunner
 
@@ -188,15 +188,13 @@ def test_bad_gemma_configs_and_paths_are_refused(families):
         ModelConfig.from_hf(dict(hub, rope_parameters=rope))
     with pytest.raises(UnsupportedArchitectureError, match=r"unsupported layer_types \['chunked_attention'\]"):
         ModelConfig.from_hf(dict(hub, layer_types=["chunked_attention"] * 4))
-    # Soft-caps and scales have no plain-attention fallback: context strategies, sparse prefill, --fp8
+    # Soft-caps and scales have no plain-attention fallback: sparse prefill (its patterns), --fp8
     # attention and the service refuse the model, naming the fields and the fix.
     from starshard.kernels.sparse import SparseConfig
     from starshard.serving.scheduler import Scheduler
 
     _, path = families["gemma2"]
     what = r"gemma2's sliding_window / attn_logit_softcapping / query_pre_attn_scalar \(sliding_window=16, "
-    with pytest.raises(ValueError, match=r"--cp-strategy apb \(cp=1\) does not run " + what + r".*--cp 1"):
-        LLM(path, parallel=ParallelConfig(cp_strategy="apb"))
     with pytest.raises(ValueError, match=r"sparse prefill \(anchor\) does not run " + what + r".*without --sparse"):
         LLM(path, sparse=SparseConfig("anchor"))
     with pytest.raises(ValueError, match=r"--fp8 attention .* does not run " + what + r".*drop `attention`"):

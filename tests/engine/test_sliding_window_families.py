@@ -12,8 +12,7 @@ import transformers
 from tests.helpers.hf_models import make_hf_model
 
 from starshard.checkpoints.load import load_model
-from starshard.config import ModelConfig, ParallelConfig, UnsupportedArchitectureError
-from starshard.kernels.sparse import SparseConfig
+from starshard.config import ModelConfig, UnsupportedArchitectureError
 from starshard.llm import LLM
 from starshard.runtime.local import LocalRunner
 
@@ -164,7 +163,7 @@ def test_window_configs_as_transformers_and_refused():
 
 
 def test_paths_without_windows_hold_only_sequences_within_the_window(families):
-    """Context strategies, sparse prefill, --fp8 attention and the service (its context cache's attention)
+    """--fp8 attention and the service (its context cache's attention)
     do not run a sliding window yet. They still run a model whose only extra is its window on sequences
     within it, where the window hides nothing (as before issue 38), and refuse longer ones naming
     sliding_window and the fix."""
@@ -176,9 +175,7 @@ def test_paths_without_windows_hold_only_sequences_within_the_window(families):
         want = hf.generate(ids[None], attention_mask=torch.ones(1, W - 4, dtype=torch.long), max_new_tokens=4,
                            do_sample=False)[0, W - 4 :].tolist()
     long = ids_of(L).tolist()
-    runs = [(dict(parallel=ParallelConfig(cp_strategy="star")), r"--cp-strategy star \(cp=1\)"),
-            (dict(sparse=SparseConfig("minference", min_length=0)), r"sparse prefill \(minference\)"),
-            (dict(fp8="attention"), r"--fp8 attention \(8-bit prefill scores\)")]
+    runs = [(dict(fp8="attention"), r"--fp8 attention \(8-bit prefill scores\)")]
     for kw, what in runs:
         llm = LLM(path, **kw)
         assert all("window" not in layer.attention.extras for layer in llm.model.layers)

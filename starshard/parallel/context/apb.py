@@ -11,7 +11,8 @@ tensor). Rank h then attends
     block rows:  [anchor (full), passing blocks of ranks < h (full), own block (causal)]
 
 The passing KV is dropped after the layer: it never enters the FFN or the cache. Only the block's
-KV is cached. Phase 2 (the query tokens, then decode) is ContextStrategy.decode_attend, as in Star.
+KV is cached. A local (sliding-window) layer runs exactly instead: its block rows attend their own
+block and the previous block's window edge (edges.py, as Star), no anchor, no passing entries. Phase 2 (the query tokens, then decode) is ContextStrategy.decode_attend, as in Star.
 With an FP8 KV cache the passing entries travel as e4m3 plus per-(head, token) scales (wire.py, about
 half the bytes) and are attended dequantized, as the sender's FP8 cache holds them.
 
@@ -76,6 +77,7 @@ from starshard.kernels.rope import apply_rope
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import apb_bounds, apb_default_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.edges import cached_edge, post_edges
 from starshard.parallel.context.collectives import all_gather_into
 from starshard.parallel.context.merge import merge_partials
 from starshard.parallel.context.wire import SCALE_BYTES, fp8_wire, nbytes, pack_fp8, unpack_fp8
@@ -148,19 +150,20 @@ def pooled_attention(qr: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | 
     return torch.stack(out, dim=1)
 
 
-def sparse_after(q, k, v, pos, extra_k: list, extra_v: list, pattern):
+def sparse_after(q, k, v, pos, extra_k: list, extra_v: list, pattern, scale=None, softcap=None):
     """(out, lse) of a block's rows through a sparse method over [extra keys; the block's own keys]:
     the block's rows see every extra key (anchor, passing entries) and their own keys causally. As
     key indices that is index-causal attention with the rows at offset E = len(extras), the layout the
     sparse methods take (`query_offset`); RoPE has been applied with the true positions already, so
-    index positions (marked on the host: no device read) only place the mask. No extras: `pos`."""
+    index positions (marked on the host: no device read) only place the mask. No extras: `pos`.
+    scale, softcap: the layer's (the patterns refuse a soft-cap, naming it)."""
     if not extra_k:
-        return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern)
+        return attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern, scale=scale, softcap=softcap)
     ek, ev = torch.cat(extra_k + [k], dim=2), torch.cat(extra_v + [v], dim=2)
     E, n = ek.shape[2] - k.shape[2], ek.shape[2]
     k_idx = mark_arange(torch.arange(n, device=q.device), 0)
     q_idx = mark_arange(torch.arange(E, n, device=q.device), E)
-    return attention(q, ek, ev, q_pos=q_idx, k_pos=k_idx, causal=True, sparse=pattern)
+    return attention(q, ek, ev, q_pos=q_idx, k_pos=k_idx, causal=True, sparse=pattern, scale=scale, softcap=softcap)
 
 
 class Compressor:
@@ -406,6 +409,7 @@ class APBAttention(ContextStrategy):
         index of each held layer (pipeline stages, per-layer retaining heads)."""
         self.inv_freq = getattr(model, "inv_freq", None)
         self.layer_ids = list(getattr(model, "layer_ids", [])) or None
+        self._config = getattr(model, "config", None)
         return self
 
     @property
@@ -458,8 +462,64 @@ class APBAttention(ContextStrategy):
         self._sizes = self.resolved_sizes(C)
         self._anchor_ends = [self.anchor_context_end(h, prompt_len, C) for h in range(self.hosts)]
         self._stash = {}
+        self._check_windows()
         hosts = [self.rank] if self.cp > 1 else range(self.hosts)
         return [self._host_segment(h, prompt_len, C) for h in hosts]
+
+    def _window(self) -> int | None:
+        """The bound model's largest sliding window (config: the same on every pipeline stage)."""
+        cfg = getattr(self, "_config", None)
+        ws = [w for w in (cfg.layer_window(i) for i in range(cfg.num_layers)) if w] if cfg is not None else []
+        return max(ws) if ws else None
+
+    def edge_len(self, host: int, window: int) -> int:
+        """Keys before host `host`'s block that its local layers see: the previous window - 1 positions."""
+        return min(window - 1, self._bounds[host]) if 0 < host < self.hosts else 0
+
+    def _check_windows(self) -> None:
+        """Refuse (ValueError, the same on every rank, before any transfer) a block shorter than a local
+        layer's edge over CP ranks (the edge would span several ranks)."""
+        window = self._window()
+        if window is None or self.cp == 1:
+            return
+        short = [h for h in range(1, self.hosts) if self.edge_len(h, window) > self._bounds[h] - self._bounds[h - 1]]
+        if short:
+            raise ValueError(f"--cp-strategy apb: a block of {self._bounds[short[0]] - self._bounds[short[0] - 1]} "
+                             f"context tokens is shorter than a local layer's window edge (sliding_window={window}); "
+                             f"use fewer CP ranks or a longer context")
+
+    def _local(self, seg: "APBSegment", q, k, v, pos, front_pos, block_pos, cache, window: int, extras: dict):
+        """A local layer, exactly: the block rows attend their own block and the previous block's edge
+        (edges.py) under the window; no anchor, no passing entries (every key they may see is there).
+        The front rows (anchor, or rank 0's score-only query) attend themselves under the window."""
+        F_, h = seg.n_front, seg.host
+        qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
+        e_in, e_out = self.edge_len(h, window), self.edge_len(h + 1, window)
+        if e_in and self.cp == 1:  # virtual hosts: the previous host's block ends the cache
+            edge = cached_edge(cache, e_in)
+            pending = lambda: edge  # noqa: E731
+        else:
+            pending = post_edges(kL, vL, cache, self.group, send_to=h + 1 if e_out and self.cp > 1 else None,
+                                 send_rows=e_out, recv_from=h - 1 if e_in else None, recv_rows=e_in,
+                                 start=self._bounds[h], stats=self.wire)
+        out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, window=window, **extras)
+        edge = pending()
+        if edge is not None:
+            ke, ve, kp, ks, vs = edge
+            o2, l2 = attention(qL, ke, ve, q_pos=pL, k_pos=kp, causal=True, window=window, k_scale=ks, v_scale=vs,
+                               **extras)
+            out, _ = merge_partials(out, lse, o2, l2)
+        if F_:
+            qF, kF, vF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_]
+            pF = pos[:F_] if front_pos is None else front_pos
+            kp = pF
+            if seg.score_only:  # the query rows see the template head and themselves
+                kF, vF = torch.cat([kL[:, :, : seg.head_len], kF], dim=2), torch.cat([vL[:, :, : seg.head_len], vF], dim=2)
+                kp = torch.cat([pL[: seg.head_len], pF])
+            front, _ = attention(qF, kF, vF, q_pos=pF, k_pos=kp, causal=True, window=window, **extras)
+            out = torch.cat([front, out], dim=2)
+        cache_append(cache, kL, vL, pL, None)
+        return out
 
     def _host_segment(self, host: int, prompt_len: int, C: int) -> "APBSegment":
         Lq = prompt_len - C
@@ -593,12 +653,15 @@ class APBAttention(ContextStrategy):
                 runs[device] = (block, front)
             return runs[device]
 
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
+            extras = dict(softcap=softcap, scale=scale)  # the layer's (engine/model.py AttendFn)
             i = calls[0]
             calls[0] += 1
             layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i
             F_ = seg.n_front
             block_pos, front_pos = marked(q.device)
+            if window is not None:  # a local layer: exact, dense (sparse methods run global layers only)
+                return self._local(seg, q, k, v, pos, front_pos, block_pos, cache, window, extras)
             qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
             extra_k, extra_v = [], []
             if F_ and not seg.score_only:  # the anchor, seen in full by every block row
@@ -617,7 +680,7 @@ class APBAttention(ContextStrategy):
             pattern = pattern_for(sparse, qL)
             together = pattern is not None and (bool(extra_k) or exchange)
             if not together:
-                out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern)
+                out, lse = attention(qL, kL, vL, q_pos=pL, k_pos=pL, causal=True, sparse=pattern, **extras)
             if exchange:
                 got, sent = pending()
                 if got is not None:
@@ -628,10 +691,10 @@ class APBAttention(ContextStrategy):
                                        "selected": None if sel is None else sel[2].cpu(),
                                        "received": None if got is None else got[2].cpu()})
             if together:
-                out, lse = sparse_after(qL, kL, vL, pL, extra_k, extra_v, pattern)
+                out, lse = sparse_after(qL, kL, vL, pL, extra_k, extra_v, pattern, **extras)
             elif extra_k:
                 ek, ev = torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)
-                o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False)
+                o2, l2 = attention(qL, ek, ev, q_pos=pL, k_pos=pL.new_zeros(ek.shape[2]), causal=False, **extras)
                 out, lse = merge_partials(out, lse, o2, l2)
             if F_:
                 qF, kF, vF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_]
@@ -642,7 +705,7 @@ class APBAttention(ContextStrategy):
                     kp = torch.cat([pL[:h], pF])
                 else:
                     kp = pF
-                front, _ = attention(qF, kF, vF, q_pos=pF, k_pos=kp, causal=True)
+                front, _ = attention(qF, kF, vF, q_pos=pF, k_pos=kp, causal=True, **extras)
                 out = torch.cat([front, out], dim=2)
             cache_append(cache, kL, vL, pL, None)
             return out

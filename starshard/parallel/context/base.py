@@ -123,17 +123,18 @@ class ContextStrategy:
         """CP rank whose last prefill segment holds the prompt's final token (at `last_row`)."""
         return self.query_rank
 
-    def decode_attend(self, q, k, v, pos, cache: LayerKV | None, sparse=None):
+    def decode_attend(self, q, k, v, pos, cache: LayerKV | None, sparse=None, window=None, softcap=None, scale=None):
         """Sharded-KV attention for new tokens: local partial + lse merge over the CP group (dense:
-        a sparse method covers prefill only)."""
+        a sparse method covers prefill only). window / softcap / scale: the layer's (AttendFn); a rank
+        whose keys all lie outside a local layer's window contributes an empty partial (lse = -inf)."""
         if cache is None:
             raise ValueError("decode needs a KV cache")
         if self.is_query_rank:
             cache.store(k, v, pos)
         s = cache.stored()  # as stored: an FP8 shard is read in e4m3 by the decode kernel
-        # A single new token follows every key of every shard: no mask needed.
-        out, lse = attention(q, s.k, s.v, q_pos=pos, k_pos=s.pos, causal=q.shape[2] > 1, k_scale=s.k_scale,
-                             v_scale=s.v_scale)
+        # A single new token follows every key of every shard: no mask needed, unless a window hides the oldest.
+        out, lse = attention(q, s.k, s.v, q_pos=pos, k_pos=s.pos, causal=q.shape[2] > 1 or window is not None,
+                             k_scale=s.k_scale, v_scale=s.v_scale, window=window, softcap=softcap, scale=scale)
         if self.cp > 1:
             out, lse = merge_over_group(out, lse, self.group)
         return out

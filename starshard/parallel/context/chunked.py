@@ -9,10 +9,11 @@ Every later step, whatever the strategy:
   move, never the cached keys: O(chunk) bytes per layer whatever the prefix), attends them against
   its own stored keys causally by position, and an all-to-all hands each rank the cp partials of its
   own rows, merged by log-sum-exp. Every visible key is stored on exactly one rank, so the result is
-  exact for ring, Ulysses and USP.
+  exact for ring, Ulysses and USP, local layers too (their window masks each rank's keys by position).
 - Star: a step in block j > 0 must not see the stored keys between the anchor and its block
   (`ContextStrategy.chunk_hidden`); a rank's stored positions increase row by row (steps in order,
-  zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`).
+  zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`) by
+  global layers; a local layer sees the previous block's edge through its window, as Star's own prefill.
 Decode, extends and the cascade mask by stored position, so this layout is transparent to them.
 An FP8 KV cache (--fp8 kv) is attended as stored, the step's own keys included (a whole-prompt ring
 attends its own block as computed: the two differ by the e4m3 rounding of those keys).
@@ -70,9 +71,10 @@ def _keys(s: StoredKV, a: int, b: int) -> dict:
                 k_scale=s.k_scale[:, :, a:b] if fp8 else None, v_scale=s.v_scale[:, :, a:b] if fp8 else None)
 
 
-def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, skip: tuple[int, int] | None):
+def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, skip: tuple[int, int] | None, **extras):
     """(out, lse) of q over this rank's stored keys, causal by position, rows [skip) left out; rows
-    that see no key (or a rank that stores none) get out = 0, lse = -inf."""
+    that see no key (or a rank that stores none, or only keys outside a local layer's window) get
+    out = 0, lse = -inf. extras: the layer's window / softcap / scale."""
     n = s.pos.numel()
     spans = [(0, n)] if skip is None else [(0, skip[0]), (skip[1], n)]
     result = None
@@ -80,7 +82,7 @@ def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, skip: tuple[int,
         if b <= a:
             continue
         kw = _keys(s, a, b)
-        o, l = attention(q, kw.pop("k"), kw.pop("v"), q_pos=q_pos, causal=True, **kw)
+        o, l = attention(q, kw.pop("k"), kw.pop("v"), q_pos=q_pos, causal=True, **kw, **extras)
         result = (o, l) if result is None else merge_partials(*result, o, l)
     if result is None:
         B, H, R, _ = q.shape
@@ -113,7 +115,7 @@ def chunk_attend(segment: Segment, group, q_pos: torch.Tensor, skip: tuple[int, 
     hidden_rows of this rank's cache before the step (Star), None for the exact strategies."""
     rows, cp = segment.cache_rows, group_size(group)
 
-    def attend(q, k, v, pos, cache, sparse=None):
+    def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
         if sparse is not None:
             raise ValueError("--sparse does not compose with --prefill-chunk under a context strategy (a later "
                              "chunk's queries attend each rank's stored keys apart); drop one of them")
@@ -121,7 +123,10 @@ def chunk_attend(segment: Segment, group, q_pos: torch.Tensor, skip: tuple[int, 
             raise ValueError("a chunked prefill needs a KV cache")
         cache_append(cache, k, v, pos, rows)
         qa = _gather_queries(q, group) if cp > 1 else q
-        out, lse = _partial(qa, q_pos, cache.stored(), skip)
+        # Star's hidden keys lie before the block; a local layer's window already hides all but the previous
+        # block's edge, which it needs (star.py): it skips nothing.
+        out, lse = _partial(qa, q_pos, cache.stored(), skip if window is None else None, window=window,
+                            softcap=softcap, scale=scale)
         return _return_rows(out, lse, group) if cp > 1 else out
 
     return attend

@@ -13,6 +13,15 @@ the zigzag layout (rank r holds chunks r and 2cp-1-r) this gives every rank the 
 unmasked call per remote block and three mask-free calls for the local one, and the hot loop needs
 no host synchronisation.
 
+Local (sliding-window) layers: every call takes the layer's window (and soft-cap, scale), so masks by
+position stay exact. Positions are known per block, so a rank skips the steps whose keys lie wholly
+before every one of its queries' windows (`plan_steps(window=)`). Over self-attention shards (zigzag,
+USP) a local layer does better: it leaves the ring and each rank receives from each peer only the
+keys some query of its own can see, the window's edge (`EdgePlan`; zigzag: the last W - 1 keys of the
+chunk before each of its chunks), when no rank then receives more than one block; blocks beyond the
+window never travel. (One round of transfers, overlapped with the rank's own block; a window longer
+than the blocks takes the ring with skipped steps, where every block still travels.)
+
 With an FP8 KV cache the blocks travel as e4m3 plus per-(head, token) scales (wire.py, about half
 the bytes): a received block is dequantized on arrival, so it is attended exactly as the sender's
 FP8 cache holds it; the rank's own block is attended as computed.
@@ -20,7 +29,7 @@ FP8 cache holds it; the rank's own block is attended as computed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -29,11 +38,11 @@ from starshard.kernels.attention import attention
 from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.collectives import all_gather_1d
-from starshard.parallel.context.merge import merge_into
+from starshard.parallel.context.merge import merge_into, merge_partials
 from starshard.parallel.context.sharding import zigzag_chunks, zigzag_positions, zigzag_shard
-from starshard.parallel.context.wire import WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
+from starshard.parallel.context.wire import SCALE_BYTES, WireStats, fp8_wire, nbytes, pack_fp8, unpack_fp8
 
-__all__ = ["RingPlan", "ring_attention", "gather_ring_plan", "build_ring_plan", "zigzag_ring_plan",
+__all__ = ["RingPlan", "EdgePlan", "ring_attention", "gather_ring_plan", "build_ring_plan", "zigzag_ring_plan",
            "plan_steps", "RingAttention", "zigzag_chunks", "zigzag_positions"]
 
 _MAX_RUNS = 4  # more runs than this: the shard is treated as one (masked) run
@@ -75,10 +84,12 @@ def _runs(pos: torch.Tensor) -> list[Run]:
     return [Run(a, b, int(pos[a]), int(pos[b - 1]), True) for a, b in zip(cuts, cuts[1:])]
 
 
-def _status(q: Run, k: Run) -> int:
-    if k.lo > q.hi:
+def _status(q: Run, k: Run, window: int | None = None) -> int:
+    # A local layer (window W: a query at p sees keys in (p - W, p]) skips a key run wholly before every
+    # query's window and takes one wholly inside every query's window without a mask.
+    if k.lo > q.hi or (window is not None and k.hi <= q.lo - window):
         return _SKIP
-    if k.hi <= q.lo:
+    if k.hi <= q.lo and (window is None or k.lo > q.hi - window):
         return _FULL
     if q.contiguous and k.contiguous and q.lo == k.lo and q.hi == k.hi:
         return _DIAG  # same consecutive positions: index-causal, the kernels' mask-free path
@@ -89,8 +100,8 @@ def _is_range(idx: list[int]) -> bool:
     return idx == list(range(idx[0], idx[-1] + 1))
 
 
-def _plan_block(qr: list[Run], kr: list[Run]) -> tuple[Call, ...]:
-    st = [[_status(a, b) for b in kr] for a in qr]
+def _plan_block(qr: list[Run], kr: list[Run], window: int | None = None) -> tuple[Call, ...]:
+    st = [[_status(a, b, window) for b in kr] for a in qr]
     rows = [i for i in range(len(qr)) if any(s != _SKIP for s in st[i])]
     if not rows:
         return ()  # the whole block is invisible to this shard
@@ -106,11 +117,29 @@ def _plan_block(qr: list[Run], kr: list[Run]) -> tuple[Call, ...]:
                  for i, j in pairs)
 
 
-def plan_steps(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor], rank: int) -> tuple[tuple[Call, ...], ...]:
-    """Calls per ring step (pure, host tensors): step s computes the K/V block of rank (rank - s) % cp."""
+def plan_steps(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor], rank: int,
+               window: int | None = None) -> tuple[tuple[Call, ...], ...]:
+    """Calls per ring step (pure, host tensors): step s computes the K/V block of rank (rank - s) % cp.
+    window: a local layer's; a step whose keys all lie before every query's window has no call."""
     cp = len(k_pos_per_rank)
     qr = _runs(q_pos.cpu())
-    return tuple(_plan_block(qr, _runs(k_pos_per_rank[(rank - s) % cp].cpu())) for s in range(cp))
+    return tuple(_plan_block(qr, _runs(k_pos_per_rank[(rank - s) % cp].cpu()), window) for s in range(cp))
+
+
+@dataclass(frozen=True)
+class EdgePlan:
+    """A local layer's exchange (window W) over self-attention shards: each rank sends each peer only
+    the key rows some query of that peer can see (positions within W before one of its queries, e.g. a
+    zigzag chunk's last W - 1 keys to the rank holding the next chunk), one round of point-to-point
+    transfers, and attends its own block plus what arrived. Blocks beyond the window never travel."""
+
+    send: tuple[tuple[int, torch.Tensor], ...]  # (global peer rank, rows of this rank's block it needs)
+    recv: tuple[tuple[int, int], ...]  # (global peer rank, rows it sends here)
+    k_pos: torch.Tensor  # positions of the received rows, in recv order
+
+    @property
+    def recv_rows(self) -> int:
+        return sum(n for _, n in self.recv)
 
 
 @dataclass(frozen=True)
@@ -126,10 +155,47 @@ class RingPlan:
     q_runs: int  # runs of consecutive positions in the query shard
     k_pos: torch.Tensor  # [cp, k_len] every rank's key positions (the travelling blocks' masks)
     steps: tuple[tuple[Call, ...], ...]
+    # Every rank's key positions on the host, this rank's query positions, the group's global ranks; and
+    # whether every rank's queries are its own keys (zigzag, USP), which lets a local layer exchange edges.
+    host_pos: tuple[torch.Tensor, ...] = ()
+    q_host: torch.Tensor | None = None
+    peers: tuple[int, ...] = ()
+    self_attention: bool = False
+    windowed_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_calls(self) -> int:
         return sum(len(s) for s in self.steps)
+
+    def windowed(self, window: int) -> "RingPlan | EdgePlan":
+        """The plan of a local layer (built once per window, the same choice on every rank)."""
+        if window not in self.windowed_plans:
+            self.windowed_plans[window] = _window_plan(self, window)
+        return self.windowed_plans[window]
+
+
+def _visible_rows(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Rows of k_pos (host) that some query at q_pos sees through a window (query runs' bounds: a
+    superset at worst, which the mask then trims)."""
+    seen = torch.zeros(k_pos.numel(), dtype=torch.bool)
+    for r in _runs(q_pos):
+        seen |= (k_pos > r.lo - window) & (k_pos <= r.hi)
+    return seen.nonzero().squeeze(1)
+
+
+def _window_plan(plan: RingPlan, window: int) -> "RingPlan | EdgePlan":
+    """A local layer: the edge exchange when every rank receives at most one block's rows (no more memory
+    than the ring's spare buffer), else the ring with the steps outside every query's window skipped."""
+    pos, cp, me = plan.host_pos, plan.cp, plan.rank
+    if plan.self_attention:
+        need = [[_visible_rows(pos[d], pos[s], window) for s in range(cp)] for d in range(cp)]  # need[dst][src]
+        if max(sum(len(need[d][s]) for s in range(cp) if s != d) for d in range(cp)) <= plan.k_len:
+            dev = plan.k_pos.device
+            send = tuple((plan.peers[d], need[d][me].to(dev)) for d in range(cp) if d != me and len(need[d][me]))
+            srcs = [s for s in range(cp) if s != me and len(need[me][s])]
+            k_pos = torch.cat([pos[s][need[me][s]] for s in srcs]) if srcs else pos[me][:0]
+            return EdgePlan(send, tuple((plan.peers[s], len(need[me][s])) for s in srcs), k_pos.to(dev))
+    return replace(plan, steps=plan_steps(plan.q_host, pos, me, window), windowed_plans={})
 
 
 def _check_pos(name: str, pos: torch.Tensor, n: int) -> None:
@@ -138,8 +204,10 @@ def _check_pos(name: str, pos: torch.Tensor, n: int) -> None:
 
 
 def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor], group,
-                    device: torch.device | str | None = None) -> RingPlan:
-    """A plan from key positions already known for every rank (no communication)."""
+                    device: torch.device | str | None = None, self_attention: bool = False) -> RingPlan:
+    """A plan from key positions already known for every rank (no communication). self_attention: every
+    rank's query positions are its key positions (the same on every rank: local layers may then exchange
+    only their window's edges)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(k_pos_per_rank) != cp:
         raise ValueError(f"need the key positions of all {cp} ranks, got {len(k_pos_per_rank)}")
@@ -148,8 +216,10 @@ def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor],
         raise ValueError("ring attention needs equal 1-D key shards on every rank (pad with sharding.py helpers)")
     _check_pos("q_pos", q_pos, q_pos.numel())
     k_pos = torch.stack([p.to(device or q_pos.device) for p in k_pos_per_rank])
-    return RingPlan(rank, cp, dist.get_global_rank(group, (rank + 1) % cp), dist.get_global_rank(group, (rank - 1) % cp),
-                    q_pos.numel(), k_len, len(_runs(q_pos.cpu())), k_pos, plan_steps(q_pos, k_pos_per_rank, rank))
+    peers = tuple(dist.get_global_rank(group, r) for r in range(cp))
+    return RingPlan(rank, cp, peers[(rank + 1) % cp], peers[(rank - 1) % cp], q_pos.numel(), k_len,
+                    len(_runs(q_pos.cpu())), k_pos, plan_steps(q_pos, k_pos_per_rank, rank),
+                    tuple(p.cpu() for p in k_pos_per_rank), q_pos.cpu(), peers, self_attention)
 
 
 def gather_ring_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> RingPlan:
@@ -169,7 +239,7 @@ def zigzag_ring_plan(seq_len: int, group, device: torch.device | str | None = No
     """The plan for self-attention over the zigzag shards of a `seq_len` sequence (no communication)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     pos = [zigzag_positions(seq_len, cp, r) for r in range(cp)]
-    return build_ring_plan(pos[rank], pos, group, device)
+    return build_ring_plan(pos[rank], pos, group, device, self_attention=True)
 
 
 class _Partial:
@@ -192,19 +262,58 @@ class _Partial:
             self.written[i] = True
 
 
-def _compute_block(q, k, v, q_pos, k_pos, calls: tuple[Call, ...], acc: _Partial, scale) -> None:
+def _compute_block(q, k, v, q_pos, k_pos, calls: tuple[Call, ...], acc: _Partial, scale, window=None,
+                   softcap=None) -> None:
     for c in calls:
         qp = q_pos[c.q[0] : c.q[1]]
         kp = qp if c.diagonal else k_pos[c.k[0] : c.k[1]]  # one tensor: kernels see plain causal cheaply
+        # A mask-free call lies wholly inside every row's window (the plan says so): no window to apply.
         o, l = attention(q[:, :, c.q[0] : c.q[1]], k[:, :, c.k[0] : c.k[1]], v[:, :, c.k[0] : c.k[1]],
-                         q_pos=qp, k_pos=kp, causal=c.causal, scale=scale)
+                         q_pos=qp, k_pos=kp, causal=c.causal, scale=scale, window=window if c.causal else None,
+                         softcap=softcap)
         acc.add(c, o, l)
+
+
+def _edge_attention(q, k, v, q_pos, k_pos, edges: EdgePlan, group, *, window: int, softcap, scale, fp8: bool,
+                    packed, stats: WireStats | None):
+    """A local layer over an EdgePlan: post the edges' transfers, attend this rank's own block meanwhile,
+    then the rows that arrived (dequantized when they travel as e4m3), merged by lse."""
+    ops = []
+    for dst, rows in edges.send:
+        if fp8:
+            ks, vs = ((packed[0].index_select(2, rows), packed[1].index_select(2, rows)) if packed is not None
+                      else (pack_fp8(k.index_select(2, rows)), pack_fp8(v.index_select(2, rows))))
+        else:
+            ks, vs = k.index_select(2, rows), v.index_select(2, rows)
+        ops += [dist.P2POp(dist.isend, ks, dst, group), dist.P2POp(dist.isend, vs, dst, group)]
+        if stats is not None:
+            stats.add(nbytes(ks, vs))
+    B, H, _, D = k.shape
+    width, dtype = (D + SCALE_BYTES, torch.uint8) if fp8 else (D, k.dtype)
+    got = []
+    for src, n in edges.recv:
+        kb, vb = (torch.empty(B, H, n, width, dtype=dtype, device=k.device) for _ in range(2))
+        ops += [dist.P2POp(dist.irecv, kb, src, group), dist.P2POp(dist.irecv, vb, src, group)]
+        got.append((kb, vb))
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    out, lse = attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale, window=window, softcap=softcap)
+    for req in reqs:
+        req.wait()
+    if got:
+        ke, ve = torch.cat([g[0] for g in got], dim=2), torch.cat([g[1] for g in got], dim=2)
+        if fp8:
+            ke, ve = unpack_fp8(ke, k.dtype), unpack_fp8(ve, v.dtype)
+        o2, l2 = attention(q, ke, ve, q_pos=q_pos, k_pos=edges.k_pos.to(q_pos.device), causal=True, scale=scale,
+                           window=window, softcap=softcap)
+        out, lse = merge_partials(out, lse, o2, l2)
+    return out, lse
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                    group, *, scale: float | None = None, plan: RingPlan | None = None, fp8: bool = False,
                    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   stats: WireStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   stats: WireStats | None = None, window: int | None = None,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's queries over the keys of every rank in `group`.
 
     q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] and positions q_pos [Lq], k_pos [Lk] are this rank's shard;
@@ -215,14 +324,25 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     fp8: the blocks travel as wire.pack_fp8 bytes (e4m3 + scales) and are dequantized on arrival; this
     rank's own k, v are attended as given. `packed`: (k, v) already packed, sent instead of packing k, v
     (USP hands on the bytes its all-to-all delivered). `stats`: counts the K/V bytes sent.
+    window, softcap, scale: the layer's (kernels/attention.py), in every call: masks by position stay
+    exact. A local layer (window) skips the ring steps whose keys lie wholly before every one of its
+    queries' windows (positions are known per block: `plan_steps`); over self-attention shards (a plan
+    from zigzag_ring_plan / usp_ring_plan) it sends only the window's edges instead (`EdgePlan`) when no
+    rank then receives more than one block's rows.
     """
     _check_pos("q_pos", q_pos, q.shape[2])
     _check_pos("k_pos", k_pos, k.shape[2])
     if group_size(group) == 1:
-        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale)
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True, scale=scale, window=window, softcap=softcap)
     plan = plan if plan is not None else gather_ring_plan(q_pos, k_pos, group)
     if (plan.q_len, plan.k_len) != (q.shape[2], k.shape[2]):
         raise ValueError(f"ring plan is for {plan.q_len} query / {plan.k_len} key rows, got {q.shape[2]} / {k.shape[2]}")
+    if window is not None:
+        plan = plan.windowed(window)
+        if isinstance(plan, EdgePlan):
+            out, lse = _edge_attention(q, k, v, q_pos, k_pos, plan, group, window=window, softcap=softcap, scale=scale,
+                                       fp8=fp8, packed=packed, stats=stats)
+            return out.to(q.dtype), lse
     all_k_pos = plan.k_pos.to(k_pos.device)
     acc = _Partial(q, plan.q_runs)
     block = (k.contiguous(), v.contiguous())  # the block computed at this step
@@ -244,7 +364,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
             if stats is not None:
                 stats.add(nbytes(*cur))
         src = (plan.rank - step) % plan.cp
-        _compute_block(q, block[0], block[1], q_pos, all_k_pos[src], calls, acc, scale)
+        _compute_block(q, block[0], block[1], q_pos, all_k_pos[src], calls, acc, scale, window, softcap)
         for req in reqs:
             req.wait()
         if reqs:
@@ -275,10 +395,10 @@ class RingAttention(ContextStrategy):
         rows = segment.cache_rows
         plan = zigzag_ring_plan(self._prompt_len, self.group, segment.positions.device) if self.cp > 1 else None
 
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
             refuse_sparse(sparse, "ring")
             cache_append(cache, k, v, pos, rows)
             return ring_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, plan=plan,
-                                  fp8=fp8_wire(cache), stats=self.wire)[0]
+                                  fp8=fp8_wire(cache), stats=self.wire, window=window, softcap=softcap, scale=scale)[0]
 
         return attend

@@ -5,6 +5,13 @@ Phase 1 (no communication): the context is cut into blocks; each block but the f
 anchor (the first `anchor_size` context tokens, original positions) with plain causal attention over
 [anchor; block], and only the block's KV is kept. Phase 2: the query tokens, then every generated
 token, attend each rank's local KV; partials merge by lse over the CP group (ContextStrategy.decode_attend).
+
+Local (sliding-window) layers run exactly: a block's query at p needs only the keys in (p - W, p], so
+its first W - 1 queries need the previous block's last keys (the edge) beyond what the anchor holds.
+Each rank sends its block's edge to the rank holding the next block (one block per CP rank; on one
+device, --num-blocks, the edge is the previous block's rows in the cache) and attends
+[anchor; edge; block] masked by window; the anchor/block approximation applies to global layers only.
+With every layer local, Star is dense attention. Soft-caps and scales reach every call.
 """
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
+from starshard.parallel.context.edges import cached_edge, post_edges
+from starshard.parallel.context.merge import merge_partials
 from starshard.strategies.star import STAR
 
 
@@ -29,6 +38,8 @@ class StarAttention(ContextStrategy):
         self.block_size = block_size
         self.anchor_size = anchor_size
         self.num_blocks = num_blocks
+        self._model = None  # bound by the runner: its config's windows decide which layouts can exchange edges
+        self._context_len = 0
 
     @classmethod
     def from_options(cls, group, options, *, cp_groups=None, tp_group=None):
@@ -56,9 +67,50 @@ class StarAttention(ContextStrategy):
                              f"{end}) (use the runner's prefill_bounds, which cut at block ends)")
         return (min(anchor, bs), bs)
 
+    def bind(self, model) -> None:
+        self._model = model
+
+    def _window(self) -> int | None:
+        """The bound model's largest sliding window over all its layers (config: the same on every pipeline
+        stage, so every rank refuses alike; None: no local layer)."""
+        cfg = getattr(self._model, "config", None)
+        ws = [w for w in (cfg.layer_window(i) for i in range(cfg.num_layers)) if w] if cfg is not None else []
+        return max(ws) if ws else None
+
+    def edge_len(self, start: int, window: int) -> int:
+        """Keys a local layer of the block starting at `start` needs from before it beyond its anchor:
+        positions [max(anchor end, start - window + 1), start)."""
+        _, anchor = self.resolved_sizes(self._context_len)
+        return max(0, start - max(min(anchor, start), start - window + 1))
+
+    def _owner(self, position: int) -> int:
+        """The CP rank holding the block that contains context position `position`."""
+        block, _ = self.resolved_sizes(self._context_len)
+        return next(r for r, bs in enumerate(star_blocks(self._context_len, block, self.cp))
+                    if any(s <= position < e for s, e in bs))
+
+    def _check_windows(self, context_len: int) -> None:
+        """Refuse (ValueError, the same on every rank, before any transfer) a layout whose local layers
+        cannot get their edge: several blocks on one CP rank (a rank's first block would wait for the
+        previous rank's last), or a block shorter than its edge."""
+        window = self._window()
+        if window is None:
+            return
+        block, _ = self.resolved_sizes(context_len)
+        blocks = star_blocks(context_len, block, self.cp)
+        if self.cp > 1 and any(len(b) > 1 for b in blocks):
+            raise ValueError(f"--cp-strategy star runs sliding-window layers (sliding_window={window}) with one block "
+                             f"per CP rank; --block-size {block} gives {sum(map(len, blocks))} blocks over --cp {self.cp}: "
+                             f"drop --block-size / --num-blocks")
+        if any(self.edge_len(s, window) > block for bs in blocks for s, _ in bs):
+            raise ValueError(f"--cp-strategy star: a block of {block} tokens is shorter than a local layer's window edge "
+                             f"(sliding_window={window}); use --block-size >= {window - 1} or fewer blocks")
+
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         if context_len < 1:
             raise ValueError("Star Attention needs a non-empty context before the query")
+        self._context_len = context_len
+        self._check_windows(context_len)
         block, anchor = self.resolved_sizes(context_len)
         segs = []
         for start, end in star_blocks(context_len, block, self.cp)[self.rank]:
@@ -66,6 +118,18 @@ class StarAttention(ContextStrategy):
             index = torch.cat([torch.arange(a), torch.arange(start, end)])
             segs.append(Segment(index, index.clone(), torch.arange(a, a + end - start)))
         return segs
+
+    def _edge(self, start: int, end: int, k, v, cache, window: int):
+        """A local layer's edge exchange for the block [start, end) (edges.py): this block's last keys go to
+        the next block's rank, the previous block's come in -> a function that waits and returns the edge."""
+        e_in, e_out = self.edge_len(start, window), self.edge_len(end, window) if end < self._context_len else 0
+        src = self._owner(start - 1) if e_in else None
+        dst = self._owner(end) if e_out else None
+        if src == self.rank:  # the previous block ran here before (one device): its rows end the cache
+            edge = cached_edge(cache, e_in)
+            return lambda: edge
+        return post_edges(k, v, cache, self.group, send_to=None if dst == self.rank else dst, send_rows=e_out,
+                          recv_from=src, recv_rows=e_in, start=start, stats=self.wire)
 
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
@@ -75,17 +139,37 @@ class StarAttention(ContextStrategy):
         pos = segment.positions
         if pos.dim() == 1 and bool((pos.diff() > 0).all()):
             mark_increasing(pos)
+        bounds = []  # (anchor rows, block start, block end), read from the host once, at the first local layer
 
-        def attend(q, k, v, pos, cache, sparse=None):
-            # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
-            # rows see the anchor in full and their block causally. Earlier blocks held by this
-            # rank stay invisible (each block is encoded independently). A square index-causal call:
-            # --fp8 attention takes it with 8-bit scores.
-            pattern = pattern_for(sparse, q)
-            if self.int8_scores:
-                out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos, sparse=pattern)
-            else:
-                out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern)
+        def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
+            extras = dict(softcap=softcap, scale=scale)
+            if window is None:
+                # Local causal attention over [anchor; block]: anchor rows see only the anchor, block
+                # rows see the anchor in full and their block causally. Earlier blocks held by this
+                # rank stay invisible (each block is encoded independently). A square index-causal call:
+                # --fp8 attention takes it with 8-bit scores.
+                pattern = pattern_for(sparse, q)
+                if self.int8_scores and softcap is None and scale is None:
+                    out, _ = causal_attention_int8_scores(q, k, v, q_pos=pos, k_pos=pos, sparse=pattern)
+                else:
+                    out, _ = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, sparse=pattern, **extras)
+                cache_append(cache, k, v, pos, rows)
+                return out
+            # A local layer, exactly (module doc): [anchor; block] under the window (anchor keys past it drop
+            # out), then the previous block's edge for the block rows, merged by lse. Dense (sparse methods
+            # run global layers only).
+            if not bounds:
+                a = int(rows[0]) if rows is not None else 0
+                bounds.extend((a, int(segment.positions[a]), int(segment.positions[-1]) + 1))
+            a, start, end = bounds
+            pending = self._edge(start, end, k, v, cache, window)
+            out, lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, window=window, **extras)
+            edge = pending()
+            if edge is not None:
+                ke, ve, kp, ks, vs = edge
+                o2, l2 = attention(q[:, :, a:], ke, ve, q_pos=pos[a:], k_pos=kp, causal=True, window=window,
+                                   k_scale=ks, v_scale=vs, **extras)
+                out = torch.cat([out[:, :, :a], merge_partials(out[:, :, a:], lse[:, :, a:], o2, l2)[0]], dim=2)
             cache_append(cache, k, v, pos, rows)
             return out
 

@@ -140,7 +140,8 @@ def ulysses_core(q, k, v, q_pos, k_pos, group, inner: Inner, *, need_lse: bool =
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       group, *, scale: float | None = None, need_lse: bool = True, sparse: LayerSparse | None = None,
-                      fp8: bool = False, stats: WireStats | None = None, int8_scores: bool = False):
+                      fp8: bool = False, stats: WireStats | None = None, int8_scores: bool = False,
+                      window: int | None = None, softcap: float | None = None):
     """Causal attention of this rank's sequence shard over the whole sequence held by `group`.
 
     q [B, Hq, n, D], k/v [B, Hkv, m, D], q_pos [n], k_pos [m]: this rank's shard; n, m equal on every
@@ -152,14 +153,20 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     int8_scores (`--fp8 attention`): after the all-to-all each rank's call is one square causal prefill over
     the whole sequence, the call the dense path gives 8-bit scores (kernels/attention.py
     causal_attention_int8_scores; it keeps `attention` for any other mask); not with a sparse pattern.
+    window, softcap, scale: the layer's (kernels/attention.py); each rank attends its heads over the
+    whole sequence, so a window masks by position exactly as on one device (8-bit scores take none).
     """
+    if int8_scores and (window is not None or softcap is not None):
+        raise ValueError("--fp8 attention (8-bit prefill scores) does not run a sliding window or a logit soft-cap; "
+                         "drop `attention` from --fp8 for this model")
     offset = 0 if group is None else dist.get_rank(group) * (q.shape[1] // group_size(group))
 
     def dense(qh, kh, vh, qp, kp, packed):
         pattern = pattern_for(sparse, qh, offset)
         if int8_scores:
             return causal_attention_int8_scores(qh, kh, vh, q_pos=qp, k_pos=kp, scale=scale, sparse=pattern)
-        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern)
+        return attention(qh, kh, vh, q_pos=qp, k_pos=kp, causal=True, scale=scale, sparse=pattern, window=window,
+                         softcap=softcap)
 
     return ulysses_core(q, k, v, q_pos, k_pos, group, dense, need_lse=need_lse, fp8=fp8, stats=stats)
 
@@ -184,11 +191,11 @@ class UlyssesAttention(ContextStrategy):
     def prefill_attend(self, segment: Segment):
         rows = segment.cache_rows
 
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
             cache_append(cache, k, v, pos, rows)
             return ulysses_attention(q, k, v, pos, pos, self.group if self.cp > 1 else None, need_lse=False,
                                      sparse=sparse, fp8=fp8_wire(cache), stats=self.wire,
-                                     int8_scores=self.int8_scores)[0]
+                                     int8_scores=self.int8_scores, window=window, softcap=softcap, scale=scale)[0]
 
         return attend
 

@@ -80,22 +80,24 @@ def usp_ring_plan(seq_len: int, ulysses_degree: int, ring_group, device: torch.d
     rd = dist.get_world_size(ring_group)
     _, padded = zigzag_chunks(seq_len, rd * ulysses_degree)  # the usp padding: a multiple of 2*rd*u
     pos = [zigzag_positions(padded, rd, i) for i in range(rd)]  # a ring rank's whole shard, in order
-    return build_ring_plan(pos[dist.get_rank(ring_group)], pos, ring_group, device)
+    return build_ring_plan(pos[dist.get_rank(ring_group)], pos, ring_group, device, self_attention=True)
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   ulysses_group, ring_group, *, scale: float | None = None, ring_plan: RingPlan | None = None,
-                  need_lse: bool = True, fp8: bool = False, stats: WireStats | None = None):
+                  need_lse: bool = True, fp8: bool = False, stats: WireStats | None = None,
+                  window: int | None = None, softcap: float | None = None):
     """Causal attention of this rank's shard over the sequence held by the whole 2-D CP group.
 
     Shapes as ulysses_attention; Hq must be divisible by the Ulysses degree. `ring_plan` (from
     usp_ring_plan) is for the ring over the Ulysses-gathered shards; without it one is gathered.
     Returns (out in q.dtype, lse float32 or None if not need_lse). fp8: K/V travel as e4m3 + scales in
-    both parts (an FP8 KV cache); `stats` counts the K/V bytes sent."""
+    both parts (an FP8 KV cache); `stats` counts the K/V bytes sent. window, softcap: the layer's, in
+    every call (ring_attention: a local layer's ring sends only its window's edges where it can)."""
 
     def ring(qh, kh, vh, qp, kp, packed):
         return ring_attention(qh, kh, vh, qp, kp, ring_group, scale=scale, plan=ring_plan, fp8=fp8, packed=packed,
-                              stats=stats)
+                              stats=stats, window=window, softcap=softcap)
 
     return ulysses_core(q, k, v, q_pos, k_pos, ulysses_group, ring, need_lse=need_lse, fp8=fp8, stats=stats)
 
@@ -146,10 +148,10 @@ class UspAttention(ContextStrategy):
         rows = segment.cache_rows
         plan = usp_ring_plan(self._prompt_len, self.u, self.ring_group, segment.positions.device)
 
-        def attend(q, k, v, pos, cache, sparse=None):
+        def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
             refuse_sparse(sparse, "usp")
             cache_append(cache, k, v, pos, rows)
             return usp_attention(q, k, v, pos, pos, self.ulysses_group, self.ring_group, ring_plan=plan, need_lse=False,
-                                 fp8=fp8_wire(cache), stats=self.wire)[0]
+                                 fp8=fp8_wire(cache), stats=self.wire, window=window, softcap=softcap, scale=scale)[0]
 
         return attend
