@@ -15,6 +15,7 @@ from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes
 from starshard.serving.scheduler import Scheduler
 from starshard.strategies import get_spec
 from tests.helpers.mp_harness import run_ranks
+from tests.helpers.service import submit
 
 STEPS = 5
 
@@ -25,15 +26,7 @@ def _doc_and_question(seed: int = 3) -> tuple[list[int], list[int]]:
 
 
 def _ask(svc, prompt: Prompt, n: int):
-    events, done = [], threading.Event()
-
-    def on_event(ev):
-        events.append(ev)
-        if ev.finish_reason is not None:
-            done.set()
-
-    svc.submit(prompt, max_tokens=n, sampling=SamplingConfig(), on_event=on_event)
-    return events, done
+    return submit(svc, prompt, n)
 
 
 def test_issue_example_counts_the_shard_once():

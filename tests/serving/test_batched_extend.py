@@ -3,30 +3,20 @@ fits in one step, and the executor runs those of one entry with one shape in one
 equals the request run alone; a fault in one of them fails it alone (the batch is retried one by one)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 
 from starshard import LLM
-from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.executor import Fault
 from starshard.serving.scheduler import Scheduler
+from tests.helpers.service import submit
 
 STEPS = 5
 
 
 def _submit(svc, prompt):
-    events, done = [], threading.Event()
-
-    def on_event(ev):
-        events.append(ev)
-        if ev.finish_reason is not None:
-            done.set()
-
-    svc.submit(prompt, max_tokens=STEPS, sampling=SamplingConfig(), on_event=on_event)
-    return events, done
+    return submit(svc, prompt, STEPS)
 
 
 def _tokens(events):

@@ -3,17 +3,16 @@ frees what it held on every rank and ends it with an error code and sizes; the o
 as they would alone, and the next request is served. The memory pre-check refuses before allocating."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 
 from starshard import LLM
-from starshard.config import ParallelConfig, SamplingConfig
+from starshard.config import ParallelConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.executor import Fault
 from starshard.serving.scheduler import Scheduler
 from tests.helpers.mp_harness import run_ranks
+from tests.helpers.service import submit
 
 STEPS = 4
 GIB = 2**30
@@ -27,15 +26,7 @@ def _prompts():
 
 
 def _submit(svc, prompt, n=STEPS):
-    events, done = [], threading.Event()
-
-    def on_event(ev):
-        events.append(ev)
-        if ev.finish_reason is not None:
-            done.set()
-
-    svc.submit(prompt, max_tokens=n, sampling=SamplingConfig(), on_event=on_event)
-    return events, done
+    return submit(svc, prompt, n)
 
 
 def _tokens(events):

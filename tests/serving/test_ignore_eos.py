@@ -2,7 +2,6 @@
 without it the first one ends the request. Over HTTP the field reaches the request's SamplingConfig."""
 from __future__ import annotations
 
-import threading
 
 from starshard import LLM
 from starshard.config import SamplingConfig
@@ -10,17 +9,11 @@ from starshard.runtime.prompt import Prompt
 from starshard.server import protocol as P
 from starshard.server.intake import sampling_of
 from starshard.serving.scheduler import Scheduler
+from tests.helpers.service import submit
 
 
 def _run(svc, prompt, ignore_eos):
-    events, done = [], threading.Event()
-
-    def on_event(ev):
-        events.append(ev)
-        if ev.finish_reason is not None:
-            done.set()
-
-    svc.submit(prompt, max_tokens=6, sampling=SamplingConfig(ignore_eos=ignore_eos), on_event=on_event)
+    events, done = submit(svc, prompt, 6, SamplingConfig(ignore_eos=ignore_eos))
     assert done.wait(60)
     return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
 

@@ -3,8 +3,6 @@ pool, the context cache's budget and LRU order, and whole requests through Sched
 and batched questions give the tokens an uncached one-request run gives)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from starshard.engine.kv_cache import KVCache
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache
 from starshard.serving.scheduler import QueueFull, Scheduler
+from tests.helpers.service import submit
 
 
 def reference(q, keys, vals, kpos, qpos):
@@ -101,15 +100,7 @@ def tiny():
 
 
 def _ask(svc, ids, n):
-    events, done = [], threading.Event()
-
-    def on_event(ev):
-        events.append(ev)
-        if ev.finish_reason is not None:
-            done.set()
-
-    svc.submit(svc.text_prompt(ids), max_tokens=n, sampling=SamplingConfig(), on_event=on_event)
-    return events, done
+    return submit(svc, svc.text_prompt(ids), n)
 
 
 def _tokens(events):

@@ -5,7 +5,6 @@ restart; a damaged file falls back to a prefill; FP8 KV stays e4m3 through the t
 both ranks' shards."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 
 from starshard import LLM
 from starshard.commands.serve import parse_args
-from starshard.config import ParallelConfig, SamplingConfig
+from starshard.config import ParallelConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.disk_tier import DiskTierLocked, file_name
 from starshard.serving.kv_file import read_header
@@ -22,6 +21,7 @@ from starshard.serving.scheduler import Scheduler
 from starshard.serving.tiers import TierConfig
 from starshard.server.metrics import ServerMetrics
 from tests.helpers.mp_harness import run_ranks
+from tests.helpers.service import submit
 
 STEPS = 4
 
@@ -36,15 +36,7 @@ def _docs(n_docs=2, seed=5):
 
 
 def _submit(svc, ids, context_len):
-    events, done = [], threading.Event()
-
-    def on_event(ev):
-        events.append(ev)
-        if ev.finish_reason is not None:
-            done.set()
-
-    svc.submit(Prompt(ids, context_len), max_tokens=STEPS, sampling=SamplingConfig(), on_event=on_event)
-    return events, done
+    return submit(svc, Prompt(ids, context_len), STEPS)
 
 
 def _result(events, done):
