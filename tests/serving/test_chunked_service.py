@@ -150,7 +150,7 @@ def test_timeout_mid_prefill_frees_the_filling_entry(tiny):
 
 def test_serve_flags():
     args = parse_args([])
-    assert default_prefill_chunk(args, torch.device("cuda"), 4) == 4 * 2048  # 2048 rows per CP rank
+    assert default_prefill_chunk(args, torch.device("cuda"), 4) == 4 * 4096  # 4096 rows per CP rank (measured: docs/results.md, Service)
     assert default_prefill_chunk(args, torch.device("cpu"), 2) == 0 and args.request_timeout is None
     args = parse_args(["--prefill-chunk", "0", "--request-timeout", "30"])
     assert default_prefill_chunk(args, torch.device("cuda"), 4) == 0 and args.request_timeout == 30
