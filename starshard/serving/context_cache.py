@@ -51,6 +51,20 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def longest_prefix(entries, ids: np.ndarray, min_tokens: int = 1):
+    """(the entry sharing the longest prefix with `ids`, that length capped at len(ids) - 1, so at least
+    one token always runs), or (None, 0) below `min_tokens`: the lookup of every cache tier. `entries`:
+    objects with `.ids`, already filtered by the caller."""
+    best, best_n = None, 0
+    for e in entries:
+        n = min(common_prefix(e.ids, ids), len(ids) - 1)
+        if n > best_n:
+            best, best_n = e, n
+    if best is None or best_n < min_tokens:
+        return None, 0
+    return best, best_n
+
+
 class ContextCache:
     """Entries by id, LRU eviction inside `budget_bytes` on each of `ranks` CP ranks. The scheduler
     decides (on rank 0) and every rank applies the same calls, so the entries agree across the group."""
@@ -86,16 +100,7 @@ class ContextCache:
 
     def peek(self, ids: np.ndarray, min_tokens: int = 1) -> tuple[CacheEntry | None, int]:
         """lookup without counting (the scheduler scans its queue with it)."""
-        best, best_n = None, 0
-        for e in self.entries.values():
-            if e.pinned or e.filling:
-                continue
-            n = min(common_prefix(e.ids, ids), len(ids) - 1)
-            if n > best_n:
-                best, best_n = e, n
-        if best is None or best_n < min_tokens:
-            return None, 0
-        return best, best_n
+        return longest_prefix((e for e in self.entries.values() if not (e.pinned or e.filling)), ids, min_tokens)
 
     def next_id(self) -> int:
         return next(self._ids)

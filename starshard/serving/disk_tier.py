@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
-from starshard.serving.context_cache import common_prefix
+from starshard.serving.context_cache import longest_prefix
 from starshard.serving.host_tier import DeviceLoader, HostKV, to_device, to_host
 from starshard.serving.kv_file import (
     KVFileError,
@@ -302,16 +302,8 @@ class DiskTier:
         digests (file names' middle part) to consider, e.g. those every rank holds."""
         ids = np.asarray(token_ids, dtype=np.int64)
         with self._mutex:
-            best, best_n = None, 0
-            for e in self.entries.values():
-                if only is not None and e.name.split("-")[1] not in only:
-                    continue
-                n = min(common_prefix(e.ids, ids), len(ids) - 1)
-                if n > best_n:
-                    best, best_n = e, n
-            if best is None or best_n < min_tokens:
-                return None, 0
-            return best, best_n
+            kept = [e for e in self.entries.values() if only is None or e.name.split("-")[1] in only]
+            return longest_prefix(kept, ids, min_tokens)
 
     def entry_for(self, token_ids) -> DiskEntry | None:
         """This rank's file of exactly these tokens (what rank 0 found by prefix with `get`, sent to every rank

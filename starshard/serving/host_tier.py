@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from starshard.engine.kv_cache import KVCache, StoredKV
-from starshard.serving.context_cache import common_prefix
+from starshard.serving.context_cache import longest_prefix
 from starshard.serving.tier_stats import TierStats
 
 ALIGN = 64  # every section starts on a 64-byte boundary: any dtype views it, copies run on aligned lines
@@ -341,15 +341,7 @@ class HostTier:
 
     def peek(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
         """lookup without counting or touching (a scheduler scans its queue with it)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        best, best_n = None, 0
-        for e in self.entries.values():
-            n = min(common_prefix(e.ids, ids), len(ids) - 1)
-            if n > best_n:
-                best, best_n = e, n
-        if best is None or best_n < min_tokens:
-            return None, 0
-        return best, best_n
+        return longest_prefix(self.entries.values(), np.asarray(ids, dtype=np.int64), min_tokens)
 
     def lookup(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with `ids` and that length, capped at len(ids) - 1 (as
