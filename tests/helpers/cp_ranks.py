@@ -25,3 +25,17 @@ def strategy_rank(rank, world, path, ids, context_len, make_strategy, steps):
     return {"logits": logits[0, -1], "owner": owner, "tokens": toks,
             "after_prefill": after_prefill, "final": cache.length,
             "positions": cache.layer(0).view()[2].clone()}
+
+
+def dense_greedy(path, ids, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The single-process reference: the prompt's last-row logits and `steps` greedy tokens, each step a
+    whole forward of the sequence so far (no cache)."""
+    model = load_model(path)
+    seq, toks = torch.as_tensor(ids)[None], []
+    with torch.no_grad():
+        first = model(seq)[0, -1]
+        for _ in range(steps):
+            t = int(model(seq)[0, -1].argmax())
+            toks.append(t)
+            seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
+    return first, toks

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.cp_ranks import dense_greedy
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.mp_harness import run_ranks
 from starshard.checkpoints.load import load_model
@@ -168,15 +169,7 @@ def _sampled_logits(results, name, chunk) -> list[torch.Tensor]:
 
 
 def _dense(path, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    model = load_model(path)
-    seq, toks = torch.tensor([ids]), []
-    with torch.no_grad():
-        first = model(seq)[0, -1]
-        for _ in range(STEPS):
-            t = int(model(seq)[0, -1].argmax())
-            toks.append(t)
-            seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
-    return first, toks
+    return dense_greedy(path, ids, STEPS)
 
 
 def _params(slow_worlds=(4,)):

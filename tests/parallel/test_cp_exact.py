@@ -3,26 +3,15 @@ the single-process dense run; the KV shards cover the prompt once; decode grows 
 import pytest
 import torch
 
-from tests.helpers.cp_ranks import strategy_rank
+from tests.helpers.cp_ranks import dense_greedy, strategy_rank
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.mp_harness import run_ranks
-from starshard.checkpoints.load import load_model
 from starshard.parallel.context.ring import RingAttention, zigzag_positions
 from starshard.parallel.context.ulysses import UlyssesAttention
 
 STEPS = 32  # the issue: decode over a sharded cache equals dense decode for 32 tokens
 
 
-def dense_reference(path, ids):
-    model = load_model(path)
-    toks, seq = [], ids[None]
-    with torch.no_grad():
-        first = model(seq)[0, -1]
-        for _ in range(STEPS):
-            t = int(model(seq)[0, -1].argmax())
-            toks.append(t)
-            seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
-    return first, toks
 
 
 def test_zigzag_covers_padded_sequence():
@@ -47,7 +36,7 @@ def test_matches_dense(tmp_path, strategy, cp, heads, kv_heads, L):
     _, path = make_hf_model("llama", tmp_path, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             hidden_size=8 * heads, eos_token_id=None)
     ids = torch.randint(0, 211, (L,), generator=torch.Generator().manual_seed(L + cp))
-    ref_logits, ref_tokens = dense_reference(path, ids)
+    ref_logits, ref_tokens = dense_greedy(path, ids, STEPS)
     make = {"ring": RingAttention, "ulysses": UlyssesAttention}[strategy]
     results = run_ranks(strategy_rank, cp, path, ids, L, make, STEPS)
     owner = results[0]["owner"]

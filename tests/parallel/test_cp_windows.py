@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from tests.helpers.cp_ranks import dense_greedy
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.mp_harness import run_ranks
 from starshard.checkpoints.load import load_model
@@ -146,15 +147,7 @@ def _rel(a, b) -> float:
 
 
 def _dense(path):
-    model = load_model(path)
-    seq, toks = torch.tensor([_ids()]), []
-    with torch.no_grad():
-        first = model(seq)[0, -1]
-        for _ in range(STEPS):
-            t = int(model(seq)[0, -1].argmax())
-            toks.append(t)
-            seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
-    return first, toks
+    return dense_greedy(path, _ids(), STEPS)
 
 
 def _check_equal(results, key, first, tokens):
