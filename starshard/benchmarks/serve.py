@@ -24,6 +24,7 @@ Prompts are random token ids from --token-range (random weights have no tokenize
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import inspect
 import json
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from starshard.benchmarks import serve_client
+from starshard.benchmarks import serve_client, serve_tiers
 from starshard.benchmarks.common import commit, device_name, ints, save_json, today, write
 from starshard.benchmarks.serve_load import (METRICS, RequestRecord, RequestSpec, arrival_offsets, calculate_metrics,
                                              crosscheck_http, crosscheck_stats, detailed, make_workload,
@@ -47,7 +48,9 @@ from starshard.cli import add_layout_arguments, layout_error, parallel_config
 from starshard.config import SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
+from starshard.serving.cache_key import token_digest
 from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable
+from starshard.serving.tiers import TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
 
@@ -76,6 +79,26 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens one prefill step processes, over the whole prompt (0 = whole; default: the "
                    "scheduler's own); needs a scheduler with chunked prefill")
+    tiers = p.add_argument_group("context cache tiers (serve's flags, per rank; document scenario: --tiers, "
+                                 "--reuse-only)")
+    tiers.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GiB",
+                       help="pinned host memory for entries the device budget evicts (serve's flag); 0: off")
+    tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="the disk tier's directory (serve's flag; needs --disk-cache-gib); its files outlive the "
+                       "run, so a later --reuse-only run on it finds the documents")
+    tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
+                       help="the disk tier's budget per rank (serve's flag)")
+    tiers.add_argument("--tiers", type=tier_list, default=[], metavar="host,disk",
+                       help="document scenario: after each length's uncached / cached / concurrent measurements, push "
+                       "the document's cache entry down to each of these tiers in turn (Scheduler.demote, as an "
+                       "eviction would) and time a new question on it: ttft_host_s (promoted from pinned host "
+                       "memory) and ttft_disk_cold_s (its files dropped from the page cache first, with the disk's "
+                       "sequential read rate over the same files and disk_bound_s = their bytes / that rate), each "
+                       "over ttft_uncached_s; the tiers' budgets must hold the longest document's shard")
+    tiers.add_argument("--reuse-only", action="store_true",
+                       help="document scenario, the restart check: only ask one new question on each --lengths "
+                       "document that an earlier run with the same --seed made on this --disk-cache-dir (its files "
+                       "read cold); reports cached_tokens per length (>= the document's tokens: reused)")
     add_layout_arguments(p)
     load = p.add_argument_group("load scenario (names as vLLM's serving benchmark where it has one)")
     load.add_argument("--url", default=None,
@@ -89,7 +112,9 @@ def add_arguments(p) -> None:
                       help="shape of the gamma gaps: 1 is a Poisson process, below 1 burstier, above 1 steadier")
     load.add_argument("--max-concurrency", type=int, default=None,
                       help="most requests in flight at once (default: no limit)")
-    load.add_argument("--seed", type=int, default=0, help="seed of the documents, questions, kinds and arrivals")
+    load.add_argument("--seed", type=int, default=0,
+                      help="seed of the documents, questions, kinds and arrivals (document scenario too: each "
+                      "length's document is drawn from (seed, length) alone, so --reuse-only finds it again)")
     load.add_argument("--num-docs", type=int, default=4,
                       help="distinct documents; a request opens a new one with probability 1 - --follow-up-ratio "
                       "until this many are open")
@@ -127,10 +152,36 @@ def add_arguments(p) -> None:
                       "most this many tokens (serve's flag)")
 
 
+def tier_list(s: str) -> list[str]:
+    """--tiers: a comma-separated subset of host,disk (argparse type)."""
+    out = [t for t in s.split(",") if t]
+    bad = [t for t in out if t not in ("host", "disk")]
+    if bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"--tiers takes host and/or disk once each (e.g. host,disk), got {s!r}")
+    return out
+
+
+def tier_error(args) -> str | None:
+    """What is wrong with the tier flags (None: nothing)."""
+    try:
+        TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib)
+    except ValueError as e:
+        return str(e)
+    if (args.tiers or args.reuse_only) and args.scenario != "document":
+        return "--tiers and --reuse-only belong to --scenario document"
+    if "host" in args.tiers and not args.host_cache_gib:
+        return "--tiers host needs --host-cache-gib > 0 (the host tier's budget per rank)"
+    if ("disk" in args.tiers or args.reuse_only) and args.disk_cache_dir is None:
+        return f"{'--reuse-only' if args.reuse_only else '--tiers disk'} needs --disk-cache-dir and --disk-cache-gib"
+    if args.reuse_only and args.tiers:
+        return "--reuse-only only asks questions on documents already on disk: drop --tiers"
+    return None
+
+
 def check(args) -> str | None:
     """What is wrong with the flags (None: nothing), before any model loads."""
     if args.scenario == "document":
-        return "--url needs --scenario load" if args.url else layout_error(args)
+        return "--url needs --scenario load" if args.url else tier_error(args) or layout_error(args)
     if args.url and (args.model or args.random_weights):
         return "--url benchmarks a running server: drop --model / --random-weights"
     if args.url and read_launch_env().world_size > 1:
@@ -148,7 +199,7 @@ def check(args) -> str | None:
         return f"--max-concurrency must be >= 1, got {args.max_concurrency}"
     if args.request_timeout <= 0 or args.num_warmups < 0:
         return "--request-timeout must be > 0 and --num-warmups >= 0"
-    return None if args.url else layout_error(args)
+    return tier_error(args) or (None if args.url else layout_error(args))
 
 
 def run(args) -> None:
@@ -159,10 +210,14 @@ def run(args) -> None:
     if svc is None:
         return
     vocab = llm.config.vocab_size
-    rng = np.random.default_rng(0)
+    # The warm-up's and the questions' tokens; a --reuse-only run asks other questions than the run it reuses.
+    rng = np.random.default_rng([args.seed, int(args.reuse_only)])
 
-    def tokens(n):  # random ids (random weights have no tokenizer; real weights: still a valid prompt)
-        return [int(x) for x in rng.integers(100, vocab - 100, n)]
+    def tokens(n, gen=rng):  # random ids (random weights have no tokenizer; real weights: still a valid prompt)
+        return [int(x) for x in gen.integers(100, vocab - 100, n)]
+
+    def document(L):  # its own stream: the same tokens for the same --seed, whatever ran before (--reuse-only)
+        return tokens(L - args.question_tokens, np.random.default_rng([args.seed, L]))
 
     def ask(ids, max_tokens):
         """Submit; -> (done event, record with arrival, first-token and per-token times)."""
@@ -188,21 +243,27 @@ def run(args) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Warm-up on a short document: kernel compilation (Triton JIT, cuBLAS heuristics) stays out of
-    # the timed first-token latencies.
-    warm = tokens(1024)
-    for n in [1, 1] + [max(args.concurrency)]:
-        for d, _ in [ask(warm + tokens(args.question_tokens), 2) for _ in range(n)]:
-            wait(d)
-    rows = []
-    for L in args.lengths:
-        doc = tokens(L - args.question_tokens)
+    def question(doc):  # -> (time to first token, cached tokens) of a new question on `doc`
+        done, rec = ask(doc + tokens(args.question_tokens), 2)
+        wait(done)
+        return rec["times"][0] - rec["t0"], rec["cached"]
+
+    try:
+        check_tier_room(args, svc)
+    except ValueError as e:
+        svc.shutdown()
+        raise SystemExit(f"error: {e}") from None
+
+    def measure(L) -> dict:
+        """Prefill vs cached first token, concurrent decode, then each of --tiers."""
+        doc = document(L)
         first = ask(doc + tokens(args.question_tokens), 2)  # a new document: prefill
         wait(first[0])
         follow = ask(doc + tokens(args.question_tokens), 2)  # another question on it: cached
         wait(follow[0])
         ttft = lambda r: r["times"][0] - r["t0"]  # noqa: E731
-        row = {"length": L, "ttft_uncached_s": ttft(first[1]), "ttft_cached_s": ttft(follow[1]),
+        row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc),
+               "ttft_uncached_s": ttft(first[1]), "ttft_cached_s": ttft(follow[1]),
                "cached_tokens": follow[1]["cached"], "concurrency": []}
         row["cached_over_uncached"] = row["ttft_cached_s"] / row["ttft_uncached_s"]
         for n in args.concurrency:
@@ -223,15 +284,115 @@ def run(args) -> None:
         one = row["concurrency"][0]["decode_tokens_per_second"]
         for c in row["concurrency"]:
             c["speedup_vs_first"] = c["decode_tokens_per_second"] / one
-        rows.append(row)
+        for tier in args.tiers:
+            row.update(tier_follow_up(svc, tier, doc, question, row["ttft_uncached_s"]))
+        if args.tiers:
+            row["targets"] = tier_targets(row)
+            row["tier_stats"] = svc.stats()["tiers"]
         print(json.dumps(row), file=sys.stderr, flush=True)
-    stats = svc.stats()
-    svc.shutdown()
+        return row
+
+    # Warm-up on a short document: kernel compilation (Triton JIT, cuBLAS heuristics) stays out of
+    # the timed first-token latencies.
+    warm = tokens(1024)
+    for n in [1, 1] + [max(args.concurrency)]:
+        for d, _ in [ask(warm + tokens(args.question_tokens), 2) for _ in range(n)]:
+            wait(d)
+    measure_one = (lambda L: reuse_row(svc, L, document(L), question)) if args.reuse_only else measure
+    try:
+        rows = [measure_one(L) for L in args.lengths]
+        stats = svc.stats()
+    except ValueError as e:  # a demotion refused
+        raise SystemExit(f"error: {e}") from None
+    finally:
+        svc.shutdown()  # the other ranks leave their step loop, also on an error
     result = {"kind": "serve", "device": device_name(device), "gpus": world(), "date": today(),
               "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
               "results": rows, "engine_stats": stats}
     write(args.out, result)
+
+
+# ---------------------------------------------------------------------------- document scenario: the tiers
+TIER_TARGETS = {"host": 0.10, "disk_cold": 0.35, "disk_cold_over_bound": 1.3}  # issue 37
+
+
+def check_tier_room(args, svc) -> None:
+    """Refuse (ValueError, before the first prefill) a --tiers run whose longest document's shard does not
+    fit a tier it is pushed to; log the budgets and the shard."""
+    if not args.tiers:
+        return
+    ex, L = svc.executor, max(args.lengths)
+    shard = max(ex.entry_rank_bytes(L, L, svc.prefill_chunk or None))
+    gib = 2**30
+    for tier in args.tiers:
+        budget = svc.tiers.host.budget if tier == "host" else svc.tiers.disk.budget
+        if shard > budget:
+            flag = "--host-cache-gib" if tier == "host" else "--disk-cache-gib"
+            raise ValueError(f"--tiers {tier}: the {L}-token document's shard is {shard / gib:.2f} GiB per rank, more "
+                             f"than the {tier} tier's {budget / gib:.2f} GiB: raise {flag}")
+    print(f"tiers: the {L}-token document's shard {shard / gib:.2f} GiB per rank; device budget "
+          f"{svc.cache.budget / gib:.2f} GiB, host {args.host_cache_gib:g} GiB, disk {args.disk_cache_gib or 0:g} GiB "
+          f"per rank; each document is pushed to {', '.join(args.tiers)} by Scheduler.demote", file=sys.stderr)
+
+
+def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float) -> dict:
+    """Push `doc`'s entry down to `tier` (Scheduler.demote), then time a new question on it: promoted
+    back from the host tier, or read cold from the disk tier (its files dropped from the page cache,
+    after the disk's sequential read rate was measured on them)."""
+    shard = svc.demote(doc, tier)
+    out = {"shard_bytes_per_rank": shard}
+    name = "host" if tier == "host" else "disk_cold"
+    if tier == "disk":
+        disk = serve_tiers.read_rate(serve_tiers.entry_files(svc.tiers.disk, doc, world()))
+        out["disk"] = disk
+        out["disk_bound_s"] = disk["bytes"] / (disk["disk_read_gbps"] * 1e9)
+        if not disk["drop_took"]:
+            print(f"warning: reading {disk['where']['dir']} cold was not slower than from the page cache "
+                  f"({disk['disk_read_gbps']:.2f} vs {disk['page_cache_read_gbps']:.2f} GB/s): the drop may not have "
+                  "taken, or the files are on tmpfs", file=sys.stderr)
+    ttft, cached = question(doc)
+    out |= {f"ttft_{name}_s": ttft, f"{name}_over_uncached": ttft / uncached, f"{name}_cached_tokens": cached}
+    if tier == "disk":
+        out["disk_cold_over_bound"] = ttft / out["disk_bound_s"]
+    if cached < len(doc):
+        print(f"warning: the follow-up on the {tier} tier reused {cached} of the document's {len(doc)} tokens",
+              file=sys.stderr)
+    return out
+
+
+def tier_targets(row: dict) -> dict:
+    """Issue 37's targets, each True / False for the tiers measured."""
+    out = {}
+    if "ttft_host_s" in row:
+        out["host_within_10pct_of_prefill"] = (row["host_over_uncached"] <= TIER_TARGETS["host"]
+                                               and row["host_cached_tokens"] >= row["document_tokens"])
+    if "ttft_disk_cold_s" in row:
+        out["disk_within_35pct_of_prefill_or_1.3x_read"] = (
+            (row["disk_cold_over_uncached"] <= TIER_TARGETS["disk_cold"]
+             or row["disk_cold_over_bound"] <= TIER_TARGETS["disk_cold_over_bound"])
+            and row["disk_cold_cached_tokens"] >= row["document_tokens"])
+    return out
+
+
+def reuse_row(svc, L: int, doc: list[int], question) -> dict:
+    """--reuse-only: a question on a document an earlier run on this --disk-cache-dir (same --seed) made,
+    its files dropped from the page cache first (a cold read, as after a reboot)."""
+    row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc)}
+    files = []
+    try:
+        files = serve_tiers.entry_files(svc.tiers.disk, doc, world(), timeout=0)
+        serve_tiers.drop_cached(files)
+    except ValueError:
+        pass
+    row["files"] = [str(p) for p in files]
+    ttft, cached = question(doc)
+    row |= {"ttft_reuse_s": ttft, "cached_tokens": cached, "reused": cached >= len(doc)}
+    if not row["reused"]:
+        print(f"warning: --reuse-only: the {L}-token document reused {cached} of its {len(doc)} tokens (no file of "
+              "it in --disk-cache-dir from a run with this --seed and --lengths?)", file=sys.stderr)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 # ---------------------------------------------------------------------------- both scenarios
@@ -256,7 +417,8 @@ def start_scheduler(args, **limits):
         raise SystemExit(f"error: {e}") from None
     llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
               parallel=parallel)
-    options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs, **limits)
+    options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
+                   tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib), **limits)
     if args.prefill_chunk is not None:
         if "prefill_chunk" not in inspect.signature(Scheduler).parameters:
             raise SystemExit("error: --prefill-chunk: this scheduler has no chunked prefill; drop --prefill-chunk")

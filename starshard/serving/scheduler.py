@@ -97,6 +97,17 @@ class Request:
     kind: tuple | None = None  # (the cache's entries it was classified against, Scheduler._classify's answer)
 
 
+@dataclass
+class _Move:
+    """A demote() request: the tokens whose entry moves, the tier it moves to, and its answer."""
+
+    ids: np.ndarray
+    to: str
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    rank_bytes: list[int] = field(default_factory=list)
+
+
 class Ticket:
     def __init__(self, scheduler: "Scheduler", rid: int):
         self._scheduler, self.rid = scheduler, rid
@@ -191,6 +202,8 @@ class Scheduler:
                              prefill_chunks_total=0, cancelled_total=0, timeouts_total=0, reload_failures_total=0)
         self.errors: dict[str, int] = {}  # failed requests by error code
         self._thread: threading.Thread | None = None
+        self._moves: list[_Move] = []  # demote() requests waiting for a step
+        self._moved: list[_Move] = []  # those in the step running now
 
     # -- front end (rank 0)
     def chat_prompt(self, messages: list[dict]) -> Prompt:
@@ -271,6 +284,76 @@ class Scheduler:
             self._thread.join(timeout)
         self._close_tiers()
 
+    # -- benchmarks: an explicit move down a tier (launch/bench.py serve --tiers; the server never calls it)
+    def demote(self, ids, to: str, timeout: float = 3600.0) -> list[int]:
+        """Move the cache entry sharing the longest prefix with `ids` down to tier `to` ("host" or "disk")
+        in the next step, the way an eviction moves it (a host entry only to "disk"), and wait for that
+        step. -> the entry's bytes on each CP rank. ValueError: that tier is off, no entry shares a prefix
+        with `ids`, a request uses it, or it does not fit the host tier."""
+        if to not in ("host", "disk"):
+            raise ValueError(f"demote: the tier is 'host' or 'disk', got {to!r}")
+        move = _Move(np.asarray(ids, dtype=np.int64), to)
+        with self._lock:
+            if self._error is not None or self._stop:
+                raise ServiceUnavailable(self._error or "the server is shutting down")
+            self._moves.append(move)
+            self._lock.notify()
+        if not move.done.wait(timeout):
+            raise TimeoutError(f"demote: no step moved the entry within {timeout:g} s")
+        if move.error is not None:
+            raise ValueError(f"demote to {to}: {move.error}")
+        return move.rank_bytes
+
+    def _move_ops(self, move: "_Move") -> list[Op]:
+        """The ops of one demote() request (rank 0, under the lock)."""
+        tiers, cp = self.tiers, self.executor.cp
+        if tiers is None or getattr(tiers, move.to) is None:
+            raise ValueError(f"there is no {move.to} tier (start with "
+                             f"{'--host-cache-gib' if move.to == 'host' else '--disk-cache-dir / --disk-cache-gib'})")
+        e, _ = self.cache.peek(move.ids)
+        if e is not None:
+            if e.users:
+                raise ValueError(f"context cache entry {e.id} is used by {e.users} running requests")
+            move.rank_bytes = list(e.rank_bytes) if e.rank_bytes is not None else [e.nbytes] * cp
+            if move.to == "disk":
+                return [self._to_disk(e.id, e.ids, move.rank_bytes)]
+            out = self._host_room(move.rank_bytes, set(), [0] * cp)
+            if out is None:
+                raise ValueError(f"its {max(move.rank_bytes) / 2**30:.2f} GiB shard does not fit the host tier "
+                                 f"({tiers.host.budget / 2**30:.2f} GiB per rank, --host-cache-gib)")
+            held = [tiers.host.entries[h] for h in out]
+            return [self._to_disk(h.id, h.ids, h.rank_bytes or [h.kv.nbytes] * cp) for h in held] + [
+                Demote(e.id, "host")]
+        h, _ = tiers.host.peek(move.ids) if tiers.host is not None else (None, 0)
+        if h is not None and move.to == "disk":
+            move.rank_bytes = list(h.rank_bytes or [h.kv.nbytes] * cp)
+            return [self._to_disk(h.id, h.ids, move.rank_bytes)]
+        raise ValueError("no cache entry on the device" + (" or in the host tier" if move.to == "disk" else "")
+                         + " shares a prefix with these tokens")
+
+    def _requested_moves(self) -> list[Op]:
+        """One waiting demote() request's ops (one a step: each plans on the tiers as the last one left them)."""
+        while self._moves:
+            move = self._moves.pop(0)
+            try:
+                ops = self._move_ops(move)
+            except ValueError as e:
+                move.error = str(e)
+                move.done.set()
+                continue
+            self._moved.append(move)
+            return ops
+        return []
+
+    def _moves_done(self, error: str | None = None) -> None:
+        with self._lock:
+            for move in self._moved + (self._moves if error else []):
+                move.error = move.error or error
+                move.done.set()
+            self._moved.clear()
+            if error:
+                self._moves.clear()
+
     def _close_tiers(self) -> None:
         if self.tiers is not None:
             self.tiers.close()  # the disk tier's lock: a new server may take the directory
@@ -291,6 +374,7 @@ class Scheduler:
             while True:
                 ops = self._plan()
                 if ops is None:  # shutting down
+                    self._moves_done("the server is shutting down")
                     self._broadcast(None)
                     return
                 self._broadcast(ops)
@@ -299,6 +383,7 @@ class Scheduler:
                 if any(isinstance(op, (Evict, Demote, Promote)) for op in ops):
                     self._tier_version += 1
                 self._deliver(tokens, failures)
+                self._moves_done()
                 self._time_step(ops, time.perf_counter() - t0)
         except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
             log.error("engine stopped: %s", e)
@@ -308,6 +393,7 @@ class Scheduler:
                     self._emit(r, None, "error", error=self._error, code="unavailable")
                 self._running.clear()
                 self._waiting.clear()
+            self._moves_done(self._error)
 
     def _time_step(self, ops: list[Op], seconds: float) -> None:
         """Log a slow step (kernel compilation, a CUDA-graph capture, a long chunk): operators see what
@@ -376,12 +462,16 @@ class Scheduler:
         """The next step's operations (None: shut down): housekeeping (cancelled and timed-out requests),
         then a decode if rows run and the last step was not one, else one prefill-side action."""
         with self._lock:
-            while not self._stop and not self._waiting and not self._running and self._prefilling is None:
+            while (not self._stop and not self._waiting and not self._running and self._prefilling is None
+                   and not self._moves):
                 if not self._lock.wait(IDLE_TICK_S) and self.control is not None:
                     return []  # keep the other ranks' broadcast from timing out
             if self._stop:
                 return None
             ops = self._housekeeping()
+            moves = self._requested_moves() if self._moves else []
+            if moves:  # a step of its own: the next plan sees the entry gone
+                return ops + moves
             if self._running and not self._decoded:
                 self._decoded = True
                 return self._logged(ops + [Decode()])
