@@ -6,6 +6,20 @@ with N concurrent questions on one cached document.
 
     python launch/bench.py serve --random-weights llama-3.1-8b --lengths 32768,131072 --concurrency 1,4,16
 
+With --tiers host,disk (and serve's --host-cache-gib / --disk-cache-dir / --disk-cache-gib) it then
+pushes each document's cache entry down to each tier (Scheduler.demote, the move an eviction makes)
+and times a new question on it (issue 37): ttft_host_s, and ttft_disk_cold_s with the entry's files
+dropped from the page cache (posix_fadvise DONTNEED; rank 0 drops every rank's files of the node),
+beside the disk's sequential read rate over those same files and disk_bound_s = their bytes / that
+rate. --reuse-only, a later run on the same --disk-cache-dir and --seed, asks only questions on the
+documents the earlier run left there (the restart check: cached_tokens >= the document's tokens).
+Graceful shutdown writes nothing down: only entries already on disk outlive a run.
+
+    python launch/bench.py serve --random-weights llama-3.1-8b --lengths 131072 --concurrency 1 \
+        --cache-gib 24 --host-cache-gib 20 --disk-cache-dir /tmp/kv --disk-cache-gib 20 --tiers host,disk
+    python launch/bench.py serve --random-weights llama-3.1-8b --lengths 131072 --concurrency 1 \
+        --cache-gib 24 --disk-cache-dir /tmp/kv --disk-cache-gib 20 --reuse-only
+
 --scenario load: a serving load in the conventions of vLLM's serving benchmark (its flag and result
 names where it has one): --num-prompts requests arriving at --request-rate (Poisson, gamma gaps with
 --burstiness) or all at once, at most --max-concurrency in flight, mixing new documents (--num-docs,
