@@ -346,6 +346,9 @@ class Scheduler:
         return []
 
     def _moves_done(self, error: str | None = None) -> None:
+        """Answer the demote() requests of the step just run (with `error`: every one still waiting too)."""
+        if not self._moved and error is None:  # the common step: no lock taken (only this thread moves them)
+            return
         with self._lock:
             for move in self._moved + (self._moves if error else []):
                 move.error = move.error or error

@@ -76,7 +76,8 @@ def test_tier_flags_are_checked(argv, why, capsys):
 
 def test_demote_moves_down_and_refuses(tmp_path):
     llm = LLM(random_weights="tiny", progress=False)
-    svc = Scheduler(llm, cache_bytes=1 << 24, tiers=TierConfig(host_bytes=1 << 22, disk_dir=tmp_path, disk_bytes=1 << 22))
+    tiers = TierConfig(host_bytes=1 << 22, disk_dir=tmp_path, disk_bytes=1 << 22)
+    svc = Scheduler(llm, cache_bytes=1 << 24, tiers=tiers)
     svc.start()
     try:
         ids = [int(x) for x in np.random.default_rng(0).integers(1, 500, 40)]
@@ -120,7 +121,7 @@ def test_cp2_star_each_rank_moves_its_shard(tmp_path):
     r = json.loads((tmp_path / "tiers.json").read_text())
     (row,) = r["results"]
     assert r["gpus"] == 2 and len(row["shard_bytes_per_rank"]) == 2
-    assert row["host_cached_tokens"] >= row["document_tokens"] and row["disk_cold_cached_tokens"] >= row["document_tokens"]
+    assert min(row["host_cached_tokens"], row["disk_cold_cached_tokens"]) >= row["document_tokens"]
     files = [Path(f).name for f in row["disk"]["files"]]
     assert [f[-6:] for f in files] == ["-r0.kv", "-r1.kv"]  # rank 0 reads (and drops) every rank's file
     assert row["disk"]["bytes"] == sum(row["disk"]["file_bytes"])
