@@ -184,7 +184,7 @@ def test_paths_without_windows_hold_only_sequences_within_the_window(families):
                                              rf"\(sliding_window=16\), and {what} does not run sliding windows yet"):
             llm.generate(long, max_new_tokens=4)
     svc = Scheduler(llm, cache_bytes=1 << 20)  # the last: --fp8 attention
-    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(sliding_window=16\), and --fp8 attention"):
+    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(sliding_window=16\), and --fp8 att"):
         svc.submit(svc.text_prompt(long), max_tokens=4, sampling=None, on_event=None)
     llm = LLM(path)
     svc = Scheduler(llm, cache_bytes=1 << 20)
