@@ -17,7 +17,7 @@ from starshard import LLM
 from starshard.config import ParallelConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.runtime.prompt import Prompt
-from starshard.serving.cascade import CascadeAttention, OwnKV, SharedGroup
+from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.scheduler import Scheduler
 from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.engine.test_sliding_window_families import FAMILIES as SWA
@@ -138,10 +138,34 @@ def test_service_equals_generate_past_the_window(paths):
         assert _refs(llm) != refs, name
 
 
+def test_cascade_graph_step_with_windows(paths):
+    """The CUDA-graph step's eager twin (capture=False) on Gemma 2 (windows, soft-caps, scale): rows sharing
+    all of a 40-token entry and its first 30 tokens step like run_cascade, and each row's logits are the
+    model's own over its whole sequence (the windows hide most of the entry)."""
+    model = LLM(paths["gemma2"], progress=False).model
+    ids = torch.tensor([_ids(1, 40)])
+    entry = KVCache(model.layer_ids, 1, 2, 8, 40, torch.float32, "cpu")
+    with torch.inference_mode():
+        model(ids, cache=entry, last_only=True)
+        tok, pos = torch.tensor([[3], [4]]), torch.tensor([[40], [30]])
+        outs = []
+        for graph in (False, True):
+            pool = OwnKV(model.layer_ids, 2, 2, 8, 4, torch.float32, "cpu")
+            cascade = CascadeAttention([SharedGroup(entry, [0, 1], [40, 30], 40)], pool)
+            step = CascadeGraph(model, cascade, 2, "cpu", capture=False).step if graph else (
+                lambda t, p, c=cascade: run_cascade(model, t, p, c))
+            outs.append(torch.stack([step(tok, pos), step(tok + 1, pos + 1)]))
+        assert torch.allclose(outs[0], outs[1], atol=1e-5)
+        for b, n in enumerate((40, 30)):
+            seq = torch.cat([ids[:, :n], torch.tensor([[3 + b, 4 + b]])], 1)
+            want = model(seq)[0, -2:]
+            assert torch.allclose(outs[1][:, b], want, atol=1e-4), b
+
+
 def _cp_rank(rank, world, paths):
     out = {}
     for name, strategy, chunk in (("mistral", "ring", 0), ("mistral", "ring", 8), ("gemma2", "ring", 0),
-                                  ("mistral", "star", 0)):
+                                  ("gemma3", "ulysses", 0), ("mistral", "star", 0)):
         llm = LLM(paths[name], progress=False, parallel=ParallelConfig(cp=world, cp_strategy=strategy))
         refs = _refs(llm)
         if rank == 0:
@@ -153,6 +177,6 @@ def _cp_rank(rank, world, paths):
 
 def test_service_equals_generate_past_the_window_cp2(paths):
     lead = run_ranks(_cp_rank, 2, paths)[0]
-    assert len(lead) == 4
+    assert len(lead) == 5
     for key, (served, refs) in lead.items():
         _check(served, refs, key)
