@@ -84,7 +84,7 @@ def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget:
     """Refuse a request the model cannot hold: prompt + new tokens over the window. The message names the
     limit and what to change; `budget` is what the caller calls the new-token budget (a flag, an API
     field). A sliding window is no limit where the local layers attend it (engine/model.py); `unwindowed`
-    names what runs this model without its windows (a context strategy, the service), which then holds
+    names what runs this model without its windows (--fp8 attention's 8-bit scores), which then holds
     only sequences within the sliding window, where the window hides nothing."""
     window = cfg.max_position_embeddings
     if prompt_len == 0:

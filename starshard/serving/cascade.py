@@ -9,6 +9,9 @@ by log-sum-exp (the same merge the CP group uses for its shards).
             held in one batched pool [B, Hkv, cap, D] on the CP group's query rank.
 
 Exact: attention over the union of the two key sets equals attention over the whole sequence.
+A layer's window, logit soft-cap and scale (engine/model.py Attention.extras) apply in both parts: a
+local layer's row sees the keys at positions (p - window, p] of its own position p, in the entry (those
+before its prefix) and in its pool alike.
 """
 from __future__ import annotations
 
@@ -101,28 +104,50 @@ class CascadeAttention:
         # replays them, and attend() copies nothing from the host.
         self._rows = [torch.tensor(g.rows, device=device) for g in groups]
         self._last = [torch.tensor(g.prefix, device=device) - 1 for g in groups]  # keys at positions < prefix
+        # A local layer's window starts at each query's own position, which the one shared call per entry
+        # (every row at position prefix - 1) cannot say: there the rows of one prefix attend together at
+        # their own positions, the entry's keys past that prefix moved out of reach (position _NO_KEY).
+        self._windowed = []
+        for g in groups:
+            parts = {}
+            for r, m in zip(g.rows, g.prefix):
+                parts.setdefault(m, []).append(r)
+            self._windowed.append([(torch.tensor(rows, device=device), None if m >= g.full else
+                                    torch.tensor(m, device=device)) for m, rows in parts.items()])
 
     def hook(self, layer: int):
         return functools.partial(self.attend, layer)
 
-    def attend(self, layer: int, q, k, v, pos, cache=None, sparse=None):  # the service's steps run dense
+    def attend(self, layer: int, q, k, v, pos, cache=None, sparse=None, *, window=None, softcap=None, scale=None,
+               **other):  # the service's steps run dense: sparse unused
+        if other:  # e.g. attention sinks: the lse merges here would count one per partial
+            raise ValueError(f"the service's cascade attention does not run {', '.join(sorted(other))} yet: run this "
+                             "model with `starshard infer` or LLM.generate")
+        extras = dict(softcap=softcap, scale=scale)
         B, Hq, L, D = q.shape
         out = q.new_zeros(B, Hq, L, D)
         lse = torch.full((B, Hq, L), float("-inf"), dtype=torch.float32, device=q.device)
-        for g, rows, last in zip(self.groups, self._rows, self._last):
+        for g, rows, last, parts in zip(self.groups, self._rows, self._last, self._windowed):
             kv = g.kv.layer(layer)
             if kv.length == 0:  # this rank holds none of the entry (a short prompt on a CP group)
                 continue
             s = kv.stored()  # an FP8 entry stays e4m3 (dequantized by attention where its kernel cannot read it)
-            qg = q[rows].transpose(0, 1).reshape(1, Hq, len(g.rows) * L, D)  # rows as one query block
-            qpos = last[:, None].expand(len(g.rows), L).reshape(1, -1)
-            causal = any(p < g.full for p in g.prefix)
-            o, ls = attention(qg, s.k, s.v, q_pos=qpos, k_pos=s.pos, causal=causal, k_scale=s.k_scale, v_scale=s.v_scale)
-            out[rows] = o.reshape(Hq, len(g.rows), L, D).transpose(0, 1).to(out.dtype)
-            lse[rows] = ls.reshape(Hq, len(g.rows), L).transpose(0, 1)
+            if window is None:
+                blocks = [(rows, last[:, None].expand(len(g.rows), L), s.pos, any(p < g.full for p in g.prefix))]
+            else:
+                blocks = [(r, pos[r], s.pos if m is None else torch.where(s.pos < m, s.pos, _NO_KEY), True)
+                          for r, m in parts]
+            for r, qpos, k_pos, causal in blocks:
+                n = len(r)
+                qg = q[r].transpose(0, 1).reshape(1, Hq, n * L, D)  # rows as one query block
+                o, ls = attention(qg, s.k, s.v, q_pos=qpos.reshape(1, -1), k_pos=k_pos, causal=causal,
+                                  k_scale=s.k_scale, v_scale=s.v_scale, window=window, **extras)
+                out[r] = o.reshape(Hq, n, L, D).transpose(0, 1).to(out.dtype)
+                lse[r] = ls.reshape(Hq, n, L).transpose(0, 1)
         if self.own is not None:
             self.own.append(layer, k, v, pos)
-            o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer], causal=True)
+            o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer], causal=True,
+                             window=window, **extras)
             out, lse = merge_partials(out, lse, o, s)
         if self.group is not None:
             out, lse = merge_over_group(out, lse, self.group)

@@ -148,14 +148,9 @@ class Scheduler:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {prefill_chunk}")
         if request_timeout is not None and request_timeout <= 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
-        # The context cache's cascade attention (serving/cascade.py) is plain causal: a soft-cap or scale is
-        # refused, a sliding window served on sequences within it (LLM.run_without_windows).
-        hard = [e for e in llm.config.attention_extras if e != "sliding_window"]
-        if hard:
-            raise ValueError(f"the service does not run {llm.config.arch}'s {' / '.join(hard)} yet (its context cache "
-                             f"attends plain causal): run this model with `starshard infer` or LLM.generate")
-        if llm.config.attention_extras and llm.unwindowed is None:
-            llm.run_without_windows("the service")
+        # Sliding windows, soft-caps and scales run exactly: the prefill is the runner's, and the cascade
+        # attention (serving/cascade.py) takes each layer's. A model the LLM runs without its windows (--fp8
+        # attention) is held within its sliding window per request (LLM.check_length), as by LLM.generate.
         self.llm, self.config = llm, llm.config
         self.tokenizer = llm.tokenizer
         self.model_name = model_name

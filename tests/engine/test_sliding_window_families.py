@@ -163,10 +163,10 @@ def test_window_configs_as_transformers_and_refused():
 
 
 def test_paths_without_windows_hold_only_sequences_within_the_window(families):
-    """--fp8 attention and the service (its context cache's attention)
-    do not run a sliding window yet. They still run a model whose only extra is its window on sequences
-    within it, where the window hides nothing (as before issue 38), and refuse longer ones naming
-    sliding_window and the fix."""
+    """--fp8 attention does not run a sliding window yet. It still runs a model whose only extra is its
+    window on sequences within it, where the window hides nothing (as before issue 38), and refuses longer
+    ones naming sliding_window and the fix; the service on such an LLM alike. The service itself runs the
+    windows (tests/serving/test_windowed_service.py): it keeps them and takes the long prompt."""
     from starshard.serving.scheduler import Scheduler
 
     hf, path = families["qwen2"]
@@ -183,8 +183,10 @@ def test_paths_without_windows_hold_only_sequences_within_the_window(families):
         with pytest.raises(ValueError, match=r"prompt of 80 tokens \+ 4 new tokens exceeds the model's sliding window "
                                              rf"\(sliding_window=16\), and {what} does not run sliding windows yet"):
             llm.generate(long, max_new_tokens=4)
+    svc = Scheduler(llm, cache_bytes=1 << 20)  # the last: --fp8 attention
+    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(sliding_window=16\), and --fp8 att"):
+        svc.submit(svc.text_prompt(long), max_tokens=4, sampling=None, on_event=None)
     llm = LLM(path)
     svc = Scheduler(llm, cache_bytes=1 << 20)
-    assert llm.unwindowed == "the service"
-    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(sliding_window=16\), and the service"):
-        svc.submit(svc.text_prompt(long), max_tokens=4, sampling=None, on_event=None)
+    assert llm.unwindowed is None and any("window" in layer.attention.extras for layer in llm.model.layers)
+    svc.submit(svc.text_prompt(long), max_tokens=4, sampling=None, on_event=None)  # queued: no loop runs it

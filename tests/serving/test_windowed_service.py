@@ -1,0 +1,182 @@
+"""The service runs sliding-window models over their whole window (issue 38), exactly: prompts of 120
+tokens past windows of 16, the service's greedy tokens equal LLM.generate's (which runs the windows) for
+a new document (whole, and prefilled in chunks smaller and larger than the window), follow-ups that extend
+its entry (sharing all of the document, or only its first 90 tokens) and decode together, on a windowed
+Mistral, Gemma 2 (alternating windows, soft-caps, query_pre_attn_scalar) and Gemma 3 (local RoPE), in one
+process and over cp=2 ring and Star (gloo). The cascade attention itself (shared entry + own pool, with a
+window, soft-cap and scale) is checked against a float64 reference. CUDA graphs are CUDA-only: the eager
+cascade runs here (the captured step runs the same attend)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from starshard import LLM
+from starshard.config import ParallelConfig
+from starshard.engine.kv_cache import KVCache
+from starshard.runtime.prompt import Prompt
+from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
+from starshard.serving.scheduler import Scheduler
+from tests.engine.test_gemma import FAMILIES as GEMMA
+from tests.engine.test_sliding_window_families import FAMILIES as SWA
+from tests.helpers.hf_models import make_hf_model
+from tests.helpers.mp_harness import run_ranks
+from tests.helpers.service import submit
+
+transformers.logging.set_verbosity_error()
+
+MODELS = {"mistral": SWA["mistral"], **GEMMA}  # window 16 each
+DOC, PART, NEW = 120, 90, 6  # document tokens, the shorter shared prefix, new tokens per request
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 211, n)]
+
+
+def _prompts() -> dict[str, Prompt]:
+    """a: a new document; b, c: questions on all of it (one shape: one batched extend); d: on its first
+    PART tokens only (the entry's later keys hidden by position)."""
+    doc = _ids(0, DOC)
+    q = [_ids(10 + i, 7) for i in range(4)]
+    return dict(a=Prompt(doc + q[0], DOC), b=Prompt(doc + q[1], DOC), c=Prompt(doc + q[2], DOC),
+                d=Prompt(doc[:PART] + q[3], PART))
+
+
+def _tokens(events) -> list[int]:
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def _serve(llm, chunk: int) -> dict:
+    """The prompts through one Scheduler: a alone, then b, c, d together -> (tokens, cached tokens) each."""
+    p = _prompts()
+    svc = Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk)
+    svc.start()
+    try:
+        runs = {"a": submit(svc, p["a"], NEW)}
+        assert runs["a"][1].wait(120)
+        with svc._lock:  # all three arrive before the loop plans again: they decode together
+            runs |= {k: submit(svc, p[k], NEW) for k in "bcd"}
+        assert all(done.wait(120) for _, done in runs.values())
+    finally:
+        svc.shutdown()
+    return {k: (_tokens(ev), ev[-1].cached_tokens) for k, (ev, _) in runs.items()}
+
+
+def _check(served: dict, refs: dict, what) -> None:
+    assert {k: t for k, (t, _) in served.items()} == refs, what
+    assert {k: c for k, (_, c) in served.items()} == dict(a=0, b=DOC, c=DOC, d=PART), what
+
+
+def _refs(llm) -> dict:
+    return {k: llm.generate(p, max_new_tokens=NEW).token_ids for k, p in _prompts().items()}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    base = tmp_path_factory.mktemp("winserve")
+    return {name: make_hf_model(arch, base / name, eos_token_id=None, initializer_range=0.1, **kw)[1]
+            for name, (arch, kw) in MODELS.items()}
+
+
+def _reference(q, keys, vals, kpos, qpos, window, softcap, scale):
+    """float64 attention of each row over the keys at positions in (qpos - window, qpos]."""
+    g = q.shape[1] // keys.shape[1]
+    k, v = keys.double().repeat_interleave(g, 1), vals.double().repeat_interleave(g, 1)
+    s = torch.einsum("bhld,bhnd->bhln", q.double(), k) * scale
+    s = softcap * torch.tanh(s / softcap)
+    kp, qp = kpos[:, None, None, :], qpos[:, None, :, None]
+    return torch.softmax(s.masked_fill((kp > qp) | (kp <= qp - window), float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("L", [1, 5])
+def test_cascade_with_a_window_softcap_and_scale(L):
+    """Rows sharing all of an entry (shuffled, as a CP shard), 20 or 11 of its tokens, and a second
+    entry, each with 3 own tokens held: every row sees exactly its window of the union."""
+    torch.manual_seed(L)
+    B, Hq, Hkv, D, N, W = 4, 4, 2, 8, 37, 6
+    entries, ek, ev = [], [], []
+    for n in (N, 25):
+        perm = torch.randperm(n)
+        e = KVCache([0], 1, Hkv, D, n, torch.float32, "cpu")
+        k, v = torch.randn(1, Hkv, n, D), torch.randn(1, Hkv, n, D)
+        e.layer(0).append(k[:, :, perm], v[:, :, perm], perm)
+        entries.append(e), ek.append(k), ev.append(v)
+    on, prefix = [0, 0, 0, 1], [N, 20, 11, 25]
+    own = OwnKV([0], B, Hkv, D, 4 + L, torch.float32, "cpu")
+    old_k, old_v = torch.randn(B, Hkv, 3, D), torch.randn(B, Hkv, 3, D)
+    old_pos = torch.stack([torch.arange(p, p + 3) for p in prefix])
+    own.append(0, old_k, old_v, old_pos)
+    own.advance(3)
+    q, k, v = torch.randn(B, Hq, L, D), torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+    pos = torch.stack([torch.arange(p + 3, p + 3 + L) for p in prefix])
+    groups = [SharedGroup(entries[0], [0, 1, 2], prefix[:3], N), SharedGroup(entries[1], [3], prefix[3:], 25)]
+    out = CascadeAttention(groups, own).attend(0, q, k, v, pos, window=W, softcap=1.5, scale=0.3)
+    for b, (e, p) in enumerate(zip(on, prefix)):
+        keys = torch.cat([ek[e][:, :, :p], old_k[b : b + 1], k[b : b + 1]], 2)
+        vals = torch.cat([ev[e][:, :, :p], old_v[b : b + 1], v[b : b + 1]], 2)
+        kpos = torch.cat([torch.arange(p), old_pos[b], pos[b]])[None]
+        ref = _reference(q[b : b + 1], keys, vals, kpos, pos[b : b + 1], W, 1.5, 0.3)
+        assert (out[b : b + 1].double() - ref).abs().max() < 1e-5, (b, p)
+        # guard: without the window every row answers otherwise
+        wide = _reference(q[b : b + 1], keys, vals, kpos, pos[b : b + 1], 10**6, 1.5, 0.3)
+        assert (out[b : b + 1].double() - wide).abs().max() > 1e-3, b
+    with pytest.raises(ValueError, match="does not run sinks"):
+        CascadeAttention(groups, own).attend(0, q, k, v, pos, window=W, sinks=torch.zeros(Hq))
+
+
+def test_service_equals_generate_past_the_window(paths):
+    """Mistral: whole, in chunks of 8 (< window) and 40 (> window); Gemma 2 and 3 whole. The guard: the
+    same model without its windows answers otherwise, so the windows decide these tokens."""
+    for name, path in paths.items():
+        llm = LLM(path, progress=False)
+        refs = _refs(llm)
+        for chunk in (0, 8, 40) if name == "mistral" else (0,):
+            _check(_serve(llm, chunk), refs, (name, chunk))
+        llm.model.drop_windows()
+        assert _refs(llm) != refs, name
+
+
+def test_cascade_graph_step_with_windows(paths):
+    """The CUDA-graph step's eager twin (capture=False) on Gemma 2 (windows, soft-caps, scale): rows sharing
+    all of a 40-token entry and its first 30 tokens step like run_cascade, and each row's logits are the
+    model's own over its whole sequence (the windows hide most of the entry)."""
+    model = LLM(paths["gemma2"], progress=False).model
+    ids = torch.tensor([_ids(1, 40)])
+    entry = KVCache(model.layer_ids, 1, 2, 8, 40, torch.float32, "cpu")
+    with torch.inference_mode():
+        model(ids, cache=entry, last_only=True)
+        tok, pos = torch.tensor([[3], [4]]), torch.tensor([[40], [30]])
+        outs = []
+        for graph in (False, True):
+            pool = OwnKV(model.layer_ids, 2, 2, 8, 4, torch.float32, "cpu")
+            cascade = CascadeAttention([SharedGroup(entry, [0, 1], [40, 30], 40)], pool)
+            step = CascadeGraph(model, cascade, 2, "cpu", capture=False).step if graph else (
+                lambda t, p, c=cascade: run_cascade(model, t, p, c))
+            outs.append(torch.stack([step(tok, pos), step(tok + 1, pos + 1)]))
+        assert torch.allclose(outs[0], outs[1], atol=1e-5)
+        for b, n in enumerate((40, 30)):
+            seq = torch.cat([ids[:, :n], torch.tensor([[3 + b, 4 + b]])], 1)
+            want = model(seq)[0, -2:]
+            assert torch.allclose(outs[1][:, b], want, atol=1e-4), b
+
+
+def _cp_rank(rank, world, paths):
+    out = {}
+    for name, strategy, chunk in (("mistral", "ring", 0), ("mistral", "ring", 8), ("gemma2", "ring", 0),
+                                  ("gemma3", "ulysses", 0), ("mistral", "star", 0)):
+        llm = LLM(paths[name], progress=False, parallel=ParallelConfig(cp=world, cp_strategy=strategy))
+        refs = _refs(llm)
+        if rank == 0:
+            out[(name, strategy, chunk)] = (_serve(llm, chunk), refs)
+        else:
+            Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk).serve_forever()
+    return out
+
+
+def test_service_equals_generate_past_the_window_cp2(paths):
+    lead = run_ranks(_cp_rank, 2, paths)[0]
+    assert len(lead) == 5
+    for key, (served, refs) in lead.items():
+        _check(served, refs, key)
