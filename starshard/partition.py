@@ -161,8 +161,8 @@ def prefill_steps(end: int, chunk: int | None, knee: int | None = None, cp: int 
     align = taper_align(chunk, cp)
     steps, s = [], start
     while s < end:
-        h = held + s - start
-        rows = min(chunk, max(align, chunk * 2 * knee // (knee + h) // align * align))
+        rows = chunk * 2 * knee // (knee + held + s - start)
+        rows = chunk if rows >= chunk else min(chunk, max(align, rows // align * align))
         steps.append((s, min(s + rows, end)))
         s += rows
     return steps

@@ -86,12 +86,12 @@ class Workload:
     context_tokens: int | None = None  # the context part of the prompt; None = all but the last token
     max_new_tokens: int = 0  # decode budget: KV for these is preallocated
     prefill_chunk: int | None = None  # rows per prefill forward (None: the whole prompt; pp > 1 picks chunks)
-    prefill_knee: int | None = None  # the chunks' taper (partition.prefill_steps; None: uniform chunks)
     dtype_bytes: int = 2
     batch: int = 1
     fp8_kv: bool = False  # --fp8 kv: e4m3 k / v plus a float32 scale per (KV head, token)
     fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
     fp8_experts: bool = False  # --fp8 experts: e4m3 expert weights plus a float32 scale per expert row
+    prefill_knee: int | None = None  # the chunks' taper (partition.prefill_steps; None: uniform chunks)
 
     def __post_init__(self):
         if self.prompt_tokens < 1:
