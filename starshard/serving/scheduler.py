@@ -167,9 +167,11 @@ class Scheduler:
             except ValueError as e:
                 log.info("--prefill-chunk %d: each prompt is prefilled whole (%s)", prefill_chunk, e)
                 self.prefill_chunk = 0
-        # A model served without its windows (run_without_windows) attends globally on every layer.
-        knee_config = self.config if llm.unwindowed is None else replace(self.config, sliding_window=None)
-        self.prefill_knee = prefill_knee(knee_config) if prefill_taper and self.prefill_chunk else None
+        self.prefill_knee = None  # the chunks' taper (partition.prefill_steps)
+        if prefill_taper and self.prefill_chunk:
+            # A model served without its windows (run_without_windows) attends globally on every layer.
+            cfg = self.config if llm.unwindowed is None else replace(self.config, sliding_window=None)
+            self.prefill_knee = prefill_knee(cfg)
         self.request_timeout = request_timeout
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.tiers: Tiers | None = None

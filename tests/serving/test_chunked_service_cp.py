@@ -79,13 +79,13 @@ def _rank(rank, world, strategy):
         assert runs["c"][1].wait(120)
         seen["ticket"] = submit("d", d, 4)
         assert runs["d"][1].wait(120)
-        after_cd = [svc.cache.used(r) for r in range(world)]
         submit("e", e, 4)
         assert runs["e"][1].wait(120)
     finally:
         svc.shutdown()
     tokens = {k: [e.token_id for e in ev if e.token_id is not None] for k, (ev, _) in runs.items()}
-    return dict(used=[svc.cache.used(r) for r in range(world)], before=before, after_cd=after_cd,
+    e_bytes = ex.entry_rank_bytes(len(e.ids), e.context_len, CHUNK, svc.prefill_knee)
+    return dict(used=[svc.cache.used(r) for r in range(world)], before=before, e_bytes=e_bytes,
                 filling=len(ex.filling),
                 rows=len(ex.rows), tokens=tokens, refs=refs, log=list(svc.step_log),
                 last={k: ev[-1] for k, (ev, _) in runs.items()}, health=svc.health())
@@ -109,7 +109,8 @@ def test_chunked_service_cp2(cp2, strategy):
     c, d = lead["last"]["c"], lead["last"]["d"]
     assert c.error_code == "failed" and "rank 1" in c.error and not tokens["c"]
     assert d.finish_reason == "cancelled" and not tokens["d"]
-    assert lead["health"] is None and lead["after_cd"] == lead["before"]  # a and b's entries only
+    assert lead["health"] is None  # a and b's entries and e's, the tapered layout's shards:
+    assert lead["used"] == [n + m for n, m in zip(lead["before"], lead["e_bytes"])]
     assert tokens["e"] == refs["e_whole"]  # tapered steps: the whole prefill's tokens
     assert refs["e_steps"] > refs["e_uniform"] and len([1 for k, r in log if k == "P" and r == 5]) == refs["e_steps"]
     for res in ranks:  # every rank dropped c's and d's filling entries, then took e's
