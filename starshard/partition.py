@@ -1,6 +1,7 @@
 """Partition rules that need only the model config: which heads and rows a tensor-parallel rank holds,
 how layers split into pipeline stages, a prefill's steps (tapered after a knee), how Star cuts the
-context into blocks, APB's default anchor / passing sizes, and the real rows of each CP rank's sequence shard (zigzag, contiguous, USP).
+context into blocks, APB's default anchor / passing sizes, and the real rows of each CP rank's
+sequence shard (zigzag, contiguous, USP).
 
 Pure arithmetic, no torch and nothing above config: the memory planner and the runtime both read
 these, so the plan never re-implements a rule the runtime follows.

@@ -182,7 +182,8 @@ class Scheduler:
                                  "depend on the question and are never reused, so they are not tiered; drop those "
                                  "flags or serve with another --cp-strategy")
             ex = self.executor
-            key = server_key(llm, ex.dtype, self.prefill_chunk, self.prefill_knee) if tiers.disk_dir is not None else None
+            key = (server_key(llm, ex.dtype, self.prefill_chunk, self.prefill_knee) if tiers.disk_dir is not None
+                   else None)
             self.tiers = ex.tiers = Tiers(tiers, ranks=ex.cp, cp_rank=ex.cp_rank, token_bytes=ex.token_bytes(),
                                           key=key, control=self.control)
         self._lock = threading.Condition()
@@ -626,7 +627,8 @@ class Scheduler:
         if req is None:
             return None
         L, chunk = len(req.ids), self.prefill_chunk
-        bounds = self.llm.runner.prefill_bounds(L, req.prompt.context_len, chunk, self.prefill_knee) if chunk else [(0, L)]
+        bounds = [(0, L)] if not chunk else self.llm.runner.prefill_bounds(L, req.prompt.context_len, chunk,
+                                                                            self.prefill_knee)
         if len(bounds) == 1 and len(self._running) >= self.max_batch:
             return None  # it joins the batch in this very step
         victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, running=self.executor.pool_rows()))

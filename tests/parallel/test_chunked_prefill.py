@@ -421,7 +421,8 @@ def test_prefill_knee():
 
 
 def test_tapered_star_steps_keep_block_cuts():
-    for L, C, chunk, block, anchor, knee in [(41, 35, 5, 9, 3, 4), (200, 190, 16, 60, 20, 8), (200, 190, 16, 60, 60, 8)]:
+    for L, C, chunk, block, anchor, knee in [(41, 35, 5, 9, 3, 4), (200, 190, 16, 60, 20, 8),
+                                             (200, 190, 16, 60, 60, 8)]:
         options = {"block_size": block, "anchor_size": anchor}
         bounds = get_spec("star").prefill_bounds(2, L, C, options, chunk, knee)
         assert bounds[0][0] == 0 and bounds[-1][1] == L and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))

@@ -8,9 +8,10 @@ Every later step, whatever the strategy:
 - per attention layer each rank stores its real rows' KV, all-gathers the step's queries (queries
   move, never the cached keys: O(chunk) bytes per layer whatever the prefix), attends them against
   its own stored keys causally by position (the earlier steps' keys all precede the step: no mask,
-  so the fused kernel; its own keys masked by position), and an all-to-all hands each rank the cp partials of its
-  own rows, merged by log-sum-exp. Every visible key is stored on exactly one rank, so the result is
-  exact for ring, Ulysses and USP, local layers too (their window masks each rank's keys by position).
+  so the fused kernel; its own keys masked by position), and an all-to-all hands each rank the cp
+  partials of its own rows, merged by log-sum-exp. Every visible key is stored on exactly one rank,
+  so the result is exact for ring, Ulysses and USP, local layers too (their window masks each rank's
+  keys by position).
 - Star: a step in block j > 0 must not see the stored keys between the anchor and its block
   (`ContextStrategy.chunk_hidden`); a rank's stored positions increase row by row (steps in order,
   zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`) by
