@@ -1,6 +1,7 @@
 """Partition rules that need only the model config: which heads and rows a tensor-parallel rank holds,
-how layers split into pipeline stages, how Star cuts the context into blocks, APB's default
-anchor / passing sizes, and the real rows of each CP rank's sequence shard (zigzag, contiguous, USP).
+how layers split into pipeline stages, a prefill's steps (tapered after a knee), how Star cuts the
+context into blocks, APB's default anchor / passing sizes, and the real rows of each CP rank's
+sequence shard (zigzag, contiguous, USP).
 
 Pure arithmetic, no torch and nothing above config: the memory planner and the runtime both read
 these, so the plan never re-implements a rule the runtime follows.
@@ -124,6 +125,48 @@ def star_blocks(context_len: int, block_size: int, cp: int) -> list[list[tuple[i
     for i, b in enumerate(bounds):
         per_rank[i * cp // n].append(b)
     return per_rank
+
+
+# ---------------------------------------------------------------------------- prefill steps
+TAPER_ROWS_PER_RANK = 256
+
+
+def taper_align(chunk: int, cp: int = 1) -> int:
+    """The unit of a tapered schedule's steps: 256 rows per CP rank (a rank's two zigzag halves stay whole
+    128-row query tiles of the attention kernels, and the smallest step still dwarfs a step's fixed costs:
+    launches, the CP collectives, the decode step between), at most chunk / 8 (a small chunk still tapers),
+    a multiple of 2 x cp (the zigzag's halves: no padding rows)."""
+    unit = 2 * cp
+    return max(unit, min(TAPER_ROWS_PER_RANK * cp, chunk // 8 // unit * unit))
+
+
+def prefill_steps(end: int, chunk: int | None, knee: int | None = None, cp: int = 1, start: int = 0,
+                  held: int = 0) -> list[tuple[int, int]]:
+    """[s, e) of each prefill step over prompt positions [start, end), `held` tokens visible before `start`.
+
+    `chunk` tokens a step (None or 0: one step). With `knee` K (strategies/flops.py prefill_knee; None: no
+    taper) later steps shrink: per CP rank a step of r rows after h visible tokens costs about
+    r * (1 + (h + r/2) / K) token-linears (its linear layers, plus attention over the held keys), so a step
+    at h = held + s - start takes rows(h) = min(chunk, chunk * 2K / (K + h)) floored to taper_align(chunk,
+    cp), never fewer: no step costs more than a chunk-token step after K held tokens, about twice the first.
+    The one schedule every layout derives from the chunk (runners, StrategySpec.prefill_bounds / rank_rows,
+    the service); pure arithmetic."""
+    if chunk is not None and chunk < 0:
+        raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {chunk}")
+    if knee is not None and knee < 1:
+        raise ValueError(f"the prefill taper's knee must be >= 1 token, got {knee}")
+    if not chunk:
+        return [(start, end)] if end > start else []
+    if knee is None:
+        return [(s, min(s + chunk, end)) for s in range(start, end, chunk)]
+    align = taper_align(chunk, cp)
+    steps, s = [], start
+    while s < end:
+        rows = chunk * 2 * knee // (knee + held + s - start)
+        rows = chunk if rows >= chunk else min(chunk, max(align, rows // align * align))
+        steps.append((s, min(s + rows, end)))
+        s += rows
+    return steps
 
 
 # ---------------------------------------------------------------------------- APB

@@ -91,6 +91,7 @@ class Workload:
     fp8_kv: bool = False  # --fp8 kv: e4m3 k / v plus a float32 scale per (KV head, token)
     fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
     fp8_experts: bool = False  # --fp8 experts: e4m3 expert weights plus a float32 scale per expert row
+    prefill_knee: int | None = None  # the chunks' taper (partition.prefill_steps; None: uniform chunks)
 
     def __post_init__(self):
         if self.prompt_tokens < 1:

@@ -87,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "CUDA, 0 on CPU; APB always prefills whole). Smaller chunks shorten the other streams' longest "
                      "gap and cost prefill time: an 8B model's 128K prefill took 1.30x / 1.09x / 1.02x the whole "
                      "prompt's time at 2048 / 4096 / 8192 on one H200")
+    eng.add_argument("--prefill-taper", action=argparse.BooleanOptionalAction, default=True,
+                     help="later chunks of a document take fewer tokens as the prefix before them grows (a chunk's "
+                     "attention grows with it), so that no step costs more than about twice the first: full chunks up "
+                     "to the model's knee (the prefix at which a token's attention FLOPs over the global layers equal "
+                     "its linear FLOPs, ~26K tokens for Llama-3.1-8B), then chunk x 2 knee / (knee + prefix) tokens, "
+                     "in units of 256 x cp. --no-prefill-taper: every chunk --prefill-chunk tokens (default: on)")
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
@@ -210,7 +216,7 @@ def main(argv=None) -> int:
                                           or "SmolLM2-135M-Instruct")
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
                             max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs,
-                            prefill_chunk=chunk,
+                            prefill_chunk=chunk, prefill_taper=args.prefill_taper,
                             request_timeout=args.request_timeout, tiers=args.tiers)
     except (LayoutError, CheckpointError, ValueError, DiskTierLocked) as e:
         if lead:
@@ -244,8 +250,9 @@ def serve_lead(service, args, cache_bytes: int) -> int:
                 return
             failed.wait(0.5)
 
-    log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d; prefill chunk %s", cache_bytes / 2**30,
-             args.max_batch, args.max_queue, service.prefill_chunk or "whole")
+    log.info("context cache: %.2f GiB per rank; batch up to %d, queue %d; prefill chunk %s%s", cache_bytes / 2**30,
+             args.max_batch, args.max_queue, service.prefill_chunk or "whole",
+             f", tapered after {service.prefill_knee} held tokens" if service.prefill_knee else "")
     tiers = args.tiers
     if tiers.any:
         host = f"{tiers.host_bytes / 2**30:.2f} GiB" if tiers.host_bytes else "off"

@@ -11,13 +11,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from starshard.partition import prefill_steps
 
-def chunk_bounds(length: int, chunk: int | None) -> list[tuple[int, int]]:
-    """[start, end) of each prefill chunk; every stage derives the same list from the prompt length."""
+
+def chunk_bounds(length: int, chunk: int | None, knee: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) of each prefill chunk (partition.prefill_steps: tapered after `knee` held tokens, None:
+    uniform); every stage derives the same list from the prompt length."""
     if chunk is not None and chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {chunk}")
-    chunk = chunk or length
-    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+    return prefill_steps(length, chunk or length, knee)
 
 
 class StageLink:

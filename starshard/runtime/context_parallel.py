@@ -89,11 +89,12 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
         cache.next_position = L  # padding rows may carry positions past the prompt
         return logits, owner
 
-    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
+    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None,
+                       knee: int | None = None) -> list[tuple[int, int]]:
         """The strategy's steps (StrategySpec.prefill_bounds: Star also cuts at its block ends, APB
         refuses a chunk)."""
         s = self.strategy
-        bounds = s.prefill_bounds(prompt_len, context_len, chunk)
+        bounds = s.prefill_bounds(prompt_len, context_len, chunk, knee)
         if len(bounds) > 1:
             self._refuse_pipeline()
             if any(getattr(layer.attention, "sparse", None) is not None for layer in self.model.layers):
@@ -172,7 +173,7 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
             return self._forward(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)
 
     def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None,
-                   chunk: int | None = None) -> int:
+                   chunk: int | None = None, knee: int | None = None) -> int:
         """Each rank holds its shard, not the sequence. Given the prompt: exactly the rows this rank's
         prefill keeps (StrategySpec.rank_rows), plus the decode tokens (`tokens - prompt_len`) on the
         query rank, the only one that stores them. Without it: 1/cp of the tokens plus room for decode
@@ -180,7 +181,7 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
         s = self.strategy
         if prompt_len is None:
             return tokens if s.cp == 1 else -(-tokens // s.cp) + 256
-        rows = s.rank_rows(prompt_len, prompt_len if context_len is None else context_len, chunk)[s.rank]
+        rows = s.rank_rows(prompt_len, prompt_len if context_len is None else context_len, chunk, knee)[s.rank]
         return max(1, rows + (tokens - prompt_len if s.is_query_rank else 0))
 
     def decode_is_local(self) -> bool:

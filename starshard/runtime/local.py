@@ -23,36 +23,40 @@ class LocalRunner:
         self._graph = None
 
     def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None,
-                   chunk: int | None = None) -> int:
+                   chunk: int | None = None, knee: int | None = None) -> int:
         """KV rows this process allocates for a sequence of `tokens` (all of them, on one process);
         `prompt_len` / `context_len`: the prompt it starts with, where known (a CP rank's shard);
-        `chunk`: its prefill's step size (prefill_bounds), which lays out a CP rank's shard."""
+        `chunk` / `knee`: its prefill's steps (prefill_bounds), which lay out a CP rank's shard."""
         return tokens
 
     def new_cache(self, capacity: int, prompt_len: int | None = None, context_len: int | None = None,
-                  chunk: int | None = None) -> KVCache:
+                  chunk: int | None = None, knee: int | None = None) -> KVCache:
         """A cache for `capacity` tokens; given the prompt (its length and document part), a CP rank
         allocates exactly its shard plus, on the query rank, the rest of `capacity` for decode."""
         m = self.model
         norm = m.layers[0].attention_norm.weight  # the compute dtype and device (wo may hold FP8 weights)
-        rows = self.cache_rows(capacity, prompt_len, context_len, chunk)
+        rows = self.cache_rows(capacity, prompt_len, context_len, chunk, knee)
         return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, rows,
                        norm.dtype, norm.device, fp8=self.kv_fp8)
 
-    def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
-        """Run the whole prompt, `chunk` tokens a step (None or 0: one step) -> first new token."""
+    def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None,
+                knee: int | None = None):
+        """Run the whole prompt, `chunk` tokens a step (None or 0: one step; tapered after `knee`) -> first
+        new token."""
         tok = None
-        for start, end in self.prefill_bounds(len(prompt.ids), prompt.context_len, chunk):
+        for start, end in self.prefill_bounds(len(prompt.ids), prompt.context_len, chunk, knee):
             tok = self.prefill_step(prompt, cache, start, end, sampling, gen)
         return tok
 
-    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
+    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None,
+                       knee: int | None = None) -> list[tuple[int, int]]:
         """The prompt positions [start, end) of each prefill step, in order: `chunk` tokens each,
-        counted over the whole prompt (None or 0: the whole prompt in one step). The service runs
-        them one at a time between decode steps; `prefill` runs them back to back."""
+        counted over the whole prompt (None or 0: the whole prompt in one step), later ones tapered
+        after `knee` held tokens (partition.prefill_steps; None: uniform). The service runs them one at
+        a time between decode steps; `prefill` runs them back to back."""
         if chunk is not None and chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {chunk}")
-        return chunk_bounds(prompt_len, chunk or None)
+        return chunk_bounds(prompt_len, chunk or None, knee)
 
     def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig, gen):
         """Run prompt tokens [start, end) on a cache that holds [0, start) -> the first new token [1]

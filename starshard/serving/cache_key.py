@@ -94,7 +94,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 class CacheKey:
     """Everything a KV shard's bytes depend on besides the tokens and the rank. `options`: the context
     strategy's options as its StrategySpec reads them (`strategy.spec_options()`), sorted pairs.
-    `prefill_chunk`: set only where it changes the shard's layout (a CP rank's rows depend on the step)."""
+    `prefill_chunk`, `prefill_knee` (its taper): set only where they change the shard's layout (a CP rank's
+    rows depend on the steps)."""
 
     model: str
     dtype: str
@@ -105,11 +106,14 @@ class CacheKey:
     strategy: str = "dense"
     options: tuple[tuple[str, Any], ...] = ()
     prefill_chunk: int | None = None
+    prefill_knee: int | None = None
     format_version: int = FORMAT_VERSION
 
     def fields(self) -> dict:
         """The key as JSON-ready fields (what a file's header stores)."""
         d = dataclasses.asdict(self)
+        if d["prefill_knee"] is None:
+            del d["prefill_knee"]  # uniform steps: the key (and digest) files written before the taper carry
         d["fp8"] = list(self.fp8)
         d["options"] = [list(kv) for kv in self.options]
         return d
@@ -137,12 +141,13 @@ class CacheKey:
     def describe(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         return (f"model {self.model[:12]} {self.dtype} fp8={','.join(self.fp8) or 'none'} tp={self.tp} cp={self.cp} "
-                f"pp={self.pp} {self.strategy}({opts}) chunk={self.prefill_chunk} v{self.format_version}")
+                f"pp={self.pp} {self.strategy}({opts}) chunk={self.prefill_chunk} knee={self.prefill_knee} "
+                f"v{self.format_version}")
 
 
 def cache_key(model: str, *, dtype: torch.dtype | str, fp8: Fp8Config | str | None = None, tp: int = 1,
               cp: int = 1, pp: int = 1, strategy: str = "dense", options: dict | None = None,
-              prefill_chunk: int | None = None) -> CacheKey:
+              prefill_chunk: int | None = None, prefill_knee: int | None = None) -> CacheKey:
     """The key of a server: `model` from model_fingerprint, `options` from `strategy.spec_options()`
     (None values dropped: unset is the strategy's default, resolved into the values it reports)."""
     opts = tuple(sorted((str(k), v) for k, v in (options or {}).items() if v is not None))
@@ -151,7 +156,7 @@ def cache_key(model: str, *, dtype: torch.dtype | str, fp8: Fp8Config | str | No
             raise ValueError(f"cache key: strategy option {k}={v!r} is not a plain value (int, float, str, bool)")
     return CacheKey(model=model, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
                     fp8=tuple(Fp8Config.parse(fp8).items()), tp=tp, cp=cp, pp=pp, strategy=strategy,
-                    options=opts, prefill_chunk=prefill_chunk)
+                    options=opts, prefill_chunk=prefill_chunk, prefill_knee=prefill_knee)
 
 
 def token_digest(token_ids) -> str:

@@ -184,10 +184,12 @@ class Executor:
         """KV bytes of one token in the own-KV pool: always the compute dtype (cascade.OwnKV)."""
         return len(self.model.layers) * (2 * self.kv_heads * self.head_dim * self.dtype.itemsize + 8)
 
-    def entry_rank_bytes(self, prompt_len: int, context_len: int, chunk: int | None = None) -> list[int]:
+    def entry_rank_bytes(self, prompt_len: int, context_len: int, chunk: int | None = None,
+                         knee: int | None = None) -> list[int]:
         """What a prefilled entry of this prompt allocates on each CP rank: exactly its shard
-        (StrategySpec.rank_rows; the runner allocates the same rows), prefilled `chunk` tokens a step."""
-        rows = [prompt_len] if self.strategy is None else self.strategy.rank_rows(prompt_len, context_len, chunk)
+        (StrategySpec.rank_rows; the runner allocates the same rows), prefilled `chunk` tokens a step,
+        tapered after `knee` held tokens."""
+        rows = [prompt_len] if self.strategy is None else self.strategy.rank_rows(prompt_len, context_len, chunk, knee)
         return [max(1, n) * self.token_bytes() for n in rows]
 
     def entry_bytes(self, n_tokens: int) -> int:
@@ -522,10 +524,10 @@ class Executor:
             self._check_memory(need)
             return st, need
         L = op.prompt_len
-        rank_bytes = self.entry_rank_bytes(L, op.context_len, op.chunk)
+        rank_bytes = self.entry_rank_bytes(L, op.context_len, op.chunk, op.knee)
         need = rank_bytes[self.cp_rank] + max(self.work_bytes(rows), pool)
         self._check_memory(need)
-        kv = self.runner.new_cache(L, L, op.context_len, op.chunk)  # exactly this rank's shard, chunked layout
+        kv = self.runner.new_cache(L, L, op.context_len, op.chunk, op.knee)  # exactly this rank's shard, chunked layout
         entry = CacheEntry(op.entry, np.asarray(op.ids, dtype=np.int64), kv, max(rank_bytes), rank_bytes=rank_bytes,
                            filling=True)
         return _Admission(op, kv=kv, rank_bytes=rank_bytes, entry=entry, gen=self._gen(op.sampling.seed),

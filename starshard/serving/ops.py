@@ -80,6 +80,7 @@ class PrefillChunk:
     start: int
     end: int
     chunk: int  # the prefill's step size (the shard layout depends on it)
+    knee: int | None  # the steps' taper (partition.prefill_steps; the layout depends on it too); None: uniform
     prompt_len: int
     ids: list[int] | None  # the whole prompt on the first chunk; None after (every rank kept it)
     max_tokens: int

@@ -32,7 +32,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -46,6 +46,7 @@ from starshard.serving.executor import RELOAD_FAILED, Executor
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
 from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.strategies import get_spec
+from starshard.strategies.flops import prefill_knee
 
 log = logging.getLogger("starshard.serve")
 
@@ -130,14 +131,17 @@ class Scheduler:
     cache_bytes: the context cache's budget per rank; max_batch: requests decoding together;
     max_queue: requests waiting beyond the batch before submit() answers QueueFull.
     prefill_chunk: prompt tokens one prefill step runs (0: the whole prompt); a document's chunks take
-    turns with the batch's decode steps. request_timeout: seconds from arrival after which a request
+    turns with the batch's decode steps; prefill_taper: later chunks shrink as the held prefix grows, so that no
+    step costs more than about twice the first (partition.prefill_steps, knee from the model's FLOPs; False:
+    uniform chunks). request_timeout: seconds from arrival after which a request
     ends with an error (code "timeout") and is freed; None: no limit. tiers: the host and disk tiers'
     budgets per rank (serving/tiers.py; None: the device only).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
                  max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True,
-                 prefill_chunk: int = 0, request_timeout: float | None = None, tiers: TierConfig | None = None):
+                 prefill_chunk: int = 0, prefill_taper: bool = True, request_timeout: float | None = None,
+                 tiers: TierConfig | None = None):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
             raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
@@ -169,6 +173,11 @@ class Scheduler:
             except ValueError as e:
                 log.info("--prefill-chunk %d: each prompt is prefilled whole (%s)", prefill_chunk, e)
                 self.prefill_chunk = 0
+        self.prefill_knee = None  # the chunks' taper (partition.prefill_steps)
+        if prefill_taper and self.prefill_chunk:
+            # A model served without its windows (run_without_windows) attends globally on every layer.
+            cfg = self.config if llm.unwindowed is None else replace(self.config, sliding_window=None)
+            self.prefill_knee = prefill_knee(cfg)
         self.request_timeout = request_timeout
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.tiers: Tiers | None = None
@@ -179,7 +188,8 @@ class Scheduler:
                                  "depend on the question and are never reused, so they are not tiered; drop those "
                                  "flags or serve with another --cp-strategy")
             ex = self.executor
-            key = server_key(llm, ex.dtype, self.prefill_chunk) if tiers.disk_dir is not None else None
+            key = (server_key(llm, ex.dtype, self.prefill_chunk, self.prefill_knee) if tiers.disk_dir is not None
+                   else None)
             self.tiers = ex.tiers = Tiers(tiers, ranks=ex.cp, cp_rank=ex.cp_rank, token_bytes=ex.token_bytes(),
                                           key=key, control=self.control)
         self._lock = threading.Condition()
@@ -415,7 +425,8 @@ class Scheduler:
         own-KV pool rebuilt with it (its own tokens outside the entry and max_tokens) while the old pool
         and its own tokens' KV are still held. `running`: the running rows' (own tokens, remaining)."""
         ex, L = self.executor, len(prompt.ids)
-        need = [0] * ex.cp if prefix else ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None)
+        need = [0] * ex.cp if prefix else ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None,
+                                                              self.prefill_knee)
         own = L - prefix if prefix else 0  # a prefill's tokens (Star's question too) are in its entry
         running = list(running)
         need[ex.query_rank] += (ex.pool_bytes(running + [(own, max_tokens - 1)]) + ex.pool_bytes(running)
@@ -429,7 +440,8 @@ class Scheduler:
         if ex.strategy is None or ex.cp == 1:
             what = f"{sizes} GiB (its KV: {L} tokens, and {max_tokens} new tokens)"
         else:
-            pool = need[ex.query_rank] - ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None)[ex.query_rank]
+            entry = ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None, self.prefill_knee)
+            pool = need[ex.query_rank] - entry[ex.query_rank]
             what = (f"per rank {sizes} GiB (entry shard of {L} tokens over cp={ex.cp} {ex.strategy.name}; rank "
                     f"{ex.query_rank} also holds {max_tokens} new tokens: {pool / gib:.3g} GiB)")
         fixes = [f"start with --cache-gib {math.ceil(max(need) / gib * 10) / 10:.1f}"]
@@ -450,7 +462,8 @@ class Scheduler:
             options.pop("query_rank")  # the default: the last rank of the wider group
         pool = ex.pool_bytes([(0, max_tokens - 1)])
         for cp in (2 * ex.cp, 4 * ex.cp, 8 * ex.cp):
-            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options, self.prefill_chunk or None)
+            rows = get_spec(ex.strategy.name).rank_rows(cp, L, prompt.context_len, options, self.prefill_chunk or None,
+                                                        self.prefill_knee)
             worst = max(max(rows) * ex.token_bytes(), rows[options.get("query_rank", cp - 1)] * ex.token_bytes() + pool)
             if worst <= self.cache.budget:
                 return cp, worst
@@ -702,7 +715,8 @@ class Scheduler:
         if req is None:
             return None
         L, chunk = len(req.ids), self.prefill_chunk
-        bounds = self.llm.runner.prefill_bounds(L, req.prompt.context_len, chunk) if chunk else [(0, L)]
+        bounds = [(0, L)] if not chunk else self.llm.runner.prefill_bounds(L, req.prompt.context_len, chunk,
+                                                                            self.prefill_knee)
         if len(bounds) == 1 and len(self._running) >= self.max_batch:
             return None  # it joins the batch in this very step
         victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, running=self.executor.pool_rows()))
@@ -749,6 +763,7 @@ class Scheduler:
             req.running = True
             self._running[req.rid] = req
         return PrefillChunk(rid=req.rid, entry=req.entry, start=start, end=end, chunk=self.prefill_chunk,
+                            knee=self.prefill_knee,
                             prompt_len=len(req.ids), ids=req.prompt.ids if start == 0 else None,
                             max_tokens=req.max_tokens, sampling=req.sampling, context_len=req.prompt.context_len,
                             head_len=req.prompt.head_len)

@@ -52,10 +52,10 @@ class TierConfig:
         return bool(self.host_bytes) or self.disk_dir is not None
 
 
-def server_key(llm, dtype, chunk: int) -> CacheKey:
+def server_key(llm, dtype, chunk: int, knee: int | None = None) -> CacheKey:
     """What this server's shards depend on: the model (its weight files sampled, or the random weights'
     preset and seed), the compute dtype and FP8 parts, tp / cp / the strategy and its options, and the
-    prefill chunk where it lays a CP rank's shard out."""
+    prefill chunk and its taper's knee where they lay a CP rank's shard out."""
     if llm.path is not None:
         model = model_fingerprint(llm.config, weights_path=llm.path)
     else:
@@ -65,7 +65,8 @@ def server_key(llm, dtype, chunk: int) -> CacheKey:
     return cache_key(model, dtype=dtype, fp8=llm.fp8, tp=llm.parallel.tp, cp=cp, pp=llm.parallel.pp,
                      strategy="dense" if strategy is None else strategy.name,
                      options={} if strategy is None else strategy.spec_options(),
-                     prefill_chunk=(chunk or None) if cp > 1 else None)
+                     prefill_chunk=(chunk or None) if cp > 1 else None,
+                     prefill_knee=knee if cp > 1 and chunk else None)
 
 
 class Tiers:

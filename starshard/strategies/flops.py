@@ -69,6 +69,16 @@ def attention_flops_per_pair(cfg: ModelConfig) -> float:
     return 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers
 
 
+def prefill_knee(cfg: ModelConfig) -> int | None:
+    """Held tokens at which a prompt token's attention FLOPs (over the global-attention layers: a local
+    layer's window does not grow with the prefix) equal its linear FLOPs: the knee of the tapered prefill
+    schedule (partition.prefill_steps). None for a model without a global layer (no step grows)."""
+    glob = sum(cfg.layer_window(i) is None for i in range(cfg.num_layers))
+    if glob == 0:
+        return None
+    return round(linear_flops_per_token(cfg) / (attention_flops_per_pair(cfg) * glob / cfg.num_layers))
+
+
 def causal_pairs(n: int) -> int:
     return n * (n + 1) // 2
 

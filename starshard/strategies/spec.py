@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from starshard.config import ModelConfig
-from starshard.partition import zigzag_rows
+from starshard.partition import prefill_steps, zigzag_rows
 from starshard.strategies.flops import PrefillFlops
 
 
@@ -98,16 +98,17 @@ class StrategySpec:
         raise NotImplementedError
 
     def prefill_bounds(self, cp: int, prompt_len: int, context_len: int, options: dict,
-                       chunk: int | None) -> list[tuple[int, int]]:
+                       chunk: int | None, knee: int | None = None) -> list[tuple[int, int]]:
         """The prompt positions [start, end) of each prefill step: `chunk` tokens each, counted over the
-        whole prompt (None or 0: the whole prompt in one step). The runner and rank_rows follow it."""
+        whole prompt (None or 0: the whole prompt in one step), later steps tapered after `knee` held
+        tokens (partition.prefill_steps; None: uniform). The runner and rank_rows follow it."""
         if chunk is not None and chunk < 0:
             raise ValueError(f"--prefill-chunk must be >= 0 tokens (0: the whole prompt), got {chunk}")
         if chunk and not self.chunked_prefill:
             raise ValueError(self.chunk_error())
         if not chunk or chunk >= prompt_len:
             return [(0, prompt_len)]
-        return [(s, min(s + chunk, prompt_len)) for s in range(0, prompt_len, chunk)]
+        return prefill_steps(prompt_len, chunk, knee, cp)
 
     def chunk_error(self) -> str:
         """Why it refuses --prefill-chunk (where chunked_prefill is False)."""
@@ -123,11 +124,11 @@ class StrategySpec:
         options = {k: v for k, v in (("block_size", lay.block_size), ("anchor_size", lay.anchor_size),
                                      ("query_rank", lay.query_rank)) if v is not None}
         L, C = w.prompt_tokens, w.context
-        bounds = self.prefill_bounds(lay.cp, L, C, options, w.prefill_chunk)
+        bounds = self.prefill_bounds(lay.cp, L, C, options, w.prefill_chunk, w.prefill_knee)
         if len(bounds) == 1:
             return None
         q = query_rank(lay.cp, options)
-        rows = self.rank_rows(lay.cp, L, C, options, w.prefill_chunk)
+        rows = self.rank_rows(lay.cp, L, C, options, w.prefill_chunk, w.prefill_knee)
         kept = max(n + (w.max_new_tokens if r == q else 0) for r, n in enumerate(rows))
         first, flight = self.first_step_rows(lay, w, bounds[0][1])
         step = max(2 * -(-(e - s) // (2 * lay.cp)) for s, e in bounds[1:])
@@ -140,14 +141,14 @@ class StrategySpec:
         return rows, flight
 
     def rank_rows(self, cp: int, prompt_len: int, context_len: int, options: dict,
-                  chunk: int | None = None) -> list[int]:
+                  chunk: int | None = None, knee: int | None = None) -> list[int]:
         """KV rows each CP rank keeps for one prompt's prefill (real tokens: padding is never stored):
         its entry shard, plus on the query rank the query tokens where the strategy's query phase
         stores them (Star, APB). `context_len`: the prompt's document part (the exact strategies run
         the whole prompt and ignore it); `options`: field -> value of the options given; `chunk`: the
-        prefill's step size (prefill_bounds), which lays the shards out step by step. The runner sizes
-        each rank's cache by it and the service admits by it."""
-        bounds = self.prefill_bounds(cp, prompt_len, context_len, options, chunk)
+        prefill's step size and `knee` its taper (prefill_bounds), which lay the shards out step by step.
+        The runner sizes each rank's cache by it and the service admits by it."""
+        bounds = self.prefill_bounds(cp, prompt_len, context_len, options, chunk, knee)
         if len(bounds) == 1:
             return self.whole_rows(cp, prompt_len, context_len, options)
         return self.chunked_rows(cp, prompt_len, context_len, options, bounds)

@@ -3,7 +3,7 @@ first tokens), then the query attends every rank's blocks, merged by lse."""
 from __future__ import annotations
 
 from starshard.config import ModelConfig
-from starshard.partition import star_blocks, star_sizes, zigzag_rows
+from starshard.partition import prefill_steps, star_blocks, star_sizes, zigzag_rows
 from starshard.strategies.flops import PrefillFlops, add_query_phase, causal_pairs, check_sizes, rank_flops
 from starshard.strategies.spec import ANCHOR_SIZE, NUM_BLOCKS, Option, StrategySpec, at_least, query_context, query_rank
 
@@ -62,15 +62,21 @@ class StarSpec(StrategySpec):
         rows[query_rank(cp, options)] += prompt_len - C  # the query phase stores the question there
         return rows
 
-    def prefill_bounds(self, cp, prompt_len, context_len, options, chunk):
+    def prefill_bounds(self, cp, prompt_len, context_len, options, chunk, knee=None):
         """Context steps of `chunk` tokens, also cut at block ends (a step never spans two blocks); the
-        last one runs the question (the query phase) too."""
+        last one runs the question (the query phase) too. With `knee` each block's steps taper by what
+        a step sees: the anchor and its block's earlier steps (the keys between are hidden)."""
         whole = super().prefill_bounds(cp, prompt_len, context_len, options, chunk)
         C = query_context(prompt_len, context_len)
         if not chunk or C < 1:
             return whole
-        block, _ = star_sizes(C, cp, options.get("block_size"), options.get("anchor_size"), options.get("num_blocks"))
-        cuts = sorted({*range(chunk, C, chunk), *range(block, C, block)})
+        block, anchor = star_sizes(C, cp, options.get("block_size"), options.get("anchor_size"),
+                                   options.get("num_blocks"))
+        if knee is None:
+            cuts = sorted({*range(chunk, C, chunk), *range(block, C, block)})
+        else:
+            cuts = [e for b in range(0, C, block)
+                    for _, e in prefill_steps(min(b + block, C), chunk, knee, cp, start=b, held=min(anchor, b))][:-1]
         return list(zip([0, *cuts], [*cuts, prompt_len]))
 
     def first_step_rows(self, lay, w, end):

@@ -7,6 +7,7 @@ document; APB refuses a chunk.
 One spawn per world size runs every case of that size (spawning dominates the run time)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -25,10 +26,12 @@ from starshard.parallel.context.ring import RingAttention
 from starshard.parallel.context.star import StarAttention
 from starshard.parallel.context.ulysses import UlyssesAttention
 from starshard.parallel.context.usp import UspAttention
+from starshard.partition import prefill_steps, taper_align
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.generate import generate_tokens
 from starshard.runtime.prompt import Prompt
 from starshard.strategies import get_spec
+from starshard.strategies.flops import prefill_knee
 
 TOL = 1e-4  # the dense-reference tolerance of the exact tests (float32 on CPU)
 STEPS = 6
@@ -43,11 +46,13 @@ class Case:
     context: int | None = None  # Star's document part (default: the whole prompt)
     options: dict = field(default_factory=dict, hash=False)
     fp8: bool = False
+    knee: int | None = None  # the steps' taper (partition.prefill_steps)
 
     @property
     def name(self) -> str:
         opts = "".join(f"-{k}{v}" for k, v in self.options.items())
-        return f"{self.strategy}-L{self.L}-chunk{self.chunk}{opts}{'-fp8' if self.fp8 else ''}"
+        knee = f"-knee{self.knee}" if self.knee else ""
+        return f"{self.strategy}-L{self.L}-chunk{self.chunk}{opts}{'-fp8' if self.fp8 else ''}{knee}"
 
 
 CASES = {
@@ -64,6 +69,8 @@ CASES = {
         Case("star", 41, 5, context=35, options={"block_size": 9, "anchor_size": 3}),
         Case("star", 30, 7, context=27, options={"block_size": 6, "anchor_size": 10}),  # anchor past block 0
         Case("ring", 37, 8, fp8=True),
+        Case("ring", 61, 16, knee=8),  # tapered: 16, 8, 8, then 4-row steps
+        Case("star", 61, 16, context=55, options={"block_size": 28, "anchor_size": 6}, knee=6),
     ],
     4: [
         Case("usp", 37, 7, options={"ulysses_degree": 2}),
@@ -90,10 +97,11 @@ def _generate(model, strategy, case: Case, chunk, count_below: int | None):
     hook = model.layers[0].register_forward_pre_hook(count) if count_below is not None else None
     context = case.context or case.L
     prompt = Prompt(_ids(case.L), context)
-    cache = runner.new_cache(case.L + STEPS, case.L, context, chunk)
+    knee = case.knee if chunk else None
+    cache = runner.new_cache(case.L + STEPS, case.L, context, chunk, knee)
     capacity = cache.layer(0).capacity
     with torch.no_grad():
-        tok = runner.prefill(prompt, cache, SamplingConfig(), None, chunk)
+        tok = runner.prefill(prompt, cache, SamplingConfig(), None, chunk, knee)
         after_prefill = cache.length
         toks = [int(tok)]
         for i in range(1, STEPS):
@@ -105,7 +113,8 @@ def _generate(model, strategy, case: Case, chunk, count_below: int | None):
     return {"logits": logits, "tokens": toks, "after_prefill": after_prefill, "capacity": capacity,
             "final_capacity": cache.layer(0).capacity, "positions": cache.layer(0).view()[2][:after_prefill].clone(),
             "anchor_rows": seen[0],
-            "rank_rows": strategy.rank_rows(case.L, context, chunk)}
+            "rank_rows": strategy.rank_rows(case.L, context, chunk, knee),
+            "steps": len(runner.prefill_bounds(case.L, context, chunk, knee))}
 
 
 def _ids(L: int) -> list[int]:
@@ -209,6 +218,16 @@ def test_rank_rows_are_what_each_rank_stores(model_path, world, case):
             assert r[case.name][chunk]["capacity"] == r[case.name][chunk]["final_capacity"]
 
 
+def test_tapered_cases_taper(model_path):
+    """Guards the tapered cases above: their steps are fewer rows than the chunk after the knee."""
+    results = _results(2, model_path)
+    for case in CASES[2]:
+        if case.knee is not None:
+            uniform = len(get_spec(case.strategy).prefill_bounds(2, case.L, case.context or case.L, case.options,
+                                                                 case.chunk))
+            assert results[0][case.name][case.chunk]["steps"] > uniform, case.name
+
+
 def test_star_runs_its_anchor_once_per_document(model_path):
     case = CASES[2][8]
     assert case.strategy == "star" and case.chunk % 4 == 0 and case.options["block_size"] % case.chunk == 0
@@ -236,10 +255,10 @@ def _as_rank(strategy, cp: int, rank: int, u: int = 1):
     return strategy
 
 
-def _kept(strategy, L: int, context: int, chunk: int) -> list[int]:
+def _kept(strategy, L: int, context: int, chunk: int, knee: int | None = None) -> list[int]:
     """Positions one rank stores, from the runner's layouts (segments, chunk_segment), not the spec."""
     C = min(context, L - 1) if strategy.query_phase else L
-    bounds = strategy.prefill_bounds(L, context, chunk)
+    bounds = strategy.prefill_bounds(L, context, chunk, knee)
     if len(bounds) == 1:  # the unchunked prefill
         segs = strategy.segments(L, C)
     else:  # the first step is the strategy's own prefill of prompt[0:end] (Star's: the generic path)
@@ -262,12 +281,13 @@ def test_rank_rows_follow_the_chunked_layout(cp):
     builds += [("usp", {"ulysses_degree": u}, lambda: UspAttention(None, 1, None, None))
                for u in range(1, cp + 1) if cp % u == 0]
     for name, options, build in builds:
-        for L, context, chunk in [(5, 4, 1), (37, 30, 3), (37, 30, 8), (61, 50, 16), (61, 61, 100)]:
-            rows = get_spec(name).rank_rows(cp, L, context, {"query_rank": cp - 1} | options, chunk)
+        for L, context, chunk, knee in [(5, 4, 1, None), (37, 30, 3, None), (37, 30, 8, None), (61, 50, 16, None),
+                                        (61, 61, 100, None), (61, 50, 16, 6), (97, 90, 24, 10)]:
+            rows = get_spec(name).rank_rows(cp, L, context, {"query_rank": cp - 1} | options, chunk, knee)
             u = options.get("ulysses_degree", 1)
-            kept = [_kept(_as_rank(build(), cp, r, u), L, context, chunk) for r in range(cp)]
-            assert rows == [len(k) for k in kept], (name, options, L, chunk)
-            assert sorted(p for k in kept for p in k) == list(range(L)), (name, options, L, chunk)
+            kept = [_kept(_as_rank(build(), cp, r, u), L, context, chunk, knee) for r in range(cp)]
+            assert rows == [len(k) for k in kept], (name, options, L, chunk, knee)
+            assert sorted(p for k in kept for p in k) == list(range(L)), (name, options, L, chunk, knee)
 
 
 def test_apb_refuses_a_chunk():
@@ -353,3 +373,64 @@ def test_generate_sizes_the_cache_for_the_chunked_layout(model_path):
         g = r["generate"]
         assert g["capacity"] == g["final_capacity"] == rows[rank] + (STEPS if rank == 1 else 0)
         assert g["tokens"] == r[case.name][case.chunk]["tokens"]
+
+
+def _cost(rows: int, held: int, knee: int) -> float:
+    """The taper's cost model of a step (partition.prefill_steps), in token-linears."""
+    return rows * (1 + (held + rows / 2) / knee)
+
+
+@pytest.mark.parametrize("L,chunk,knee,cp", [(131072, 4096, 26624, 1), (524288, 16384, 26624, 4), (61, 16, 8, 2),
+                                             (1000, 64, 100, 1), (997, 48, 30, 3)])
+def test_tapered_steps(L, chunk, knee, cp):
+    steps = prefill_steps(L, chunk, knee, cp)
+    assert steps[0][0] == 0 and steps[-1][1] == L and all(a[1] == b[0] for a, b in zip(steps, steps[1:]))
+    sizes = [e - s for s, e in steps]
+    align = taper_align(chunk, cp)
+    assert align % (2 * cp) == 0 and align <= max(2 * cp, chunk // 8)
+    assert all(n % align == 0 for n in sizes[:-1])  # whole units (the chunks too, here); the last: what is left
+    assert all(a >= b for a, b in zip(sizes, sizes[1:-1]))  # monotone non-increasing (the last: what is left)
+    bound = _cost(chunk, knee, knee)  # a chunk-token step after K held tokens
+    for (s, e), n in zip(steps, sizes):
+        assert n <= chunk and (n == chunk or s > knee)  # full chunks up to the knee
+        assert _cost(n, s, knee) <= bound * 1.01 or n == align, (s, n)  # the bound, unless the floor holds it
+    assert len(steps) > len(prefill_steps(L, chunk, None, cp))  # the taper is in effect at these lengths
+    assert prefill_steps(L, chunk, None, cp) == [(s, min(s + chunk, L)) for s in range(0, L, chunk)]
+
+
+def test_taper_alignment():
+    assert taper_align(4096, 1) == 256 and taper_align(16384, 4) == 1024  # 256 rows per CP rank
+    assert taper_align(16, 2) == 4 and taper_align(5, 2) == 4  # small chunks: units of 2 x cp
+    # a chunk smaller than the unit never tapers below itself
+    assert prefill_steps(40, 3, 1, 2) == [(s, min(s + 3, 40)) for s in range(0, 40, 3)]
+    with pytest.raises(ValueError, match="knee must be >= 1"):
+        prefill_steps(40, 8, 0)
+
+
+def test_prefill_knee():
+    from starshard.presets import preset_config
+
+    cfg = preset_config("llama-3.1-8b")
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    assert prefill_knee(cfg) == round(2 * (h * (q + 2 * kv) + q * h + 3 * h * inter) / (4 * q))  # 26624
+    half = dataclasses.replace(cfg, sliding_window=4096,
+                               layer_types=["sliding_attention", "full_attention"] * (cfg.num_layers // 2))
+    assert prefill_knee(half) == 2 * prefill_knee(cfg)  # half the layers grow with the prefix
+    local = dataclasses.replace(cfg, sliding_window=4096, layer_types=["sliding_attention"] * cfg.num_layers)
+    assert prefill_knee(local) is None  # no layer grows: no taper
+
+
+def test_tapered_star_steps_keep_block_cuts():
+    for L, C, chunk, block, anchor, knee in [(41, 35, 5, 9, 3, 4), (200, 190, 16, 60, 20, 8),
+                                             (200, 190, 16, 60, 60, 8)]:
+        options = {"block_size": block, "anchor_size": anchor}
+        bounds = get_spec("star").prefill_bounds(2, L, C, options, chunk, knee)
+        assert bounds[0][0] == 0 and bounds[-1][1] == L and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        ends = {e for _, e in bounds}
+        assert set(range(block, C, block)) <= ends  # every block end cuts
+        for s, e in bounds:
+            assert s // block == (min(e, C) - 1) // block and (e - s <= chunk or e == L)
+            b0 = s // block * block  # the step sees the anchor and its block's earlier steps
+            n = min(e, C) - s
+            seen = min(anchor, b0) + s - b0
+            assert n == min(chunk, C - s, block * (s // block + 1) - s) or seen > knee

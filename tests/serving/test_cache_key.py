@@ -79,8 +79,12 @@ def test_the_key_binds_dtype_fp8_layout_and_version():
               cache_key(m, dtype=torch.bfloat16, cp=2, strategy="ring", options=dict(query_rank=1)),
               cache_key(m, dtype=torch.bfloat16, tp=2, cp=2, strategy="star", options=star),
               cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=star, prefill_chunk=4096),
+              cache_key(m, dtype=torch.bfloat16, cp=2, strategy="star", options=star, prefill_chunk=4096,
+                        prefill_knee=26624),
               CacheKey(**{**base.__dict__, "format_version": ck.FORMAT_VERSION + 1})]
     assert len({k.digest for k in others} | {base.digest}) == len(others) + 1
+    assert "prefill_knee" not in base.fields()  # uniform steps: the key files written before the taper carry
+    assert CacheKey.from_fields(others[6].fields()) == others[6] and others[6].prefill_knee == 26624
     with pytest.raises(ValueError, match="not a plain value"):
         cache_key(m, dtype=torch.bfloat16, options=dict(weights=[1, 2]))
     with pytest.raises(ValueError, match="--fp8"):

@@ -17,6 +17,7 @@ from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.ops import PrefillChunk
 from starshard.serving.scheduler import Scheduler
+from starshard.strategies.flops import prefill_knee
 
 CHUNK = 32
 
@@ -152,8 +153,29 @@ def test_serve_flags():
     args = parse_args([])
     assert default_prefill_chunk(args, torch.device("cuda"), 4) == 4 * 4096  # 4096 rows per CP rank (measured: docs/results.md, Service)
     assert default_prefill_chunk(args, torch.device("cpu"), 2) == 0 and args.request_timeout is None
-    args = parse_args(["--prefill-chunk", "0", "--request-timeout", "30"])
+    assert args.prefill_taper
+    args = parse_args(["--prefill-chunk", "0", "--request-timeout", "30", "--no-prefill-taper"])
     assert default_prefill_chunk(args, torch.device("cuda"), 4) == 0 and args.request_timeout == 30
+    assert not args.prefill_taper
     for bad in (["--prefill-chunk", "-1"], ["--request-timeout", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_tapered_prefill(tiny):
+    """Past the model's knee (288 tokens for tiny) a document's chunks shrink; its tokens stay the whole
+    prefill's. --no-prefill-taper keeps every chunk whole."""
+    doc = Prompt(_ids(7, 600), 596)
+    assert Scheduler(tiny, cache_bytes=1 << 26, prefill_chunk=CHUNK, prefill_taper=False).prefill_knee is None
+    svc = Scheduler(tiny, cache_bytes=1 << 26, max_batch=4, prefill_chunk=CHUNK)
+    assert svc.prefill_knee == prefill_knee(tiny.config) == 288
+    bounds = tiny.runner.prefill_bounds(600, 596, CHUNK, svc.prefill_knee)
+    assert len(bounds) > len(tiny.runner.prefill_bounds(600, 596, CHUNK)) and bounds[-2][1] - bounds[-2][0] < CHUNK
+    run = Run(svc, doc, 6)
+    svc.start()
+    try:
+        assert run.done.wait(60)
+    finally:
+        svc.shutdown()
+    assert len(_steps(svc, run.rid)) == len(bounds)
+    assert run.tokens == tiny.generate(doc, max_new_tokens=6).token_ids

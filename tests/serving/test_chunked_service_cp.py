@@ -32,11 +32,15 @@ def _rank(rank, world, strategy):
     a = Prompt(_ids(1, 24), 20)
     b = Prompt(_ids(2, 6 * CHUNK + 5), 6 * CHUNK)  # 7 steps
     c, d = Prompt(_ids(3, 3 * CHUNK), 3 * CHUNK - 4), Prompt(_ids(4, 5 * CHUNK), 5 * CHUNK - 4)
+    e = Prompt(_ids(5, 360), 356)  # past tiny's knee (288 tokens): tapered steps
     refs = dict(a=llm.generate(a, max_new_tokens=20).token_ids,
                 b=llm.generate(b, max_new_tokens=4, prefill_chunk=CHUNK).token_ids,
                 b_whole=llm.generate(b, max_new_tokens=4).token_ids,
-                b_steps=len(llm.runner.prefill_bounds(len(b.ids), b.context_len, CHUNK)))
+                b_steps=len(llm.runner.prefill_bounds(len(b.ids), b.context_len, CHUNK)),
+                e_whole=llm.generate(e, max_new_tokens=4).token_ids,
+                e_uniform=len(llm.runner.prefill_bounds(len(e.ids), e.context_len, CHUNK)))
     svc = Scheduler(llm, cache_bytes=1 << 28, max_batch=4, prefill_chunk=CHUNK)
+    refs["e_steps"] = len(llm.runner.prefill_bounds(len(e.ids), e.context_len, CHUNK, svc.prefill_knee))
     ex = svc.executor
     ex.faults = [Fault("compute", 3, RuntimeError("injected after c's first chunk"), rank=1)]
     if rank != 0:
@@ -75,10 +79,14 @@ def _rank(rank, world, strategy):
         assert runs["c"][1].wait(120)
         seen["ticket"] = submit("d", d, 4)
         assert runs["d"][1].wait(120)
+        submit("e", e, 4)
+        assert runs["e"][1].wait(120)
     finally:
         svc.shutdown()
     tokens = {k: [e.token_id for e in ev if e.token_id is not None] for k, (ev, _) in runs.items()}
-    return dict(used=[svc.cache.used(r) for r in range(world)], before=before, filling=len(ex.filling),
+    e_bytes = ex.entry_rank_bytes(len(e.ids), e.context_len, CHUNK, svc.prefill_knee)
+    return dict(used=[svc.cache.used(r) for r in range(world)], before=before, e_bytes=e_bytes,
+                filling=len(ex.filling),
                 rows=len(ex.rows), tokens=tokens, refs=refs, log=list(svc.step_log),
                 last={k: ev[-1] for k, (ev, _) in runs.items()}, health=svc.health())
 
@@ -101,6 +109,9 @@ def test_chunked_service_cp2(cp2, strategy):
     c, d = lead["last"]["c"], lead["last"]["d"]
     assert c.error_code == "failed" and "rank 1" in c.error and not tokens["c"]
     assert d.finish_reason == "cancelled" and not tokens["d"]
-    assert lead["health"] is None and lead["used"] == lead["before"]  # a and b's entries only
-    for res in ranks:  # every rank dropped c's and d's filling entries
-        assert res["used"] == lead["before"] and res["filling"] == 0 and res["rows"] == 0
+    assert lead["health"] is None  # a and b's entries and e's, the tapered layout's shards:
+    assert lead["used"] == [n + m for n, m in zip(lead["before"], lead["e_bytes"])]
+    assert tokens["e"] == refs["e_whole"]  # tapered steps: the whole prefill's tokens
+    assert refs["e_steps"] > refs["e_uniform"] and len([1 for k, r in log if k == "P" and r == 5]) == refs["e_steps"]
+    for res in ranks:  # every rank dropped c's and d's filling entries, then took e's
+        assert res["used"] == lead["used"] and res["filling"] == 0 and res["rows"] == 0

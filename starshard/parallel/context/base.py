@@ -86,14 +86,16 @@ class ContextStrategy:
         """Its options as the registry's StrategySpec reads them (field -> value)."""
         return {"query_rank": self.query_rank}
 
-    def rank_rows(self, prompt_len: int, context_len: int, chunk: int | None = None) -> list[int]:
+    def rank_rows(self, prompt_len: int, context_len: int, chunk: int | None = None,
+                  knee: int | None = None) -> list[int]:
         """KV rows each CP rank keeps for this prompt's prefill (StrategySpec.rank_rows), run whole or
-        `chunk` tokens a step: pure arithmetic, the same on every rank, no collective."""
-        return get_spec(self.name).rank_rows(self.cp, prompt_len, context_len, self.spec_options(), chunk)
+        `chunk` tokens a step (tapered after `knee`): pure arithmetic, the same on every rank, no collective."""
+        return get_spec(self.name).rank_rows(self.cp, prompt_len, context_len, self.spec_options(), chunk, knee)
 
-    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None) -> list[tuple[int, int]]:
+    def prefill_bounds(self, prompt_len: int, context_len: int, chunk: int | None,
+                       knee: int | None = None) -> list[tuple[int, int]]:
         """The prompt positions [start, end) of each prefill step (StrategySpec.prefill_bounds)."""
-        return get_spec(self.name).prefill_bounds(self.cp, prompt_len, context_len, self.spec_options(), chunk)
+        return get_spec(self.name).prefill_bounds(self.cp, prompt_len, context_len, self.spec_options(), chunk, knee)
 
     def chunk_hidden(self, start: int, end: int, context_len: int) -> tuple[int, int] | None:
         """Key positions [lo, hi) that a later prefill step of context [start, end) must not see although

@@ -7,9 +7,11 @@ Every later step, whatever the strategy:
   positions past the step, so no real query sees them and they are never stored;
 - per attention layer each rank stores its real rows' KV, all-gathers the step's queries (queries
   move, never the cached keys: O(chunk) bytes per layer whatever the prefix), attends them against
-  its own stored keys causally by position, and an all-to-all hands each rank the cp partials of its
-  own rows, merged by log-sum-exp. Every visible key is stored on exactly one rank, so the result is
-  exact for ring, Ulysses and USP, local layers too (their window masks each rank's keys by position).
+  its own stored keys causally by position (the earlier steps' keys all precede the step: no mask,
+  so the fused kernel; its own keys masked by position), and an all-to-all hands each rank the cp
+  partials of its own rows, merged by log-sum-exp. Every visible key is stored on exactly one rank,
+  so the result is exact for ring, Ulysses and USP, local layers too (their window masks each rank's
+  keys by position).
 - Star: a step in block j > 0 must not see the stored keys between the anchor and its block
   (`ContextStrategy.chunk_hidden`); a rank's stored positions increase row by row (steps in order,
   zigzag rows in order within a step), so those keys are one row range, skipped (`hidden_rows`) by
@@ -71,18 +73,22 @@ def _keys(s: StoredKV, a: int, b: int) -> dict:
                 k_scale=s.k_scale[:, :, a:b] if fp8 else None, v_scale=s.v_scale[:, :, a:b] if fp8 else None)
 
 
-def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, skip: tuple[int, int] | None, **extras):
+def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, held: int, skip: tuple[int, int] | None,
+             window: int | None = None, **extras):
     """(out, lse) of q over this rank's stored keys, causal by position, rows [skip) left out; rows
     that see no key (or a rank that stores none, or only keys outside a local layer's window) get
-    out = 0, lse = -inf. extras: the layer's window / softcap / scale."""
+    out = 0, lse = -inf. Rows [0, held) were stored by earlier steps: every such key precedes every
+    query of this step, so they are attended without a mask (torch's fused kernel on CUDA, as
+    `attention_after_held`), unless a window hides the oldest; rows [held, n) are the step's own,
+    causal by position (a masked call, but only step-sized). extras: the layer's softcap / scale."""
     n = s.pos.numel()
-    spans = [(0, n)] if skip is None else [(0, skip[0]), (skip[1], n)]
+    spans = [(0, held)] if skip is None else [(0, skip[0]), (skip[1], held)]
     result = None
-    for a, b in spans:
+    for a, b, causal in [(a, b, window is not None) for a, b in spans] + [(held, n, True)]:
         if b <= a:
             continue
         kw = _keys(s, a, b)
-        o, l = attention(q, kw.pop("k"), kw.pop("v"), q_pos=q_pos, causal=True, **kw, **extras)
+        o, l = attention(q, kw.pop("k"), kw.pop("v"), q_pos=q_pos, causal=causal, window=window, **kw, **extras)
         result = (o, l) if result is None else merge_partials(*result, o, l)
     if result is None:
         B, H, R, _ = q.shape
@@ -121,11 +127,12 @@ def chunk_attend(segment: Segment, group, q_pos: torch.Tensor, skip: tuple[int, 
                              "chunk's queries attend each rank's stored keys apart); drop one of them")
         if cache is None:
             raise ValueError("a chunked prefill needs a KV cache")
+        held = cache.length  # rows stored by the earlier steps, all at positions before this step's
         cache_append(cache, k, v, pos, rows)
         qa = _gather_queries(q, group) if cp > 1 else q
         # Star's hidden keys lie before the block; a local layer's window already hides all but the previous
         # block's edge, which it needs (star.py): it skips nothing.
-        out, lse = _partial(qa, q_pos, cache.stored(), skip if window is None else None, window=window,
+        out, lse = _partial(qa, q_pos, cache.stored(), held, skip if window is None else None, window=window,
                             softcap=softcap, scale=scale)
         return _return_rows(out, lse, group) if cp > 1 else out
 
