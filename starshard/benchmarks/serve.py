@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import math
 import statistics
@@ -63,7 +62,7 @@ from starshard.config import SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
 from starshard.serving.cache_key import token_digest
-from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable
+from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
 from starshard.serving.tiers import TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
@@ -91,8 +90,13 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--out", default=None, help="write the JSON here (also printed)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prompt tokens one prefill step processes, over the whole prompt (0 = whole; default: the "
-                   "scheduler's own); needs a scheduler with chunked prefill")
+                   help="prompt tokens one prefill step processes, over the whole prompt (0 = whole; default: serve's, "
+                   "4096 x cp on CUDA, the whole prompt on CPU)")
+    p.add_argument("--prefill-taper", action=argparse.BooleanOptionalAction, default=True,
+                   help="later chunks shrink as the prefix before them grows (serve's --prefill-taper; default: on)")
+    p.add_argument("--prefill-knee", type=int, default=None, metavar="TOKENS",
+                   help="the taper's knee in held tokens: full chunks up to it, then chunk x 2 knee / (knee + prefix) "
+                   "(default: the model's FLOP knee x cp, as serve)")
     tiers = p.add_argument_group("context cache tiers (serve's flags, per rank; document scenario: --tiers, "
                                  "--reuse-only)")
     tiers.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GiB",
@@ -323,7 +327,7 @@ def run(args) -> None:
     result = {"kind": "serve", "device": device_name(device), "gpus": world(), "date": today(),
               "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
-              "results": rows, "engine_stats": stats}
+              "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee, "results": rows, "engine_stats": stats}
     write(args.out, result)
 
 
@@ -337,7 +341,7 @@ def check_tier_room(args, svc) -> None:
     if not args.tiers:
         return
     ex, L = svc.executor, max(args.lengths)
-    shard = max(ex.entry_rank_bytes(L, L, svc.prefill_chunk or None))
+    shard = max(ex.entry_rank_bytes(L, L, svc.prefill_chunk or None, svc.prefill_knee))
     gib = 2**30
     for tier in args.tiers:
         budget = svc.tiers.host.budget if tier == "host" else svc.tiers.disk.budget
@@ -433,11 +437,12 @@ def start_scheduler(args, **limits):
               parallel=parallel)
     options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
                    tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib), **limits)
-    if args.prefill_chunk is not None:
-        if "prefill_chunk" not in inspect.signature(Scheduler).parameters:
-            raise SystemExit("error: --prefill-chunk: this scheduler has no chunked prefill; drop --prefill-chunk")
-        options["prefill_chunk"] = args.prefill_chunk
-    svc = Scheduler(llm, **options)
+    chunk = args.prefill_chunk if args.prefill_chunk is not None else default_prefill_chunk(llm.device, parallel.cp)
+    options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee)
+    try:
+        svc = Scheduler(llm, **options)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if dist.is_initialized() and dist.get_rank() != 0:
         svc.serve_forever()
         return llm, None, llm.device
@@ -552,7 +557,7 @@ def run_load_scenario(args) -> None:
     p = llm.parallel
     result = header(args, "in-process", device_name(device), world())
     result.update(layout={"tp": p.tp, "cp": p.cp, "strategy": p.cp_strategy},
-                  prefill_chunk=getattr(svc, "prefill_chunk", args.prefill_chunk),
+                  prefill_chunk=svc.prefill_chunk, prefill_knee=svc.prefill_knee,
                   cache_budget_bytes=after["cache_budget_bytes"])
     finish(args, result, records, duration, specs, before, after, crosscheck_stats(records, before, after))
 

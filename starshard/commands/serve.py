@@ -28,7 +28,7 @@ from starshard.parallel.topology import LayoutError, collective_failure, read_la
 from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.runconfig import parse_with_config
 from starshard.serving.disk_tier import DiskTierLocked
-from starshard.serving.scheduler import Scheduler
+from starshard.serving.scheduler import Scheduler, default_prefill_chunk
 from starshard.serving.tiers import TierConfig
 from starshard.server.app import create_app, make_server
 from starshard.server.settings import API_KEY_ENV, ServerSettings
@@ -188,15 +188,6 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
     return worst
 
 
-def default_prefill_chunk(args, device, cp: int) -> int:
-    """--prefill-chunk, else 4096 rows per CP rank on CUDA and the whole prompt on CPU. 4096: the
-    smallest chunk within 10% of a whole prefill (an 8B model at 128K on one H200: 1.09x; 2048: 1.30x,
-    fixed costs per step; docs/results.md, Service); its step at a 128K prefix is about half a second."""
-    if args.prefill_chunk is not None:
-        return args.prefill_chunk
-    return 4096 * cp if device.type == "cuda" else 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -210,7 +201,9 @@ def main(argv=None) -> int:
     try:
         llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel_config(args), progress=lead,
                   random_weights=args.random_weights, sparse=sparse_config(args), fp8=fp8_config(args))
-        chunk = default_prefill_chunk(args, llm.device, llm.parallel.cp)
+        chunk = args.prefill_chunk
+        if chunk is None:
+            chunk = default_prefill_chunk(llm.device, llm.parallel.cp)
         cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device, chunk)
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")

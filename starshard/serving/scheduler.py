@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from starshard.config import SamplingConfig
@@ -52,6 +53,13 @@ log = logging.getLogger("starshard.serve")
 
 IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the other ranks never time out
 SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran
+
+
+def default_prefill_chunk(device: torch.device, cp: int) -> int:
+    """The prefill chunk the service runs unless told: 4096 rows per CP rank on CUDA, the whole prompt on CPU.
+    4096: the smallest uniform chunk within 10% of a whole prefill (an 8B model at 128K on one H200: 1.09x;
+    2048: 1.30x, fixed costs per step; docs/results.md, Service)."""
+    return 4096 * cp if device.type == "cuda" else 0
 
 
 class QueueFull(Exception):
@@ -132,15 +140,16 @@ class Scheduler:
     max_queue: requests waiting beyond the batch before submit() answers QueueFull.
     prefill_chunk: prompt tokens one prefill step runs (0: the whole prompt); a document's chunks take
     turns with the batch's decode steps; prefill_taper: later chunks shrink as the held prefix grows, so that no
-    step costs more than about twice the first (partition.prefill_steps, knee from the model's FLOPs; False:
-    uniform chunks). request_timeout: seconds from arrival after which a request
+    step costs more than about twice the first (partition.prefill_steps; the knee: prefill_knee_tokens, else the
+    model's FLOP knee x cp; False: uniform chunks). request_timeout: seconds from arrival after which a request
     ends with an error (code "timeout") and is freed; None: no limit. tiers: the host and disk tiers'
     budgets per rank (serving/tiers.py; None: the device only).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
                  max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True,
-                 prefill_chunk: int = 0, prefill_taper: bool = True, request_timeout: float | None = None,
+                 prefill_chunk: int = 0, prefill_taper: bool = True, prefill_knee_tokens: int | None = None,
+                 request_timeout: float | None = None,
                  tiers: TierConfig | None = None):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
@@ -174,10 +183,16 @@ class Scheduler:
                 log.info("--prefill-chunk %d: each prompt is prefilled whole (%s)", prefill_chunk, e)
                 self.prefill_chunk = 0
         self.prefill_knee = None  # the chunks' taper (partition.prefill_steps)
+        if prefill_knee_tokens is not None and prefill_knee_tokens < 1:
+            raise ValueError(f"--prefill-knee must be >= 1 token, got {prefill_knee_tokens}")
         if prefill_taper and self.prefill_chunk:
             # A model served without its windows (run_without_windows) attends globally on every layer.
             cfg = self.config if llm.unwindowed is None else replace(self.config, sliding_window=None)
-            self.prefill_knee = prefill_knee(cfg)
+            knee = prefill_knee(cfg)
+            # Over a CP group a step also pays fixed per-layer collectives (the queries' all-gather, the
+            # partials' all-to-all): steps may carry cp times the attention before they cost as much relative
+            # to that fixed part (4 x H200, 512K ring: a 16K step's fixed part ~0.3 s; docs/results.md).
+            self.prefill_knee = prefill_knee_tokens or (None if knee is None else knee * self.executor.cp)
         self.request_timeout = request_timeout
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.tiers: Tiers | None = None

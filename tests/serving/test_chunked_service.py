@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from starshard import LLM
-from starshard.commands.serve import default_prefill_chunk, parse_args
+from starshard.commands.serve import parse_args
+from starshard.serving.scheduler import default_prefill_chunk
 from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.ops import PrefillChunk
@@ -151,11 +152,12 @@ def test_timeout_mid_prefill_frees_the_filling_entry(tiny):
 
 def test_serve_flags():
     args = parse_args([])
-    assert default_prefill_chunk(args, torch.device("cuda"), 4) == 4 * 4096  # 4096 rows per CP rank (measured: docs/results.md, Service)
-    assert default_prefill_chunk(args, torch.device("cpu"), 2) == 0 and args.request_timeout is None
+    assert args.prefill_chunk is None  # the service's default, shared with bench serve:
+    assert default_prefill_chunk(torch.device("cuda"), 4) == 4 * 4096  # 4096 rows per CP rank (docs/results.md)
+    assert default_prefill_chunk(torch.device("cpu"), 2) == 0 and args.request_timeout is None
     assert args.prefill_taper
     args = parse_args(["--prefill-chunk", "0", "--request-timeout", "30", "--no-prefill-taper"])
-    assert default_prefill_chunk(args, torch.device("cuda"), 4) == 0 and args.request_timeout == 30
+    assert args.prefill_chunk == 0 and args.request_timeout == 30
     assert not args.prefill_taper
     for bad in (["--prefill-chunk", "-1"], ["--request-timeout", "0"]):
         with pytest.raises(SystemExit):
