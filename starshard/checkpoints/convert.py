@@ -146,6 +146,11 @@ def read_gguf_metadata(gguf_path: Path) -> dict[str, object]:
     """A GGUF file's scalar metadata (strings and numbers; arrays such as the vocabulary are stepped over,
     not parsed). Only the header is read. gguf's GGUFReader builds a numpy view per array element: for a
     262K-token vocabulary that is ~30 s on 2 cores, for the few scalars read here."""
+    return _read_gguf_header(gguf_path)[0]
+
+
+def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str]:
+    """(scalar metadata, sha256 of the header: the metadata and the tensor table, all a config depends on)."""
     import mmap
 
     from gguf import GGUFValueType
@@ -187,7 +192,12 @@ def read_gguf_metadata(gguf_path: Path) -> dict[str, object]:
             v, pos = value(GGUFValueType(kind), pos, True)
             if v is not None:
                 meta[key] = v
-    return meta
+        for _ in range(tensors):  # the table: name, dimension count, dimensions, type, offset
+            _, pos = string(pos)
+            (dims,), pos = read("I", pos)
+            pos += 8 * dims + 12
+        digest = hashlib.sha256(buf[:pos]).hexdigest()
+    return meta, digest
 
 
 def _transformers_reads_moe_gguf(arch: str, model_type: str) -> bool:
@@ -244,7 +254,7 @@ def _gguf_config(gguf_path: Path):
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    meta = read_gguf_metadata(gguf_path)
+    meta, header = _read_gguf_header(gguf_path)
     arch = str(meta.get("general.architecture", ""))
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts:
@@ -255,8 +265,7 @@ def _gguf_config(gguf_path: Path):
                 f"{gguf_path.name}: the file's RoPE scaling ({arch}.rope.scaling.type = {scaling!r}) is not read by "
                 "transformers' GGUF reader, so its positions would be wrong; convert the model's Hugging Face "
                 "safetensors directory instead (--hf DIR), whose config.json carries the scaling")
-    st = gguf_path.stat()  # a file rewritten in place is read again
-    config = copy.deepcopy(_transformers_gguf_config(str(gguf_path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino))
+    config = copy.deepcopy(_transformers_gguf_config(str(gguf_path.resolve()), header))
     if experts:
         for key, value in _moe_gguf_fields(meta, arch).items():
             setattr(config, key, value)
@@ -264,10 +273,10 @@ def _gguf_config(gguf_path: Path):
 
 
 @functools.lru_cache(maxsize=4)
-def _transformers_gguf_config(path: str, size: int, mtime_ns: int, inode: int):
-    """AutoConfig of a GGUF file, read once per file (path, size, mtime, inode) and process: transformers'
+def _transformers_gguf_config(path: str, header: str):
+    """AutoConfig of a GGUF file, read once per process for each (path, sha256 of its header): transformers'
     reader parses all the metadata, ~30 s for a 262K-token vocabulary on 2 cores, and a load asks for the
-    config several times (preflight, weights, tokenizer)."""
+    config several times (preflight, weights, tokenizer). A file rewritten with other metadata is read again."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
