@@ -153,51 +153,62 @@ def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str]:
     """(scalar metadata, sha256 of the header: the metadata and the tensor table, all a config depends on)."""
     import mmap
 
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _walk_gguf_header(buf, gguf_path)
+            except struct.error as e:  # a length or count pointing past the end
+                raise ValueError(f"{gguf_path}: the GGUF header is truncated or corrupt ({e})") from e
+
+
+def _walk_gguf_header(buf, gguf_path: Path) -> tuple[dict[str, object], str]:
     from gguf import GGUFValueType
 
-    with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads swapped
-        version, tensors, count = struct.unpack_from(order + "IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{gguf_path} is GGUF version {version}; only versions 2 and 3 are read")
+    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads swapped
+    version, tensors, count = struct.unpack_from(order + "IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{gguf_path} is GGUF version {version}; only versions 2 and 3 are read")
 
-        def read(fmt, pos):
-            return struct.unpack_from(order + fmt, buf, pos), pos + struct.calcsize(order + fmt)
+    def read(fmt, pos):
+        return struct.unpack_from(order + fmt, buf, pos), pos + struct.calcsize(order + fmt)
 
-        def string(pos):
-            (n,), pos = read("Q", pos)
-            return bytes(buf[pos : pos + n]).decode("utf-8"), pos + n
+    def string(pos):
+        (n,), pos = read("Q", pos)
+        if pos + n > len(buf):
+            raise struct.error(f"a string of {n} bytes at offset {pos} runs past the end")
+        return bytes(buf[pos : pos + n]).decode("utf-8"), pos + n
 
-        def value(kind, pos, keep):
-            """(the value, or None where not kept or an array, the position after it)."""
-            if kind == GGUFValueType.STRING:
-                return string(pos) if keep else (None, pos + 8 + read("Q", pos)[0][0])
-            if kind == GGUFValueType.ARRAY:
-                (item, n), pos = read("IQ", pos)
-                item = GGUFValueType(item)
-                if item not in (GGUFValueType.STRING, GGUFValueType.ARRAY):  # fixed width: step over all at once
-                    return None, pos + n * struct.calcsize(order + _GGUF_SCALARS[item])
-                for _ in range(n):
-                    _, pos = value(item, pos, False)
-                return None, pos
-            (v,), pos = read(_GGUF_SCALARS[kind], pos)
-            return v, pos
+    def value(kind, pos, keep):
+        """(the value, or None where not kept or an array, the position after it)."""
+        if kind == GGUFValueType.STRING:
+            return string(pos) if keep else (None, pos + 8 + read("Q", pos)[0][0])
+        if kind == GGUFValueType.ARRAY:
+            (item, n), pos = read("IQ", pos)
+            item = GGUFValueType(item)
+            if item not in (GGUFValueType.STRING, GGUFValueType.ARRAY):  # fixed width: step over all at once
+                return None, pos + n * struct.calcsize(order + _GGUF_SCALARS[item])
+            for _ in range(n):
+                _, pos = value(item, pos, False)
+            return None, pos
+        (v,), pos = read(_GGUF_SCALARS[kind], pos)
+        return v, pos
 
-        meta, pos = {"GGUF.version": version, "GGUF.tensor_count": tensors, "GGUF.kv_count": count}, 24  # as GGUFReader
-        for _ in range(count):
-            key, pos = string(pos)
-            (kind,), pos = read("I", pos)
-            v, pos = value(GGUFValueType(kind), pos, True)
-            if v is not None:
-                meta[key] = v
-        for _ in range(tensors):  # the table: name, dimension count, dimensions, type, offset
-            _, pos = string(pos)
-            (dims,), pos = read("I", pos)
-            pos += 8 * dims + 12
-        digest = hashlib.sha256(buf[:pos]).hexdigest()
-    return meta, digest
+    meta, pos = {"GGUF.version": version, "GGUF.tensor_count": tensors, "GGUF.kv_count": count}, 24  # as GGUFReader
+    for _ in range(count):
+        key, pos = string(pos)
+        (kind,), pos = read("I", pos)
+        v, pos = value(GGUFValueType(kind), pos, True)
+        if v is not None:
+            meta[key] = v
+    for _ in range(tensors):  # the table: name, dimension count, dimensions, type, offset
+        _, pos = string(pos)
+        (dims,), pos = read("I", pos)
+        pos += 8 * dims + 12
+    if pos > len(buf):
+        raise struct.error(f"the tensor table ends at offset {pos}, past the end ({len(buf)} bytes)")
+    return meta, hashlib.sha256(buf[:pos]).hexdigest()
 
 
 def _transformers_reads_moe_gguf(arch: str, model_type: str) -> bool:

@@ -66,6 +66,14 @@ def test_not_a_gguf_file_is_refused(tmp_path):
         read_gguf_metadata(path)
 
 
+@pytest.mark.parametrize("keep", [4, 30, 200, 990])
+def test_truncated_header_is_refused(tmp_path, keep):
+    path = write(tmp_path / "t.gguf")
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(ValueError, match="t.gguf: the GGUF header is truncated or corrupt"):
+        read_gguf_metadata(path)
+
+
 def test_config_is_read_again_after_the_file_changes(tmp_path):
     path = write(tmp_path / "m.gguf", context_length=64, nested=False)
     assert gguf_hf_config(path)["max_position_embeddings"] == 64
