@@ -22,6 +22,8 @@ input columns, not over the full row, so quantizing before slicing would give ot
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import hashlib
 import json
 import struct
@@ -136,19 +138,77 @@ def fp8_parts(fp8: str | Fp8Config | None) -> list[str]:
 # listed `qwen3moe` under the GGUF name, not the model type, and had no expert processor for it).
 GGUF_MOE_READERS = {"qwen3moe": ("qwen3_moe", "4.56")}
 
+# struct formats of the fixed-width GGUF metadata types (gguf.GGUFValueType's numbers)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
 
 def read_gguf_metadata(gguf_path: Path) -> dict[str, object]:
-    """A GGUF file's scalar metadata (strings and numbers; arrays such as the vocabulary left out). The
-    file is memory-mapped: no tensor is read."""
-    from gguf import GGUFReader, GGUFValueType
+    """A GGUF file's scalar metadata (strings and numbers; arrays such as the vocabulary are stepped over,
+    not parsed). Only the header is read. gguf's GGUFReader builds a numpy view per array element: for a
+    262K-token vocabulary that is ~30 s on 2 cores, for the few scalars read here."""
+    return _read_gguf_header(gguf_path)[0]
 
-    meta = {}
-    for key, field in GGUFReader(str(gguf_path)).fields.items():
-        if not field.types or field.types[0] == GGUFValueType.ARRAY or not field.data:
-            continue
-        value = field.parts[field.data[0]]
-        meta[key] = bytes(value).decode("utf-8") if field.types[0] == GGUFValueType.STRING else value[0].item()
-    return meta
+
+def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str]:
+    """(scalar metadata, sha256 of the header: the metadata and the tensor table, all a config depends on)."""
+    import mmap
+
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _walk_gguf_header(buf, gguf_path)
+            except struct.error as e:  # a length or count pointing past the end
+                raise ValueError(f"{gguf_path}: the GGUF header is truncated or corrupt ({e})") from e
+
+
+def _walk_gguf_header(buf, gguf_path: Path) -> tuple[dict[str, object], str]:
+    from gguf import GGUFValueType
+
+    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads swapped
+    version, tensors, count = struct.unpack_from(order + "IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{gguf_path} is GGUF version {version}; only versions 2 and 3 are read")
+
+    def read(fmt, pos):
+        return struct.unpack_from(order + fmt, buf, pos), pos + struct.calcsize(order + fmt)
+
+    def string(pos):
+        (n,), pos = read("Q", pos)
+        if pos + n > len(buf):
+            raise struct.error(f"a string of {n} bytes at offset {pos} runs past the end")
+        return bytes(buf[pos : pos + n]).decode("utf-8"), pos + n
+
+    def value(kind, pos, keep):
+        """(the value, or None where not kept or an array, the position after it)."""
+        if kind == GGUFValueType.STRING:
+            return string(pos) if keep else (None, pos + 8 + read("Q", pos)[0][0])
+        if kind == GGUFValueType.ARRAY:
+            (item, n), pos = read("IQ", pos)
+            item = GGUFValueType(item)
+            if item not in (GGUFValueType.STRING, GGUFValueType.ARRAY):  # fixed width: step over all at once
+                return None, pos + n * struct.calcsize(order + _GGUF_SCALARS[item])
+            for _ in range(n):
+                _, pos = value(item, pos, False)
+            return None, pos
+        (v,), pos = read(_GGUF_SCALARS[kind], pos)
+        return v, pos
+
+    meta, pos = {"GGUF.version": version, "GGUF.tensor_count": tensors, "GGUF.kv_count": count}, 24  # as GGUFReader
+    for _ in range(count):
+        key, pos = string(pos)
+        (kind,), pos = read("I", pos)
+        v, pos = value(GGUFValueType(kind), pos, True)
+        if v is not None:
+            meta[key] = v
+    for _ in range(tensors):  # the table: name, dimension count, dimensions, type, offset
+        _, pos = string(pos)
+        (dims,), pos = read("I", pos)
+        pos += 8 * dims + 12
+    if pos > len(buf):
+        raise struct.error(f"the tensor table ends at offset {pos}, past the end ({len(buf)} bytes)")
+    return meta, hashlib.sha256(buf[:pos]).hexdigest()
 
 
 def _transformers_reads_moe_gguf(arch: str, model_type: str) -> bool:
@@ -202,12 +262,10 @@ def _moe_gguf_fields(meta: dict[str, object], arch: str) -> dict[str, object]:
 def _gguf_config(gguf_path: Path):
     """transformers' config of a GGUF file, plus the MoE fields its reader does not map. MoE files it cannot
     read are refused here, from the metadata alone (no tensor is read)."""
-    from transformers import AutoConfig
-
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    meta = read_gguf_metadata(gguf_path)
+    meta, header = _read_gguf_header(gguf_path)
     arch = str(meta.get("general.architecture", ""))
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts:
@@ -218,11 +276,21 @@ def _gguf_config(gguf_path: Path):
                 f"{gguf_path.name}: the file's RoPE scaling ({arch}.rope.scaling.type = {scaling!r}) is not read by "
                 "transformers' GGUF reader, so its positions would be wrong; convert the model's Hugging Face "
                 "safetensors directory instead (--hf DIR), whose config.json carries the scaling")
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = copy.deepcopy(_transformers_gguf_config(str(gguf_path.resolve()), header))
     if experts:
         for key, value in _moe_gguf_fields(meta, arch).items():
             setattr(config, key, value)
     return config
+
+
+@functools.lru_cache(maxsize=4)
+def _transformers_gguf_config(path: str, header: str):
+    """AutoConfig of a GGUF file, read once per process for each (path, sha256 of its header): transformers'
+    reader parses all the metadata, ~30 s for a 262K-token vocabulary on 2 cores, and a load asks for the
+    config several times (preflight, weights, tokenizer). A file rewritten with other metadata is read again."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
 
 
 def gguf_hf_config(gguf_path: Path) -> dict:
@@ -232,27 +300,39 @@ def gguf_hf_config(gguf_path: Path) -> dict:
     return hf_cfg
 
 
-def gguf_to_hf(gguf_path: Path):
-    """Dequantize a GGUF through transformers: (hf config dict, state dict, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def gguf_tokenizer(gguf_path: Path):
+    """transformers' tokenizer of a GGUF file, built from its metadata. The tokenizer type is the config's
+    model type (read once per process): without it AutoTokenizer parses the whole file again only to learn
+    that type (~50 s of a ~60 s build for a 262K-token vocabulary on 2 cores)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    gguf_path = Path(gguf_path)
+    model_type = _gguf_config(gguf_path).model_type
+    typed = dict(tokenizer_type=model_type) if TOKENIZER_MAPPING_NAMES.get(model_type) else {}
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **typed)
+
+
+def gguf_to_hf(gguf_path: Path, *, tokenizer: bool = True):
+    """Dequantize a GGUF through transformers: (hf config dict, state dict, tokenizer or None). tokenizer=False
+    skips building the tokenizer (loading weights needs none)."""
+    from transformers import AutoModelForCausalLM
 
     gguf_path = Path(gguf_path)
     config = _gguf_config(gguf_path)
     hf_cfg = config.to_dict()
     hf_cfg.pop("quantization_config", None)
     ModelConfig.from_hf(hf_cfg)  # refuse unsupported models before the slow load
-    kw = dict(gguf_file=gguf_path.name)
     # The completed config builds the model, so the reader fills tensors of the file's shapes.
     model, info = AutoModelForCausalLM.from_pretrained(gguf_path.parent, config=config, torch_dtype=torch.float32,
-                                                       output_loading_info=True, **kw)
+                                                       output_loading_info=True, gguf_file=gguf_path.name)
     if info["missing_keys"]:  # transformers warns and keeps random weights there; a conversion must not
         missing = sorted(info["missing_keys"])
         raise ValueError(
             f"{gguf_path.name}: transformers' GGUF reader left {len(missing)} weights of {type(model).__name__} "
             f"unread ({', '.join(missing[:3])}, ...): the file's tensors are not what transformers expects for "
             f"{hf_cfg.get('model_type')}; convert the model's Hugging Face safetensors directory instead (--hf DIR)")
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-    return hf_cfg, model.state_dict(), tok
+    return hf_cfg, model.state_dict(), gguf_tokenizer(gguf_path) if tokenizer else None
 
 
 def convert(

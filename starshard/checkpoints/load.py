@@ -125,7 +125,7 @@ def read_weights(path: str | Path, verify: bool = True) -> tuple[ModelConfig, di
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not .gguf; pass a .gguf file, a HF model dir or a starshard checkpoint dir")
-        hf_cfg, sd, _ = gguf_to_hf(path)
+        hf_cfg, sd, _ = gguf_to_hf(path, tokenizer=False)
         cfg = ModelConfig.from_hf(hf_cfg)
         return cfg, _full_state_from_source(cfg, StateDictSource(sd))
     if (path / MANIFEST).is_file():

@@ -196,7 +196,7 @@ def rank_state(src: WeightSource, cfg: ModelConfig, shard: TPShard, layers: list
     elif src.kind == "hf":
         tsrc = SafetensorsSource(src.path)
     else:  # gguf: transformers dequantizes the whole file; each rank keeps only its slices
-        tsrc = StateDictSource(gguf_to_hf(src.path)[1])
+        tsrc = StateDictSource(gguf_to_hf(src.path, tokenizer=False)[1])
     # Each tensor is read (or generated) and sliced one at a time: peak memory is one full tensor.
     specs = plan_shard(cfg, tsrc, shard, layers, first, last)
     return {s.name: s.build().to(device=device, dtype=dtype) for s in specs}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from starshard.checkpoints.convert import gguf_tokenizer
 from starshard.config import ModelConfig
 
 
@@ -33,7 +34,7 @@ def load_tokenizer(path: Path):
     path = Path(path)
     try:
         if path.is_file():  # .gguf
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            return gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None

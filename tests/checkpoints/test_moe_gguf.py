@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from starshard.checkpoints.convert import convert, gguf_hf_config
+from starshard.checkpoints.convert import _transformers_gguf_config, convert, gguf_hf_config
 from starshard.checkpoints.load import load_model, load_shard, read_manifest
 from starshard.checkpoints.sources import rank_state, read_config, weight_source
 from starshard.config import ModelConfig, UnsupportedArchitectureError
@@ -150,13 +150,15 @@ def ids_of(n, seed, batch=None):
     return torch.randint(0, len(TOKENS), shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_config_has_the_fields_transformers_leaves_out(qwen3_moe, converted, monkeypatch):
+def test_config_has_the_fields_transformers_leaves_out(qwen3_moe, converted, monkeypatch, request):
     """Expert width from `expert_feed_forward_length`, head_dim from `attention.key_length`, top-k weights
     renormalized (llama.cpp's qwen3moe) also where transformers' reader does not default them so (before
     5.0: its GGUF defaults dropped here), every layer sparse; the manifest records the GGUF source."""
     from transformers.integrations import ggml
 
     monkeypatch.delitem(getattr(ggml, "GGUF_CONFIG_DEFAULTS_MAPPING", {"qwen3_moe": 0}), "qwen3_moe")
+    _transformers_gguf_config.cache_clear()  # read again without the defaults (and again after the test)
+    request.addfinalizer(_transformers_gguf_config.cache_clear)
     cfg = ModelConfig.from_hf(gguf_hf_config(qwen3_moe[1]))
     assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.head_dim) == (
         "qwen3_moe", 8, 2, 24, 16)
