@@ -347,7 +347,7 @@ class Executor:
             if e is not None:  # from the device
                 self.cache.evict([op.entry])
                 if op.to == "host":
-                    host = to_host(e.kv)
+                    host = to_host(e.kv, arena=tiers.arena)
                     host.synchronize()  # the device memory is free (for this step's allocation) once copied
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
                 else:
@@ -378,7 +378,7 @@ class Executor:
                 found = tiers.disk.entry_for(ids)
                 if found is None:
                     raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(ids)} tokens")
-                kv = tiers.disk.load(found, self.device)
+                kv = tiers.disk.load(found, self.device, arena=tiers.arena)
             if kv_bytes(kv) > op.rank_bytes[self.cp_rank]:
                 raise RuntimeError(f"the reloaded shard holds {kv_bytes(kv)} bytes, more than the "
                                    f"{op.rank_bytes[self.cp_rank]} the scheduler counts")
