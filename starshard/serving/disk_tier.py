@@ -359,6 +359,7 @@ class DiskTier:
         host = self._read(entry, verify, start, arena)
         load = loader[0].finish() if loader else to_device(host, device, extra_capacity)
         load.synchronize()
+        host.release()  # copies done: the arena range is free for the next move
         self._stats.observe_reload(time.perf_counter() - t0)
         return load.kv
 

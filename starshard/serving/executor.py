@@ -355,7 +355,10 @@ class Executor:
                 return
             he = tiers.host.take(op.entry)  # from the host tier: only to disk
             if he is not None:
-                tiers.disk.put(he.id, he.ids, he.kv)
+                try:
+                    tiers.disk.put(he.id, he.ids, he.kv)
+                finally:
+                    he.kv.release()  # its pinned range is free for the next demotion
         except Exception as err:  # noqa: BLE001 (e.g. no pinned memory left): dropped here; a promotion falls back
             log.warning("demoting cache entry %d to %s failed on rank %d (dropped): %s: %s", op.entry, op.to,
                         self.rank, type(err).__name__, err)
@@ -397,7 +400,9 @@ class Executor:
                     tiers.disk.remove(found.name)
             return
         if op.source == "host":
-            tiers.host.take(op.entry)  # moved up: the host copy's buffer is free once the copies are done
+            he = tiers.host.take(op.entry)  # moved up, copies done: its pinned range is free for the next demotion
+            if he is not None:
+                he.kv.release()
         self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes)))
 
     def _lost(self, op: Extend | list, failures) -> bool:

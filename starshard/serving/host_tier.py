@@ -16,10 +16,14 @@ until its copy is done (`HostKV.synchronize`), a DeviceLoad keeps its HostKV's p
 and every reader of a buffer still in flight waits on its event first.
 
 Buffers come from the host tier's PinnedArena (its budget, page-locked once at start), never from a
-pinned allocation per shard. The lifetime rule: a HostKV's arena range returns to the free list when
-the HostKV is gone (weakref.finalize) and every copy into or out of it has passed its event
-(`HostKV._copies`). Without an arena, or when it has no free range large enough, the buffer is plain
-pageable memory: copies are then synchronous, still correct (counted as the tier's unpinned_fallbacks).
+pinned allocation per shard. The lifetime rule: a HostKV's arena range returns to the free list on
+`HostKV.release()` (called where a shard leaves the host for good: HostTier.evict, load(keep=False)
+once its copies are done, the executor after a promotion or a disk write, a disk reload once on the
+device), or at the latest when the HostKV is garbage (weakref.finalize); either way only after every
+copy into or out of it has passed its event (`HostKV._copies`). A released HostKV keeps its size but
+its buffer is a meta tensor: reading it raises. Without an arena, or when it has no free range large
+enough, the buffer is plain pageable memory: copies are then synchronous, still correct (counted as
+the tier's unpinned_fallbacks).
 """
 from __future__ import annotations
 
@@ -99,9 +103,9 @@ def _release(arena: PinnedArena, view: torch.Tensor, copies: list) -> None:
 
 
 def own(host: "HostKV", arena: PinnedArena | None) -> "HostKV":
-    """Give `host.buffer`'s arena range back when `host` is gone and its copies are done."""
+    """Give `host.buffer`'s arena range back on host.release() or when `host` is gone, once its copies are done."""
     if arena is not None and arena.owns(host.buffer):
-        weakref.finalize(host, _release, arena, host.buffer, host._copies)
+        host._free = weakref.finalize(host, _release, arena, host.buffer, host._copies)
     return host
 
 
@@ -118,6 +122,7 @@ class HostKV:
     ready: torch.cuda.Event | None = None  # recorded after the device -> host copy (None: already done)
     _source: KVCache | None = field(default=None, repr=False)  # kept alive until the copy is done
     _copies: list = field(default_factory=list, repr=False)  # events of copies that use the buffer (CUDA)
+    _free: weakref.finalize | None = field(default=None, repr=False)  # gives an arena range back (own)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +153,16 @@ class HostKV:
         if self.ready is not None:
             self.ready.synchronize()
         self.ready, self._source = None, None
+
+    def release(self) -> None:
+        """The shard leaves the host for good: its arena range goes back now (after its copies), not when
+        the last reference to this HostKV goes (a scheduler may keep one). The buffer becomes a meta
+        tensor of the same size: reading it raises instead of returning another shard's bytes."""
+        self.synchronize()
+        if self._free is not None:
+            self._free()
+            self._free = None
+        self.buffer = torch.empty(self.buffer.numel(), dtype=torch.uint8, device="meta")
 
 
 def _layer_parts(stored: StoredKV) -> dict[str, torch.Tensor]:
@@ -202,6 +217,7 @@ class DeviceLoad:
     host: HostKV | None  # kept alive until the copies are done (their source is its pinned buffer)
     started: float = field(default_factory=time.perf_counter)
     on_done: Callable[[float], None] | None = None  # called once by synchronize() with the seconds taken
+    release_host: bool = False  # release() the HostKV once the copies are done (it left the host tier)
 
     def wait(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait until layer `layer` is on the device; no host sync."""
@@ -221,6 +237,8 @@ class DeviceLoad:
         for ev in self.events.values():
             ev.synchronize()
         seconds = time.perf_counter() - self.started
+        if self.release_host and self.host is not None:
+            self.host.release()
         self.host = None
         if self.on_done is not None:
             self.on_done(seconds)
@@ -405,11 +423,16 @@ class HostTier:
         e.last_used = next(self._clock)
         load = to_device(e.kv, device, extra_capacity, stream)
         load.on_done = self._stats.observe_reload
+        if not keep:
+            load.host, load.release_host = e.kv, True  # its range goes back once the copies are done
         if not load.events:
             load.synchronize()
         return load
 
     def evict(self, entry_ids: list[int]) -> list[HostEntry]:
+        """Drop entries: their buffers go back to the arena (released: the returned entries' bytes are gone)."""
         out = [self.entries.pop(i) for i in entry_ids if i in self.entries]
+        for e in out:
+            e.kv.release()
         self._stats.evictions += len(out)
         return out

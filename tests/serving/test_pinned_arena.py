@@ -70,9 +70,28 @@ def test_a_held_buffer_is_never_handed_out_again():
     assert_kv_equal(kvs[1], to_device(b, "cpu").kv)
     assert_kv_equal(kvs[2], to_device(c, "cpu").kv)
     assert tier.stats.unpinned_fallbacks == 1 and tier.stats.as_dict()["unpinned_fallbacks"] == 1
-    tier.evict([2])
-    del b, c, third
+    del c
+    stale = tier.entries[2]  # as a scheduler's cached lookup keeps one
+    tier.evict([2])  # released at once, not when the last reference goes
     assert arena.free_bytes() == arena.largest_free() == arena.nbytes
+    assert stale.kv.nbytes == size and stale.kv.buffer.is_meta
+    with pytest.raises((NotImplementedError, RuntimeError)):  # never another shard's bytes
+        stale.kv.layer(0).k.tolist()
+
+
+def test_a_shard_leaving_the_host_gives_its_range_back():
+    arena = PinnedArena(8 * PAGE, pin=False)
+    tier = HostTier(arena.nbytes, arena=arena)
+    kv = make_kv(length=9, fp8=True)
+    tier.put(1, np.arange(9), to_host(kv, arena=arena))
+    tier.put(2, np.arange(9) + 50, to_host(kv, arena=arena))
+    held = arena.free_bytes()
+    stale = tier.entries[1]
+    assert_kv_equal(kv, tier.load(1, "cpu", keep=False).kv)  # promoted: released once copied
+    freed = arena.free_bytes()
+    assert freed > held and stale.kv.buffer.is_meta
+    assert_kv_equal(kv, tier.load(2, "cpu").kv)  # keep=True: the host copy stays, readable
+    assert arena.free_bytes() == freed and not tier.entries[2].kv.buffer.is_meta
 
 
 def test_a_range_waits_for_its_copies_before_it_is_free():
