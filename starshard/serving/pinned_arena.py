@@ -13,6 +13,7 @@ The arena knows nothing of copies: its user frees a range only once every copy i
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import threading
 import time
@@ -59,6 +60,7 @@ class PinnedArena:
             log.info("host cache: page-locked %.2f GiB in %.2f s", nbytes / 2**30, time.perf_counter() - t0)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted, never adjacent
         self._used: dict[int, int] = {}  # offset -> size of each range handed out
+        self._pending: collections.deque[int] = collections.deque()  # freed offsets not yet merged back
         self._lock = threading.Lock()
         self.fallbacks = 0  # requests a caller served with a pageable buffer instead (counted by the caller)
 
@@ -68,6 +70,7 @@ class PinnedArena:
             raise ValueError(f"alloc: a negative size {n}")
         size = max(self.align, (n + self.align - 1) // self.align * self.align)  # offsets stay aligned
         with self._lock:
+            self._drain()
             for i, (off, free) in enumerate(self._free):
                 if free >= size:
                     if free == size:
@@ -75,19 +78,33 @@ class PinnedArena:
                     else:
                         self._free[i] = (off + size, free - size)
                     self._used[off] = size
-                    return self._buf[off:off + n]
-        return None
+                    break
+            else:
+                return None
+        return self._buf[off:off + n]  # outside the lock: see free
 
     def owns(self, view: torch.Tensor) -> bool:
         return view.device.type == "cpu" and 0 <= view.data_ptr() - self._base < self.nbytes
 
     def free(self, view: torch.Tensor) -> None:
-        """Return the range `view` (from alloc) to the free list, merged with free neighbours."""
+        """Return the range `view` (from alloc) to the free list, merged with free neighbours. Never waits
+        for the lock: a free may run from a garbage collection inside alloc on this thread (a HostKV's
+        finalizer); then the range is merged back by the next call that holds the lock."""
         off = view.data_ptr() - self._base
-        with self._lock:
-            size = self._used.pop(off, None)
-            if size is None:
-                raise ValueError(f"free: offset {off} is not a range this arena handed out (freed twice?)")
+        if off not in self._used or off in self._pending:
+            raise ValueError(f"free: offset {off} is not a range this arena handed out (freed twice?)")
+        self._pending.append(off)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Merge the pending frees into the free list (the lock held)."""
+        while self._pending:
+            off = self._pending.popleft()
+            size = self._used.pop(off)
             i = bisect.bisect_left(self._free, (off, 0))
             if i < len(self._free) and off + size == self._free[i][0]:  # the next range is free: merge
                 size += self._free.pop(i)[1]
@@ -99,10 +116,12 @@ class PinnedArena:
 
     def free_bytes(self) -> int:
         with self._lock:
+            self._drain()
             return sum(size for _, size in self._free)
 
     def largest_free(self) -> int:
         with self._lock:
+            self._drain()
             return max((size for _, size in self._free), default=0)
 
     def close(self) -> None:

@@ -40,6 +40,19 @@ def test_alloc_aligns_fits_first_and_coalesces():
     assert arena.alloc(8 * PAGE).numel() == 8 * PAGE and arena.alloc(1) is None
 
 
+def test_a_free_while_the_lock_is_held_is_merged_later():
+    """A HostKV's finalizer may run inside alloc (a garbage collection on this thread): free never waits."""
+    arena = PinnedArena(2 * PAGE, pin=False)
+    a, b = arena.alloc(PAGE), arena.alloc(PAGE)
+    with arena._lock:
+        arena.free(a)  # would deadlock if it waited for the lock
+        with pytest.raises(ValueError, match="freed twice"):
+            arena.free(a)
+    assert offset(arena, arena.alloc(PAGE)) == 0 and arena.alloc(1) is None  # merged back by the next call
+    arena.free(b)
+    assert arena.free_bytes() == PAGE
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="--host-cache-gib"):
         PinnedArena(0, pin=False)
