@@ -8,7 +8,7 @@ over a sorted free list) and `free` returns them, merged with their free neighbo
 is large enough (fragmentation) `alloc` answers None and the caller uses a pageable buffer instead.
 
 The arena knows nothing of copies: its user frees a range only once every copy into or out of it is done
-(host_tier.py frees a HostKV's range when the HostKV is gone and its copies' events have passed).
+(host_tier.py: on HostKV.release() or when the HostKV is gone, after its copies' events have passed).
 """
 from __future__ import annotations
 
