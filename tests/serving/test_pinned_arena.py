@@ -161,3 +161,20 @@ def test_tiers_build_the_arena_of_the_host_budget():
     finally:
         tiers.close()
     assert Tiers(TierConfig(), ranks=1, cp_rank=0, token_bytes=16, key=None).arena is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cudaHostRegister needs CUDA (not run on CPU-only hosts)")
+def test_the_arena_is_page_locked_and_cuda_copies_through_it_are_exact():
+    kv = make_kv(length=33, fp8=True)
+    arena = PinnedArena(64 * PAGE)
+    assert arena.pinned
+    on_gpu = to_device(to_host(kv), "cuda")
+    on_gpu.synchronize()
+    host = to_host(on_gpu.kv, arena=arena)  # asynchronous into the arena
+    assert arena.owns(host.buffer) and host.buffer.is_pinned()
+    load = to_device(host, "cuda")
+    load.synchronize()
+    assert_kv_equal(kv, to_device(to_host(load.kv), "cpu").kv)  # cpu -> gpu -> arena -> gpu -> cpu
+    del host, load
+    assert arena.free_bytes() == arena.nbytes  # the range came back once its copies were done
+    arena.close()
