@@ -53,6 +53,9 @@ _TIER_METRICS = {
     "evictions": ("starshard_context_cache_tier_evictions", "Entries dropped by the tier to stay within its budget",
                   "counter"),
     "rejected": ("starshard_context_cache_tier_rejected", "Files skipped as damaged, foreign or unreadable", "counter"),
+    "unpinned_fallbacks": ("starshard_context_cache_tier_unpinned_fallbacks",
+                           "Shard buffers the pinned host arena had no room for (fragmentation): pageable, "
+                           "copied synchronously", "counter"),
 }
 
 

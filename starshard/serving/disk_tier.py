@@ -38,6 +38,7 @@ from starshard.serving.kv_file import (
     read_tokens,
     write_kv_file,
 )
+from starshard.serving.pinned_arena import PinnedArena
 from starshard.serving.tier_stats import TierStats
 
 log = logging.getLogger("starshard.serving.disk_tier")
@@ -313,16 +314,16 @@ class DiskTier:
             e = self.entries.get(file_name(self.key, ids, self.rank))
             return e if e is not None and np.array_equal(e.ids, ids) else None
 
-    def load_host(self, entry: DiskEntry | str, verify: bool = True) -> HostKV:
-        """Promote a file into a (pinned) host buffer, digests checked (e.g. into the host tier). A damaged or
-        vanished file is removed from the index (and the disk), logged, and raised as KVFileError: the
-        caller re-prefills."""
+    def load_host(self, entry: DiskEntry | str, verify: bool = True, arena: PinnedArena | None = None) -> HostKV:
+        """Promote a file into a host buffer (a range of the host tier's pinned `arena` when it has room), digests
+        checked (e.g. into the host tier). A damaged or vanished file is removed from the index (and the disk),
+        logged, and raised as KVFileError: the caller re-prefills."""
         t0 = time.perf_counter()
-        host = self._read(entry, verify, None)
+        host = self._read(entry, verify, None, arena)
         self._stats.observe_reload(time.perf_counter() - t0)
         return host
 
-    def _read(self, entry: DiskEntry | str, verify: bool, on_layer) -> HostKV:
+    def _read(self, entry: DiskEntry | str, verify: bool, on_layer, arena: PinnedArena | None = None) -> HostKV:
         with self._mutex:
             e = self.entries.get(entry if isinstance(entry, str) else entry.name)
             if e is None:
@@ -330,7 +331,7 @@ class DiskTier:
                                   "not in this disk tier (evicted or never written)")
             self._touch(e)
         try:
-            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer)
+            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer, arena=arena)
             if not np.array_equal(ids, e.ids):
                 raise KVFileError(e.path, "header", "the token ids changed since the file was indexed")
         except KVFileError as err:
@@ -343,19 +344,22 @@ class DiskTier:
             raise
         return host
 
-    def load(self, entry: DiskEntry | str, device, extra_capacity: int = 0, verify: bool = True) -> KVCache:
+    def load(self, entry: DiskEntry | str, device, extra_capacity: int = 0, verify: bool = True,
+             arena: PinnedArena | None = None) -> KVCache:
         """Promote a file straight to `device`: a KVCache of exactly its rows plus `extra_capacity`, copies
-        done; each layer's host -> device copy starts as soon as its bytes are read. Raises KVFileError as
-        load_host."""
+        done; each layer's host -> device copy starts as soon as its bytes are read. The bytes pass through a
+        range of the host tier's pinned `arena` when it has room (freed once the copies are done), else a
+        pageable buffer. Raises KVFileError as load_host."""
         t0, loader = time.perf_counter(), []
 
         def start(host, i):
             if not loader:
                 loader.append(DeviceLoader(host, device, extra_capacity))
             loader[0].copy_layer(i)
-        host = self._read(entry, verify, start)
+        host = self._read(entry, verify, start, arena)
         load = loader[0].finish() if loader else to_device(host, device, extra_capacity)
         load.synchronize()
+        host.release()  # copies done: the arena range is free for the next move
         self._stats.observe_reload(time.perf_counter() - t0)
         return load.kv
 

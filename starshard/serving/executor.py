@@ -349,7 +349,7 @@ class Executor:
             if e is not None:  # from the device
                 self.cache.evict([op.entry])
                 if op.to == "host":
-                    host = to_host(e.kv)
+                    host = to_host(e.kv, arena=tiers.arena)
                     host.synchronize()  # the device memory is free (for this step's allocation) once copied
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
                 else:
@@ -357,7 +357,10 @@ class Executor:
                 return
             he = tiers.host.take(op.entry)  # from the host tier: only to disk
             if he is not None:
-                tiers.disk.put(he.id, he.ids, he.kv)
+                try:
+                    tiers.disk.put(he.id, he.ids, he.kv)
+                finally:
+                    he.kv.release()  # its pinned range is free for the next demotion
         except Exception as err:  # noqa: BLE001 (e.g. no pinned memory left): dropped here; a promotion falls back
             log.warning("demoting cache entry %d to %s failed on rank %d (dropped): %s: %s", op.entry, op.to,
                         self.rank, type(err).__name__, err)
@@ -380,7 +383,7 @@ class Executor:
                 found = tiers.disk.entry_for(ids)
                 if found is None:
                     raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(ids)} tokens")
-                kv = tiers.disk.load(found, self.device)
+                kv = tiers.disk.load(found, self.device, arena=tiers.arena)
             if kv_bytes(kv) > op.rank_bytes[self.cp_rank]:
                 raise RuntimeError(f"the reloaded shard holds {kv_bytes(kv)} bytes, more than the "
                                    f"{op.rank_bytes[self.cp_rank]} the scheduler counts")
@@ -399,7 +402,9 @@ class Executor:
                     tiers.disk.remove(found.name)
             return
         if op.source == "host":
-            tiers.host.take(op.entry)  # moved up: the host copy's buffer is free once the copies are done
+            he = tiers.host.take(op.entry)  # moved up, copies done: its pinned range is free for the next demotion
+            if he is not None:
+                he.kv.release()
         self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes)))
 
     def _lost(self, op: Extend | list, failures) -> bool:

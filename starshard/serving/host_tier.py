@@ -1,4 +1,4 @@
-"""The host tier: one rank's cache entry shards kept in (pinned) host memory, within a byte budget.
+"""The host tier: one rank's cache entry shards kept in pinned host memory, within a byte budget.
 
 A shard leaves the device as one flat byte buffer (`HostKV`: each layer's filled rows of k, v,
 positions and, for FP8, the e4m3 bytes with their float32 scales; nothing is converted), copied on a
@@ -14,6 +14,16 @@ i..L-1. A caller with nothing to overlap calls `DeviceLoad.wait_all()` (GPU side
 An entry being moved is never freed or read half-copied: a HostKV keeps its source KVCache alive
 until its copy is done (`HostKV.synchronize`), a DeviceLoad keeps its HostKV's pinned buffer alive,
 and every reader of a buffer still in flight waits on its event first.
+
+Buffers come from the host tier's PinnedArena (its budget, page-locked once at start), never from a
+pinned allocation per shard. The lifetime rule: a HostKV's arena range returns to the free list on
+`HostKV.release()` (called where a shard leaves the host for good: HostTier.evict, load(keep=False)
+once its copies are done, the executor after a promotion or a disk write, a disk reload once on the
+device), or at the latest when the HostKV is garbage (weakref.finalize); either way only after every
+copy into or out of it has passed its event (`HostKV._copies`). A released HostKV keeps its size but
+its buffer is a meta tensor: reading it raises. Without an arena, or when it has no free range large
+enough, the buffer is plain pageable memory: copies are then synchronous, still correct (counted as
+the tier's unpinned_fallbacks).
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import contextlib
 import itertools
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +40,7 @@ import torch
 
 from starshard.engine.kv_cache import KVCache, StoredKV
 from starshard.serving.context_cache import longest_prefix
+from starshard.serving.pinned_arena import PinnedArena
 from starshard.serving.tier_stats import TierStats
 
 ALIGN = 64  # every section starts on a 64-byte boundary: any dtype views it, copies run on aligned lines
@@ -73,9 +85,28 @@ def layout(layer_ids, batch: int, heads: int, head_dim: int, length: int, dtype:
     return tuple(out), off
 
 
-def pinned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 host buffer, page-locked when CUDA is there (asynchronous copies need it)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+def host_buffer(nbytes: int, arena: PinnedArena | None) -> torch.Tensor:
+    """A uint8 host buffer for one shard: a range of `arena` when it has room, else pageable memory
+    (counted in arena.fallbacks). Pair it with `own` once the HostKV exists."""
+    buf = arena.alloc(nbytes) if arena is not None else None
+    if buf is None:
+        if arena is not None:
+            arena.fallbacks += 1
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
+def _release(arena: PinnedArena, view: torch.Tensor, copies: list) -> None:
+    for ev in copies:  # normally passed already: a DeviceLoad is synchronized before it lets go
+        ev.synchronize()
+    arena.free(view)
+
+
+def own(host: "HostKV", arena: PinnedArena | None) -> "HostKV":
+    """Give `host.buffer`'s arena range back on host.release() or when `host` is gone, once its copies are done."""
+    if arena is not None and arena.owns(host.buffer):
+        host._free = weakref.finalize(host, _release, arena, host.buffer, host._copies)
+    return host
 
 
 @dataclass
@@ -90,6 +121,8 @@ class HostKV:
     next_position: int
     ready: torch.cuda.Event | None = None  # recorded after the device -> host copy (None: already done)
     _source: KVCache | None = field(default=None, repr=False)  # kept alive until the copy is done
+    _copies: list = field(default_factory=list, repr=False)  # events of copies that use the buffer (CUDA)
+    _free: weakref.finalize | None = field(default=None, repr=False)  # gives an arena range back (own)
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +154,25 @@ class HostKV:
             self.ready.synchronize()
         self.ready, self._source = None, None
 
+    def release(self) -> None:
+        """The shard leaves the host for good: its arena range goes back now (after its copies), not when
+        the last reference to this HostKV goes (a scheduler may keep one). The buffer becomes a meta
+        tensor of the same size: reading it raises instead of returning another shard's bytes."""
+        self.synchronize()
+        if self._free is not None:
+            self._free()
+            self._free = None
+        self.buffer = torch.empty(self.buffer.numel(), dtype=torch.uint8, device="meta")
+
 
 def _layer_parts(stored: StoredKV) -> dict[str, torch.Tensor]:
     return dict(pos=stored.pos, k=stored.k, v=stored.v, k_scale=stored.k_scale, v_scale=stored.v_scale)
 
 
-def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None) -> HostKV:
-    """Copy a KV shard's filled rows into one host buffer. CUDA: asynchronous on `stream` (default: a new
-    side stream) after the work already queued on the current stream; the returned HostKV's `ready`
-    event says when. CPU: a plain copy, done on return."""
+def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedArena | None = None) -> HostKV:
+    """Copy a KV shard's filled rows into one host buffer (a range of `arena` when it has room, else
+    pageable). CUDA: asynchronous on `stream` (default: a new side stream) after the work already queued
+    on the current stream; the returned HostKV's `ready` event says when. CPU: a plain copy, done on return."""
     layer_ids = list(kv.layers)
     if not layer_ids:
         raise ValueError("to_host: the KV cache holds no layers")
@@ -140,11 +183,13 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None) -> HostKV:
     n = lengths.pop()
     b, h, _, d = first.k.shape
     sections, nbytes = layout(layer_ids, b, h, d, n, first.dtype, first.fp8)
-    host = HostKV(pinned_empty(nbytes), sections, first.dtype, first.fp8, n, kv.next_position)
+    cuda = kv.device.type == "cuda"
+    ready = torch.cuda.Event() if cuda else None  # recorded below; whoever frees the buffer waits on it
+    host = own(HostKV(host_buffer(nbytes, arena), sections, first.dtype, first.fp8, n, kv.next_position,
+                      _copies=[ready] if cuda else []), arena)
     ends = [s.offset + s.nbytes for s in sections]
     for end, nxt in zip(ends, [s.offset for s in sections[1:]] + [nbytes]):
         host.buffer[end:nxt].zero_()  # the gaps between sections: never stale process memory in a file
-    cuda = kv.device.type == "cuda"
     if cuda:
         stream = stream or torch.cuda.Stream(kv.device)
         stream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes are queued there
@@ -156,7 +201,7 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None) -> HostKV:
                 if cuda:
                     parts[s.part].record_stream(stream)  # not reused by the allocator before the copy is done
         if cuda:
-            host.ready = torch.cuda.Event()
+            host.ready = ready
             host.ready.record(stream)
             host._source = kv
     return host
@@ -172,6 +217,7 @@ class DeviceLoad:
     host: HostKV | None  # kept alive until the copies are done (their source is its pinned buffer)
     started: float = field(default_factory=time.perf_counter)
     on_done: Callable[[float], None] | None = None  # called once by synchronize() with the seconds taken
+    release_host: bool = False  # release() the HostKV once the copies are done (it left the host tier)
 
     def wait(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait until layer `layer` is on the device; no host sync."""
@@ -191,6 +237,8 @@ class DeviceLoad:
         for ev in self.events.values():
             ev.synchronize()
         seconds = time.perf_counter() - self.started
+        if self.release_host and self.host is not None:
+            self.host.release()
         self.host = None
         if self.on_done is not None:
             self.on_done(seconds)
@@ -236,6 +284,7 @@ class DeviceLoader:
                         t.record_stream(self.stream)  # allocated on the consumer's stream, written on this one
                 self.events[i] = torch.cuda.Event()
                 self.events[i].record(self.stream)
+                host._copies[:] = [ev for ev in host._copies if not ev.query()] + [self.events[i]]
 
     def finish(self) -> DeviceLoad:
         """The load, once copy_layer has been called for every layer."""
@@ -273,10 +322,13 @@ class HostTier:
     given every rank's bytes (`rank_bytes`), every rank makes the same evictions, so rank 0's plan holds
     everywhere; without them a rank counts its own shard."""
 
-    def __init__(self, budget_bytes: int, ranks: int = 1):
+    def __init__(self, budget_bytes: int, ranks: int = 1, arena: PinnedArena | None = None):
         if budget_bytes <= 0:
             raise ValueError(f"the host cache budget must be > 0 bytes (--host-cache-gib), got {budget_bytes}")
+        if arena is not None and arena.nbytes != budget_bytes:
+            raise ValueError(f"the host tier's arena holds {arena.nbytes} bytes, its budget is {budget_bytes}")
         self.budget = budget_bytes
+        self.arena = arena  # where to_host / read_kv_host carve this tier's buffers from (None: pageable)
         self.ranks = ranks
         self.entries: dict[int, HostEntry] = {}
         self._clock = itertools.count(1)
@@ -290,6 +342,7 @@ class HostTier:
         held = list(self.entries.values())  # one snapshot: the step loop may move entries meanwhile
         self._stats.entries = len(held)
         self._stats.bytes = sum(e.kv.nbytes for e in held)
+        self._stats.unpinned_fallbacks = self.arena.fallbacks if self.arena is not None else 0
         return self._stats
 
     def plan_room(self, need: int | list[int], keep: int | None = None) -> list[int] | None:
@@ -370,11 +423,16 @@ class HostTier:
         e.last_used = next(self._clock)
         load = to_device(e.kv, device, extra_capacity, stream)
         load.on_done = self._stats.observe_reload
+        if not keep:
+            load.host, load.release_host = e.kv, True  # its range goes back once the copies are done
         if not load.events:
             load.synchronize()
         return load
 
     def evict(self, entry_ids: list[int]) -> list[HostEntry]:
+        """Drop entries: their buffers go back to the arena (released: the returned entries' bytes are gone)."""
         out = [self.entries.pop(i) for i in entry_ids if i in self.entries]
+        for e in out:
+            e.kv.release()
         self._stats.evictions += len(out)
         return out

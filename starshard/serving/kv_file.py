@@ -41,11 +41,13 @@ from starshard.serving.host_tier import (
     DeviceLoader,
     HostKV,
     Section,
+    host_buffer,
     layout,
-    pinned_empty,
+    own,
     to_device,
     to_host,
 )
+from starshard.serving.pinned_arena import PinnedArena
 
 MAGIC = b"SSKVSHRD"
 PRELUDE = struct.Struct("<8sII16s")  # magic, version, header length, header digest
@@ -272,8 +274,10 @@ def fsync_dir(path) -> None:
 
 def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, verify: bool = True,
                  header: KVFileHeader | None = None,
-                 on_layer: Callable[[HostKV, int], None] | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
-    """Read a shard into a (pinned) host buffer by large sequential reads, each section's digest checked
+                 on_layer: Callable[[HostKV, int], None] | None = None,
+                 arena: PinnedArena | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
+    """Read a shard into a host buffer (a range of the host tier's pinned `arena` when it has room, else
+    pageable: host_tier.host_buffer) by large sequential reads, each section's digest checked
     on a thread pool as soon as its bytes are in (verify=False skips them). (HostKV, token ids, header).
     on_layer(host, i) is called as soon as layer i's bytes are in, before the digests are known (to start
     its copy to the device: host_tier.DeviceLoader); a digest that fails raises after it, and the caller
@@ -281,7 +285,8 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
     path = Path(path)
     h = header or read_header(path, key, rank)
     tokens = read_tokens(path, h)
-    host = HostKV(pinned_empty(h.payload_bytes), h.sections, getattr(torch, h.dtype), h.fp8, h.length, h.next_position)
+    host = own(HostKV(host_buffer(h.payload_bytes, arena), h.sections, getattr(torch, h.dtype), h.fp8, h.length,
+                      h.next_position), arena)
     buf = _u8(host.buffer)
     pending, futures, done = list(zip(h.sections, h.section_digests)), [], 0
     layer_end = {}

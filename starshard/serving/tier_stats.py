@@ -20,6 +20,7 @@ class TierStats:
     promotions: int = 0  # entries loaded back up from this tier
     evictions: int = 0  # entries dropped to stay within the budget
     rejected: int = 0  # files skipped as damaged or unreadable (disk)
+    unpinned_fallbacks: int = 0  # shard buffers the host arena had no room for: pageable instead (host)
     reload_seconds_sum: float = 0.0
     # cumulative counts per RELOAD_BUCKETS bound (Prometheus' histogram), the last one +Inf
     reload_buckets: list[int] = field(default_factory=lambda: [0] * (len(RELOAD_BUCKETS) + 1))
@@ -32,7 +33,7 @@ class TierStats:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("bytes", "entries", "lookups", "hits", "demotions", "promotions",
-                                           "evictions", "rejected", "reload_seconds_sum")}
+                                           "evictions", "rejected", "unpinned_fallbacks", "reload_seconds_sum")}
         d["reload_seconds_count"] = self.reload_buckets[-1]
         d["reload_seconds_buckets"] = dict(zip([*map(str, RELOAD_BUCKETS), "+Inf"], self.reload_buckets))
         return d

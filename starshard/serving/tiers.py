@@ -22,6 +22,7 @@ import torch.distributed as dist
 from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
 from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
 from starshard.serving.host_tier import HostTier
+from starshard.serving.pinned_arena import PinnedArena
 
 log = logging.getLogger("starshard.serve")
 
@@ -76,7 +77,8 @@ class Tiers:
 
     def __init__(self, config: TierConfig, *, ranks: int, cp_rank: int, token_bytes: int, key: CacheKey | None,
                  control=None):
-        self.host = HostTier(config.host_bytes, ranks) if config.host_bytes else None
+        # the host budget is page-locked here, once (seconds for many GiB), not per demoted shard
+        self.host = HostTier(config.host_bytes, ranks, PinnedArena(config.host_bytes)) if config.host_bytes else None
         self.disk = None
         self.token_bytes = token_bytes
         self.disk_bytes: dict[str, list[int]] = {}
@@ -116,9 +118,16 @@ class Tiers:
             log.info("disk cache: %d of this rank's %d entries are held by every rank (reusable)",
                      len(self.disk_bytes), len(self.disk.entries))
 
+    @property
+    def arena(self) -> PinnedArena | None:
+        """The host tier's pinned memory, which disk reloads also pass through when it has room."""
+        return self.host.arena if self.host is not None else None
+
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.host is not None and self.host.arena is not None:
+            self.host.arena.close()
 
     # -- rank 0: lookups (not counted: the scheduler scans its queue with them)
     def peek(self, ids: np.ndarray) -> tuple[str | None, object, int]:

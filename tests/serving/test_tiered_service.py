@@ -93,6 +93,9 @@ def test_host_tier_demotes_and_promotes(tiny):
         assert stats["host"]["reload_seconds_count"] == 1 and stats["device"]["entries"] == 1
         tokens, cached = _ask(svc, d2 + q3, len(d2))  # and back again
         assert tokens == want[1] and cached == len(d2)
+        arena = svc.tiers.arena  # the budget, carved into shard buffers: every shard that left gave its range back
+        held = [-(-e.kv.nbytes // arena.align) * arena.align for e in host.entries.values()]
+        assert arena.nbytes == host.budget and arena.free_bytes() == arena.nbytes - sum(held)
         text = ServerMetrics(svc.stats).render()[0].decode()
         for line in ['starshard_context_cache_tier_entries{tier="host"} 1.0',
                      'starshard_context_cache_tier_entries{tier="device"} 1.0',
@@ -102,6 +105,8 @@ def test_host_tier_demotes_and_promotes(tiny):
                      'starshard_context_cache_reload_seconds_count{tier="host"} 2.0',
                      'starshard_context_cache_reload_seconds_bucket{le="+Inf",tier="host"} 2.0',
                      'starshard_context_cache_tier_bytes{tier="host"}',
+                     # the first swap: d2 moves down before d1's promotion frees its range (room for one)
+                     'starshard_context_cache_tier_unpinned_fallbacks_total{tier="host"} 1.0',
                      "starshard_context_cache_reload_failures_total 0.0"]:
             assert line in text, line
     finally:
