@@ -358,9 +358,11 @@ def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float) ->
     """Push `doc`'s entry down to `tier` (Scheduler.demote), then time a new question on it: promoted
     back from the host tier, or read cold from the disk tier (its files dropped from the page cache,
     after the disk's sequential read rate was measured on them)."""
+    t0 = time.perf_counter()
     shard = svc.demote(doc, tier)
-    out = {"shard_bytes_per_rank": shard}
     name = "host" if tier == "host" else "disk_cold"
+    # The move is a step of its own: every stream waits for it (a device -> host copy, or a file written).
+    out = {"shard_bytes_per_rank": shard, f"demote_{tier}_s": time.perf_counter() - t0}
     if tier == "disk":
         disk = serve_tiers.read_rate(serve_tiers.entry_files(svc.tiers.disk, doc, world()))
         out["disk"] = disk
