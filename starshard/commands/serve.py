@@ -257,7 +257,8 @@ def serve_lead(service, args, cache_bytes: int) -> int:
     tiers = args.tiers
     if tiers.any:
         host = f"{tiers.host_bytes / 2**30:.2f} GiB" if tiers.host_bytes else "off"
-        disk = f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir}" if tiers.disk_dir else "off"
+        disk = (f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir} (--disk-reload-policy {tiers.disk_reload})"
+                if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
     service.start()
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
