@@ -438,7 +438,9 @@ def start_scheduler(args, **limits):
     llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
               parallel=parallel)
     options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
-                   tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib), **limits)
+                   # disk_reload "always": the scenario measures each tier's reload, slower than a prefill or not
+                   tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
+                                             disk_reload="always"), **limits)
     chunk = args.prefill_chunk if args.prefill_chunk is not None else default_prefill_chunk(llm.device, parallel.cp)
     options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee)
     try:

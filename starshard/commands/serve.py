@@ -28,6 +28,7 @@ from starshard.parallel.topology import LayoutError, collective_failure, read_la
 from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.runconfig import parse_with_config
 from starshard.serving.disk_tier import DiskTierLocked
+from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
 from starshard.serving.tiers import TierConfig
 from starshard.server.app import create_app, make_server
@@ -109,6 +110,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "shows and removes the files. Needs --disk-cache-gib")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
                        help="the disk tier's budget per rank: least recently used files are removed beyond it")
+    tiers.add_argument("--disk-reload-policy", choices=POLICIES, default="auto",
+                       help="when a prompt's prefix is found in the disk tier: auto (default) reloads it only while "
+                       "the reload is expected to take no longer than prefilling it again, both estimated from this "
+                       "server's measured reloads (seconds per byte) and prefills (seconds per FLOP); the first reload "
+                       "is always tried. A skipped file stays. always: reload every disk hit (a fast disk, or to "
+                       "measure it)")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -141,7 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cache_gib is not None and args.cache_gib <= 0:
         ap.error(f"--cache-gib must be > 0, got {args.cache_gib}")
     try:
-        args.tiers = TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib)
+        args.tiers = TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
+                                         args.disk_reload_policy)
     except ValueError as e:
         ap.error(str(e))
     return args
@@ -249,7 +257,8 @@ def serve_lead(service, args, cache_bytes: int) -> int:
     tiers = args.tiers
     if tiers.any:
         host = f"{tiers.host_bytes / 2**30:.2f} GiB" if tiers.host_bytes else "off"
-        disk = f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir}" if tiers.disk_dir else "off"
+        disk = (f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir} (--disk-reload-policy {tiers.disk_reload})"
+                if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
     service.start()
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()

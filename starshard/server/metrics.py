@@ -56,6 +56,9 @@ _TIER_METRICS = {
     "unpinned_fallbacks": ("starshard_context_cache_tier_unpinned_fallbacks",
                            "Shard buffers the pinned host arena had no room for (fragmentation): pageable, "
                            "copied synchronously", "counter"),
+    "skipped_slower_than_prefill": ("starshard_context_cache_tier_skipped_slower_than_prefill",
+                                    "Prompts prefilled although the tier held their prefix: its reload was "
+                                    "expected to take longer than the prefill (--disk-reload-policy auto)", "counter"),
 }
 
 

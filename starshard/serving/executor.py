@@ -5,7 +5,9 @@ and rows, each with its own shard."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -84,6 +86,7 @@ class _Admission:
     token: int = 0
     row: "Row | None" = None
     pool: OwnKV | None = None  # the batch's pool with the new row
+    marks: list = field(default_factory=list)  # a timed chunked prefill's (start, end) per chunk (Executor._mark)
 
 
 @dataclass
@@ -144,6 +147,9 @@ class Executor:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.config, self.tp = config, tp  # the model's config and tp, for a step's working set (work_bytes)
         self.faults: list[Fault] = []  # test hook: errors to raise for given requests (Fault)
+        # rank 0's scheduler: (op, seconds) of each completed prefill (whole, or its chunks' sum) and promotion,
+        # which its disk reload policy learns from (serving/reload_policy.py); None: nothing is timed
+        self.on_timing: Callable[[Op, float], None] | None = None
         self.model = runner.model
         self.cache = cache
         strategy = getattr(runner, "strategy", None)
@@ -316,13 +322,18 @@ class Executor:
                     case Demote():
                         self._demote(op)
                     case Promote():
-                        self._promote(op)
+                        t0 = time.perf_counter()  # up to the vote: the slowest rank's load
+                        if self._promote(op) and self.on_timing is not None:
+                            self.on_timing(op, time.perf_counter() - t0)
                     case Extend() | list() if self._lost(op, failures):
                         pass
                     case Finish():
                         self._finish(op.rids)
                     case Prefill():
+                        start = self._mark() if self.on_timing is not None else None
                         self._admit(op, self._prefill_prepare, self._prefill_compute, "prefill", tokens, failures)
+                        if op.rid in tokens and start is not None:
+                            self.on_timing(op, self._seconds([(start, self._mark())]))
                     case PrefillChunk():
                         self._prefill_chunk(op, tokens, failures)
                     case Abort():
@@ -365,7 +376,7 @@ class Executor:
             log.warning("demoting cache entry %d to %s failed on rank %d (dropped): %s: %s", op.entry, op.to,
                         self.rank, type(err).__name__, err)
 
-    def _promote(self, op: Promote) -> None:
+    def _promote(self, op: Promote) -> bool:
         """Load this rank's shard back to the device, then one vote: the entry becomes reusable only when
         every rank has its shard; otherwise no rank keeps it and the lower tier's copy is dropped on every
         rank (a disk load that failed removed its file already), so the request is prefilled instead."""
@@ -400,12 +411,13 @@ class Executor:
                 found = tiers.disk.entry_for(op.ids)
                 if found is not None:
                     tiers.disk.remove(found.name)
-            return
+            return False
         if op.source == "host":
             he = tiers.host.take(op.entry)  # moved up, copies done: its pinned range is free for the next demotion
             if he is not None:
                 he.kv.release()
         self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes)))
+        return True
 
     def _lost(self, op: Extend | list, failures) -> bool:
         """An extend of an entry whose promotion failed fails with RELOAD_FAILED (the scheduler prefills it)."""
@@ -505,11 +517,14 @@ class Executor:
     # -- a document's prefill, one chunk a step (the entry is "filling" between its chunks)
     def _prefill_chunk(self, op: PrefillChunk, tokens, failures) -> None:
         # Every chunk is voted on: each allocates its working set, the first the entry, the last the pool.
+        start = self._mark() if self.on_timing is not None else None
         st, failure = self._contained(op, self._chunk_prepare, self._chunk_compute, "prefill")
         if failure is not None:
             self._abort(op.entry)  # a later chunk's entry is filling on every rank
             failures[op.rid] = failure
             return
+        if start is not None:
+            st.marks.append((start, self._mark()))
         if op.start == 0:
             self.cache.add(st.entry)
             self.cache.acquire(st.entry)  # held by its request: neither evicted nor reused while it fills
@@ -519,6 +534,25 @@ class Executor:
             st.entry.filling = False
             self._set_rows(self.rows + [st.row], st.pool)
             tokens[op.rid] = st.token
+            if self.on_timing is not None:
+                self.on_timing(op, self._seconds(st.marks))
+
+    def _mark(self):
+        """Now on this rank's compute stream: a CUDA event (a middle chunk's kernels still run when its step
+        returns, and a decode step between chunks waits for them), else the host clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _seconds(spans: list) -> float:
+        """The summed seconds of (start, end) marks, once the stream has passed the last end."""
+        if spans and not isinstance(spans[-1][1], float):
+            spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        return sum(b - a for a, b in spans)
 
     def _chunk_prepare(self, op: PrefillChunk):
         rows = -(-(op.end - op.start) // self.cp)  # this step's rows per rank

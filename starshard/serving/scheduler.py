@@ -18,7 +18,8 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
     demote   with lower tiers (--host-cache-gib, --disk-cache-dir; serving/tiers.py) an evicted entry moves
              down instead: device -> host, the host tier's least recently used -> disk, else dropped
     promote  a prompt whose prefix a lower tier's entry holds (the same rule as extend) brings that entry
-             back to the device (each rank its shard; all or none), then extends it
+             back to the device (each rank its shard; all or none), then extends it; from disk only while
+             the reload is expected to be faster than a prefill (serving/reload_policy.py)
 
 The HTTP front end (starshard/server, written against its `Backend` protocol) talks to `Scheduler`
 only: submit(), cancel through the ticket, health(), stats(). Token events are delivered from the
@@ -27,6 +28,7 @@ scheduler's thread through the request's callback.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import math
@@ -45,6 +47,7 @@ from starshard.serving.cache_key import token_digest
 from starshard.serving.context_cache import ContextCache, common_prefix
 from starshard.serving.executor import RELOAD_FAILED, Executor
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
+from starshard.serving.reload_policy import DiskReloadPolicy
 from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.strategies import get_spec
 from starshard.strategies.flops import prefill_knee
@@ -104,6 +107,7 @@ class Request:
     step: int = 0  # the next of them
     entry: int = 0  # the entry its chunked prefill fills
     kind: tuple | None = None  # (the cache's entries it was classified against, Scheduler._classify's answer)
+    reload_skipped: bool = False  # classified past a disk entry whose reload is expected slower than a prefill
 
 
 @dataclass
@@ -207,6 +211,13 @@ class Scheduler:
                    else None)
             self.tiers = ex.tiers = Tiers(tiers, ranks=ex.cp, cp_rank=ex.cp_rank, token_bytes=ex.token_bytes(),
                                           key=key, control=self.control)
+        self.reload_policy: DiskReloadPolicy | None = None  # rank 0 decides every promotion: it alone measures
+        if self.tiers is not None and self.tiers.disk is not None:
+            self.reload_policy = DiskReloadPolicy(tiers.disk_reload)
+            self._skip_logged: set[str] = set()  # disk entries whose skip was logged (once each)
+            self._flops = functools.lru_cache(maxsize=256)(self._prefill_flops)  # a long ring prompt's: ~0.1 s
+            if self.rank == 0:
+                self.executor.on_timing = self._observe
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
@@ -273,6 +284,8 @@ class Scheduler:
                                lookups=self.cache.lookups))
         if self.tiers is not None:
             out |= self.tiers.stats()
+        if self.reload_policy is not None and "disk" in out:
+            out["disk"]["skipped_slower_than_prefill"] = self.reload_policy.skipped
         return out
 
     def _cancel(self, rid: int) -> None:
@@ -589,6 +602,10 @@ class Scheduler:
             return "short", entry, m
         if self.tiers is not None:
             tier, lower, m = self.tiers.peek(req.ids)
+            req.reload_skipped = (tier == "disk" and self._extends(len(req.ids), m)
+                                  and not self._reload_pays(req, lower, m))
+            if req.reload_skipped:  # a miss on disk: the host tier's entry, if any, else a prefill
+                tier, lower, m = self.tiers.peek(req.ids, disk=False)
             if lower is not None and self._extends(len(req.ids), m):
                 need = self._promoted_bytes(tier, lower)
                 alone = self.holdings(req.prompt, req.max_tokens, m)
@@ -656,6 +673,40 @@ class Scheduler:
         if tier == "host":
             return list(lower.rank_bytes) if lower.rank_bytes is not None else [lower.kv.nbytes] * self.executor.cp
         return self.tiers.disk_bytes[token_digest(lower.ids)]
+
+    def _reload_pays(self, req: Request, lower, m: int) -> bool:
+        """The disk reload policy's verdict on promoting disk entry `lower` for `req`'s first m tokens
+        (a skip logged once per entry, with both estimates)."""
+        digest = token_digest(lower.ids)
+        nbytes = sum(self.tiers.disk_bytes[digest])
+        verdict = self.reload_policy.decide(nbytes, self._flops(m, min(req.prompt.context_len, m)))
+        if not verdict.promote and digest not in self._skip_logged:
+            self._skip_logged.add(digest)
+            log.info("disk cache entry of %d tokens: reloading its %.2f GB (every rank's shards) is expected to take "
+                     "%.2f s, prefilling its %d shared tokens %.2f s: prefilled instead (the file stays; "
+                     "--disk-reload-policy always reloads)", len(lower.ids), nbytes / 1e9, verdict.reload_s, m,
+                     verdict.prefill_s)
+        return verdict.promote
+
+    def _prefill_flops(self, prompt_len: int, context_len: int) -> float | None:
+        """The slowest rank's FLOPs of prefilling this prompt (the strategy's FLOP model, strategies/flops.py);
+        None where the model does not apply (e.g. fewer context tokens than Star's ranks)."""
+        ex = self.executor
+        try:
+            spec = get_spec("dense" if ex.strategy is None else ex.strategy.name)
+            return max(r.total for r in spec.prefill_flops(self.config, prompt_len, context_len, ex.strategy))
+        except (ValueError, NotImplementedError):
+            return None
+
+    def _observe(self, op: Op, seconds: float) -> None:
+        """The executor's time of a completed promotion or prefill (rank 0): the disk reload policy's rates."""
+        match op:
+            case Promote(source="disk"):
+                self.reload_policy.observe_reload(seconds, sum(op.rank_bytes))
+            case Prefill() | PrefillChunk():
+                flops = self._flops(len(op.ids) if isinstance(op, Prefill) else op.prompt_len, op.context_len)
+                if flops:
+                    self.reload_policy.observe_prefill(seconds, flops)
 
     def _promote(self, req: Request, tier: str, lower) -> Promote:
         """The op that brings `lower` back to the device (the lookup counted in its tier's stats)."""
@@ -743,6 +794,8 @@ class Scheduler:
         def start():
             if self.reuse:
                 self.cache.lookup(req.ids)  # counted once per admitted request
+            if req.reload_skipped:
+                self.reload_policy.skipped += 1
             entry = self.cache.next_id()
             evict = self._make_room(victims)
             if not chunk:

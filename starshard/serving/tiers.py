@@ -23,6 +23,7 @@ from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
 from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
 from starshard.serving.host_tier import HostTier
 from starshard.serving.pinned_arena import PinnedArena
+from starshard.serving.reload_policy import POLICIES
 
 log = logging.getLogger("starshard.serve")
 
@@ -36,9 +37,13 @@ class TierConfig:
     host_bytes: int = 0
     disk_dir: str | Path | None = None
     disk_bytes: int = 0
+    disk_reload: str = "auto"  # when a disk hit is promoted (serving/reload_policy.py): "auto" or "always"
 
     @classmethod
-    def from_gib(cls, host_gib: float = 0.0, disk_dir=None, disk_gib: float | None = None) -> "TierConfig":
+    def from_gib(cls, host_gib: float = 0.0, disk_dir=None, disk_gib: float | None = None,
+                 disk_reload: str = "auto") -> "TierConfig":
+        if disk_reload not in POLICIES:
+            raise ValueError(f"--disk-reload-policy must be one of {', '.join(POLICIES)}, got {disk_reload!r}")
         if host_gib < 0:
             raise ValueError(f"--host-cache-gib must be >= 0 (0: no host tier), got {host_gib}")
         if disk_dir is None and disk_gib is not None:
@@ -46,7 +51,7 @@ class TierConfig:
         if disk_dir is not None and (disk_gib is None or disk_gib <= 0):
             raise ValueError(f"--disk-cache-dir needs --disk-cache-gib > 0 (the disk tier's budget per rank), "
                              f"got {disk_gib}")
-        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB))
+        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB), disk_reload)
 
     @property
     def any(self) -> bool:
@@ -130,15 +135,15 @@ class Tiers:
             self.host.arena.close()
 
     # -- rank 0: lookups (not counted: the scheduler scans its queue with them)
-    def peek(self, ids: np.ndarray) -> tuple[str | None, object, int]:
+    def peek(self, ids: np.ndarray, disk: bool = True) -> tuple[str | None, object, int]:
         """(tier, entry, shared tokens) of the lower tier entry sharing the longest prefix with `ids`, the
-        host tier's on a tie (the faster reload); (None, None, 0) when none."""
+        host tier's on a tie (the faster reload); (None, None, 0) when none. disk=False: the host tier's only."""
         best = (None, None, 0)
         if self.host is not None:
             e, m = self.host.peek(ids)
             if e is not None:
                 best = ("host", e, m)
-        if self.disk is not None:
+        if self.disk is not None and disk:
             e, m = self.disk.peek(ids, only=self.disk_bytes)
             if e is not None and m > best[2]:
                 best = ("disk", e, m)

@@ -1,10 +1,11 @@
 """The service's context cache tiers (issue 37): with a device budget of one document, a second document
 demotes the first (device -> host, or -> disk); a follow-up on the first is promoted back, reports its
 cached tokens, runs no prefill and answers as the document never left; the disk tier serves it after a
-restart; a damaged file falls back to a prefill; FP8 KV stays e4m3 through the tiers; cp=2 ring moves
-both ranks' shards."""
+restart; a damaged file falls back to a prefill; a disk entry whose reload is expected slower than its
+prefill is passed over; FP8 KV stays e4m3 through the tiers; cp=2 ring moves both ranks' shards."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from starshard.config import ParallelConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.disk_tier import DiskTierLocked, file_name
 from starshard.serving.kv_file import read_header
+from starshard.serving.reload_policy import Rate
 from starshard.serving.scheduler import Scheduler
 from starshard.serving.tiers import TierConfig
 from starshard.server.metrics import ServerMetrics
@@ -57,8 +59,8 @@ def _budget(llm, length):
     return int(1.5 * max(need)), entry
 
 
-def _service(llm, tiers, budget):
-    svc = Scheduler(llm, cache_bytes=budget, max_batch=4, tiers=tiers)
+def _service(llm, tiers, budget, **kw):
+    svc = Scheduler(llm, cache_bytes=budget, max_batch=4, tiers=tiers, **kw)
     svc.start()
     return svc
 
@@ -116,9 +118,13 @@ def test_host_tier_demotes_and_promotes(tiny):
 def test_serve_flags(tmp_path):
     args = parse_args(["--random-weights", "tiny", "--host-cache-gib", "0.5", "--disk-cache-dir", str(tmp_path),
                        "--disk-cache-gib", "2"])
-    assert args.tiers == TierConfig(2**29, str(tmp_path), 2 * 2**30)
+    assert args.tiers == TierConfig(2**29, str(tmp_path), 2 * 2**30, "auto")
     assert parse_args(["--random-weights", "tiny"]).tiers == TierConfig()
-    for bad in (["--disk-cache-dir", str(tmp_path)], ["--disk-cache-gib", "1"], ["--host-cache-gib", "-1"]):
+    args = parse_args(["--random-weights", "tiny", "--disk-cache-dir", str(tmp_path), "--disk-cache-gib", "2",
+                       "--disk-reload-policy", "always"])
+    assert args.tiers.disk_reload == "always"
+    for bad in (["--disk-cache-dir", str(tmp_path)], ["--disk-cache-gib", "1"], ["--host-cache-gib", "-1"],
+                ["--disk-reload-policy", "never"]):
         with pytest.raises(SystemExit):
             parse_args(["--random-weights", "tiny", *bad])
 
@@ -167,6 +173,38 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
         assert tokens == want["d2q2"] and cached == 0
         assert svc.counters["reload_failures_total"] == 1 and svc.counters["prefill_chunks_total"] == 1
         assert svc.health() is None and svc.stats()["tiers"]["disk"]["rejected"] == 1
+    finally:
+        svc.shutdown()
+
+
+def test_disk_reload_slower_than_prefill_is_skipped(tiny, tmp_path, caplog):
+    (d1, d2), (q1, q2, _) = _docs(seed=9)
+    budget, _ = _budget(tiny, len(d1) + len(q1))
+    want = _solo(tiny, d1 + q2), _solo(tiny, d2 + q2)
+    svc = _service(tiny, TierConfig(disk_dir=tmp_path, disk_bytes=1 << 30), budget, prefill_chunk=32)
+    policy = svc.reload_policy
+    try:
+        _ask(svc, d1 + q1, len(d1))
+        assert policy.prefill.per_unit > 0 and policy.reload.per_unit is None  # a prefill's chunks measured
+        _ask(svc, d2 + q1, len(d2))  # d1 -> disk
+        policy.observe_reload(1.0, 1)  # a disk of one byte a second: slower than any prefill
+        chunks = svc.counters["prefill_chunks_total"]
+        with caplog.at_level(logging.INFO, logger="starshard.serve"):
+            tokens, cached = _ask(svc, d1 + q2, len(d1))  # prefilled, as if nothing were cached; d2 -> disk
+        assert tokens == want[0] and cached == 0 and svc.counters["prefill_chunks_total"] == chunks + 3
+        assert len([r for r in caplog.records if "prefilled instead" in r.getMessage()]) == 1
+        stats = svc.stats()["tiers"]["disk"]
+        assert stats["skipped_slower_than_prefill"] == 1 and stats["promotions"] == 0
+        assert sorted(list(e.ids) for e in svc.tiers.disk.entries.values()) == sorted([d1 + q1, d2 + q1])  # kept
+        text = ServerMetrics(svc.stats).render()[0].decode()
+        assert 'starshard_context_cache_tier_skipped_slower_than_prefill_total{tier="disk"} 1.0' in text
+        policy.reload = Rate()
+        policy.observe_reload(1e-6, 10**9)  # a fast disk: promoted
+        tokens, cached = _ask(svc, d2 + q2, len(d2))
+        assert tokens == want[1] and cached == len(d2) and svc.counters["prefill_chunks_total"] == chunks + 3
+        stats = svc.stats()["tiers"]["disk"]
+        assert stats["promotions"] == 1 and stats["skipped_slower_than_prefill"] == 1
+        assert policy.reload.per_unit > 0.5e-15  # the promotion's own time, averaged in
     finally:
         svc.shutdown()
 

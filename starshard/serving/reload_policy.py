@@ -1,0 +1,77 @@
+"""Whether a prompt's prefix found in the disk tier is worth reloading (issue 37, --disk-reload-policy).
+
+A cold read of a long document's shards can take longer than prefilling it again: 4 x H200, Llama-3.1-8B
+shape, cp=4 Star at 512K prefills in 14.3 s, but the four ranks' reloads share one disk at 1.6 GB/s
+aggregate and take 44.2 s. With "auto" rank 0's scheduler promotes from disk only when the reload it
+expects takes no longer than `margin` x the prefill it expects, both from what this server measured:
+
+    reload   seconds per byte of its promotions from disk (every rank's shard bytes; the Promote step's
+             time on rank 0, which the vote after loading makes the slowest rank's)
+    prefill  seconds per FLOP of its document prefills (a whole prefill, or the sum of its chunks; the
+             strategy's FLOP model, strategies/flops.py: the slowest rank's FLOPs)
+
+each an exponential moving average. Before a kind is measured the reload is tried (optimistic): the first
+reload measures the disk. A skipped entry's file stays: a longer prompt on it, or a faster disk after a
+restart, may still use it. The host tier is not asked (its reloads are ~30x faster than a prefill).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("auto", "always")
+EMA_WEIGHT = 0.5  # the newest measurement's weight: a disk's rate drifts (page cache, other readers)
+
+
+@dataclass
+class Rate:
+    """Seconds per unit (byte, FLOP), an exponential moving average; None before any measurement."""
+
+    per_unit: float | None = None
+
+    def observe(self, seconds: float, units: float) -> None:
+        if units <= 0 or not seconds >= 0:  # nothing moved or computed, or a bad clock: no information
+            return
+        rate = seconds / units
+        self.per_unit = rate if self.per_unit is None else EMA_WEIGHT * rate + (1 - EMA_WEIGHT) * self.per_unit
+
+    def estimate(self, units: float | None) -> float | None:
+        return None if self.per_unit is None or units is None else self.per_unit * units
+
+
+def reload_pays(reload_s: float | None, prefill_s: float | None, margin: float = 1.0) -> bool:
+    """Reload unless it is expected to take longer than `margin` x the prefill (either unknown: reload)."""
+    return reload_s is None or prefill_s is None or reload_s <= margin * prefill_s
+
+
+@dataclass(frozen=True)
+class Verdict:
+    promote: bool
+    reload_s: float | None  # the estimates it compared (None: not measured yet)
+    prefill_s: float | None
+
+
+class DiskReloadPolicy:
+    """Rank 0's estimates and decisions. mode "always": every disk hit is promoted (the measurements are
+    still kept); margin: reload while the expected reload <= margin x the expected prefill."""
+
+    def __init__(self, mode: str = "auto", margin: float = 1.0):
+        if mode not in POLICIES:
+            raise ValueError(f"--disk-reload-policy must be one of {', '.join(POLICIES)}, got {mode!r}")
+        if not margin > 0:
+            raise ValueError(f"the disk reload margin must be > 0, got {margin}")
+        self.mode, self.margin = mode, margin
+        self.reload = Rate()  # seconds per byte over every rank's shards
+        self.prefill = Rate()  # seconds per FLOP of the slowest rank
+        self.skipped = 0  # requests prefilled although the disk tier held their prefix
+
+    def observe_reload(self, seconds: float, nbytes: int) -> None:
+        self.reload.observe(seconds, nbytes)
+
+    def observe_prefill(self, seconds: float, flops: float) -> None:
+        self.prefill.observe(seconds, flops)
+
+    def decide(self, nbytes: int, flops: float | None) -> Verdict:
+        """Promote a disk entry of `nbytes` (every rank's shards) whose prefix's prefill costs `flops`?"""
+        reload_s, prefill_s = self.reload.estimate(nbytes), self.prefill.estimate(flops)
+        promote = self.mode == "always" or reload_pays(reload_s, prefill_s, self.margin)
+        return Verdict(promote, reload_s, prefill_s)
