@@ -327,7 +327,8 @@ def run(args) -> None:
     result = {"kind": "serve", "device": device_name(device), "gpus": world(), "date": today(),
               "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
-              "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee, "results": rows, "engine_stats": stats}
+              "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee, "results": rows,
+              "engine_stats": stats}
     write(args.out, result)
 
 
