@@ -188,8 +188,9 @@ def test_bad_gemma_configs_and_paths_are_refused(families):
         ModelConfig.from_hf(dict(hub, rope_parameters=rope))
     with pytest.raises(UnsupportedArchitectureError, match=r"unsupported layer_types \['chunked_attention'\]"):
         ModelConfig.from_hf(dict(hub, layer_types=["chunked_attention"] * 4))
-    # Soft-caps and scales have no plain-attention fallback: sparse prefill (its patterns), --fp8
-    # attention and the service refuse the model, naming the fields and the fix.
+    # Soft-caps and scales have no plain-attention fallback: sparse prefill (its patterns) and --fp8
+    # attention refuse the model, naming the fields and the fix. The service runs them (its cascade takes
+    # them: tests/serving/test_windowed_service.py).
     from starshard.kernels.sparse import SparseConfig
     from starshard.serving.scheduler import Scheduler
 
@@ -199,9 +200,8 @@ def test_bad_gemma_configs_and_paths_are_refused(families):
         LLM(path, sparse=SparseConfig("anchor"))
     with pytest.raises(ValueError, match=r"--fp8 attention .* does not run " + what + r".*drop `attention`"):
         LLM(path, fp8="attention")
-    with pytest.raises(ValueError, match=r"the service does not run gemma2's attn_logit_softcapping / "
-                                         r"query_pre_attn_scalar yet"):
-        Scheduler(LLM(path), cache_bytes=1 << 20)
+    llm = LLM(path)
+    assert Scheduler(llm, cache_bytes=1 << 20).config.attn_logit_softcapping == 2.0 and llm.unwindowed is None
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
