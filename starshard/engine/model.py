@@ -165,7 +165,8 @@ class AttendFn(Protocol):
 def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None, *, window=None, softcap=None, scale=None):
     """Single-device causal attention over the cache (if any) plus this step's keys; `sparse`: the
     layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks; window / softcap / scale:
-    the layer's (AttendFn). A local layer's cache keeps every key: the window masks by position."""
+    the layer's (AttendFn). The window masks by position, so a local layer's cache may keep every key or
+    only the last ones (a trimmed LayerKV, engine/kv_cache.py: rows in any order)."""
     extras = dict(window=window, softcap=softcap, scale=scale)
     scales = {}
     pattern = pattern_for(sparse, q)

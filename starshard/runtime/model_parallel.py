@@ -58,6 +58,10 @@ class ParallelRunner(LocalRunner):
         self.sampler = VocabSampler(model, topo)
         self.vocab = self.sampler.vocab
 
+    def trims_local(self) -> bool:
+        # Not yet checked under tp / pp (the pipeline's own prefill chunks size no trimmed cache): every key kept.
+        return False
+
     def default_chunk(self, length: int) -> int | None:
         if self.topo.pp == 1:
             return None
