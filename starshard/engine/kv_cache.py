@@ -231,7 +231,7 @@ class KVCache:
                  windows: dict[int, int] | None = None, step: int = 1):
         """windows: {layer: window} of the local layers to trim (module docstring), each allocated
         min(capacity, window - 1 + step) rows, `step` being the most rows one forward stores
-        (trimmed_step); every other layer keeps `capacity` rows and every key."""
+        (planner.py trimmed_step); every other layer keeps `capacity` rows and every key."""
         windows = windows or {}
         self.layers = {i: LayerKV(batch, n_kv_heads, head_dim,
                                   capacity if i not in windows else min(capacity, windows[i] - 1 + step),
@@ -260,14 +260,3 @@ class KVCache:
         full = [kv for kv in self.layers.values() if not kv.trimmed] or list(self.layers.values())
         return full[0].length if full else 0
 
-
-def trimmed_step(blocks: list[tuple[int, int]], decode_max_rows: int) -> int:
-    """The most rows one forward stores in a trimmed local layer, for a prefill of `blocks` ([start, end)
-    each, in order) then one token a step: a later block stores all its rows after the held window - 1,
-    the first stores only its tail when it attends its keys as given (more than `decode_max_rows` rows,
-    LayerKV.append), every row otherwise."""
-    step = 1
-    for j, (s, e) in enumerate(blocks):
-        if j or e - s <= decode_max_rows:
-            step = max(step, e - s)
-    return step

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from starshard.config import SamplingConfig
-from starshard.engine.kv_cache import KVCache, trimmed_step
+from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
-from starshard.kernels.common import DECODE_MAX_ROWS
 from starshard.parallel.pipeline import chunk_bounds
+from starshard.planner import trimmed_step
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.prompt import Prompt
 
@@ -47,7 +47,7 @@ class LocalRunner:
             windows = {i: layer.attention.extras["window"] for i, layer in zip(m.layer_ids, m.layers)
                        if "window" in layer.attention.extras}
             if prompt_len is not None:
-                step = trimmed_step(self.prefill_bounds(prompt_len, prompt_len, chunk, knee), DECODE_MAX_ROWS)
+                step = trimmed_step(self.prefill_bounds(prompt_len, prompt_len, chunk, knee))
         return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, rows,
                        norm.dtype, norm.device, fp8=self.kv_fp8, windows=windows, step=step)
 

@@ -154,3 +154,53 @@ def test_generate_trims_only_where_the_runner_can(families, monkeypatch):
     assert not llm.runner.new_cache(L + STEPS, L).trimmed  # the default: every key
     cp = ContextParallelRunner(load_model(path), make_strategy("star"))
     assert not cp.trims_local() and not cp.new_cache(L + STEPS, L, trim_local=True).trimmed
+
+
+def test_short_prompts_and_blocks_within_the_window(families):
+    """A prompt of a few tokens (the decode path, <= 16 rows) and prompts shorter than the window, whole or
+    chunked: the trimmed cache still decodes as the full one and never grows past its plan."""
+    path, ids, _, _ = families["gemma2"]
+    model = load_model(path)
+    for layer in model.layers:  # a window of 5: a first block of up to 16 rows (the decode path) outgrows it
+        if "window" in layer.attention.extras:
+            layer.attention.extras["window"] = 5
+    for n, chunk in ((3, None), (10, None), (10, 4), (30, 7), (30, 12)):
+        p = ids[:n]
+        out = {}
+        for trim in (False, True):
+            cache = LocalRunner(model).new_cache(n + 20, n, None, chunk, trim_local=trim)
+            caps = {i: kv.capacity for i, kv in cache.layers.items()}
+            toks, rows = [], []
+            with torch.no_grad():
+                for s in range(0, n, chunk or n):
+                    logits = model(p[None, s : s + (chunk or n)], cache=cache, last_only=True)
+                for _ in range(20):
+                    rows.append(logits[0, -1])
+                    toks.append(int(rows[-1].argmax()))
+                    logits = model(torch.tensor([[toks[-1]]]), cache=cache, last_only=True)
+            assert {i: kv.capacity for i, kv in cache.layers.items()} == caps  # planned rows sufficed
+            out[trim] = toks, torch.stack(rows), cache
+        assert out[True][0] == out[False][0] and rel(out[True][1], out[False][1]) <= 1e-5, (n, chunk)
+        assert out[True][2].trimmed
+
+
+def test_planner_counts_local_layers_by_window(families):
+    """plan_memory's KV cache (Workload.trim_local on one process) is the bytes LocalRunner allocates, for
+    a whole and a chunked prefill; elsewhere (tp, a CP group, trim_local off) local layers count every token."""
+    from starshard.planner import Layout, Workload, plan_memory
+
+    path, _, _, _ = families["gemma3"]
+    model = load_model(path)
+    cfg = model.config
+    for chunk in (None, 24):
+        w = Workload(L, None, STEPS, chunk, dtype_bytes=4, trim_local=True)
+        cache = LocalRunner(model).new_cache(L + STEPS, L, None, chunk, trim_local=True)
+        assert plan_memory(cfg, Layout(), w).worst.kv_cache == sum(kv.nbytes() for kv in cache.layers.values())
+        full = LocalRunner(model).new_cache(L + STEPS, L, None, chunk)
+        untrimmed = plan_memory(cfg, Layout(), Workload(L, None, STEPS, chunk, dtype_bytes=4))
+        assert untrimmed.worst.kv_cache == sum(kv.nbytes() for kv in full.layers.values())
+        assert plan_memory(cfg, Layout(), w).worst.kv_cache < untrimmed.worst.kv_cache
+    w = Workload(L, None, STEPS, None, dtype_bytes=4, trim_local=True)
+    for lay in (Layout(cp=2, strategy="ring"), Layout(pp=2)):
+        off = plan_memory(cfg, lay, Workload(L, None, STEPS, None, dtype_bytes=4))
+        assert [s.kv_cache for s in plan_memory(cfg, lay, w).stages] == [s.kv_cache for s in off.stages]
