@@ -93,7 +93,7 @@ class Workload:
     fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
     fp8_experts: bool = False  # --fp8 experts: e4m3 expert weights plus a float32 scale per expert row
     prefill_knee: int | None = None  # the chunks' taper (partition.prefill_steps; None: uniform chunks)
-    # local layers keep only their window (LLM.generate / infer on one process: engine/kv_cache.py, trimmed)
+    # local layers keep only their window (LLM.generate / infer without pp or cp: engine/kv_cache.py, trimmed)
     trim_local: bool = False
 
     def __post_init__(self):
@@ -259,10 +259,11 @@ def trimmed_step(blocks: list[tuple[int, int]]) -> int:
 
 
 def layer_kv_tokens(cfg: ModelConfig, lay: Layout, w: Workload, layer: int, kv_tok: int) -> int:
-    """KV tokens layer `layer` allocates: `kv_tok`, or for a local layer whose cache is trimmed (w.trim_local on
-    one process, where LocalRunner trims) window - 1 plus one forward's rows, as KVCache allocates them."""
+    """KV tokens layer `layer` allocates: `kv_tok`, or for a local layer whose cache is trimmed (w.trim_local
+    without pp or cp, where the runners trim: LocalRunner.trims_local) window - 1 plus one forward's rows, as
+    KVCache allocates them."""
     window = cfg.layer_window(layer)
-    if window is None or not w.trim_local or (lay.tp, lay.pp, lay.cp, lay.strategy) != (1, 1, 1, "dense"):
+    if window is None or not w.trim_local or (lay.pp, lay.cp, lay.strategy) != (1, 1, "dense"):
         return kv_tok
     return min(kv_tok, window - 1 + trimmed_step(prefill_steps(w.prompt_tokens, w.prefill_chunk, w.prefill_knee)))
 

@@ -185,8 +185,8 @@ def test_short_prompts_and_blocks_within_the_window(families):
 
 
 def test_planner_counts_local_layers_by_window(families):
-    """plan_memory's KV cache (Workload.trim_local on one process) is the bytes LocalRunner allocates, for
-    a whole and a chunked prefill; elsewhere (tp, a CP group, trim_local off) local layers count every token."""
+    """plan_memory's KV cache (Workload.trim_local) is the bytes LocalRunner allocates, for
+    a whole and a chunked prefill; tp trims too, pp and a CP group (and trim_local off) count every token."""
     from starshard.planner import Layout, Workload, plan_memory
 
     path, _, _, _ = families["gemma3"]
@@ -201,6 +201,31 @@ def test_planner_counts_local_layers_by_window(families):
         assert untrimmed.worst.kv_cache == sum(kv.nbytes() for kv in full.layers.values())
         assert plan_memory(cfg, Layout(), w).worst.kv_cache < untrimmed.worst.kv_cache
     w = Workload(L, None, STEPS, None, dtype_bytes=4, trim_local=True)
-    for lay in (Layout(cp=2, strategy="ring"), Layout(pp=2)):
+    for lay in (Layout(cp=2, strategy="ring"), Layout(pp=2), Layout(tp=2)):
         off = plan_memory(cfg, lay, Workload(L, None, STEPS, None, dtype_bytes=4))
-        assert [s.kv_cache for s in plan_memory(cfg, lay, w).stages] == [s.kv_cache for s in off.stages]
+        on = plan_memory(cfg, lay, w)
+        assert on.worst.kv_cache < off.worst.kv_cache if lay.tp == 2 else on.worst.kv_cache == off.worst.kv_cache
+
+
+def _tp_rank(rank, world, path, ids):
+    from starshard.config import ParallelConfig
+
+    llm = LLM(path, parallel=ParallelConfig(tp=world))
+    made = []
+    new_cache = llm.runner.new_cache
+    llm.runner.new_cache = lambda *a, **kw: made.append(new_cache(*a, **kw)) or made[-1]
+    toks = llm.generate(ids.tolist(), max_new_tokens=STEPS, prefill_chunk=24).token_ids
+    return toks, {i: kv.capacity for i, kv in made[-1].layers.items()}
+
+
+def test_tp2_trims_as_one_process(families):
+    """tp=2 (gloo), prefill in chunks of 24: each rank's local layers keep window - 1 + 24 rows, the global
+    ones every token, and the tokens are transformers'."""
+    from tests.helpers.mp_harness import run_ranks
+
+    path, ids, ref_toks, _ = families["gemma3"]
+    model = load_model(path)
+    local = [i for i, layer in zip(model.layer_ids, model.layers) if "window" in layer.attention.extras]
+    for toks, caps in run_ranks(_tp_rank, 2, path, ids):
+        assert toks == ref_toks
+        assert all(caps[i] == (W - 1 + 24 if i in local else L + STEPS) for i in caps), caps
