@@ -229,3 +229,26 @@ def test_tp2_trims_as_one_process(families):
     for toks, caps in run_ranks(_tp_rank, 2, path, ids):
         assert toks == ref_toks
         assert all(caps[i] == (W - 1 + 24 if i in local else L + STEPS) for i in caps), caps
+
+
+def test_whole_cache_readers_refuse_a_trimmed_cache(families):
+    """The service's context cache, its host / disk tiers and kv_file (through to_host) take whole caches only."""
+    import numpy as np
+
+    from starshard.serving.context_cache import CacheEntry, ContextCache
+    from starshard.serving.host_tier import to_host
+
+    path, ids, _, _ = families["mistral"]
+    model = load_model(path)
+    cache = LocalRunner(model).new_cache(L + 2, L, trim_local=True)
+    with torch.no_grad():
+        model(ids[None], cache=cache)
+    assert cache.trimmed
+    with pytest.raises(ValueError, match=r"to_host: a trimmed KV cache .* keep every key"):
+        to_host(cache)
+    with pytest.raises(ValueError, match=r"ContextCache: a trimmed KV cache .* cannot be a context cache entry"):
+        ContextCache(1 << 30).add(CacheEntry(0, np.asarray(ids), cache, 0))
+    full = LocalRunner(model).new_cache(L + 2, L)
+    with torch.no_grad():
+        model(ids[None], cache=full)
+    assert to_host(full).length == L  # the same cache untrimmed is taken
