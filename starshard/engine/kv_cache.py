@@ -259,4 +259,3 @@ class KVCache:
         """Rows held by a layer that keeps every key (a trimmed cache's local layers hold fewer)."""
         full = [kv for kv in self.layers.values() if not kv.trimmed] or list(self.layers.values())
         return full[0].length if full else 0
-

@@ -173,7 +173,8 @@ def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None, *, window=Non
     # A trimmed local layer's first block (engine/kv_cache.py) attends its keys as given below and keeps only
     # their tail, whatever its size: it never needs more rows than the window.
     first_trimmed = cache is not None and cache.trimmed and cache.length == 0
-    if cache is not None and q.shape[2] <= DECODE_MAX_ROWS and not first_trimmed:  # decode: attend the cache as stored (FP8 too)
+    # decode: attend the cache as stored (FP8 too)
+    if cache is not None and q.shape[2] <= DECODE_MAX_ROWS and not first_trimmed:
         cache.store(k, v, pos)
         s = cache.stored()
         k, v, k_pos, scales = s.k, s.v, s.pos, dict(k_scale=s.k_scale, v_scale=s.v_scale)

@@ -35,7 +35,8 @@ class LocalRunner:
         """A cache for `capacity` tokens; given the prompt (its length and document part), a CP rank
         allocates exactly its shard plus, on the query rank, the rest of `capacity` for decode.
         trim_local: each local layer keeps only its last window - 1 keys plus one forward's rows
-        (engine/kv_cache.py), sized by the prefill's steps (the prompt and `chunk` / `knee`); for a
+        (engine/kv_cache.py), sized by the prefill's steps (the prompt and `chunk` / `knee`; without the
+        prompt, for one-token steps after a first block: a larger later block grows the layer); for a
         caller that reads the cache only through this runner's prefill and decode (generate_tokens).
         Where trims_local() is False the cache keeps every key."""
         m = self.model
@@ -52,9 +53,9 @@ class LocalRunner:
                        norm.dtype, norm.device, fp8=self.kv_fp8, windows=windows, step=step)
 
     def trims_local(self) -> bool:
-        """This runner's prefill and decode can run on a trimmed cache: one process, the model's own
-        attention (dense_attend and the graph decoder). The model-parallel and context-parallel runners
-        say no (their caches are read whole: sharded decode, Star / APB, the service's context cache)."""
+        """This runner's prefill and decode can run on a trimmed cache: the model's own attention
+        (dense_attend and the graph decoder) over this process's cache. The context-parallel runner and a
+        pipeline say no (ContextParallelRunner / ParallelRunner.trims_local)."""
         return not self.model.hooked
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None,
