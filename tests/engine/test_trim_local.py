@@ -45,10 +45,10 @@ def families(tmp_path_factory):
     return out
 
 
-def greedy(model, ids, chunk, trim, graph=False):
+def greedy(model, ids, chunk, trim, graph=False, kv_fp8=False):
     """Greedy decode (prompt whole or in chunks of `chunk`, then STEPS - 1 one-token steps, eager or the
     graph decoder's step run eagerly) -> (logits per step, tokens, cache)."""
-    cache = LocalRunner(model).new_cache(L + STEPS, L, None, chunk, trim_local=trim)
+    cache = LocalRunner(model, kv_fp8=kv_fp8).new_cache(L + STEPS, L, None, chunk, trim_local=trim)
     rows, toks = [], []
     with torch.no_grad():
         for s in range(0, L, chunk or L):
@@ -93,6 +93,18 @@ def test_trimmed_cache_decodes_as_the_full_one(families, name):
         assert rel(logits, ref) <= 1e-4, (chunk, graph, rel(logits, ref))
         assert_trimmed(model, cache, step)
         assert cache.next_position == full.next_position == L + STEPS - 1
+
+
+def test_fp8_kv_trimmed_decodes_as_untrimmed(families):
+    """--fp8 kv: the trimmed e4m3 cache (held rows read as stored, the first block as given) gives the
+    untrimmed e4m3 cache's tokens and logits, whole prompt and chunks of 24, eager and graph step."""
+    path, ids, _, _ = families["gemma3"]
+    model = load_model(path)
+    for chunk, graph in ((None, False), (24, True)):
+        want_logits, want, _ = greedy(model, ids, chunk, trim=False, kv_fp8=True)
+        logits, toks, cache = greedy(model, ids, chunk, trim=True, graph=graph, kv_fp8=True)
+        assert toks == want and rel(logits, want_logits) <= 1e-5, (chunk, rel(logits, want_logits))
+        assert cache.trimmed and all(kv.fp8 for kv in cache.layers.values())
 
 
 def test_ring_keeps_exactly_the_window():
