@@ -14,7 +14,8 @@ Counted per rank (the worst pipeline stage and the worst CP rank):
                linear's projections and --fp8 experts' experts at one byte plus a float32 scale per
                output row.
   kv_cache     K and V of the rank's layers for the tokens it keeps, plus one int64 position per token
-               and layer (the cache stores positions). dense: prompt + decode budget; ring / usp
+               and layer (the cache stores positions). dense: prompt + decode budget (Workload.trim_local:
+               a local layer window - 1 plus one forward's rows, engine/kv_cache.py); ring / usp
                (zigzag shards) and ulysses: the rank's sequence shard; star / apb: the rank's context
                blocks. The query rank also keeps the query and every generated token.
   activations  the peak of one layer's forward (engine/model.py) for the rows run at once (a prefill
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig
-from starshard.partition import check_tp, partition_layers, valid_tp_sizes
+from starshard.partition import check_tp, partition_layers, prefill_steps, valid_tp_sizes
 from starshard.strategies import check, get_spec
 
 GiB = 1 << 30
@@ -92,6 +93,8 @@ class Workload:
     fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
     fp8_experts: bool = False  # --fp8 experts: e4m3 expert weights plus a float32 scale per expert row
     prefill_knee: int | None = None  # the chunks' taper (partition.prefill_steps; None: uniform chunks)
+    # local layers keep only their window (LLM.generate / infer without pp or cp: engine/kv_cache.py, trimmed)
+    trim_local: bool = False
 
     def __post_init__(self):
         if self.prompt_tokens < 1:
@@ -248,6 +251,23 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, w: Workload) -> int:
     return w.batch * 2 * hkv * per_head + POS_BYTES
 
 
+def trimmed_step(blocks: list[tuple[int, int]]) -> int:
+    """The most rows one forward stores in a trimmed local layer (engine/kv_cache.py) after the window - 1 it
+    keeps, for a prefill of `blocks` ([start, end) each, in order) then one token a step: a later block's
+    rows; the first block attends its own keys as given and keeps only their tail."""
+    return max([1] + [e - s for s, e in blocks[1:]])
+
+
+def layer_kv_tokens(cfg: ModelConfig, lay: Layout, w: Workload, layer: int, kv_tok: int) -> int:
+    """KV tokens layer `layer` allocates: `kv_tok`, or for a local layer whose cache is trimmed (w.trim_local
+    without pp or cp, where the runners trim: LocalRunner.trims_local) window - 1 plus one forward's rows, as
+    KVCache allocates them."""
+    window = cfg.layer_window(layer)
+    if window is None or not w.trim_local or (lay.pp, lay.cp, lay.strategy) != (1, 1, "dense"):
+        return kv_tok
+    return min(kv_tok, window - 1 + trimmed_step(prefill_steps(w.prompt_tokens, w.prefill_chunk, w.prefill_knee)))
+
+
 def kv_tokens_and_rows(cfg: ModelConfig, lay: Layout, w: Workload) -> tuple[int, int, int]:
     """(KV tokens kept, rows of the largest prefill forward, transient KV tokens in flight) on the worst CP rank."""
     return get_spec(lay.strategy).kv_rows(lay, w)
@@ -268,7 +288,7 @@ def stage_memory(cfg: ModelConfig, lay: Layout, w: Workload, pp_rank: int, layer
     if w.fp8_experts and moe_layers:  # e4m3 experts + a float32 scale per expert row (w13's 2F, w2's h)
         weights += moe_layers * cfg.num_experts * (3 * fe * h * (1 - b) + (2 * fe + h) * 4)
     kv_tok, rows, flight = kv_tokens_and_rows(cfg, lay, w)
-    kv = layers * kv_tok * kv_bytes_per_token(cfg, lay.tp, w)
+    kv = sum(layer_kv_tokens(cfg, lay, w, i, kv_tok) for i in ids) * kv_bytes_per_token(cfg, lay.tp, w)
     attn_bytes = b * (4 * h + (hq + 2 * hkv) * d + (3 * hq + hkv) * d)
     spec = get_spec(lay.strategy)
     cp_chunked = spec.chunked_kv_rows(lay, w) is not None  # a context strategy's later chunks (chunked.py)

@@ -223,8 +223,10 @@ def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
                  args.block_size, args.anchor_size, args.query_rank)
     fp8 = fp8_config(args)
+    # trim_local: LLM.generate's cache keeps local layers' windows only (the planner: without pp / cp;
+    # --fp8 attention drops the windows)
     work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
-                    fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts)
+                    fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts, trim_local=not fp8.attention)
     return lay, work
 
 

@@ -3,6 +3,13 @@
 Under context parallelism a rank holds only part of the sequence, so positions are stored next to
 the keys rather than implied by the index; attention masks by position. `fp8=True` stores e4m3 keys
 and values with per-(KV head, token) scales (LayerKV says why).
+
+Trimmed local layers (`windows=`, opt-in: LocalRunner.new_cache(trim_local=True)): a sliding-window
+layer keeps only the keys a later query can still see. Since every kernel masks by stored position, not
+by row order, the rows need not be in order: single-token writes go round a fixed-capacity ring
+(overwriting the oldest row, CUDA-graph friendly), and a multi-row block first moves the last
+`window - 1` rows to the front, then appends. Such a cache holds a window, not the sequence: whatever
+reads a whole cache (context strategies, the service's context cache and tiers, kv_file) must not get one.
 """
 from __future__ import annotations
 
@@ -46,8 +53,15 @@ class LayerKV:
     strategy's prefill does with the keys it computes or receives.
     """
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device, fp8: bool = False):
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device, fp8: bool = False,
+                 window: int | None = None):
         self.dtype = dtype  # what attention computes in
+        # Trimmed (a local layer's sliding window): keeps only the last window - 1 keys plus what one
+        # forward appends (module docstring); None: keeps every key.
+        if window is not None and window < 1:
+            raise ValueError(f"LayerKV window must be >= 1 keys, got {window}")
+        self.window = window
+        self.head = 0  # trimmed: the row the next single-token write takes (the oldest row once full)
         self.fp8 = fp8
         store = FP8_DTYPE if fp8 else dtype
         self.k = torch.empty(batch, n_kv_heads, capacity, head_dim, dtype=store, device=device)
@@ -91,9 +105,54 @@ class LayerKV:
             self.k[:, :, start:end] = k
             self.v[:, :, start:end] = v
 
+    @property
+    def trimmed(self) -> bool:
+        return self.window is not None
+
+    def ring_full(self) -> bool:
+        """A single-token write overwrites the oldest row: full, and the rows past the newest window - 1
+        are never seen again (capacity >= window)."""
+        return self.window is not None and self.length == self.capacity and self.capacity >= self.window
+
+    def next_row(self) -> int:
+        """The row the next single-token write takes (host int; GraphDecoder hands it to write_slot)."""
+        return self.head if self.ring_full() else self.length
+
+    def wrote_one(self) -> None:
+        """Record a single-token write at next_row() (write_slot leaves this to its caller)."""
+        if self.ring_full():
+            self.head = (self.head + 1) % self.capacity
+        else:
+            self.length += 1
+            self.head = self.length % self.capacity
+
+    def keep_window(self) -> None:
+        """Trimmed: move the last window - 1 rows (in position order) to the front; the rest are free. A
+        no-op when they are there already, and for a cache that keeps every key."""
+        if self.window is None:
+            return
+        keep = min(self.window - 1, self.length)
+        start = (self.head - keep) % self.capacity if self.capacity else 0
+        if keep and start:
+            idx = (torch.arange(keep, device=self.pos.device) + start) % self.capacity
+            ts = [(self.k, 2), (self.v, 2), (self.pos, 0)]
+            if self.fp8:
+                ts += [(self.k_scale, 2), (self.v_scale, 2)]
+            for t, dim in ts:
+                src = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t  # index_select takes no e4m3
+                src.narrow(dim, 0, keep).copy_(src.index_select(dim, idx))
+        self.length = self.head = keep
+
     def store(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Store new entries (k, v [B, Hkv, n, D] in the compute dtype, pos [n])."""
         n = k.shape[2]
+        if self.window is not None:
+            if n == 1 and self.ring_full():  # overwrite the oldest row
+                self._write_row(k, v, pos, self.head)
+                self.wrote_one()
+                return
+            if n > 1 or self.length == self.capacity:
+                self.keep_window()
         end = self.length + n
         if end > self.capacity:
             self._grow(end)
@@ -103,10 +162,25 @@ class LayerKV:
             self._put(k, v, self.length, end)
             self.pos[self.length : end] = pos
         self.length = end
+        self.head = end % self.capacity
+
+    def _write_row(self, k, v, pos, row: int) -> None:
+        if pos.device == self.pos.device and use_kv_write_kernel(self.k):
+            write_kv_slot(k, v, pos, row, self.k, self.v, self.pos, self.k_scale, self.v_scale)
+        else:
+            self._put(k, v, row, row + 1)
+            self.pos[row : row + 1] = pos
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         """Store new entries; return everything held for attention: (k, v, positions) in the compute
-        dtype (FP8: the held entries dequantized, the new ones as given)."""
+        dtype (FP8: the held entries dequantized, the new ones as given). Trimmed, with nothing held: the
+        block is handed back as given and only its last window - 1 rows are kept."""
+        if self.window is not None and self.length == 0:
+            t = min(k.shape[2], self.window - 1)
+            if t:
+                self.store(k[:, :, k.shape[2] - t :], v[:, :, k.shape[2] - t :], pos[pos.shape[0] - t :])
+            return k, v, pos
+        self.keep_window()
         held = self.length
         self.store(k, v, pos)
         if not self.fp8:
@@ -118,14 +192,16 @@ class LayerKV:
 
     def append_stored(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> StoredKV:
         """Store new entries; return the entries held before them, as stored (no copy). The caller
-        attends these plus its own k, v as given."""
+        attends these plus its own k, v as given (trimmed: the last window - 1 held)."""
+        self.keep_window()
         held = self.length
         self.store(k, v, pos)
         return self.stored(held)
 
     def write_slot(self, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write one token's entry at the device index `slot` [1] (a captured CUDA-graph step: nothing
-        read on the host, `length` is the caller's to advance). CUDA: one Triton launch (kernels/kv_write.py)."""
+        read on the host; the caller takes the row from next_row() and then calls wrote_one()). CUDA: one
+        Triton launch (kernels/kv_write.py)."""
         write = write_kv_slot if use_kv_write_kernel(self.k) else write_kv_slot_reference
         write(k, v, pos, slot, self.k, self.v, self.pos, self.k_scale, self.v_scale)
 
@@ -151,8 +227,15 @@ class LayerKV:
 class KVCache:
     """KV for the layers this rank holds (a pipeline stage holds a slice, keyed by global index)."""
 
-    def __init__(self, layer_ids, batch, n_kv_heads, head_dim, capacity, dtype, device, fp8: bool = False):
-        self.layers = {i: LayerKV(batch, n_kv_heads, head_dim, capacity, dtype, device, fp8) for i in layer_ids}
+    def __init__(self, layer_ids, batch, n_kv_heads, head_dim, capacity, dtype, device, fp8: bool = False,
+                 windows: dict[int, int] | None = None, step: int = 1):
+        """windows: {layer: window} of the local layers to trim (module docstring), each allocated
+        min(capacity, window - 1 + step) rows, `step` being the most rows one forward stores
+        (planner.py trimmed_step); every other layer keeps `capacity` rows and every key."""
+        windows = windows or {}
+        self.layers = {i: LayerKV(batch, n_kv_heads, head_dim,
+                                  capacity if i not in windows else min(capacity, windows[i] - 1 + step),
+                                  dtype, device, fp8, windows.get(i)) for i in layer_ids}
         self.device = torch.device(device)
         self.next_position = 0  # position the next token of the sequence takes
 
@@ -167,5 +250,12 @@ class KVCache:
             self.next_position = max(self.next_position, end)
 
     @property
+    def trimmed(self) -> bool:
+        """Some local layer keeps only its window: not the whole sequence (refuse to read it whole)."""
+        return any(kv.trimmed for kv in self.layers.values())
+
+    @property
     def length(self) -> int:
-        return next(iter(self.layers.values())).length if self.layers else 0
+        """Rows held by a layer that keeps every key (a trimmed cache's local layers hold fewer)."""
+        full = [kv for kv in self.layers.values() if not kv.trimmed] or list(self.layers.values())
+        return full[0].length if full else 0

@@ -165,11 +165,16 @@ class AttendFn(Protocol):
 def dense_attend(q, k, v, pos, cache: LayerKV | None, sparse=None, *, window=None, softcap=None, scale=None):
     """Single-device causal attention over the cache (if any) plus this step's keys; `sparse`: the
     layer's LayerSparse (kernels/sparse.py), used for prefill-sized blocks; window / softcap / scale:
-    the layer's (AttendFn). A local layer's cache keeps every key: the window masks by position."""
+    the layer's (AttendFn). The window masks by position, so a local layer's cache may keep every key or
+    only the last ones (a trimmed LayerKV, engine/kv_cache.py: rows in any order)."""
     extras = dict(window=window, softcap=softcap, scale=scale)
     scales = {}
     pattern = pattern_for(sparse, q)
-    if cache is not None and q.shape[2] <= DECODE_MAX_ROWS:  # decode: attend the cache as stored (FP8 too)
+    # A trimmed local layer's first block (engine/kv_cache.py) attends its keys as given below and keeps only
+    # their tail, whatever its size: it never needs more rows than the window.
+    first_trimmed = cache is not None and cache.trimmed and cache.length == 0
+    # decode: attend the cache as stored (FP8 too)
+    if cache is not None and q.shape[2] <= DECODE_MAX_ROWS and not first_trimmed:
         cache.store(k, v, pos)
         s = cache.stored()
         k, v, k_pos, scales = s.k, s.v, s.pos, dict(k_scale=s.k_scale, v_scale=s.v_scale)

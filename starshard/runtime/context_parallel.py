@@ -184,6 +184,10 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
         rows = s.rank_rows(prompt_len, prompt_len if context_len is None else context_len, chunk, knee)[s.rank]
         return max(1, rows + (tokens - prompt_len if s.is_query_rank else 0))
 
+    def trims_local(self) -> bool:
+        # A context strategy reads whole shards (the sharded decode, Star / APB's query phase): every key kept.
+        return False
+
     def decode_is_local(self) -> bool:
         # One rank: the sharded decode is plain attention over the whole local cache (Star / APB
         # studied on one device run their query phase and decode like this).

@@ -9,7 +9,9 @@ What a replay must not bake in is handled on the device: the token, its position
 it writes (index_copy_ at a device index) and the number of valid keys (read by the split-KV
 kernel, decode.py `length=`). The cache's tensors must therefore not move: one graph serves one
 KVCache whose capacity covers the whole generation (runtime/generate.py sizes it so). Sampling stays
-outside the graph.
+outside the graph. A trimmed local layer (engine/kv_cache.py) is a fixed-capacity ring: its slot is the
+oldest row once full and its valid length stays the capacity, so it never grows; layers that share a
+(capacity, window) share one slot and one length tensor, filled on the host before each replay.
 
 Sharded-KV decode (a CP group): every rank replays its own graph of the same step; each attends its
 shard and the partials merge by lse over the group inside the graph (NCCL collectives are captured
@@ -41,23 +43,34 @@ class GraphDecoder:
         dev = cache.device
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # cache row this step writes
-        self.length = torch.zeros(1, dtype=torch.int32, device=dev)  # valid keys after the write
+        # Per group of layers whose rows move alike (same capacity and window): the cache row this step
+        # writes and the valid keys after the write.
+        self.groups: dict[tuple, tuple[torch.Tensor, torch.Tensor, LayerKV]] = {}
+        self.group_of: dict[int, tuple] = {}
+        for i, kv in cache.layers.items():
+            key = (kv.capacity, kv.window)
+            if key not in self.groups:
+                self.groups[key] = (torch.zeros(1, dtype=torch.long, device=dev),
+                                    torch.zeros(1, dtype=torch.int32, device=dev), kv)
+            self.group_of[i] = key
         self.graph = None
         self.logits = None
 
     def fits(self) -> bool:
         """Another step fits without the cache growing (growth would move its tensors)."""
-        return not self.appends or all(kv.length < kv.capacity for kv in self.cache.layers.values())
+        # A trimmed layer's ring never grows; its capacity (hence the graph's shapes) is fixed.
+        return not self.appends or all(kv.length < kv.capacity or kv.ring_full() for kv in self.cache.layers.values())
 
-    def _attend(self, kv: LayerKV, q, k, v, pos, cache=None, sparse=None, *, window=None, softcap=None,
+    def _attend(self, i: int, q, k, v, pos, cache=None, sparse=None, *, window=None, softcap=None,
                 scale=None):  # decode is dense: sparse unused
+        kv = self.cache.layer(i)
+        slot, length, _ = self.groups[self.group_of[i]]
         if self.appends:
-            kv.write_slot(self.slot, k, v, pos)
+            kv.write_slot(slot, k, v, pos)
         # The whole preallocated cache (FP8: e4m3 with its scales); `length` says how much is valid. A
         # local layer's window masks the oldest keys by position (causal: the window needs it).
         out, lse = decode_attention(q, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, causal=window is not None,
-                                    length=self.length, k_scale=kv.k_scale, v_scale=kv.v_scale, window=window,
+                                    length=length, k_scale=kv.k_scale, v_scale=kv.v_scale, window=window,
                                     softcap=softcap, scale=scale)
         if self.group is not None:
             out, _ = merge_over_group(out, lse, self.group)
@@ -66,16 +79,16 @@ class GraphDecoder:
     def _forward(self):
         m = self.model
         # cache=None: the hooks hold their layer's cache; nothing reads positions on the host.
-        with m.attention_hooks([functools.partial(self._attend, self.cache.layer(i)) for i in m.layer_ids]):
+        with m.attention_hooks([functools.partial(self._attend, i) for i in m.layer_ids]):
             return m(self.tok, positions=self.pos, cache=None, last_only=True)
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Run token [1, 1] at the cache's next position -> logits [1, 1, V] (valid until the next step)."""
-        n = self.cache.length
         self.tok.copy_(tok.view(1, 1))
         self.pos.fill_(self.cache.next_position)
-        self.slot.fill_(n)
-        self.length.fill_(n + 1 if self.appends else n)
+        for slot, length, kv in self.groups.values():
+            slot.fill_(kv.next_row())
+            length.fill_(kv.length + (self.appends and not kv.ring_full()))
         if not self.capture:
             self.logits = self._forward()
         elif self.graph is None:
@@ -95,6 +108,6 @@ class GraphDecoder:
             self.graph.replay()
         if self.appends:
             for kv in self.cache.layers.values():
-                kv.length += 1
+                kv.wrote_one()
         self.cache.next_position += 1
         return self.logits

@@ -34,7 +34,9 @@ def generate_tokens(runner, prompt: Prompt, *, max_new_tokens: int, sampling: Sa
     # dynamic-NTK / longrope frequencies depend on the run's length: one length for every token of
     # the run, on every rank (a no-op for the other RoPE types).
     runner.model.set_rope_length(len(prompt.ids) + max_new_tokens)
-    cache = runner.new_cache(len(prompt.ids) + max_new_tokens, len(prompt.ids), prompt.context_len, prefill_chunk)
+    # trim_local: nothing but this loop reads the cache, so a runner that can keeps only local layers' windows
+    cache = runner.new_cache(len(prompt.ids) + max_new_tokens, len(prompt.ids), prompt.context_len, prefill_chunk,
+                             trim_local=True)
     gen = None
     if sampling.seed is not None:
         gen = torch.Generator(device=cache.device).manual_seed(sampling.seed)

@@ -8,6 +8,7 @@ from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
 from starshard.parallel.pipeline import chunk_bounds
+from starshard.planner import trimmed_step
 from starshard.runtime.cuda_graph import GraphDecoder
 from starshard.runtime.prompt import Prompt
 
@@ -30,14 +31,32 @@ class LocalRunner:
         return tokens
 
     def new_cache(self, capacity: int, prompt_len: int | None = None, context_len: int | None = None,
-                  chunk: int | None = None, knee: int | None = None) -> KVCache:
+                  chunk: int | None = None, knee: int | None = None, trim_local: bool = False) -> KVCache:
         """A cache for `capacity` tokens; given the prompt (its length and document part), a CP rank
-        allocates exactly its shard plus, on the query rank, the rest of `capacity` for decode."""
+        allocates exactly its shard plus, on the query rank, the rest of `capacity` for decode.
+        trim_local: each local layer keeps only its last window - 1 keys plus one forward's rows
+        (engine/kv_cache.py), sized by the prefill's steps (the prompt and `chunk` / `knee`; without the
+        prompt, for one-token steps after a first block: a larger later block grows the layer); for a
+        caller that reads the cache only through this runner's prefill and decode (generate_tokens).
+        Where trims_local() is False the cache keeps every key."""
         m = self.model
         norm = m.layers[0].attention_norm.weight  # the compute dtype and device (wo may hold FP8 weights)
         rows = self.cache_rows(capacity, prompt_len, context_len, chunk, knee)
+        windows, step = {}, 1
+        if trim_local and self.trims_local():
+            # the attention's own window now (run_without_windows drops it: such a layer keeps every key)
+            windows = {i: layer.attention.extras["window"] for i, layer in zip(m.layer_ids, m.layers)
+                       if "window" in layer.attention.extras}
+            if prompt_len is not None:
+                step = trimmed_step(self.prefill_bounds(prompt_len, prompt_len, chunk, knee))
         return KVCache(m.layer_ids, 1, m.layers[0].attention.n_kv_heads, m.config.head_dim, rows,
-                       norm.dtype, norm.device, fp8=self.kv_fp8)
+                       norm.dtype, norm.device, fp8=self.kv_fp8, windows=windows, step=step)
+
+    def trims_local(self) -> bool:
+        """This runner's prefill and decode can run on a trimmed cache: the model's own attention
+        (dense_attend and the graph decoder) over this process's cache. The context-parallel runner and a
+        pipeline say no (ContextParallelRunner / ParallelRunner.trims_local)."""
+        return not self.model.hooked
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None,
                 knee: int | None = None):

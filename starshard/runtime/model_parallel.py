@@ -58,6 +58,11 @@ class ParallelRunner(LocalRunner):
         self.sampler = VocabSampler(model, topo)
         self.vocab = self.sampler.vocab
 
+    def trims_local(self) -> bool:
+        # tp alone runs LocalRunner's prefill chunks and decode on each rank's heads; a pipeline cuts its own
+        # prefill chunks (default_chunk), which new_cache does not size for: every key kept there.
+        return self.topo.pp == 1 and super().trims_local()
+
     def default_chunk(self, length: int) -> int | None:
         if self.topo.pp == 1:
             return None

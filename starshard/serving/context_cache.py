@@ -106,6 +106,10 @@ class ContextCache:
         return next(self._ids)
 
     def add(self, entry: CacheEntry) -> None:
+        if entry.kv is not None and entry.kv.trimmed:  # an entry serves prefixes of itself: every key must be there
+            raise ValueError("ContextCache: a trimmed KV cache (local layers keep only their window, "
+                             "LocalRunner.new_cache(trim_local=True)) cannot be a context cache entry; "
+                             "the service's caches keep every key")
         self.entries[entry.id] = entry
         self.touch(entry)
 
