@@ -13,7 +13,7 @@ from starshard.engine.kv_cache import KVCache
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache
 from starshard.serving.scheduler import QueueFull, Scheduler
-from tests.helpers.service import submit
+from tests.helpers.service import pool_with_history, submit
 
 
 def reference(q, keys, vals, kpos, qpos):
@@ -36,12 +36,7 @@ def test_cascade_equals_attention_over_the_shared_prefix_and_own_keys(L):
     ek, ev = torch.randn(1, Hkv, N, D), torch.randn(1, Hkv, N, D)
     entry.layer(0).append(ek[:, :, perm], ev[:, :, perm], perm)
     prefix = [N, 20, 11]  # row 0 shares the whole entry, the others a prefix of it
-    own = OwnKV([0], B, Hkv, D, 4 + L, torch.float32, "cpu")
-    # Each row already holds 3 own tokens right after its prefix.
-    old_k, old_v = torch.randn(B, Hkv, 3, D), torch.randn(B, Hkv, 3, D)
-    old_pos = torch.stack([torch.arange(p, p + 3) for p in prefix])
-    own.append(0, old_k, old_v, old_pos)
-    own.advance(3)
+    own, old_k, old_v, old_pos = pool_with_history(prefix, Hkv, D, L)  # 3 own tokens after each prefix
     q, k, v = torch.randn(B, Hq, L, D), torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
     pos = torch.stack([torch.arange(p + 3, p + 3 + L) for p in prefix])
     cascade = CascadeAttention([SharedGroup(entry, [0, 1, 2], prefix, N)], own)

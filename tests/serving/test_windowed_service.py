@@ -23,7 +23,7 @@ from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.engine.test_sliding_window_families import FAMILIES as SWA
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.mp_harness import run_ranks
-from tests.helpers.service import submit
+from tests.helpers.service import pool_with_history, submit
 
 transformers.logging.set_verbosity_error()
 
@@ -104,11 +104,7 @@ def test_cascade_with_a_window_softcap_and_scale(L):
         e.layer(0).append(k[:, :, perm], v[:, :, perm], perm)
         entries.append(e), ek.append(k), ev.append(v)
     on, prefix = [0, 0, 0, 1], [N, 20, 11, 25]
-    own = OwnKV([0], B, Hkv, D, 4 + L, torch.float32, "cpu")
-    old_k, old_v = torch.randn(B, Hkv, 3, D), torch.randn(B, Hkv, 3, D)
-    old_pos = torch.stack([torch.arange(p, p + 3) for p in prefix])
-    own.append(0, old_k, old_v, old_pos)
-    own.advance(3)
+    own, old_k, old_v, old_pos = pool_with_history(prefix, Hkv, D, L)  # 3 own tokens after each prefix
     q, k, v = torch.randn(B, Hq, L, D), torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
     pos = torch.stack([torch.arange(p + 3, p + 3 + L) for p in prefix])
     groups = [SharedGroup(entries[0], [0, 1, 2], prefix[:3], N), SharedGroup(entries[1], [3], prefix[3:], 25)]
