@@ -137,8 +137,8 @@ def _world(rank, world, path):
     runner = ContextParallelRunner(model, strategy)
     made, new_cache = [], runner.new_cache
 
-    def sized(*args):
-        cache = new_cache(*args)
+    def sized(*args, **kwargs):
+        cache = new_cache(*args, **kwargs)
         made.append((cache, cache.layer(0).capacity))
         return cache
 
