@@ -32,7 +32,7 @@ def _rank(rank, world, strategy):
     a = Prompt(_ids(1, 24), 20)
     b = Prompt(_ids(2, 6 * CHUNK + 5), 6 * CHUNK)  # 7 steps
     c, d = Prompt(_ids(3, 3 * CHUNK), 3 * CHUNK - 4), Prompt(_ids(4, 5 * CHUNK), 5 * CHUNK - 4)
-    e = Prompt(_ids(5, 360), 356)  # past tiny's knee (288 tokens): tapered steps
+    e = Prompt(_ids(5, 720), 716)  # past the service's knee over cp=2 (tiny's 288 tokens x 2): tapered steps
     refs = dict(a=llm.generate(a, max_new_tokens=20).token_ids,
                 b=llm.generate(b, max_new_tokens=4, prefill_chunk=CHUNK).token_ids,
                 b_whole=llm.generate(b, max_new_tokens=4).token_ids,
