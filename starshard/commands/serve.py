@@ -92,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="later chunks of a document take fewer tokens as the prefix before them grows (a chunk's "
                      "attention grows with it), so that no step costs more than about twice the first: full chunks up "
                      "to the model's knee (the prefix at which a token's attention FLOPs over the global layers equal "
-                     "its linear FLOPs, ~26K tokens for Llama-3.1-8B), then chunk x 2 knee / (knee + prefix) tokens, "
-                     "in units of 256 x cp. --no-prefill-taper: every chunk --prefill-chunk tokens (default: on)")
+                     "its linear FLOPs, ~26K tokens for Llama-3.1-8B; x cp over a CP group, whose steps also pay fixed "
+                     "collectives), then chunk x 2 knee / (knee + prefix) tokens, in units of 256 x cp. "
+                     "--no-prefill-taper: every chunk --prefill-chunk tokens (default: on)")
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
