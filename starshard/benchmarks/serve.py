@@ -341,8 +341,8 @@ def check_tier_room(args, svc) -> None:
     fit a tier it is pushed to; log the budgets and the shard."""
     if not args.tiers:
         return
-    ex, L = svc.executor, max(args.lengths)
-    shard = max(ex.entry_rank_bytes(L, L, svc.prefill_chunk or None, svc.prefill_knee))
+    L = max(args.lengths)
+    shard = max(svc.entry_rank_bytes(L, L))
     gib = 2**30
     for tier in args.tiers:
         budget = svc.tiers.host.budget if tier == "host" else svc.tiers.disk.budget

@@ -446,6 +446,10 @@ class Scheduler:
         if self.control is not None:
             dist.broadcast_object_list([ops], src=0, group=self.control)
 
+    def entry_rank_bytes(self, prompt_len: int, context_len: int) -> list[int]:
+        """A new document's entry on each CP rank, laid out as this service prefills it (its chunk and taper)."""
+        return self.executor.entry_rank_bytes(prompt_len, context_len, self.prefill_chunk or None, self.prefill_knee)
+
     def holdings(self, prompt: Prompt, max_tokens: int, prefix: int = 0,
                  running: list[tuple[int, int]] = ()) -> list[int]:
         """Bytes each CP rank needs beside the cache's entries to start this request: its new entry's
@@ -453,8 +457,7 @@ class Scheduler:
         own-KV pool rebuilt with it (its own tokens outside the entry and max_tokens) while the old pool
         and its own tokens' KV are still held. `running`: the running rows' (own tokens, remaining)."""
         ex, L = self.executor, len(prompt.ids)
-        need = [0] * ex.cp if prefix else ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None,
-                                                              self.prefill_knee)
+        need = [0] * ex.cp if prefix else self.entry_rank_bytes(L, prompt.context_len)
         own = L - prefix if prefix else 0  # a prefill's tokens (Star's question too) are in its entry
         running = list(running)
         need[ex.query_rank] += (ex.pool_bytes(running + [(own, max_tokens - 1)]) + ex.pool_bytes(running)
@@ -468,8 +471,7 @@ class Scheduler:
         if ex.strategy is None or ex.cp == 1:
             what = f"{sizes} GiB (its KV: {L} tokens, and {max_tokens} new tokens)"
         else:
-            entry = ex.entry_rank_bytes(L, prompt.context_len, self.prefill_chunk or None, self.prefill_knee)
-            pool = need[ex.query_rank] - entry[ex.query_rank]
+            pool = need[ex.query_rank] - self.entry_rank_bytes(L, prompt.context_len)[ex.query_rank]
             what = (f"per rank {sizes} GiB (entry shard of {L} tokens over cp={ex.cp} {ex.strategy.name}; rank "
                     f"{ex.query_rank} also holds {max_tokens} new tokens: {pool / gib:.3g} GiB)")
         fixes = [f"start with --cache-gib {math.ceil(max(need) / gib * 10) / 10:.1f}"]
