@@ -26,6 +26,7 @@ import copy
 import functools
 import hashlib
 import json
+import mmap
 import struct
 import sys
 from pathlib import Path
@@ -151,8 +152,6 @@ def read_gguf_metadata(gguf_path: Path) -> dict[str, object]:
 
 def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str]:
     """(scalar metadata, sha256 of the header: the metadata and the tensor table, all a config depends on)."""
-    import mmap
-
     with open(gguf_path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
