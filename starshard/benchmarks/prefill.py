@@ -152,15 +152,15 @@ def add_arguments(p) -> None:
 
 
 def check(args) -> str | None:
+    if args.prompt_file is not None and args.random_weights:
+        return "--prompt-file needs --model PATH or the embedded SmolLM2 (no --random-weights): a real tokenizer reads the text"
+    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+        return f"--prompt-file {args.prompt_file} does not exist"
     if args.tp < 1:
         return f"--tp must be >= 1, got {args.tp}"
     if args.tp > 1 and args.cp == 1 and args.cp_strategy != "dense":
         return (f"--tp {args.tp} with --cp 1 runs the model-parallel runner: pass --cp-strategy dense (got "
                 f"{args.cp_strategy}, a context strategy's study mode, which this benchmark runs on one rank only)")
-    if args.prompt_file is not None and args.random_weights:
-        return "--prompt-file needs --model PATH or the embedded SmolLM2 (no --random-weights): a real tokenizer reads the text"
-    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
-        return f"--prompt-file {args.prompt_file} does not exist"
     return layout_error(args)
 
 
