@@ -3,13 +3,21 @@ starshard.LLM (the runner chosen in llm.choose_runner, random weights seeded in 
 
     python launch/bench.py prefill --random-weights llama-3.1-8b --cp-strategy dense --lengths 8192,32768 --out r.json
     torchrun --nproc-per-node 2 launch/bench.py prefill --cp 2 --cp-strategy ring --random-weights llama-3.1-8b ...
+    torchrun --nproc-per-node 4 launch/bench.py prefill --tp 2 --cp 2 --fp8 linear,kv --random-weights llama-3.1-70b ...
+    python launch/bench.py prefill --tp 4 --cp-strategy dense --random-weights llama-3.1-70b --lengths 131072 --plan-only
     python launch/bench.py prefill --prompt-file essay.txt --sparse minference --lengths 131072   # the embedded SmolLM2
 
 Per length: the prefill (--warmup untimed, then the median of --repeats; the local runner runs the model
 on the whole prompt, logits for the last token only; a context strategy's runner its prefill_logits with
 the last --query-tokens as the query), then --decode-steps single-token steps as LLM.generate runs them
 (runner.next_token, from a CUDA graph unless --no-cuda-graphs). MFU is against a bf16 matmul peak
-measured in the same process; model_seconds is the strategy's FLOP model at that peak. With --sparse,
+measured in the same process; model_seconds is the strategy's FLOP model at that peak (split over tp).
+`flop_model` is the layout's FLOP model read at rates measured in the same process (benchmarks/rates.py):
+the GEMM FLOPs of this rank at the GEMM rate of the model's own projection shapes (the FP8 GEMM with
+--fp8 linear), its attention FLOPs at the causal attention rate of its heads and rows, and its tp
+all-reduce bytes (two per layer of rows x hidden) at the measured all-reduce rate; `measured_over_flop_model`
+is the ratio. `memory_plan` is the planner's per-rank plan of each length (as `starshard plan --json`;
+--plan-only prints it and loads nothing). With --sparse,
 `sparse_report` is what the method ran in the last timed prefill (kernels.sparse.SparseReport: heads
 run sparse and the density they kept, heads the cost model sent to the dense kernel, heads of calls
 below the minimum length).
@@ -34,15 +42,18 @@ from pathlib import Path
 import torch
 
 from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
+from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
 from starshard.cli import (add_fp8_arguments, add_sparse_arguments, add_strategy_arguments, fp8_config, layout_error,
                            parallel_config, sparse_config)
 from starshard.config import SamplingConfig
 from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError
+from starshard.planner import Layout, Workload, plan_json, plan_memory, usable_bytes
+from starshard.presets import preset_config
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.strategies import STRATEGIES, get_spec
-from starshard.strategies.flops import linear_flops_per_token, predicted_seconds
+from starshard.strategies.flops import linear_flops_per_token, predicted_seconds, tp_flops
 
 HELP = "end-to-end prefill (+ decode steps) of one strategy"
 
@@ -66,19 +77,56 @@ def prefill_flops(cfg, L: int) -> dict[str, float]:
     return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
 
 
-def model_seconds(cfg, strategy, L: int, context: int, peak: float) -> float:
-    """The strategy's FLOP model (its registry entry's prefill_flops) of this prefill at the measured
-    matmul peak: the slowest rank, or the sum over hosts when one device runs them in turn (study mode).
-    strategy None: the whole model on one rank (dense)."""
+def layout_flops(cfg, strategy, L: int, context: int, tp: int = 1, dtype_bytes: int = 2):
+    """(per-rank PrefillFlops of this layout, serial): the strategy's FLOP model (its registry entry's
+    prefill_flops) split over tp (flops.tp_flops); serial when one device runs the hosts in turn (study
+    mode). strategy None: the whole model on one CP rank (dense)."""
     if strategy is None:
         ranks, cp = get_spec("dense").prefill_flops(cfg, L, context, None), 1
     else:
         ranks, cp = get_spec(strategy.name).prefill_flops(cfg, L, context, strategy), strategy.cp
-    return predicted_seconds(ranks, peak, serial=cp == 1 and len(ranks) > 1)
+    return tp_flops(cfg, ranks, tp, dtype_bytes), cp == 1 and len(ranks) > 1
+
+
+def model_seconds(cfg, strategy, L: int, context: int, peak: float, tp: int = 1) -> float:
+    """The layout's FLOP model of this prefill at the measured matmul peak: the slowest rank, or the sum
+    over hosts in study mode (collectives not counted)."""
+    ranks, serial = layout_flops(cfg, strategy, L, context, tp)
+    return predicted_seconds(ranks, peak, serial=serial)
+
+
+def flop_model(cfg, strategy, L: int, context: int, tp: int, dtype_bytes: int, rates: dict) -> dict:
+    """The layout's FLOP model read at the measured rates (benchmarks/rates.py), the slowest rank's parts."""
+    ranks, serial = layout_flops(cfg, strategy, L, context, tp, dtype_bytes)
+    g, a, ar = rates["gemm_flops_per_s"], rates["attention_flops_per_s"], rates["allreduce_bytes_per_s"]
+    slow = max(ranks, key=lambda r: r.seconds(g, a, ar))
+    return {"seconds": predicted_seconds(ranks, g, a, serial=serial, allreduce_bytes_per_s=ar),
+            "gemm_seconds": (slow.linear + slow.compressor) / g, "attention_seconds": slow.attention / a,
+            "allreduce_seconds": slow.tp_bytes / ar if ar and slow.tp_bytes else 0.0,
+            "gemm_flops": slow.linear + slow.compressor, "attention_flops": slow.attention,
+            "allreduce_bytes": slow.tp_bytes, "rates": rates}
+
+
+def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, limit: int | None) -> dict:
+    """The planner's per-rank plan of this run (its cache holds L + decode steps + 8 tokens)."""
+    fp8 = fp8_config(args)
+    strategy = args.cp_strategy if args.cp > 1 else "dense"  # one CP rank: the whole sequence's plan
+    lay = Layout(args.tp, 1, args.cp, strategy, None, args.block_size, args.anchor_size, None)
+    work = Workload(L, context_len if query_phase else None, args.decode_steps + 8, None, 4 if args.dtype == "float32"
+                    else 2, fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts)
+    return plan_json(plan_memory(cfg, lay, work), limit, None)
 
 
 def add_arguments(p) -> None:
     add_common_arguments(p)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: heads and MLP columns split over this many ranks; composes with --cp "
+                   "(launch tp*cp ranks; tp groups are consecutive ranks); --tp N with --cp 1 needs --cp-strategy dense")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the planner's per-rank memory plan of each length as JSON (and write --out) and exit, "
+                   "loading nothing (no launcher needed); --memory-limit-gb sets the limit it is checked against")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="the per-rank limit the memory plan is checked against (default: 90%% of this GPU; none on CPU)")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed prefills per length before the timed ones (0 at long lengths: list a short "
                         "length first to warm the process up instead)")
@@ -108,6 +156,11 @@ def check(args) -> str | None:
         return "--prompt-file needs --model PATH or the embedded SmolLM2 (no --random-weights): a real tokenizer reads the text"
     if args.prompt_file is not None and not Path(args.prompt_file).is_file():
         return f"--prompt-file {args.prompt_file} does not exist"
+    if args.tp < 1:
+        return f"--tp must be >= 1, got {args.tp}"
+    if args.tp > 1 and args.cp == 1 and args.cp_strategy != "dense":
+        return (f"--tp {args.tp} with --cp 1 runs the model-parallel runner: pass --cp-strategy dense (got "
+                f"{args.cp_strategy}, a context strategy's study mode, which this benchmark runs on one rank only)")
     return layout_error(args)
 
 
@@ -133,13 +186,15 @@ def prompt_ids(L: int, vocab_size: int, text: list[int] | None) -> list[int] | t
 def run(args) -> None:
     # The layout fields parallel_config reads that prefill leaves at their defaults (tensor / pipeline
     # parallel runs: `launch/bench.py tp`).
-    layout = argparse.Namespace(**vars(args), tp=1, pp=1, pp_layers=None, query_rank=None)
+    layout = argparse.Namespace(**vars(args), pp=1, pp_layers=None, query_rank=None)
     try:
         parallel, sparse = parallel_config(layout), sparse_config(args)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.plan_only:
+        return plan_only(args, device)
     try:
         llm = LLM(None if args.random_weights else args.model, dtype=dtype, device=device, parallel=parallel,
                   progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args),
@@ -150,6 +205,14 @@ def run(args) -> None:
     cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
     strategy = runner.strategy if cp_runner else None
     peak = matmul_peak(topo.device)
+    barrier = topo.barrier if topo.world_size > 1 else None
+    fp8 = llm.fp8
+    probe = probe_rows(topo.device)
+    rates = {"gemm_flops_per_s": gemm_rate(cfg, topo.tp, probe, dtype, topo.device, fp8.linear),
+             "allreduce_bytes_per_s": allreduce_rate(cfg, probe, dtype, topo.device,
+                                                     topo.tp_group if topo.tp > 1 else None, barrier),
+             "gemm": "fp8 e4m3" if fp8.linear else args.dtype, "gemm_rows": probe}
+    limit = _limit(args, topo.device)
     text = text_ids(llm.tokenizer, args.prompt_file) if args.prompt_file else None
     if args.sparse and (args.random_weights or text is None) and topo.rank == 0:
         print("note: --sparse on random weights or random token ids measures the fallback, not sparse speed "
@@ -174,7 +237,7 @@ def run(args) -> None:
         try:
             if topo.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(topo.device)
-            times = timed(prefill, topo.device, args.repeats, warmup=args.warmup)
+            times = timed(prefill, topo.device, args.repeats, warmup=args.warmup, barrier=barrier)
             report = sparse_report(model)  # the last timed prefill's (None without --sparse)
             mem = torch.cuda.max_memory_allocated(topo.device) / 2**30 if topo.device.type == "cuda" else None
             decode = None
@@ -198,10 +261,18 @@ def run(args) -> None:
                 row["kv_bytes_sent"] = strategy.wire.kv_bytes  # by this rank in one prefill (context/wire.py)
             if text is not None:
                 row["prompt_repeated"] = L > len(text)
-            context = context_len if strategy is not None and strategy.query_phase else L
-            model_t = model_seconds(cfg, strategy, L, context, peak)
+            query_phase = strategy is not None and strategy.query_phase
+            context = context_len if query_phase else L
+            model_t = model_seconds(cfg, strategy, L, context, peak, topo.tp)
             if model_t:  # the FLOP model at the matmul peak: what a strategy that wastes nothing takes
                 row.update(model_seconds=model_t, measured_over_model=t / model_t)
+            a_rows = -(-L // args.cp)  # this rank's query rows (capped on the CPU, where it only fills the JSON)
+            a_rows = a_rows if topo.device.type == "cuda" else min(a_rows, probe)
+            lr = {**rates, "attention_flops_per_s": attention_rate(cfg, topo.tp, a_rows, dtype, topo.device),
+                  "attention_rows": a_rows}
+            fm = flop_model(cfg, strategy, L, context, topo.tp, torch.finfo(dtype).bits // 8, lr)
+            row.update(flop_model=fm, measured_over_flop_model=t / fm["seconds"],
+                       memory_plan=memory_plan(cfg, args, L, context_len, query_phase, limit))
         except torch.OutOfMemoryError as e:
             row = {"length": L, "error": f"out of memory: {str(e).splitlines()[0]}"}
             state.clear()
@@ -217,6 +288,32 @@ def run(args) -> None:
                         {"kind": "random token ids", "seed": "the length"})
     result["weights"] = "random" if args.random_weights else "real"
     result["checkpoint"] = str(llm.path) if llm.path is not None else None  # the embedded default's when no --model
-    result.update(strategy=parallel.cp_strategy, cp=args.cp, fp8=llm.fp8.describe(), matmul_peak_tflops=peak / 1e12, results=rows)
+    result.update(strategy=parallel.cp_strategy, cp=args.cp, tp=topo.tp, fp8=llm.fp8.describe(), matmul_peak_tflops=peak / 1e12, results=rows)
     if topo.rank == 0:
         write(args.out, result)
+
+
+def _limit(args, device) -> int | None:
+    """The per-rank byte limit the memory plan is checked against (--memory-limit-gb, else 90% of the GPU)."""
+    if args.memory_limit_gb is not None:
+        return int(args.memory_limit_gb * 2**30)
+    if torch.device(device).type == "cuda":
+        return usable_bytes(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return None
+
+
+def plan_only(args, device) -> None:
+    """--plan-only: the memory plan of every length, nothing loaded."""
+    if args.random_weights is None:
+        raise SystemExit("error: --plan-only needs --random-weights PRESET (the shape to plan)")
+    cfg = preset_config(args.random_weights)
+    query_phase = args.cp > 1 and not get_spec(args.cp_strategy).exact  # Star / APB: the query runs after
+    plans = []
+    for L in args.lengths:
+        try:
+            plans.append({"length": L, **memory_plan(cfg, args, L, L - args.query_tokens, query_phase,
+                                                     _limit(args, device))})
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    write(args.out, {"kind": "prefill_plan", "model": args.random_weights, "tp": args.tp, "cp": args.cp,
+                     "strategy": args.cp_strategy, "fp8": args.fp8, "plans": plans})

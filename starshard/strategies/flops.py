@@ -7,7 +7,10 @@ Counting (2 FLOPs per multiply-add):
                plus 2*h*V for every logits row the rank computes;
     attention  per visible (query row, key) pair and layer 4 * Hq * D  (QK^T and PV);
     compressor APB's query scorer: the embedded query's rows against the block's keys, 2 * Hq * D per
-               pair and layer (QK^T only).
+               pair and layer (QK^T only);
+    tp         a tensor-parallel group splits a CP rank's linear and attention FLOPs evenly (heads, MLP
+               columns, the vocab) and all-reduces 2 * layers * rows * hidden elements (after the O and
+               down projections), which sit on the critical path (tp_flops).
 Only visible pairs count (a causal block of n rows is n(n+1)/2 pairs): the model is the useful work,
 which a kernel that skips masked tiles approaches.
 
@@ -24,12 +27,14 @@ from starshard.config import ModelConfig
 
 @dataclass
 class PrefillFlops:
-    """One rank's prefill work. comm_bytes: what this rank sends over the CP group (all layers)."""
+    """One rank's prefill work. comm_bytes: what this rank sends over the CP group (all layers), assumed
+    hidden; tp_bytes: what its tp group all-reduces (all layers; the tensor's bytes), not hidden."""
 
     linear: float = 0.0
     attention: float = 0.0
     compressor: float = 0.0
     comm_bytes: float = 0.0
+    tp_bytes: float = 0.0
     tokens: int = 0  # rows run through the layers in phase 1 (anchor + block, or the shard)
     pairs: int = 0  # visible attention pairs per layer and head, phase 1 and query phase
     detail: dict = field(default_factory=dict)
@@ -38,19 +43,24 @@ class PrefillFlops:
     def total(self) -> float:
         return self.linear + self.attention + self.compressor
 
-    def seconds(self, matmul_flops_per_s: float, attention_flops_per_s: float | None = None) -> float:
-        """Predicted compute time at the given throughputs (attention defaults to the matmul rate)."""
+    def seconds(self, matmul_flops_per_s: float, attention_flops_per_s: float | None = None,
+                allreduce_bytes_per_s: float | None = None) -> float:
+        """Predicted time at the given throughputs (attention defaults to the matmul rate); the tp
+        all-reduces at `allreduce_bytes_per_s` (a tensor's bytes over its all-reduce's seconds), not
+        counted without it."""
         attn = attention_flops_per_s or matmul_flops_per_s
-        return (self.linear + self.compressor) / matmul_flops_per_s + self.attention / attn
+        t = (self.linear + self.compressor) / matmul_flops_per_s + self.attention / attn
+        return t + (self.tp_bytes / allreduce_bytes_per_s if allreduce_bytes_per_s and self.tp_bytes else 0.0)
 
 
 def predicted_seconds(ranks: list[PrefillFlops], matmul_flops_per_s: float,
-                      attention_flops_per_s: float | None = None, serial: bool = False) -> float:
-    """The slowest rank's predicted time (collectives assumed hidden); serial: the ranks run one after
+                      attention_flops_per_s: float | None = None, serial: bool = False,
+                      allreduce_bytes_per_s: float | None = None) -> float:
+    """The slowest rank's predicted time (CP collectives assumed hidden); serial: the ranks run one after
     another on one device (Star --num-blocks / APB --apb-hosts study mode), so their times add up.
     (In study mode every host runs the query phase once in a single call; the sum counts it per host,
     a small overestimate for short queries.)"""
-    times = [r.seconds(matmul_flops_per_s, attention_flops_per_s) for r in ranks]
+    times = [r.seconds(matmul_flops_per_s, attention_flops_per_s, allreduce_bytes_per_s) for r in ranks]
     return sum(times) if serial else max(times)
 
 
@@ -79,6 +89,24 @@ def prefill_knee(cfg: ModelConfig) -> int | None:
     return round(linear_flops_per_token(cfg) / (attention_flops_per_pair(cfg) * glob / cfg.num_layers))
 
 
+def tp_flops(cfg: ModelConfig, ranks: list[PrefillFlops], tp: int, dtype_bytes: int = 2) -> list[PrefillFlops]:
+    """One tp rank of each CP rank's work (the Megatron split): linear, attention and compressor FLOPs
+    over tp, plus the two all-reduces per layer of the rows it runs (`tokens`: phase 1 and the query
+    phase) x hidden in the compute dtype (--fp8 linear's GEMMs still return it). tp=1: `ranks` as given."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if tp == 1:
+        return ranks
+    out = []
+    for r in ranks:
+        rows = r.tokens + r.detail.get("query_rows", 0)
+        out.append(PrefillFlops(linear=r.linear / tp, attention=r.attention / tp, compressor=r.compressor / tp,
+                                comm_bytes=r.comm_bytes / tp,  # each tp rank sends its heads' K/V
+                                tp_bytes=2.0 * cfg.num_layers * rows * cfg.hidden_size * dtype_bytes,
+                                tokens=r.tokens, pairs=r.pairs, detail={**r.detail, "tp": tp}))
+    return out
+
+
 def causal_pairs(n: int) -> int:
     return n * (n + 1) // 2
 
@@ -102,6 +130,7 @@ def add_query_phase(cfg: ModelConfig, r: PrefillFlops, query_len: int, local_kv:
         return
     pairs = query_len * local_kv + (causal_pairs(query_len) if is_query_rank else 0)
     q = rank_flops(cfg, query_len, pairs, 1)
+    r.detail["query_rows"] = query_len  # run through the layers on top of `tokens`
     r.linear += q.linear
     r.attention += q.attention
     r.pairs += pairs

@@ -7,7 +7,7 @@ from starshard.config import ModelConfig
 from starshard.parallel.context.apb import APBAttention
 from starshard.strategies.apb import apb_flops
 from starshard.strategies.dense import dense_flops
-from starshard.strategies.flops import causal_pairs, predicted_seconds
+from starshard.strategies.flops import causal_pairs, predicted_seconds, tp_flops
 from starshard.strategies.ring import ring_flops
 from starshard.strategies.star import star_flops
 
@@ -110,3 +110,20 @@ def test_study_mode_time_adds_the_hosts_up():
     one = [r.seconds(1e3) for r in ranks]
     assert predicted_seconds(ranks, 1e3) == max(one) and predicted_seconds(ranks, 1e3, serial=True) == sum(one)
     assert ranks[1].seconds(1e3, 5e2) == (ranks[1].linear + ranks[1].compressor) / 1e3 + ranks[1].attention / 5e2
+
+
+def test_tp_by_hand():
+    # tp=2 over dense's 6 tokens: half the FLOPs, two all-reduces of 6 rows x hidden 4 in 2 bytes on the one layer
+    (d,) = dense_flops(CFG, 5, query_len=1)
+    (f,) = tp_flops(CFG, [d], 2, dtype_bytes=2)
+    assert f.linear == (6 * TOK + LOGITS) / 2 and f.attention == 21 * PAIR / 2 and f.tp_bytes == 2 * 1 * 6 * 4 * 2
+    # read at 10 FLOP/s (GEMM), 5 FLOP/s (attention) and 8 bytes/s (all-reduce)
+    want = (6 * TOK + LOGITS) / 2 / 10 + 21 * PAIR / 2 / 5 + 96 / 8
+    assert f.seconds(10, 5, 8) == pytest.approx(want) == predicted_seconds([f], 10, 5, allreduce_bytes_per_s=8)
+    assert f.seconds(10, 5) == pytest.approx(want - 96 / 8)  # no all-reduce rate: compute only
+    assert tp_flops(CFG, [d], 1) == [d]
+    # Star's query rank runs its 8 phase-1 rows and the query row through every layer
+    r0, r1 = tp_flops(CFG, star_flops(CFG, 10, 2, block=3, anchor=2, query_len=1), 2, dtype_bytes=4)
+    assert (r0.tp_bytes, r1.tp_bytes) == (2 * 9 * 4 * 4, 2 * 9 * 4 * 4)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        tp_flops(CFG, [d], 0)
