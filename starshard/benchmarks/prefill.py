@@ -184,16 +184,16 @@ def run(args) -> None:
         raise SystemExit(f"error: {e}") from None
     topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
     cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
+    windowed = any("window" in layer.attention.extras for layer in model.layers)  # what runs, not the config
+    if args.all_global and not windowed:
+        raise SystemExit(f"error: --all-global needs a model whose sliding-window layers run (config sliding_window / "
+                         f"layer_types); this {cfg.arch} runs every layer global already: drop --all-global")
     strategy = runner.strategy if cp_runner else None
     peak = matmul_peak(topo.device)
     text = text_ids(llm.tokenizer, args.prompt_file) if args.prompt_file else None
     if args.sparse and (args.random_weights or text is None) and topo.rank == 0:
         print("note: --sparse on random weights or random token ids measures the fallback, not sparse speed "
               "(use --model real weights and --prompt-file natural text)", file=sys.stderr)
-    windowed = any("window" in layer.attention.extras for layer in model.layers)  # what runs, not the config
-    if args.all_global and not windowed:
-        raise SystemExit(f"error: --all-global needs a model whose sliding-window layers run (config sliding_window / "
-                         f"layer_types); this {cfg.arch} runs every layer global already: drop --all-global")
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
 
     def measure(L: int, win: bool) -> dict:
