@@ -57,9 +57,9 @@ class WireStats:
     transfers are posted (no sync). Queries, outputs and lse are not counted, positions only where they
     ride in the K/V message (APB's passing blocks: 8 bytes per entry). A collective
     counts what leaves this rank whatever its algorithm: an all-to-all the (cp-1)/cp of the tensor that
-    goes to the peers, an all-gather this rank's buffer once per peer. `local_kv_bytes`: the part local
-    (sliding-window) layers sent, where the sender says so (ring attention: its edges or skipped steps
-    against the global layers' whole ring; issue 38's bytes check)."""
+    goes to the peers, an all-gather this rank's buffer once per peer. `local_kv_bytes`: the part sent by
+    local (sliding-window) layers, where the sender tags it (ring attention: a local layer's window edges
+    or ring steps), so a benchmark can set a local layer's traffic against a global one's."""
 
     kv_bytes: int = 0
     local_kv_bytes: int = 0
