@@ -13,6 +13,14 @@ from starshard.config import ModelConfig
 _LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=8192)
 
+_GEMMA3 = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, head_dim=256,
+    query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0,
+    rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0), max_position_embeddings=131072,
+    rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+    attn_logit_softcapping=None, tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
+)
+
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -52,6 +60,13 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=1048576,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # Gemma 3 text decoders as google/gemma-3-{4b,12b} publish them (Gemma3TextConfig): window 1024 on five
+    # layers of six (sliding_window_pattern 6: every sixth layer global), local RoPE base 10000, global 1e6
+    # with linear x8 scaling, 128K positions.
+    "gemma-3-4b": dict(_GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                       num_attention_heads=8, num_key_value_heads=4),
+    "gemma-3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8),
     "smollm2-135m": dict(  # the embedded default's shape (9 heads, 3 KV heads: tp 1 or 3)
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
@@ -61,6 +76,11 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(  # CPU smoke runs of the benchmark code paths (tp 1, 2 or 4; pp up to 2)
         architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20,
+    ),
+    "tiny-gemma3": dict(  # CPU smoke runs of windows (Gemma 3 layout, window 16, layers 2 and 5 global)
+        _GEMMA3, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+        sliding_window_pattern=3, max_position_embeddings=1 << 20,
     ),
     "tiny-moe": dict(  # CPU smoke runs of the MoE benchmark (Qwen3-MoE layout; tp 1 or 2)
         architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,

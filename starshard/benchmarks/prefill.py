@@ -22,6 +22,17 @@ is the ratio. `memory_plan` is the planner's per-rank plan of each length (as `s
 run sparse and the density they kept, heads the cost model sent to the dense kernel, heads of calls
 below the minimum length).
 
+Windows (issue 38): a model with sliding-window layers (Gemma 2 / 3, `--random-weights gemma-3-4b`)
+runs them; on one device (--cp-strategy dense) the cache is the engine's trimmed one (local layers keep
+their last window keys, engine/kv_cache.py), as LLM.generate runs it. `--all-global` then times the same
+weights with every layer global (Transformer.drop_windows) in the same process, after the windowed
+lengths, and each row gets `speedup` (all-global seconds / windowed seconds), the FLOP model's
+`predicted_speedup` (strategies/flops.py prefill_flops, windows vs none) and `speedup_over_predicted`.
+Each windowed row also gives `kv_per_token`: the planner's KV bytes per token of one device's trimmed
+cache against the all-global one, and `kv_cache`: the bytes the timed run's cache allocated. Over a
+ring (--cp N --cp-strategy ring) `ring_bytes` splits the K/V bytes the whole CP group sent in one
+prefill by layer kind: per local layer, per global layer, and their ratio.
+
 Inputs: random token ids by default; `--prompt-file PATH` instead tokenizes a natural-text file with
 the model's tokenizer and repeats it (a blank line between copies) or truncates it to each length; the
 JSON names the file and, per length, whether it was repeated. Random weights (and random token ids)
@@ -33,6 +44,7 @@ none (every head is dense-like and falls back), so measure --sparse with --model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -53,7 +65,7 @@ from starshard.planner import Layout, Workload, plan_json, plan_memory, usable_b
 from starshard.presets import preset_config
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.strategies import STRATEGIES, get_spec
-from starshard.strategies.flops import linear_flops_per_token, predicted_seconds, tp_flops
+from starshard.strategies.flops import linear_flops_per_token, predicted_seconds, prefill_flops, tp_flops
 
 HELP = "end-to-end prefill (+ decode steps) of one strategy"
 
@@ -69,12 +81,31 @@ def matmul_peak(device, dtype=torch.bfloat16, n: int = 8192) -> float:
     return 2 * n**3 / t
 
 
-def prefill_flops(cfg, L: int) -> dict[str, float]:
-    """Model FLOPs of a causal prefill of L tokens (logits for the last token only)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    linear = L * linear_flops_per_token(cfg) + 2 * h * cfg.vocab_size  # MoE: the active experts
-    attn = 4 * cfg.num_heads * d * L * L / 2 * cfg.num_layers  # QK^T and PV, causal half
-    return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
+def all_global(cfg):
+    """The same shape with every layer global (what --all-global's baseline runs)."""
+    return dataclasses.replace(cfg, sliding_window=None, layer_types=None)
+
+
+def kv_per_token(cfg, L: int, dtype_bytes: int) -> dict:
+    """The planner's KV bytes per token of an L-token prompt on one device: local layers trimmed to their
+    window (planner.layer_kv_tokens, as the engine allocates them) against every layer keeping every key."""
+    trimmed, full = (plan_memory(cfg, Layout(), Workload(prompt_tokens=L, dtype_bytes=dtype_bytes, trim_local=t))
+                     .stages[0].kv_cache / L for t in (True, False))
+    return {"windowed_trimmed": trimmed, "all_global": full, "ratio": trimmed / full}
+
+
+def ring_bytes(strategy, cfg, device, windowed: bool) -> dict:
+    """K/V bytes the whole CP group sent in the last prefill, per local and per global layer (each rank
+    counts its sends on the host, wire.py; summed here, after the timing)."""
+    sent = torch.tensor([strategy.wire.kv_bytes, strategy.wire.local_kv_bytes], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(sent, group=strategy.group)
+    total, local = sent.tolist()
+    n_local = sum(cfg.layer_window(i) is not None for i in range(cfg.num_layers)) if windowed else 0
+    n_global = cfg.num_layers - n_local
+    lp = local / n_local if n_local else None
+    gp = (total - local) / n_global if n_global else None
+    return {"local_per_layer": lp, "global_per_layer": gp, "ratio": lp / gp if lp is not None and gp else None,
+            "local_layers": n_local, "global_layers": n_global, "summed_over_ranks": strategy.cp}
 
 
 def layout_flops(cfg, strategy, L: int, context: int, tp: int = 1, dtype_bytes: int = 2):
@@ -149,6 +180,10 @@ def add_arguments(p) -> None:
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="time decode steps eagerly (default: replay a CUDA graph on one rank)")
+    p.add_argument("--all-global", action="store_true",
+                   help="a model with sliding-window layers: after the windowed lengths, time the same weights with "
+                   "every layer global in the same process (the baseline); each row gets speedup, the FLOP model's "
+                   "predicted_speedup and speedup_over_predicted")
 
 
 def check(args) -> str | None:
@@ -203,6 +238,10 @@ def run(args) -> None:
         raise SystemExit(f"error: {e}") from None
     topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
     cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
+    windowed = any("window" in layer.attention.extras for layer in model.layers)  # what runs, not the config
+    if args.all_global and not windowed:
+        raise SystemExit(f"error: --all-global needs a model whose sliding-window layers run (config sliding_window / "
+                         f"layer_types); this {cfg.arch} runs every layer global already: drop --all-global")
     strategy = runner.strategy if cp_runner else None
     peak = matmul_peak(topo.device)
     barrier = topo.barrier if topo.world_size > 1 else None
@@ -217,8 +256,11 @@ def run(args) -> None:
     if args.sparse and (args.random_weights or text is None) and topo.rank == 0:
         print("note: --sparse on random weights or random token ids measures the fallback, not sparse speed "
               "(use --model real weights and --prompt-file natural text)", file=sys.stderr)
-    rows = []
-    for L in args.lengths:
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+
+    def measure(L: int, win: bool) -> dict:
+        """One length's row: the prefill timed (+ decode), as the model runs now (win: with its windows)."""
+        fcfg = cfg if win else all_global(cfg)  # the FLOP model of what runs
         ids = torch.as_tensor(prompt_ids(L, cfg.vocab_size, text)).to(topo.device)
         context_len = L - args.query_tokens
         state = {}
@@ -226,8 +268,12 @@ def run(args) -> None:
         def prefill():
             sparse_report(model, reset=True)  # count this prefill alone
             if strategy is not None:
-                strategy.wire.kv_bytes = 0  # K/V bytes this rank sends in this prefill
-            state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8)
+                strategy.wire.reset()  # K/V bytes this rank sends in this prefill
+            state["cache"] = None  # the previous cache freed before the next one is allocated
+            if cp_runner:
+                state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8)
+            else:  # local layers keep their window (engine/kv_cache.py), as LLM.generate runs them
+                state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8, L, L, trim_local=True)
             with torch.inference_mode():
                 if cp_runner:
                     state["logits"], state["owner"] = runner.prefill_logits(ids, context_len, cache)
@@ -240,6 +286,9 @@ def run(args) -> None:
             times = timed(prefill, topo.device, args.repeats, warmup=args.warmup, barrier=barrier)
             report = sparse_report(model)  # the last timed prefill's (None without --sparse)
             mem = torch.cuda.max_memory_allocated(topo.device) / 2**30 if topo.device.type == "cuda" else None
+            cache = state["cache"]
+            kv = {"trimmed": cache.trimmed, "bytes": sum(kv.nbytes() for kv in cache.layers.values())}
+            kv["bytes_per_token"] = kv["bytes"] / L  # this rank's cache (a CP rank: its shard)
             decode = None
             if args.decode_steps:
                 tok = torch.zeros(1, 1, dtype=torch.long, device=topo.device)
@@ -251,36 +300,52 @@ def run(args) -> None:
                 step_times = timed(step, topo.device, args.decode_steps, warmup=2)
                 decode = {"step_seconds": median(step_times), "tokens_per_second": 1 / median(step_times)}
             t = median(times)
-            fl = prefill_flops(cfg, L)
+            fl = prefill_flops(fcfg, L)
             row = {"length": L, "prefill_seconds": t, "all_seconds": times, "peak_memory_gib": mem,
                    "model_tflops": fl["total"] / 1e12, "achieved_tflops_per_gpu": fl["total"] / t / topo.world_size / 1e12,
-                   "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode}
+                   "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode, "kv_cache": kv}
             if report is not None:
                 row["sparse_report"] = report
             if strategy is not None and strategy.cp > 1:
                 row["kv_bytes_sent"] = strategy.wire.kv_bytes  # by this rank in one prefill (context/wire.py)
+                if strategy.name == "ring":
+                    row["ring_bytes"] = ring_bytes(strategy, cfg, topo.device, win)
             if text is not None:
                 row["prompt_repeated"] = L > len(text)
             query_phase = strategy is not None and strategy.query_phase
             context = context_len if query_phase else L
-            model_t = model_seconds(cfg, strategy, L, context, peak, topo.tp)
+            model_t = model_seconds(fcfg, strategy, L, context, peak, topo.tp)
             if model_t:  # the FLOP model at the matmul peak: what a strategy that wastes nothing takes
                 row.update(model_seconds=model_t, measured_over_model=t / model_t)
             a_rows = -(-L // args.cp)  # this rank's query rows (capped on the CPU, where it only fills the JSON)
             a_rows = a_rows if topo.device.type == "cuda" else min(a_rows, probe)
             lr = {**rates, "attention_flops_per_s": attention_rate(cfg, topo.tp, a_rows, dtype, topo.device),
                   "attention_rows": a_rows}
-            fm = flop_model(cfg, strategy, L, context, topo.tp, torch.finfo(dtype).bits // 8, lr)
+            fm = flop_model(fcfg, strategy, L, context, topo.tp, torch.finfo(dtype).bits // 8, lr)
             row.update(flop_model=fm, measured_over_flop_model=t / fm["seconds"],
                        memory_plan=memory_plan(cfg, args, L, context_len, query_phase, limit))
+            if win and windowed:
+                row["all_global_tflops"] = prefill_flops(cfg, L, windows=False)["total"] / 1e12
+                row["predicted_speedup"] = row["all_global_tflops"] / row["model_tflops"]
+                row["kv_per_token"] = kv_per_token(cfg, L, dtype_bytes)
         except torch.OutOfMemoryError as e:
             row = {"length": L, "error": f"out of memory: {str(e).splitlines()[0]}"}
-            state.clear()
             torch.cuda.empty_cache()
-        rows.append(row)
+        state.clear()
         runner.end_generation()  # drop the decode graph with this length's cache
         if topo.rank == 0:
             print(json.dumps(row), file=sys.stderr, flush=True)
+        return row
+
+    rows = [measure(L, windowed) for L in args.lengths]
+    if args.all_global:
+        model.drop_windows()  # every local layer attends as a global one from here on
+        for row in rows:
+            base = row["all_global"] = measure(row["length"], False)
+            if "prefill_seconds" in row and "prefill_seconds" in base:
+                row["speedup"] = base["prefill_seconds"] / row["prefill_seconds"]
+                row["speedup_over_predicted"] = row["speedup"] / row["predicted_speedup"]
+                row["kv_cache_over_all_global"] = row["kv_cache"]["bytes"] / base["kv_cache"]["bytes"]
     result = header("prefill", topo.device, topo.world_size, args)
     result["sparse_config_file"] = llm.sparse.config_path if llm.sparse is not None else None  # the one that ran
     result["prompt"] = ({"kind": "text file", "file": args.prompt_file, "file_tokens": len(text),
@@ -288,7 +353,8 @@ def run(args) -> None:
                         {"kind": "random token ids", "seed": "the length"})
     result["weights"] = "random" if args.random_weights else "real"
     result["checkpoint"] = str(llm.path) if llm.path is not None else None  # the embedded default's when no --model
-    result.update(strategy=parallel.cp_strategy, cp=args.cp, tp=topo.tp, fp8=llm.fp8.describe(), matmul_peak_tflops=peak / 1e12, results=rows)
+    result.update(strategy=parallel.cp_strategy, cp=args.cp, tp=topo.tp, fp8=llm.fp8.describe(),
+                  matmul_peak_tflops=peak / 1e12, windows=windowed, results=rows)
     if topo.rank == 0:
         write(args.out, result)
 

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from starshard.config import ModelConfig
-from starshard.strategies.flops import PrefillFlops, causal_pairs, rank_flops
+from starshard.strategies.flops import PrefillFlops, attention_flops, causal_pairs, rank_flops
 from starshard.strategies.spec import StrategySpec
 
 
 def dense_flops(cfg: ModelConfig, context: int, query_len: int = 1) -> list[PrefillFlops]:
-    """One device, causal over the whole prompt."""
+    """One device, causal over the whole prompt (a local layer through its window)."""
     L = context + query_len
-    return [rank_flops(cfg, L, causal_pairs(L), 1)]
+    f = rank_flops(cfg, L, causal_pairs(L), 1)  # pairs: a global layer's
+    f.attention = attention_flops(cfg, L)
+    return [f]
 
 
 class DenseSpec(StrategySpec):

@@ -12,7 +12,9 @@ Counting (2 FLOPs per multiply-add):
                columns, the vocab) and all-reduces 2 * layers * rows * hidden elements (after the O and
                down projections), which sit on the critical path (tp_flops).
 Only visible pairs count (a causal block of n rows is n(n+1)/2 pairs): the model is the useful work,
-which a kernel that skips masked tiles approaches.
+which a kernel that skips masked tiles approaches. A local layer (window W) sees min(p + 1, W) keys
+from position p: `window_pairs`; `attention_flops` sums the layers (the strategies' models below still
+count every layer global, except dense).
 
 Each model returns one `PrefillFlops` per rank (phase 1 and, for Star / APB, the query phase, whose
 `query_len` tokens run on every rank against its own KV); the slowest rank sets the time. The prompt
@@ -109,6 +111,29 @@ def tp_flops(cfg: ModelConfig, ranks: list[PrefillFlops], tp: int, dtype_bytes: 
 
 def causal_pairs(n: int) -> int:
     return n * (n + 1) // 2
+
+
+def window_pairs(n: int, window: int | None) -> int:
+    """Visible (query, key) pairs of a causal prefill of n rows from position 0 through a window of W keys
+    (a query at p sees (p - W, p]): sum over p of min(p + 1, W). None: every earlier key (causal_pairs)."""
+    if window is None or n <= window:
+        return causal_pairs(n)
+    return causal_pairs(window) + (n - window) * window
+
+
+def attention_flops(cfg: ModelConfig, n: int, windows: bool = True) -> float:
+    """All layers' attention FLOPs of a causal prefill of n rows from position 0: each layer's visible
+    pairs (its window's, when `windows`; else every layer global) at 4 * Hq * D per pair."""
+    per_pair = 4.0 * cfg.num_heads * cfg.head_dim
+    return per_pair * sum(window_pairs(n, cfg.layer_window(i) if windows else None) for i in range(cfg.num_layers))
+
+
+def prefill_flops(cfg: ModelConfig, n: int, windows: bool = True, logits_rows: int = 1) -> dict[str, float]:
+    """Model FLOPs of a causal prefill of n tokens on one device (logits for `logits_rows` rows): linear,
+    attention (windowed, or every layer global with windows=False) and their total."""
+    linear = n * linear_flops_per_token(cfg) + logits_rows * 2.0 * cfg.hidden_size * cfg.vocab_size
+    attn = attention_flops(cfg, n, windows)
+    return {"linear": float(linear), "attention": float(attn), "total": float(linear + attn)}
 
 
 def check_sizes(context: int, cp: int, query_len: int) -> None:

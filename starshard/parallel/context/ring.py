@@ -287,7 +287,7 @@ def _edge_attention(q, k, v, q_pos, k_pos, edges: EdgePlan, group, *, window: in
             ks, vs = k.index_select(2, rows), v.index_select(2, rows)
         ops += [dist.P2POp(dist.isend, ks, dst, group), dist.P2POp(dist.isend, vs, dst, group)]
         if stats is not None:
-            stats.add(nbytes(ks, vs))
+            stats.add(nbytes(ks, vs), local=True)
     B, H, _, D = k.shape
     width, dtype = (D + SCALE_BYTES, torch.uint8) if fp8 else (D, k.dtype)
     got = []
@@ -362,7 +362,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
                 dist.P2POp(dist.irecv, spare[1], plan.recv_from, group),
             ])
             if stats is not None:
-                stats.add(nbytes(*cur))
+                stats.add(nbytes(*cur), local=window is not None)
         src = (plan.rank - step) % plan.cp
         _compute_block(q, block[0], block[1], q_pos, all_k_pos[src], calls, acc, scale, window, softcap)
         for req in reqs:

@@ -57,9 +57,17 @@ class WireStats:
     transfers are posted (no sync). Queries, outputs and lse are not counted, positions only where they
     ride in the K/V message (APB's passing blocks: 8 bytes per entry). A collective
     counts what leaves this rank whatever its algorithm: an all-to-all the (cp-1)/cp of the tensor that
-    goes to the peers, an all-gather this rank's buffer once per peer."""
+    goes to the peers, an all-gather this rank's buffer once per peer. `local_kv_bytes`: the part sent by
+    local (sliding-window) layers, where the sender tags it (ring attention: a local layer's window edges
+    or ring steps), so a benchmark can set a local layer's traffic against a global one's."""
 
     kv_bytes: int = 0
+    local_kv_bytes: int = 0
 
-    def add(self, n: int) -> None:
+    def add(self, n: int, local: bool = False) -> None:
         self.kv_bytes += int(n)
+        if local:
+            self.local_kv_bytes += int(n)
+
+    def reset(self) -> None:
+        self.kv_bytes = self.local_kv_bytes = 0
