@@ -1,9 +1,9 @@
 """The service's start-up warm-up (serving/warmup.py, issue 36 "no stall"), forced on on CPU: it runs every
 prefill step of the longest admitted document with the service's chunk and taper, and decode batch sizes
 1..max_batch, on the model cut to one layer of each kind; afterwards the model's layers, the cache and the
-executor are as before and the service's tokens equal a cold service's (one process, and cp=2 ring over
-gloo); a failing warm-up is logged and the server serves cold; ranks whose warm-ups differ refuse to start;
-a windowed Gemma 3 keeps one local and one global layer."""
+executor are as before and the service's tokens equal a cold service's; a failing warm-up is logged and the
+server serves cold; a windowed Gemma 3 keeps one local and one global layer. Over cp=2 (ring, Star), and ranks
+whose warm-ups differ refusing to start: tests/serving/test_chunked_service_cp.py (one spawn for both)."""
 from __future__ import annotations
 
 import logging
@@ -13,15 +13,13 @@ import pytest
 import transformers
 
 from starshard import LLM
-from starshard.config import ParallelConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.executor import Fault
 from starshard.serving.ops import Decode, Extend, PrefillChunk
 from starshard.serving.scheduler import Scheduler
-from starshard.serving.warmup import RanksDisagree, cut_layers, distinct_layers, layer_kind
+from starshard.serving.warmup import cut_layers, distinct_layers, layer_kind
 from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.helpers.hf_models import make_hf_model
-from tests.helpers.mp_harness import run_ranks
 from tests.helpers.service import submit
 
 transformers.logging.set_verbosity_error()
@@ -135,40 +133,3 @@ def test_windowed_model_keeps_a_local_and_a_global_layer(tmp_path):
         svc.shutdown()
     assert svc.stats()["warmup_s"] > 0 and list(model.layers) == before
     assert [e.token_id for e in events if e.token_id is not None] == llm.generate(prompt, max_new_tokens=5).token_ids
-
-
-def _rank(rank, world):
-    llm = LLM(random_weights="tiny", progress=False, parallel=ParallelConfig(cp=world, cp_strategy="ring"))
-    prompt = Prompt(_ids(7, 100), 96)
-    ref = llm.generate(prompt, max_new_tokens=5, prefill_chunk=16).token_ids
-    out = {}
-    # ranks that would warm up differently (here: another longest document) refuse to start, on every rank
-    svc = Scheduler(llm, cache_bytes=1 << 24, max_batch=3, prefill_chunk=16, warmup=True,
-                    warmup_tokens=200 + 16 * rank)
-    try:
-        svc.start() if rank == 0 else svc.serve_forever()
-    except RanksDisagree as e:
-        out["disagree"] = str(e)
-    svc = Scheduler(llm, cache_bytes=1 << 24, max_batch=3, prefill_chunk=16, warmup=True, warmup_tokens=200)
-    if rank != 0:
-        svc.serve_forever()
-    else:
-        svc.start()
-        try:
-            events, done = submit(svc, prompt, 5)
-            assert done.wait(60)
-        finally:
-            svc.shutdown()
-        out["tokens"] = [e.token_id for e in events if e.token_id is not None]
-    return dict(out, ref=ref, warmup_s=svc.warmup_s, used=[svc.cache.used(r) for r in range(world)],
-                rows=len(svc.executor.rows), layers=len(llm.model.layers))
-
-
-def test_warmup_over_cp2_ring():
-    ranks = run_ranks(_rank, 2)
-    lead = ranks[0]
-    assert lead["tokens"] == lead["ref"]
-    for res in ranks:
-        assert "warm-ups differ" in res["disagree"]
-        assert res["warmup_s"] > 0 and res["rows"] == 0 and res["layers"] == 2
-        assert res["used"] == ranks[0]["used"]  # the request's entry alone, alike on every rank
