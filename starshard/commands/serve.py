@@ -31,6 +31,7 @@ from starshard.serving.disk_tier import DiskTierLocked
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
 from starshard.serving.tiers import TierConfig
+from starshard.serving.warmup import RanksDisagree
 from starshard.server.app import create_app, make_server
 from starshard.server.settings import API_KEY_ENV, ServerSettings
 
@@ -268,7 +269,12 @@ def serve_lead(service, args, cache_bytes: int) -> int:
         disk = (f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir} (--disk-reload-policy {tiers.disk_reload})"
                 if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
-    service.start()
+    try:
+        service.start()  # returns after the warm-up
+    except RanksDisagree as e:
+        sys.stderr.write(f"error: rank 0: {e}\n")
+        sys.stderr.flush()
+        os._exit(1)  # the other ranks stop alike; the group is not torn down
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
     server.run()
     if failed.is_set():

@@ -154,6 +154,8 @@ def warm_up(svc, max_len: int | None = None) -> float:
     plan = Plan(svc, max_len)
     keep = distinct_layers(model)
     _agree(svc, plan.fingerprint([model.layer_ids[i] for i in keep]))
+    log.info("warm-up: a %d-token document in %d prefill steps, then batch sizes 1..%d, on layers %s of %d",
+             plan.length, plan.prefill_steps, plan.batch, [model.layer_ids[i] for i in keep], len(model.layers))
     clock, on_timing = next(cache._clock), ex.on_timing
     ex.on_timing = None  # cut-model prefills would mislead the disk reload policy's rates
     failure = None
@@ -172,9 +174,7 @@ def warm_up(svc, max_len: int | None = None) -> float:
     if failure is not None:
         raise WarmupFailed(f"{failure.code}: {failure.message}")
     seconds = time.perf_counter() - t0
-    log.info("warm-up: %d prefill steps, batch sizes 1..%d, %.1f s (layers %s of %d; a %d-token document)",
-             plan.prefill_steps, plan.batch, seconds, [model.layer_ids[i] for i in keep], len(model.layers),
-             plan.length)
+    log.info("warm-up: %d prefill steps, batch sizes 1..%d, %.1f s", plan.prefill_steps, plan.batch, seconds)
     return seconds
 
 
