@@ -97,6 +97,13 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-knee", type=int, default=None, metavar="TOKENS",
                    help="the taper's knee in held tokens: full chunks up to it, then chunk x 2 knee / (knee + prefix) "
                    "(default: the model's FLOP knee x cp, as serve)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve's start-up warm-up (serving/warmup.py: every prefill step shape of the longest admitted "
+                   "document and decode batch sizes 1..max batch, on one layer of each kind) before the first request; "
+                   "its seconds go into the JSON (warmup_s). Default: on with CUDA, off on CPU")
+    p.add_argument("--warmup-tokens", type=int, default=None, metavar="TOKENS",
+                   help="the longest document the warm-up prefills (default: the longest the window and --cache-gib "
+                   "admit; a lower value leaves longer documents' later steps cold)")
     tiers = p.add_argument_group("context cache tiers (serve's flags, per rank; document scenario: --tiers, "
                                  "--reuse-only)")
     tiers.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GiB",
@@ -198,6 +205,8 @@ def tier_error(args) -> str | None:
 
 def check(args) -> str | None:
     """What is wrong with the flags (None: nothing), before any model loads."""
+    if args.warmup_tokens is not None and args.warmup_tokens < 2:
+        return f"--warmup-tokens must be >= 2 tokens, got {args.warmup_tokens}"
     if args.scenario == "document":
         return "--url needs --scenario load" if args.url else tier_error(args) or layout_error(args)
     if args.url and (args.model or args.random_weights):
@@ -327,7 +336,8 @@ def run(args) -> None:
     result = {"kind": "serve", "device": device_name(device), "gpus": world(), "date": today(),
               "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
-              "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee, "results": rows,
+              "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee, "warmup_s": svc.warmup_s,
+              "results": rows,
               "engine_stats": stats}
     write(args.out, result)
 
@@ -443,7 +453,8 @@ def start_scheduler(args, **limits):
                    tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
                                              disk_reload="always"), **limits)
     chunk = args.prefill_chunk if args.prefill_chunk is not None else default_prefill_chunk(llm.device, parallel.cp)
-    options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee)
+    options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee,
+                   warmup=args.warmup, warmup_tokens=args.warmup_tokens)
     try:
         svc = Scheduler(llm, **options)
     except ValueError as e:
@@ -562,7 +573,7 @@ def run_load_scenario(args) -> None:
     p = llm.parallel
     result = header(args, "in-process", device_name(device), world())
     result.update(layout={"tp": p.tp, "cp": p.cp, "strategy": p.cp_strategy},
-                  prefill_chunk=svc.prefill_chunk, prefill_knee=svc.prefill_knee,
+                  prefill_chunk=svc.prefill_chunk, prefill_knee=svc.prefill_knee, warmup_s=svc.warmup_s,
                   cache_budget_bytes=after["cache_budget_bytes"])
     finish(args, result, records, duration, specs, before, after, crosscheck_stats(records, before, after))
 

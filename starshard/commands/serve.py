@@ -31,6 +31,7 @@ from starshard.serving.disk_tier import DiskTierLocked
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
 from starshard.serving.tiers import TierConfig
+from starshard.serving.warmup import RanksDisagree
 from starshard.server.app import create_app, make_server
 from starshard.server.settings import API_KEY_ENV, ServerSettings
 
@@ -95,6 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "its linear FLOPs, ~26K tokens for Llama-3.1-8B; x cp over a CP group, whose steps also pay fixed "
                      "collectives), then chunk x 2 knee / (knee + prefix) tokens, in units of 256 x cp. "
                      "--no-prefill-taper: every chunk --prefill-chunk tokens (default: on)")
+    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                     help="before taking requests, run every kernel shape the service will use once (the longest "
+                     "admitted document's prefill steps, decode batch sizes 1..--max-batch eager and as CUDA graphs) "
+                     "on the model cut to one layer of each kind, so no stream's inter-token gap pays a first use "
+                     "(Triton compilation, CUDA-graph capture, cuDNN plans: seconds each on a GPU); its seconds are "
+                     "logged and in the engine's stats (warmup_s). A failed warm-up is logged and the server "
+                     "serves cold. Default: on with CUDA, off on CPU")
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
@@ -219,7 +227,7 @@ def main(argv=None) -> int:
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
                             max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs,
                             prefill_chunk=chunk, prefill_taper=args.prefill_taper,
-                            request_timeout=args.request_timeout, tiers=args.tiers)
+                            request_timeout=args.request_timeout, tiers=args.tiers, warmup=args.warmup)
     except (LayoutError, CheckpointError, ValueError, DiskTierLocked) as e:
         if lead:
             print(f"error: {e}", file=sys.stderr)
@@ -261,7 +269,12 @@ def serve_lead(service, args, cache_bytes: int) -> int:
         disk = (f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir} (--disk-reload-policy {tiers.disk_reload})"
                 if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
-    service.start()
+    try:
+        service.start()  # returns after the warm-up
+    except RanksDisagree as e:
+        sys.stderr.write(f"error: rank 0: {e}\n")
+        sys.stderr.flush()
+        os._exit(1)  # the other ranks stop alike; the group is not torn down
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
     server.run()
     if failed.is_set():

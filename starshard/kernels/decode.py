@@ -72,8 +72,10 @@ def window_key_range(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> t
 
 if triton is not None:
 
-    # Cache lengths change every step: no variant per divisibility of the sizes.
-    @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits"])
+    # Cache lengths change every step: no variant per divisibility of the sizes. Nor of the position rows'
+    # strides (Lq, Lk): a service's own-KV pool is regathered with a new capacity whenever a row joins or
+    # leaves, and a new variant would compile (seconds) inside a stream's inter-token gap.
+    @triton.jit(do_not_specialize=["Lq", "Lk", "chunk", "n_splits", "s_qpb", "s_kpb"])
     def _decode_split_kernel(
         Q, K, V, OP, LP, QPOS, KPOS, LK_PTR, KS, VS,
         qk_scale,

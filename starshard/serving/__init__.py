@@ -7,6 +7,7 @@
     executor.py       Executor: applies a step's operations to this rank's model, KV shards and batch
     cascade.py        cascade attention: shared cache-entry KV read once per batch, own tokens beside it
     context_cache.py  ContextCache: prefilled prompts' KV kept resident, LRU within a byte budget
+    warmup.py         the start-up warm-up: every kernel shape the steps use, once, on one layer of each kind
 
 A request's walk, from HTTP to a decoded token and back:
 

@@ -49,6 +49,7 @@ from starshard.serving.executor import RELOAD_FAILED, Executor
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
 from starshard.serving.reload_policy import DiskReloadPolicy
 from starshard.serving.tiers import TierConfig, Tiers, server_key
+from starshard.serving.warmup import RanksDisagree, warm_up
 from starshard.strategies import get_spec
 from starshard.strategies.flops import prefill_knee
 
@@ -147,14 +148,16 @@ class Scheduler:
     step costs more than about twice the first (partition.prefill_steps; the knee: prefill_knee_tokens, else the
     model's FLOP knee x cp; False: uniform chunks). request_timeout: seconds from arrival after which a request
     ends with an error (code "timeout") and is freed; None: no limit. tiers: the host and disk tiers'
-    budgets per rank (serving/tiers.py; None: the device only).
+    budgets per rank (serving/tiers.py; None: the device only). warmup: before the first step, run every
+    kernel shape the service will use once (serving/warmup.py; None: on with CUDA, off on CPU); warmup_tokens:
+    the longest document it prefills (None: the longest the window and cache budget admit).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
                  max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True,
                  prefill_chunk: int = 0, prefill_taper: bool = True, prefill_knee_tokens: int | None = None,
                  request_timeout: float | None = None,
-                 tiers: TierConfig | None = None):
+                 tiers: TierConfig | None = None, warmup: bool | None = None, warmup_tokens: int | None = None):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
             raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
@@ -235,6 +238,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._moves: list[_Move] = []  # demote() requests waiting for a step
         self._moved: list[_Move] = []  # those in the step running now
+        self.warmup = self.executor.device.type == "cuda" if warmup is None else warmup
+        self.warmup_tokens = warmup_tokens
+        self.warmup_s: float | None = None  # the warm-up's seconds (None: it did not run, or failed)
+        self._warmed = threading.Event()  # rank 0: the scheduler thread's warm-up is over (start() waits)
+        self._warm_error: BaseException | None = None  # the ranks disagree: start() raises it
 
     # -- front end (rank 0)
     def chat_prompt(self, messages: list[dict]) -> Prompt:
@@ -275,7 +283,8 @@ class Scheduler:
                         cache_bytes=self.cache.used_bytes, cache_budget_bytes=self.cache.budget,
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
                         cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors),
-                        slow_steps=list(self.slow_steps), tiers=self._tier_stats(), **self.counters)
+                        slow_steps=list(self.slow_steps), tiers=self._tier_stats(), warmup_s=self.warmup_s,
+                        **self.counters)
 
     def _tier_stats(self) -> dict:
         """Per tier (device, and host / disk when configured): bytes and entries held now, hits, and for the
@@ -305,9 +314,35 @@ class Scheduler:
 
     # -- the loop
     def start(self) -> None:
-        """Rank 0: the scheduler thread. Other ranks: call serve_forever() instead."""
+        """Rank 0: the scheduler thread, returning once its warm-up is over. Other ranks: call serve_forever()
+        instead. RanksDisagree: the ranks' warm-ups differ (their flags do); the server must not start."""
         self._thread = threading.Thread(target=self._loop, name="starshard-engine", daemon=True)
         self._thread.start()
+        self._warmed.wait()
+        if self._warm_error is not None:
+            raise self._warm_error
+
+    def _warm_up(self) -> None:
+        """The warm-up (serving/warmup.py), on the thread that runs the steps (cuDNN keeps its plans per
+        thread). A failure is logged and the server serves cold; RanksDisagree is raised."""
+        if not self.warmup:
+            return
+        ok = 1
+        try:
+            self.warmup_s = warm_up(self, self.warmup_tokens)
+        except RanksDisagree:
+            raise
+        except Exception as e:  # noqa: BLE001 (the kernels then compile on first use)
+            ok = 0
+            log.error("warm-up failed, serving cold (kernels compile on first use): %s: %s", type(e).__name__, e,
+                      exc_info=not isinstance(e, ValueError))
+        if self.control is not None:  # a rank that failed alone may hold other state: refuse to start
+            t = torch.tensor([ok], dtype=torch.long)
+            out = [torch.zeros_like(t) for _ in range(dist.get_world_size(self.control))]
+            dist.all_gather(out, t, group=self.control)
+            if len({int(o) for o in out}) > 1:
+                raise RanksDisagree(f"the warm-up failed on ranks {[r for r, o in enumerate(out) if not o]} only "
+                                    "(see their logs); restart, or start with --no-warmup")
 
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._lock:
@@ -395,7 +430,8 @@ class Scheduler:
             self.tiers.close()  # the disk tier's lock: a new server may take the directory
 
     def serve_forever(self) -> None:
-        """Every rank but 0: execute the broadcast steps until rank 0 says stop."""
+        """Every rank but 0: the warm-up, then execute the broadcast steps until rank 0 says stop."""
+        self._warm_up()
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=self.control)
@@ -406,6 +442,15 @@ class Scheduler:
             self.executor.run(ops)
 
     def _loop(self) -> None:
+        try:
+            self._warm_up()
+        except Exception as e:  # noqa: BLE001 (RanksDisagree: start() raises it)
+            self._warm_error = e
+            with self._lock:
+                self._error = f"the engine did not start: {type(e).__name__}: {e}"
+            return
+        finally:
+            self._warmed.set()
         try:
             while True:
                 ops = self._plan()

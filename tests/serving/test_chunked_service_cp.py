@@ -1,6 +1,9 @@
 """Chunked prefill in the service over a cp=2 group (gloo): the service's tokens equal generate(prefill_chunk=C)
 and the unchunked run, a running stream decodes between a document's chunks, and a fault in one chunk or a
-cancel between chunks drops the filling entry on every rank, leaving every rank's cache usage as before."""
+cancel between chunks drops the filling entry on every rank, leaving every rank's cache usage as before.
+The start-up warm-up (serving/warmup.py) over the group: a warmed service answers as generate does and leaves
+nothing behind on any rank; ranks whose warm-ups differ refuse to start (in this file's spawn: one group, one
+set of imports)."""
 from __future__ import annotations
 
 import threading
@@ -14,7 +17,9 @@ from starshard.runtime.prompt import Prompt
 from starshard.serving.executor import Fault
 from starshard.serving.ops import PrefillChunk
 from starshard.serving.scheduler import Scheduler
+from starshard.serving.warmup import RanksDisagree
 from tests.helpers.mp_harness import run_ranks
+from tests.helpers.service import submit as submit_one
 
 CHUNK = 16
 
@@ -24,7 +29,35 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 def _ranks(rank, world, strategies):
-    return {s: _rank(rank, world, s) for s in strategies}  # one spawn: the group and the imports once
+    out = {s: _rank(rank, world, s) for s in strategies}  # one spawn: the group and the imports once
+    return out | {f"warmup-{s}": _warmup_rank(rank, world, s) for s in strategies}
+
+
+def _warmup_rank(rank, world, strategy):
+    llm = LLM(random_weights="tiny", progress=False, parallel=ParallelConfig(cp=world, cp_strategy=strategy))
+    prompt = Prompt(_ids(7, 100), 96)
+    ref = llm.generate(prompt, max_new_tokens=5, prefill_chunk=CHUNK).token_ids
+    out = {}
+    # ranks that would warm up differently (here: another longest document) refuse to start, every one of them
+    svc = Scheduler(llm, cache_bytes=1 << 24, max_batch=3, prefill_chunk=CHUNK, warmup=True,
+                    warmup_tokens=200 + CHUNK * rank)
+    try:
+        svc.start() if rank == 0 else svc.serve_forever()
+    except RanksDisagree as e:
+        out["disagree"] = str(e)
+    svc = Scheduler(llm, cache_bytes=1 << 24, max_batch=3, prefill_chunk=CHUNK, warmup=True, warmup_tokens=200)
+    if rank != 0:
+        svc.serve_forever()
+    else:
+        svc.start()
+        try:
+            events, done = submit_one(svc, prompt, 5)
+            assert done.wait(60)
+        finally:
+            svc.shutdown()
+        out["tokens"] = [e.token_id for e in events if e.token_id is not None]
+    return dict(out, ref=ref, warmup_s=svc.warmup_s, used=[svc.cache.used(r) for r in range(world)],
+                entries=sorted(svc.cache.entries), rows=len(svc.executor.rows), layers=len(llm.model.layers))
 
 
 def _rank(rank, world, strategy):
@@ -115,3 +148,13 @@ def test_chunked_service_cp2(cp2, strategy):
     assert refs["e_steps"] > refs["e_uniform"] and len([1 for k, r in log if k == "P" and r == 5]) == refs["e_steps"]
     for res in ranks:  # every rank dropped c's and d's filling entries, then took e's
         assert res["used"] == lead["used"] and res["filling"] == 0 and res["rows"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["ring", "star"])
+def test_warmup_cp2(cp2, strategy):
+    ranks = [res[f"warmup-{strategy}"] for res in cp2]
+    assert ranks[0]["tokens"] == ranks[0]["ref"]
+    for res in ranks:  # every rank warmed up, then held only the request's entry, as rank 0 did
+        assert "warm-ups differ" in res["disagree"]
+        assert res["warmup_s"] > 0 and res["rows"] == 0 and res["layers"] == 2
+        assert res["used"] == ranks[0]["used"] and res["entries"] == ranks[0]["entries"] == [1]
