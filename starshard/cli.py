@@ -42,7 +42,9 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     f"within --anchor-theta of the block's anchor); composes with {', '.join(with_sparse[:-1])} and "
                     f"{with_sparse[-1]}, not {'/'.join(s.name for s in SPECS.values() if not s.sparse)}. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
                     "without estimating (--sparse-min-length), and after the estimate every head whose sparse kernel "
-                    "would not beat the dense kernel (rates measured on one H200) runs dense; `launch/bench.py "
+                    "would not beat the dense kernel (rates measured on one H200) runs dense (AnchorAttention: a whole call "
+                    "runs dense when its heads' mean density reaches the break-even, --sparse-fallback-density); "
+                    "`launch/bench.py "
                     "prefill` reports what ran (sparse_report)")
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
                     help="--sparse minference: per-layer, per-head patterns (JSON from `python -m "

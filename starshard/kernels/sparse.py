@@ -75,7 +75,8 @@ class SparseConfig:
     its pattern). fallback_density (anchor only): the per-call floor, the mean head density at or above
     which a call runs dense whole (None: the break-even density, the stripe kernel's measured rate for
     the head dim, anchor.MEASURED_ANCHOR_RATES). fallback_sample (anchor only): query-block groups
-    identified first to check that floor before the full identification (0: none)."""
+    identified first to check that floor before the full identification (0: none). Either one set
+    turns the fallback on on every device (not only CUDA)."""
 
     method: str
     config_path: str | None = None
@@ -212,7 +213,8 @@ class FallbackSparse:
         return MIN_LENGTH if device.type == "cuda" else 0
 
     def rates(self, device: torch.device, head_dim: int):
-        on = self.config.fallback if self.config.fallback is not None else device.type == "cuda"
+        floor = self.config.fallback_density is not None or self.config.fallback_sample > 0
+        on = self.config.fallback if self.config.fallback is not None else (device.type == "cuda" or floor)
         if not on:
             return None
         if self.config.method != "anchor":

@@ -145,6 +145,7 @@ def test_flags_and_validation():
     assert (cfg.fallback_density, cfg.fallback_sample, cfg.fallback) == (0.3, 4, None)
     rates = load_sparse_method(cfg).rates(torch.device("cuda"), 64)
     assert (rates.kernel, rates.call_density, rates.sample_groups) == (an.MEASURED_ANCHOR_RATES[64].kernel, 0.3, 4)
+    assert load_sparse_method(cfg).rates(torch.device("cpu"), 64) == rates  # asked for: on off CUDA too
     assert load_sparse_method(SparseConfig("anchor")).rates(torch.device("cuda"), 64).call_density is None
     forced = sparse_config(ap.parse_args(["--sparse", "anchor", "--sparse-no-fallback"]))
     assert load_sparse_method(forced).rates(torch.device("cuda"), 64) is None  # the sparse path, forced
