@@ -75,10 +75,11 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     "whole, counted per layer in sparse_report (default: the break-even density, the stripe "
                     "kernel's measured speed per pair as a share of cuDNN's: 0.399 at head dim 64, 0.411 at 128; "
                     "above 1: no per-call floor, heads still priced one by one)")
-    sp.add_argument("--sparse-fallback-sample", type=int, default=0, metavar="N",
+    sp.add_argument("--sparse-fallback-sample", type=int, default=None, metavar="N",
                     help="--sparse anchor: identify only the last N groups of query blocks first and run the call "
-                    "dense, skipping the full identification, when their mean density reaches the floor (default 0: "
-                    "the floor is checked after the full identification)")
+                    "dense, skipping the full identification (what a fallen-back call costs on top of dense), when "
+                    "their mean density reaches the floor (default 4; 0: the floor is checked after the full "
+                    "identification)")
 
 
 def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
@@ -144,7 +145,7 @@ def layout_error(args) -> str | None:
                                                    or getattr(args, "sparse_no_fallback", False)):
         return "--sparse-min-length and --sparse-no-fallback need --sparse minference or --sparse anchor"
     if getattr(args, "sparse", None) != "anchor" and (getattr(args, "sparse_fallback_density", None) is not None
-                                                       or getattr(args, "sparse_fallback_sample", 0)):
+                                                       or getattr(args, "sparse_fallback_sample", None) is not None):
         return "--sparse-fallback-density and --sparse-fallback-sample need --sparse anchor"
     return strategy_cli_error(args)
 
@@ -170,4 +171,4 @@ def sparse_config(args) -> SparseConfig | None:
     return SparseConfig(args.sparse, args.sparse_config, args.anchor_theta, args.anchor_block_q, args.anchor_step,
                         min_length=args.sparse_min_length, fallback=False if args.sparse_no_fallback else None,
                         fallback_density=getattr(args, "sparse_fallback_density", None),
-                        fallback_sample=getattr(args, "sparse_fallback_sample", 0))
+                        fallback_sample=getattr(args, "sparse_fallback_sample", None))

@@ -143,7 +143,7 @@ class AnchorRates:
     sample_groups: > 0 first identifies only the call's last `sample_groups` groups of query blocks
     (their rows see the most keys) and, when their mean density reaches the floor, runs dense without
     the full identification (its cost is what a fallen-back call otherwise pays on top of dense); 0: the
-    floor is checked on the full identification only. Off by default until timed on a GPU."""
+    floor is checked on the full identification only."""
 
     kernel: float
     call_density: float | None = None
@@ -164,10 +164,17 @@ class AnchorRates:
 # head goes sparse only where it wins at every measured point.
 # The same numbers are the per-call break-even density (`AnchorRates.call_density` None): a call
 # keeping that share of the causal pairs costs the stripe kernel what the dense kernel costs.
-MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399), 128: AnchorRates(kernel=0.411)}
+# The floor is checked on FLOOR_SAMPLE_GROUPS groups first because identification alone is what a
+# fallen-back call costs on top of dense: SmolLM2 (9 / 3 x d64) at 128K keys 3.80 ms per layer on one
+# H100 (docs/results.md, run 2026-11-26-gpu-anchor-grouped), x 30 layers = 0.11 s on dense's 1.41 s:
+# the 1.51 s (0.92x) measured with every head sent dense. 4 of the 64 groups at 128K (the longest:
+# their rows see the most keys) are 1/16 of the identification's work, 1/8 at the 64K+ minimum length.
+FLOOR_SAMPLE_GROUPS = 4
+MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399, sample_groups=FLOOR_SAMPLE_GROUPS),
+                         128: AnchorRates(kernel=0.411, sample_groups=FLOOR_SAMPLE_GROUPS)}
 # Head dims above 128 (unmeasured launch): the 8-warp head-dim-128 kernel's rate on one H200
 # (docs/results.md, Sparse prefill), the slowest measured.
-WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319)
+WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319, sample_groups=FLOOR_SAMPLE_GROUPS)
 
 
 def measured_anchor_rates(head_dim: int) -> AnchorRates:
@@ -836,6 +843,6 @@ def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offse
 __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
-    "head_density", "sampled_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "measured_anchor_rates", "triton_available",
+    "head_density", "sampled_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "FLOOR_SAMPLE_GROUPS", "measured_anchor_rates", "triton_available",
     "default_launch",
 ]

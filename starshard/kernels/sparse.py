@@ -75,8 +75,9 @@ class SparseConfig:
     its pattern). fallback_density (anchor only): the per-call floor, the mean head density at or above
     which a call runs dense whole (None: the break-even density, the stripe kernel's measured rate for
     the head dim, anchor.MEASURED_ANCHOR_RATES). fallback_sample (anchor only): query-block groups
-    identified first to check that floor before the full identification (0: none). Either one set
-    turns the fallback on on every device (not only CUDA)."""
+    identified first to check that floor before the full identification (None: 4,
+    anchor.FLOOR_SAMPLE_GROUPS; 0: the floor is checked after the full identification only). Either one
+    set turns the fallback on on every device (not only CUDA)."""
 
     method: str
     config_path: str | None = None
@@ -86,7 +87,7 @@ class SparseConfig:
     min_length: int | None = None
     fallback: bool | None = None
     fallback_density: float | None = None
-    fallback_sample: int = 0
+    fallback_sample: int | None = None
 
     def __post_init__(self):
         if self.min_length is not None and (type(self.min_length) is not int or self.min_length < 0):
@@ -94,7 +95,7 @@ class SparseConfig:
                              f"got {self.min_length!r}")
         if self.method not in SPARSE_METHODS:
             raise ValueError(f"unknown --sparse {self.method!r}; choose one of {', '.join(SPARSE_METHODS)}")
-        floor = self.fallback_density is not None or self.fallback_sample != 0
+        floor = self.fallback_density is not None or self.fallback_sample is not None
         if floor and self.method != "anchor":
             raise ValueError("--sparse-fallback-density / --sparse-fallback-sample set AnchorAttention's per-call "
                              "floor; MInference prices each head alone: drop them or use --sparse anchor")
@@ -105,7 +106,7 @@ class SparseConfig:
                 type(self.fallback_density) in (int, float) and 0 < self.fallback_density):
             raise ValueError(f"sparse fallback_density must be a share of the causal pairs > 0 (above 1: no "
                              f"per-call floor), got {self.fallback_density!r}")
-        if type(self.fallback_sample) is not int or self.fallback_sample < 0:
+        if self.fallback_sample is not None and (type(self.fallback_sample) is not int or self.fallback_sample < 0):
             raise ValueError(f"sparse fallback_sample must be a whole number of query-block groups >= 0, "
                              f"got {self.fallback_sample!r}")
         if self.method == "anchor" and self.config_path is not None and (
@@ -213,16 +214,17 @@ class FallbackSparse:
         return MIN_LENGTH if device.type == "cuda" else 0
 
     def rates(self, device: torch.device, head_dim: int):
-        floor = self.config.fallback_density is not None or self.config.fallback_sample > 0
+        floor = self.config.fallback_density is not None or self.config.fallback_sample is not None
         on = self.config.fallback if self.config.fallback is not None else (device.type == "cuda" or floor)
         if not on:
             return None
         if self.config.method != "anchor":
             return measured_rates(head_dim)
         rates = measured_anchor_rates(head_dim)
-        if self.config.fallback_density is None and self.config.fallback_sample == 0:
+        if not floor:
             return rates
-        return replace(rates, call_density=self.config.fallback_density, sample_groups=self.config.fallback_sample)
+        sample = rates.sample_groups if self.config.fallback_sample is None else self.config.fallback_sample
+        return replace(rates, call_density=self.config.fallback_density, sample_groups=sample)
 
 
 @dataclass(frozen=True)

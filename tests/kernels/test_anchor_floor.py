@@ -140,11 +140,18 @@ def test_installed_floor_counts_by_layer_and_no_fallback_forces_sparse():
 def test_flags_and_validation():
     ap = argparse.ArgumentParser()
     add_sparse_arguments(ap)
-    a = ap.parse_args(["--sparse", "anchor", "--sparse-fallback-density", "0.3", "--sparse-fallback-sample", "4"])
+    a = ap.parse_args(["--sparse", "anchor", "--sparse-fallback-density", "0.3", "--sparse-fallback-sample", "3"])
     cfg = sparse_config(a)
-    assert (cfg.fallback_density, cfg.fallback_sample, cfg.fallback) == (0.3, 4, None)
+    assert (cfg.fallback_density, cfg.fallback_sample, cfg.fallback) == (0.3, 3, None)
     rates = load_sparse_method(cfg).rates(torch.device("cuda"), 64)
-    assert (rates.kernel, rates.call_density, rates.sample_groups) == (an.MEASURED_ANCHOR_RATES[64].kernel, 0.3, 4)
+    assert (rates.kernel, rates.call_density, rates.sample_groups) == (an.MEASURED_ANCHOR_RATES[64].kernel, 0.3, 3)
+    plain = sparse_config(ap.parse_args(["--sparse", "anchor"]))
+    assert (plain.fallback_density, plain.fallback_sample) == (None, None)
+    default = load_sparse_method(plain).rates(torch.device("cuda"), 64)
+    assert (default.call_density, default.sample_groups) == (None, an.FLOOR_SAMPLE_GROUPS)
+    assert load_sparse_method(plain).rates(torch.device("cpu"), 64) is None  # CPU default: patterns as asked
+    no_sample = sparse_config(ap.parse_args(["--sparse", "anchor", "--sparse-fallback-sample", "0"]))
+    assert load_sparse_method(no_sample).rates(torch.device("cuda"), 128).sample_groups == 0
     assert load_sparse_method(cfg).rates(torch.device("cpu"), 64) == rates  # asked for: on off CUDA too
     assert load_sparse_method(SparseConfig("anchor")).rates(torch.device("cuda"), 64).call_density is None
     forced = sparse_config(ap.parse_args(["--sparse", "anchor", "--sparse-no-fallback"]))

