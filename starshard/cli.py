@@ -42,7 +42,9 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     f"within --anchor-theta of the block's anchor); composes with {', '.join(with_sparse[:-1])} and "
                     f"{with_sparse[-1]}, not {'/'.join(s.name for s in SPECS.values() if not s.sparse)}. Never slower than dense on CUDA: calls over 64K keys or fewer run the dense kernel "
                     "without estimating (--sparse-min-length), and after the estimate every head whose sparse kernel "
-                    "would not beat the dense kernel (rates measured on one H200) runs dense; `launch/bench.py "
+                    "would not beat the dense kernel (rates measured on one H200) runs dense (AnchorAttention: a whole call "
+                    "runs dense when its heads' mean density reaches the break-even, --sparse-fallback-density); "
+                    "`launch/bench.py "
                     "prefill` reports what ran (sparse_report)")
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
                     help="--sparse minference: per-layer, per-head patterns (JSON from `python -m "
@@ -67,6 +69,17 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
     sp.add_argument("--sparse-no-fallback", action="store_true",
                     help="run every head's sparse pattern even where the dense kernel is faster (kernel and accuracy "
                     "studies; with --sparse-min-length 0 this reproduces runs from before the fallback)")
+    sp.add_argument("--sparse-fallback-density", type=float, default=None, metavar="D",
+                    help="--sparse anchor: the per-call floor: after identification a call whose heads keep on "
+                    "average at least this share of the causal (query, key) pairs runs the exact dense kernel "
+                    "whole, counted per layer in sparse_report (default: the break-even density, the stripe "
+                    "kernel's measured speed per pair as a share of cuDNN's: 0.399 at head dim 64, 0.411 at 128; "
+                    "above 1: no per-call floor, heads still priced one by one)")
+    sp.add_argument("--sparse-fallback-sample", type=int, default=None, metavar="N",
+                    help="--sparse anchor: identify only the last N groups of query blocks first and run the call "
+                    "dense, skipping the full identification (what a fallen-back call costs on top of dense), when "
+                    "their mean density reaches the floor (default 4; 0: the floor is checked after the full "
+                    "identification)")
 
 
 def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
@@ -131,6 +144,9 @@ def layout_error(args) -> str | None:
     if getattr(args, "sparse", None) is None and (getattr(args, "sparse_min_length", None) is not None
                                                    or getattr(args, "sparse_no_fallback", False)):
         return "--sparse-min-length and --sparse-no-fallback need --sparse minference or --sparse anchor"
+    if getattr(args, "sparse", None) != "anchor" and (getattr(args, "sparse_fallback_density", None) is not None
+                                                       or getattr(args, "sparse_fallback_sample", None) is not None):
+        return "--sparse-fallback-density and --sparse-fallback-sample need --sparse anchor"
     return strategy_cli_error(args)
 
 
@@ -153,4 +169,6 @@ def sparse_config(args) -> SparseConfig | None:
     if args.sparse is None:
         return None
     return SparseConfig(args.sparse, args.sparse_config, args.anchor_theta, args.anchor_block_q, args.anchor_step,
-                        min_length=args.sparse_min_length, fallback=False if args.sparse_no_fallback else None)
+                        min_length=args.sparse_min_length, fallback=False if args.sparse_no_fallback else None,
+                        fallback_density=getattr(args, "sparse_fallback_density", None),
+                        fallback_sample=getattr(args, "sparse_fallback_sample", None))

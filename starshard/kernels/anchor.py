@@ -135,12 +135,25 @@ class AnchorConfig:
 class AnchorRates:
     """The dense-or-sparse choice after identification: the stripe kernel's speed per (row, key) pair it
     computes, as a fraction of the dense kernel's (cuDNN SDPA) per causal pair. A head runs sparse iff
-    its density (`head_density`) is below it; identification is spent by then."""
+    its density (`head_density`) is below it; identification is spent by then.
+
+    call_density: the per-call floor. When the call's selected key fraction (its heads' mean density)
+    reaches it, the whole call runs the dense kernel (exact) and is counted as fallen back; None: the
+    break-even density `kernel` itself (a call at it costs the stripe kernel as much as dense costs).
+    sample_groups: > 0 first identifies only the call's last `sample_groups` groups of query blocks
+    (their rows see the most keys) and, when their mean density reaches the floor, runs dense without
+    the full identification (its cost is what a fallen-back call otherwise pays on top of dense); 0: the
+    floor is checked on the full identification only."""
 
     kernel: float
+    call_density: float | None = None
+    sample_groups: int = 0
 
     def sparse_wins(self, density: float) -> bool:
         return density < self.kernel
+
+    def call_falls_back(self, mean_density: float) -> bool:
+        return mean_density >= (self.kernel if self.call_density is None else self.call_density)
 
 
 # Measured per head dim (the launch depends on it): one H100 (the H200's sm_90 kernels), bf16, the
@@ -149,10 +162,19 @@ class AnchorRates:
 # dense_cudnn_ms / kernel_ms over theta 4 / 8 / 12 at 32K and 128K: head dim 128 (32 / 8 heads)
 # 0.411-0.632, head dim 64 (9 / 3) 0.399-0.560, lowest at theta 4 and 32K; the smallest is taken, so a
 # head goes sparse only where it wins at every measured point.
-MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399), 128: AnchorRates(kernel=0.411)}
+# The same numbers are the per-call break-even density (`AnchorRates.call_density` None): a call
+# keeping that share of the causal pairs costs the stripe kernel what the dense kernel costs.
+# The floor is checked on FLOOR_SAMPLE_GROUPS groups first because identification alone is what a
+# fallen-back call costs on top of dense: SmolLM2 (9 / 3 x d64) at 128K keys 3.80 ms per layer on one
+# H100 (docs/results.md, run 2026-11-26-gpu-anchor-grouped), x 30 layers = 0.11 s on dense's 1.41 s:
+# the 1.51 s (0.92x) measured with every head sent dense. 4 of the 64 groups at 128K (the longest:
+# their rows see the most keys) are 1/16 of the identification's work, 1/8 at the 64K+ minimum length.
+FLOOR_SAMPLE_GROUPS = 4
+MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399, sample_groups=FLOOR_SAMPLE_GROUPS),
+                         128: AnchorRates(kernel=0.411, sample_groups=FLOOR_SAMPLE_GROUPS)}
 # Head dims above 128 (unmeasured launch): the 8-warp head-dim-128 kernel's rate on one H200
 # (docs/results.md, Sparse prefill), the slowest measured.
-WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319)
+WIDE_HEAD_ANCHOR_RATES = AnchorRates(kernel=0.319, sample_groups=FLOOR_SAMPLE_GROUPS)
 
 
 def measured_anchor_rates(head_dim: int) -> AnchorRates:
@@ -678,10 +700,13 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     """AnchorAttention sparse prefill with lse. backend: None (Triton where it runs, else torch),
     "triton" or "torch". Non-causal calls and query blocks shorter than MIN_SPARSE_ROWS run dense.
 
-    rates (e.g. measured_anchor_rates(head_dim)): after identification, heads whose stripes keep so
-    many keys that the stripe kernel would not beat the dense kernel run the dense dispatcher instead
-    (exactly dense attention's (out, lse) for them). report: anything with record(sparse_densities,
-    dense_heads)."""
+    rates (e.g. measured_anchor_rates(head_dim)): after identification, a call whose heads keep on
+    average at least `rates.call_density` of the causal pairs (default: the break-even density, the
+    stripe kernel's rate) runs the dense kernel whole, and otherwise heads whose stripes keep so many
+    keys that the stripe kernel would not beat the dense kernel run the dense dispatcher instead; either
+    way those heads get exactly dense attention's (out, lse). `rates.sample_groups` checks the call
+    floor on a sample first (`sampled_density`). report: anything with record(sparse_densities,
+    dense_heads), and fall_back(heads) for a call sent dense whole (`SparseReport`)."""
     if isinstance(config, dict):
         config = AnchorConfig.from_dict(config)
     if not isinstance(config, AnchorConfig):
@@ -697,16 +722,23 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
         offset = query_offset(q_pos, k_pos, Lq, Lk)
     except ValueError as e:  # same layouts as MInference; say which method refused
         raise ValueError(f"AnchorAttention: {e}") from None
+    def dense_part(q, k, v):
+        return causal_attention_at(q, k, v, q_pos=q_pos, k_pos=k_pos, offset=offset, scale=scale)
+
+    if rates is not None and rates.sample_groups > 0:
+        est = sampled_density(q, k, config, rates.sample_groups, offset=offset, scale=scale, backend=backend)
+        if est is not None and rates.call_falls_back(est):
+            return fall_back(report, Hq, dense_part(q, k, v))
     index = build_index(q, k, config, offset=offset, scale=scale, backend=backend)
     if rates is None and report is None:
         return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
     dens = head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0).tolist()  # the sync
+    if rates is not None and rates.call_falls_back(sum(dens) / Hq):
+        return fall_back(report, Hq, dense_part(q, k, v))
     sparse = [h for h in range(Hq) if rates is None or rates.sparse_wins(dens[h])]
     dense = [h for h in range(Hq) if h not in set(sparse)]
     if report is not None:
         report.record([dens[h] for h in sparse], len(dense))
-    def dense_part(q, k, v):
-        return causal_attention_at(q, k, v, q_pos=q_pos, k_pos=k_pos, offset=offset, scale=scale)
 
     if not sparse:
         return dense_part(q, k, v)
@@ -725,6 +757,32 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
     lse.index_copy_(1, sp, l_s)
     lse.index_copy_(1, dn, l_d)
     return out, lse
+
+
+def fall_back(report, heads: int, result):
+    """A call the floor sent to the dense kernel whole: count it (`SparseReport.fall_back`; a report
+    without that counter records its heads as dense) and hand back the dense (out, lse)."""
+    if report is not None:
+        if hasattr(report, "fall_back"):
+            report.fall_back(heads)
+        else:
+            report.record([], heads)
+    return result
+
+
+def sampled_density(q, k, config: AnchorConfig, groups: int, *, offset: int, scale=None, backend=None) -> float | None:
+    """The mean head density of the call's last `groups` groups of query blocks, identified alone: the
+    geometry is by key index, so they select exactly the stripes the full identification gives them
+    (their rows see the most keys: the bulk of the causal pairs). None when the call has no more
+    groups than that (the sample would be the full identification)."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    rpg = config.block_q * config.step
+    G = cdiv(Lq, rpg)
+    if G <= groups:
+        return None
+    start = (G - groups) * rpg
+    sub = build_index(q[:, :, start:], k, config, offset=offset + start, scale=scale, backend=backend)
+    return float(head_density(sub, config, Lq=Lq - start, Lk=Lk, offset=offset + start).mean())  # the sync
 
 
 def head_density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> torch.Tensor:
@@ -785,6 +843,6 @@ def density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offse
 __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
-    "head_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "measured_anchor_rates", "triton_available",
+    "head_density", "sampled_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "FLOOR_SAMPLE_GROUPS", "measured_anchor_rates", "triton_available",
     "default_launch",
 ]

@@ -14,12 +14,15 @@ fewer keys than `SparseConfig.min_length` runs the dense kernel without estimati
 measured crossover, `MIN_LENGTH`); a longer one estimates its pattern, and every head whose sparse
 kernel would not beat the dense kernel by the rates measured for its head dim
 (minference.measured_rates, anchor.measured_anchor_rates) runs the dense kernel, so its (out, lse) are
-exactly dense attention's.
+exactly dense attention's. AnchorAttention also has a per-call floor: a call whose heads keep on average
+at least the break-even density (`SparseConfig.fallback_density`, default the stripe kernel's measured
+rate, anchor.MEASURED_ANCHOR_RATES) runs the dense kernel whole, exactly, counted per layer
+(`SparseReport.calls_fallen_back`).
 `SparseReport` (the method's `report`, `sparse_report(model)`) counts what ran.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -69,7 +72,12 @@ class SparseConfig:
     64K keys, on CUDA, 0 elsewhere; 0 estimates at every length). fallback: after the estimate,
     heads whose sparse kernel would not beat the dense kernel run dense (None: on CUDA only, where
     the rates were measured; True: everywhere, with the measured rates; False: never, every head runs
-    its pattern)."""
+    its pattern). fallback_density (anchor only): the per-call floor, the mean head density at or above
+    which a call runs dense whole (None: the break-even density, the stripe kernel's measured rate for
+    the head dim, anchor.MEASURED_ANCHOR_RATES). fallback_sample (anchor only): query-block groups
+    identified first to check that floor before the full identification (None: 4,
+    anchor.FLOOR_SAMPLE_GROUPS; 0: the floor is checked after the full identification only). Either one
+    set turns the fallback on on every device (not only CUDA)."""
 
     method: str
     config_path: str | None = None
@@ -78,6 +86,8 @@ class SparseConfig:
     anchor_step: int = 16
     min_length: int | None = None
     fallback: bool | None = None
+    fallback_density: float | None = None
+    fallback_sample: int | None = None
 
     def __post_init__(self):
         if self.min_length is not None and (type(self.min_length) is not int or self.min_length < 0):
@@ -85,6 +95,20 @@ class SparseConfig:
                              f"got {self.min_length!r}")
         if self.method not in SPARSE_METHODS:
             raise ValueError(f"unknown --sparse {self.method!r}; choose one of {', '.join(SPARSE_METHODS)}")
+        floor = self.fallback_density is not None or self.fallback_sample is not None
+        if floor and self.method != "anchor":
+            raise ValueError("--sparse-fallback-density / --sparse-fallback-sample set AnchorAttention's per-call "
+                             "floor; MInference prices each head alone: drop them or use --sparse anchor")
+        if floor and self.fallback is False:
+            raise ValueError("--sparse-no-fallback turns the fallback off: drop --sparse-fallback-density / "
+                             "--sparse-fallback-sample, or drop --sparse-no-fallback")
+        if self.fallback_density is not None and not (
+                type(self.fallback_density) in (int, float) and 0 < self.fallback_density):
+            raise ValueError(f"sparse fallback_density must be a share of the causal pairs > 0 (above 1: no "
+                             f"per-call floor), got {self.fallback_density!r}")
+        if self.fallback_sample is not None and (type(self.fallback_sample) is not int or self.fallback_sample < 0):
+            raise ValueError(f"sparse fallback_sample must be a whole number of query-block groups >= 0, "
+                             f"got {self.fallback_sample!r}")
         if self.method == "anchor" and self.config_path is not None and (
                 (self.anchor_theta, self.anchor_block_q, self.anchor_step) != ANCHOR_FLAG_DEFAULTS):
             raise ValueError("--sparse-config fixes AnchorAttention's thresholds and pooling: drop --anchor-theta / "
@@ -115,13 +139,17 @@ class SparseReport:
     (MInference: score entries its kernel computes / a dense causal kernel's; AnchorAttention: kept
     (row, key) pairs / causal pairs); heads_dense were estimated and then sent to the dense kernel by
     the cost model (or are Dense in the config); heads_skipped belong to calls shorter than
-    min_length (dense, nothing estimated). Decode steps are not counted (they never reach the method)."""
+    min_length (dense, nothing estimated); calls_fallen_back were estimated and then run dense whole by
+    AnchorAttention's per-call floor (their heads count in heads_dense), per layer in
+    fallen_back_by_layer. Decode steps are not counted (they never reach the method)."""
 
     calls: int = 0
     heads_sparse: int = 0
     heads_dense: int = 0
     heads_skipped: int = 0
     kept: float = 0.0  # sum of the sparse heads' densities (a 0-dim CUDA tensor once one was)
+    calls_fallen_back: int = 0
+    fallen_back_by_layer: dict = field(default_factory=dict)
 
     def record(self, sparse_densities, dense_heads: int) -> None:
         """One estimated call: the densities of its sparse heads, how many heads ran dense."""
@@ -134,14 +162,38 @@ class SparseReport:
         self.calls += 1
         self.heads_skipped += int(heads)
 
+    def fall_back(self, heads: int, layer: int | None = None) -> None:
+        """One estimated call run dense whole by the per-call floor."""
+        self.record([], heads)
+        self.calls_fallen_back += 1
+        self.fallen_back_by_layer[layer] = self.fallen_back_by_layer.get(layer, 0) + 1
+
     def reset(self) -> None:
-        self.calls = self.heads_sparse = self.heads_dense = self.heads_skipped = 0
+        self.calls = self.heads_sparse = self.heads_dense = self.heads_skipped = self.calls_fallen_back = 0
         self.kept = 0.0
+        self.fallen_back_by_layer = {}
 
     def as_dict(self) -> dict:
+        by_layer = sorted(self.fallen_back_by_layer.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
         return {"calls": self.calls, "heads_sparse": self.heads_sparse, "heads_dense": self.heads_dense,
                 "heads_skipped": self.heads_skipped,
-                "mean_density": float(self.kept) / self.heads_sparse if self.heads_sparse else None}
+                "mean_density": float(self.kept) / self.heads_sparse if self.heads_sparse else None,
+                "calls_fallen_back": self.calls_fallen_back,
+                "fallen_back_by_layer": {str(k): n for k, n in by_layer}}  # JSON keys: layer ids as text
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """A SparseReport as one layer's call sees it: fall_back counts under the layer."""
+
+    report: SparseReport
+    layer: int | None
+
+    def record(self, sparse_densities, dense_heads: int) -> None:
+        self.report.record(sparse_densities, dense_heads)
+
+    def fall_back(self, heads: int) -> None:
+        self.report.fall_back(heads, self.layer)
 
 
 class FallbackSparse:
@@ -154,7 +206,7 @@ class FallbackSparse:
         self.report = SparseReport()
 
     def pattern(self, layer: int, num_heads: int, head_offset: int = 0):
-        return GuardedPattern(self.method.pattern(layer, num_heads, head_offset), self)
+        return GuardedPattern(self.method.pattern(layer, num_heads, head_offset), self, layer)
 
     def min_length(self, device: torch.device) -> int:
         if self.config.min_length is not None:
@@ -162,10 +214,17 @@ class FallbackSparse:
         return MIN_LENGTH if device.type == "cuda" else 0
 
     def rates(self, device: torch.device, head_dim: int):
-        on = self.config.fallback if self.config.fallback is not None else device.type == "cuda"
+        floor = self.config.fallback_density is not None or self.config.fallback_sample is not None
+        on = self.config.fallback if self.config.fallback is not None else (device.type == "cuda" or floor)
         if not on:
             return None
-        return (measured_anchor_rates if self.config.method == "anchor" else measured_rates)(head_dim)
+        if self.config.method != "anchor":
+            return measured_rates(head_dim)
+        rates = measured_anchor_rates(head_dim)
+        if not floor:
+            return rates
+        sample = rates.sample_groups if self.config.fallback_sample is None else self.config.fallback_sample
+        return replace(rates, call_density=self.config.fallback_density, sample_groups=sample)
 
 
 @dataclass(frozen=True)
@@ -175,6 +234,7 @@ class GuardedPattern:
 
     spec: object
     owner: FallbackSparse
+    layer: int | None = None
 
     def attention(self, q, k, v, *, q_pos, k_pos, causal=True, scale=None):
         own = self.owner
@@ -182,7 +242,8 @@ class GuardedPattern:
             own.report.skip(q.shape[1])
             return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale)
         return self.spec.attention(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale,
-                                   rates=own.rates(q.device, q.shape[-1]), report=own.report)
+                                   rates=own.rates(q.device, q.shape[-1]),
+                                   report=LayerReport(own.report, self.layer))
 
 
 def load_sparse_method(cfg: SparseConfig) -> FallbackSparse:

@@ -194,7 +194,8 @@ def test_dense_like_pattern_runs_the_dense_kernel(backend):
     want = attention(q, k, v, q_pos=pos, k_pos=pos)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     check_split(out, lse, q, k, v, pos, [0, 1, 2, 3], None, torch.float32)
-    assert rep.as_dict() == {"calls": 1, "heads_sparse": 0, "heads_dense": 4, "heads_skipped": 0, "mean_density": None}
+    assert rep.as_dict() == {"calls": 1, "heads_sparse": 0, "heads_dense": 4, "heads_skipped": 0, "mean_density": None,
+                             "calls_fallen_back": 0, "fallen_back_by_layer": {}}
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -354,13 +355,22 @@ def test_anchor_falls_back_where_stripes_keep_most_keys(backend):
     dens = an.head_density(idx, cfg, Lq=n, Lk=n, offset=0)[0].tolist()
     assert dens[0] < 0.2 and min(dens[1:]) > ANCHOR_RATES.kernel
     rep = SparseReport()
+    per_head = dataclasses.replace(ANCHOR_RATES, call_density=2.0)  # no per-call floor: heads priced alone
     out, lse = an.anchor_attention(q, k, v, q_pos=pos, k_pos=pos, config=cfg, backend=backend,
-                                   rates=ANCHOR_RATES, report=rep)
+                                   rates=per_head, report=rep)
     rows = torch.arange(n)
     vis = an.anchor_region(cfg, Lq=n, Lk=n, offset=0, rows=rows) | an.selected_mask(idx, n)[:, :, rows // 16]
     check_split(out, lse, q, k, v, pos, [1, 2, 3], vis, torch.float32)
     assert rep.as_dict() == {"calls": 1, "heads_sparse": 1, "heads_dense": 3, "heads_skipped": 0,
-                             "mean_density": pytest.approx(dens[0])}
+                             "mean_density": pytest.approx(dens[0]), "calls_fallen_back": 0, "fallen_back_by_layer": {}}
+    # the default floor (the break-even density): the heads' mean is past it, so the call runs dense whole
+    assert sum(dens) / 4 >= ANCHOR_RATES.kernel
+    rep = SparseReport()
+    out, lse = an.anchor_attention(q, k, v, q_pos=pos, k_pos=pos, config=cfg, backend=backend,
+                                   rates=ANCHOR_RATES, report=rep)
+    want = attention(q, k, v, q_pos=pos, k_pos=pos)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert (rep.calls_fallen_back, rep.heads_dense, rep.heads_sparse) == (1, 4, 0)
     if backend == "triton":  # the interpreter is slow; the rest is backend-independent
         return
     # every head dense-like (random inputs): the whole call is the dense dispatcher's
@@ -397,7 +407,7 @@ def test_min_length_skips_estimation():
         want = attention(q, k, v, q_pos=pos, k_pos=pos)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
         assert method.report.as_dict() == {"calls": 1, "heads_skipped": 4, "heads_sparse": 0, "heads_dense": 0,
-                                           "mean_density": None}
+                                           "mean_density": None, "calls_fallen_back": 0, "fallen_back_by_layer": {}}
         # at the length: estimated (CPU default: no cost model, the pattern runs as asked)
         at = load_sparse_method(dataclasses.replace(cfg, min_length=L))
         out2, _ = at.pattern(0, 4).attention(q, k, v, q_pos=pos, k_pos=pos)
