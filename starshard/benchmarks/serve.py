@@ -8,7 +8,10 @@ with N concurrent questions on one cached document.
 
 With --tiers host,disk (and serve's --host-cache-gib / --disk-cache-dir / --disk-cache-gib) it then
 pushes each document's cache entry down to each tier (Scheduler.demote, the move an eviction makes)
-and times a new question on it (issue 37): ttft_host_s, and ttft_disk_cold_s with the entry's files
+and times a new question on it (issue 37): demote_<tier>_s (a disk move: until its files are committed on
+every rank) with demote_<tier>_longest_step_s (the longest step meanwhile: a write runs off the step
+loop, so only the device -> host copy stalls the streams) and demote_<tier>_blocked_steps (that step took
+>= 1 s, scheduler.SLOW_STEP_S), ttft_host_s, and ttft_disk_cold_s with the entry's files
 dropped from the page cache (posix_fadvise DONTNEED; rank 0 drops every rank's files of the node),
 beside the disk's sequential read rate over those same files and disk_bound_s = their bytes / that
 rate. --reuse-only, a later run on the same --disk-cache-dir and --seed, asks only questions on the
@@ -63,7 +66,7 @@ from starshard.config import SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
 from starshard.serving.cache_key import token_digest
-from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
+from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
@@ -373,7 +376,8 @@ def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float) ->
     # The move's step stalls every stream for the device -> host copy; a disk write runs on each rank's writer
     # thread meanwhile, steps going on: the longest step during the move says whether the loop was blocked.
     out = {"shard_bytes_per_rank": shard, f"demote_{tier}_s": time.perf_counter() - t0,
-           f"demote_{tier}_longest_step_s": svc.longest_step_s}
+           f"demote_{tier}_longest_step_s": svc.longest_step_s,
+           f"demote_{tier}_blocked_steps": svc.longest_step_s >= SLOW_STEP_S}
     if tier == "disk":
         disk = serve_tiers.read_rate(serve_tiers.entry_files(svc.tiers.disk, doc, world()))
         out["disk"] = disk

@@ -360,7 +360,8 @@ class Executor:
         """One tier down: device -> host or disk, or host -> disk. A disk write runs on the disk tier's writer
         thread (serving/disk_writer.py) while the steps go on, and is committed or given up on every rank at
         once (settle_writes). From the host tier the entry stays there, servable and not evictable, until
-        then; from the device its shard waits in a host buffer of its own (outside the host budget)."""
+        then; from the device its shard waits in a host buffer of its own (not counted in the host budget: a
+        free range of its pinned arena, given back when the write settles, or pageable memory)."""
         tiers = self.tiers
         e = self.cache.entries.get(op.entry)
         if e is not None and e.users:
@@ -377,8 +378,8 @@ class Executor:
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
                     on_disk = tiers.disk is not None and tiers.disk.entry_for(e.ids) is not None
                     tiers.host.entries[e.id].written = on_disk  # dropping it later loses nothing
-                else:
-                    host = to_host(e.kv)
+                else:  # staged in a free range of the host tier's pinned arena if any (a fast copy), else pageable
+                    host = to_host(e.kv, arena=tiers.arena)
                     host.synchronize()
                     tiers.writer.submit(e.id, e.ids, host, staged=True)
                 return

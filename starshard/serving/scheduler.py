@@ -16,7 +16,10 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
     finish   requests leave the batch; entries they held become evictable
     evict    entries removed, least recently used first, to make room inside the budget
     demote   with lower tiers (--host-cache-gib, --disk-cache-dir; serving/tiers.py) an evicted entry moves
-             down instead: device -> host, the host tier's least recently used -> disk, else dropped
+             down instead: device -> host, the host tier's least recently used -> disk, else dropped. A disk
+             write runs on each rank's writer thread while steps go on (serving/disk_writer.py), and is
+             committed on every rank in the same step once every rank finished it; the host copy stays,
+             servable, until then. Graceful shutdown writes the entries not on disk yet (--shutdown-write-s)
     promote  a prompt whose prefix a lower tier's entry holds (the same rule as extend) brings that entry
              back to the device (each rank its shard; all or none), then extends it; from disk only while
              the reload is expected to be faster than a prefill (serving/reload_policy.py)
@@ -121,6 +124,7 @@ class _Move:
     error: str | None = None
     rank_bytes: list[int] = field(default_factory=list)
     write: int | None = None  # to disk: the entry whose background write answers it once settled
+    drop: int | None = None  # a host entry whose copy a step drops once its file is committed (then answered)
 
 
 class Ticket:
@@ -240,6 +244,7 @@ class Scheduler:
         self._moved: list[_Move] = []  # those in the step running now
         self._move_writes: dict[int, list[_Move]] = {}  # demote() requests waiting for their disk write, by entry
         self._written = False  # rank 0's writer finished a write: the next (idle) step settles it
+        self._drops: list[_Move] = []  # demote() requests from the host tier, written: their host copy goes next
         self.longest_step_s = 0.0  # the longest step since a caller last reset it (bench serve --tiers)
         # graceful shutdown: seconds to write the entries not on disk yet down to it (--shutdown-write-s)
         self.shutdown_write_s = tiers.shutdown_write_s if self.tiers is not None and self.tiers.disk else 0.0
@@ -318,6 +323,8 @@ class Scheduler:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the step loop (and the other ranks'); with a disk tier, the entries held only on the device or
+        in the host tier are first written to disk for up to `shutdown_write_s` seconds (_write_down)."""
         with self._lock:
             self._stop = True
             self._lock.notify()
@@ -401,10 +408,11 @@ class Scheduler:
             self._moved.clear()
             if error:
                 self._moves.clear()
-                for move in [m for moves in self._move_writes.values() for m in moves]:
+                for move in [m for moves in self._move_writes.values() for m in moves] + self._drops:
                     move.error = move.error or error
                     move.done.set()
                 self._move_writes.clear()
+                self._drops.clear()
 
     def _writes_done(self) -> None:
         """The disk writes every rank settled in the step just run (rank 0): the tiers changed, and the
@@ -417,6 +425,10 @@ class Scheduler:
         with self._lock:
             for entry, ok in settled:
                 for move in self._move_writes.pop(entry, []):
+                    if ok and self.tiers.host is not None and entry in self.tiers.host.entries:
+                        move.write, move.drop = None, entry  # a move ends on disk only: a step drops the host copy
+                        self._drops.append(move)
+                        continue
                     move.error = move.error or (None if ok else "its disk write failed on a rank (see the log)")
                     move.done.set()
             for entry in [e for e in self._move_writes if e not in self.executor.writes]:  # nothing was written
@@ -613,7 +625,7 @@ class Scheduler:
         then a decode if rows run and the last step was not one, else one prefill-side action."""
         with self._lock:
             while (not self._stop and not self._waiting and not self._running and self._prefilling is None
-                   and not self._moves):
+                   and not self._moves and not self._drops):
                 if self._written:  # an empty step settles the disk write (serving/executor.py, settle_writes)
                     self._written = False
                     return []
@@ -623,6 +635,10 @@ class Scheduler:
             if self._stop:
                 return None
             ops = self._housekeeping()
+            if self._drops:  # demote() moves whose files are committed: their host copies go (answered after)
+                self._moved += self._drops
+                ops.append(Evict(sorted({m.drop for m in self._drops})))
+                self._drops = []
             moves = self._requested_moves() if self._moves else []
             if moves:  # a step of its own: the next plan sees the entry gone
                 return ops + moves
