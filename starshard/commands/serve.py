@@ -110,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "nothing. A second server on the same directory refuses to start. `starshard cache list|purge` "
                        "shows and removes the files. Needs --disk-cache-gib")
     tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
-                       help="graceful shutdown (SIGTERM, SIGINT) with --disk-cache-dir: write the cache entries held only "
-                       "on the device or in the host tier to disk first, most recently used first and within "
+                       help="graceful shutdown (SIGTERM, SIGINT) with --disk-cache-dir: write the cache entries held "
+                       "only on the device or in the host tier to disk first, most recently used first and within "
                        "--disk-cache-gib, for at most this long, so that a restart on the same directory serves them "
                        "from disk (progress is logged); 0: write nothing down (default: %(default)g)")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",

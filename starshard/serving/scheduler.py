@@ -909,8 +909,11 @@ class Scheduler:
         an entry is dropped only when nothing is lost (its file is on disk, or there is no disk tier); one
         being written stays; one not yet written stays too, its write started (droppable once committed)."""
         host, disk = self.tiers.host, self.tiers.disk
+        if any(n > host.budget for n in need):
+            return [], [], False  # never fits: no write is started for it
         kept = [e for e in host.entries.values() if e.id not in gone]
         free = [host.budget - sum(e.bytes_on(r) for e in kept) - arriving[r] - need[r] for r in range(len(need))]
+        later = list(free)  # the room once the writes in flight and those started here are committed
         drop, writes = [], []
         for e in sorted(kept, key=lambda e: e.last_used):
             if min(free) >= 0:
@@ -918,8 +921,11 @@ class Scheduler:
             if e.written or disk is None:
                 drop.append(e.id)
                 free = [f + e.bytes_on(r) for r, f in enumerate(free)]
+            elif min(later) >= 0:
+                continue  # enough is being written already
             elif not e.writing and e.id not in started:
                 writes.append(e.id)
+            later = [f + e.bytes_on(r) for r, f in enumerate(later)]
         return drop, writes, min(free) >= 0
 
     def _doc_work(self):
