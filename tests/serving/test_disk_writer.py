@@ -164,13 +164,13 @@ def _cp2(rank, world, directory):
     svc = Scheduler(llm, cache_bytes=budget, max_batch=4,
                     tiers=TierConfig(host_bytes=int(1.5 * entry), disk_dir=directory, disk_bytes=1 << 30,
                                      shutdown_write_s=0))
-    if rank == 1:
-        fails = [OSError("no space left on device (test)")]
+    fails, seen = [OSError("no space left on device (test)")] if rank == 1 else [], []
 
-        def fail_once(job):
-            if fails:
-                raise fails.pop()
-        svc.tiers.writer.before_write = fail_once
+    def hook(job):  # every rank: what each write finds; rank 1's first write fails
+        seen.append((job.entry in svc.tiers.host.entries, job.pending.host.buffer.clone()))
+        if fails:
+            raise fails.pop()
+    svc.tiers.writer.before_write = hook
     out = {}
     if rank == 0:
         svc.start()
@@ -180,21 +180,25 @@ def _cp2(rank, world, directory):
             with pytest.raises(ValueError, match="disk write failed"):
                 svc.demote(d1 + q1, "disk")  # rank 1's write fails: given up on both
             out["files_after_failure"] = sorted(p.name for p in Path(directory).iterdir() if "kv" in p.name)
-            svc.demote(d1 + q1, "disk")  # again: written on both, committed
+            he = next(e for e in svc.tiers.host.entries.values() if list(e.ids) == d1 + q1)
+            out["host_after_failure"] = (he.writing, he.written)
+            svc.demote(d1 + q1, "disk")  # again: written on both, committed, the host copy dropped
         finally:
             svc.shutdown()
     else:
         svc.serve_forever()
-    he = next(e for e in svc.tiers.host.entries.values() if list(e.ids) == d1 + q1)
-    out["host"] = (he.writing, he.written)
+    out["in_host_at_each_write"] = [h for h, _ in seen]  # the second write found it still there: it stayed
+    out["host_after"] = [list(e.ids) for e in svc.tiers.host.entries.values()]
     with DiskTier(directory, 1 << 30, svc.tiers.disk.key, rank) as disk:  # reopened: the file as a restart sees it
         back = disk.load_host(disk.entry_for(d1 + q1))
-        out["exact"] = torch.equal(back.buffer, he.kv.buffer)
+        out["exact"] = torch.equal(back.buffer, seen[-1][1])
     return out
 
 
 def test_cp2_write_fails_on_one_rank_then_succeeds(tmp_path):
     r0, r1 = run_ranks(_cp2, 2, str(tmp_path))
     assert r0["files_after_failure"] == []  # neither rank's file (nor a temporary one) is left
+    assert r0["host_after_failure"] == (False, False)  # stayed in host, not written
     for r in (r0, r1):
-        assert r["host"] == (False, True) and r["exact"]  # stayed in host; then written, bit for bit
+        assert r["in_host_at_each_write"] == [True, True] and r["exact"]  # then written bit for bit
+        assert r["host_after"] == []  # demote() to disk ends with the host copy dropped
