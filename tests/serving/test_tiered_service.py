@@ -227,7 +227,8 @@ def test_fp8_kv_stays_e4m3_through_host_and_disk(tmp_path):
         never.shutdown()
     # the host tier holds one document: the third one's demotion starts writing the host's (d2) to disk, which
     # stays in host until written, and sends the device's (d1) straight to disk
-    svc = _service(llm, TierConfig(host_bytes=int(1.5 * entry), disk_dir=tmp_path, disk_bytes=1 << 30), budget)
+    svc = _service(llm, TierConfig(host_bytes=int(1.5 * entry), disk_dir=tmp_path, disk_bytes=1 << 30,
+                                   disk_reload="always"), budget)
     try:
         _ask(svc, d1 + q1, len(d1))
         _ask(svc, d2 + q1, len(d2))
@@ -244,8 +245,10 @@ def test_fp8_kv_stays_e4m3_through_host_and_disk(tmp_path):
         assert [list(e.ids) for e in svc.tiers.host.entries.values()] == [d2 + q1]
         tokens, cached = _ask(svc, d1 + q2, len(d1))  # from disk
         assert tokens == want and cached == len(d1) and svc.stats()["tiers"]["disk"]["promotions"] == 1
-        tokens, cached = _ask(svc, d2 + q2, len(d2))  # from host
-        assert tokens == want2 and cached == len(d2)
+        # the third document's entry took the host's room: d2 (on disk by now) was dropped from host
+        assert [list(e.ids) for e in svc.tiers.host.entries.values()] == [[9] * 90]
+        tokens, cached = _ask(svc, d2 + q2, len(d2))  # from disk
+        assert tokens == want2 and cached == len(d2) and svc.stats()["tiers"]["disk"]["promotions"] == 2
     finally:
         svc.shutdown()
 
