@@ -422,6 +422,8 @@ class Scheduler:
             self._tier_version += 1
         if not self._move_writes:
             return
+        # a move whose write failed is answered with the error; one that wrote, or found its file on disk
+        # already, ends with a step that drops its host copy (the entry then lives on disk only)
         with self._lock:
             for entry, ok in settled:
                 for move in self._move_writes.pop(entry, []):
@@ -431,9 +433,13 @@ class Scheduler:
                         continue
                     move.error = move.error or (None if ok else "its disk write failed on a rank (see the log)")
                     move.done.set()
-            for entry in [e for e in self._move_writes if e not in self.executor.writes]:  # nothing was written
+            for entry in [e for e in self._move_writes if e not in self.executor.writes]:  # on disk already
                 for move in self._move_writes.pop(entry):
-                    move.done.set()
+                    if self.tiers.host is not None and entry in self.tiers.host.entries:
+                        move.write, move.drop = None, entry
+                        self._drops.append(move)
+                    else:
+                        move.done.set()
 
     def _wake_to_settle(self) -> None:
         """Rank 0's writer thread finished a write: an idle loop sends a step now to settle it."""
