@@ -20,6 +20,7 @@ from starshard.serving.disk_writer import DiskWriter
 from starshard.serving.host_tier import to_host
 from starshard.serving.scheduler import Scheduler
 from starshard.serving.tiers import TierConfig
+from starshard.server.metrics import ServerMetrics
 from tests.helpers.kv_shards import assert_kv_equal, key_for, make_kv
 from tests.helpers.mp_harness import run_ranks
 from tests.helpers.service import settle_writes, submit
@@ -124,6 +125,11 @@ def test_hit_during_a_write_is_served_from_host(tiny, tmp_path):
         settle_writes(svc)
         assert he.written and not he.writing and svc.tiers.disk.entry_for(d1 + q1) is not None
         assert sorted(list(e.ids) for e in svc.tiers.disk.entries.values()) == sorted([d1 + q1, d2 + q1])
+        disk = svc.stats()["tiers"]["disk"]
+        assert disk["writes_in_flight"] == 0 and disk["write_bytes"] == disk["bytes"] and disk["write_seconds_sum"] > 0
+        text = ServerMetrics(svc.stats).render()[0].decode()
+        assert 'starshard_context_cache_tier_writes_in_flight{tier="disk"} 0.0' in text
+        assert f'starshard_context_cache_tier_write_bytes_total{{tier="disk"}} {float(disk["bytes"])}' in text
         tokens, cached = _ask(svc, d2 + q2, len(d2))  # from disk
         assert tokens == want[1] and cached == len(d2) and svc.stats()["tiers"]["disk"]["promotions"] == 1
         assert not svc.over and svc.health() is None
