@@ -8,12 +8,16 @@ with N concurrent questions on one cached document.
 
 With --tiers host,disk (and serve's --host-cache-gib / --disk-cache-dir / --disk-cache-gib) it then
 pushes each document's cache entry down to each tier (Scheduler.demote, the move an eviction makes)
-and times a new question on it (issue 37): ttft_host_s, and ttft_disk_cold_s with the entry's files
+and times a new question on it (issue 37): demote_<tier>_s (a disk move: until its files are committed on
+every rank) with demote_<tier>_longest_step_s (the longest step meanwhile: a write runs off the step
+loop, so only the device -> host copy stalls the streams) and demote_<tier>_blocked_steps (that step took
+>= 1 s, scheduler.SLOW_STEP_S), ttft_host_s, and ttft_disk_cold_s with the entry's files
 dropped from the page cache (posix_fadvise DONTNEED; rank 0 drops every rank's files of the node),
 beside the disk's sequential read rate over those same files and disk_bound_s = their bytes / that
 rate. --reuse-only, a later run on the same --disk-cache-dir and --seed, asks only questions on the
 documents the earlier run left there (the restart check: cached_tokens >= the document's tokens).
-Graceful shutdown writes nothing down: only entries already on disk outlive a run.
+Graceful shutdown writes the entries not on disk yet down to it (--shutdown-write-s; 0: only entries
+already on disk outlive a run).
 
     python launch/bench.py serve --random-weights llama-3.1-8b --lengths 131072 --concurrency 1 \
         --cache-gib 24 --host-cache-gib 20 --disk-cache-dir /tmp/kv --disk-cache-gib 20 --tiers host,disk
@@ -62,8 +66,8 @@ from starshard.config import SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
 from starshard.serving.cache_key import token_digest
-from starshard.serving.scheduler import QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
-from starshard.serving.tiers import TierConfig
+from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
+from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
 
@@ -111,6 +115,11 @@ def add_arguments(p) -> None:
     tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                        help="the disk tier's directory (serve's flag; needs --disk-cache-gib); its files outlive the "
                        "run, so a later --reuse-only run on it finds the documents")
+    tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
+                       help="graceful shutdown (SIGTERM, SIGINT) with --disk-cache-dir: write the cache entries held "
+                       "only on the device or in the host tier to disk first, most recently used first and within "
+                       "--disk-cache-gib, for at most this long, so that a restart on the same directory serves them "
+                       "from disk (progress is logged); 0: write nothing down (default: %(default)g)")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
                        help="the disk tier's budget per rank (serve's flag)")
     tiers.add_argument("--tiers", type=tier_list, default=[], metavar="host,disk",
@@ -189,7 +198,8 @@ def tier_list(s: str) -> list[str]:
 def tier_error(args) -> str | None:
     """What is wrong with the tier flags (None: nothing)."""
     try:
-        TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib)
+        TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
+                            shutdown_write_s=args.shutdown_write_s)
     except ValueError as e:
         return str(e)
     if (args.tiers or args.reuse_only) and args.scenario != "document":
@@ -369,11 +379,15 @@ def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float) ->
     """Push `doc`'s entry down to `tier` (Scheduler.demote), then time a new question on it: promoted
     back from the host tier, or read cold from the disk tier (its files dropped from the page cache,
     after the disk's sequential read rate was measured on them)."""
+    svc.longest_step_s = 0.0
     t0 = time.perf_counter()
-    shard = svc.demote(doc, tier)
+    shard = svc.demote(doc, tier)  # returns once the move is complete (a disk write: committed on every rank)
     name = "host" if tier == "host" else "disk_cold"
-    # The move is a step of its own: every stream waits for it (a device -> host copy, or a file written).
-    out = {"shard_bytes_per_rank": shard, f"demote_{tier}_s": time.perf_counter() - t0}
+    # The move's step stalls every stream for the device -> host copy; a disk write runs on each rank's writer
+    # thread meanwhile, steps going on: the longest step during the move says whether the loop was blocked.
+    out = {"shard_bytes_per_rank": shard, f"demote_{tier}_s": time.perf_counter() - t0,
+           f"demote_{tier}_longest_step_s": svc.longest_step_s,
+           f"demote_{tier}_blocked_steps": svc.longest_step_s >= SLOW_STEP_S}
     if tier == "disk":
         disk = serve_tiers.read_rate(serve_tiers.entry_files(svc.tiers.disk, doc, world()))
         out["disk"] = disk
@@ -451,7 +465,7 @@ def start_scheduler(args, **limits):
     options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
                    # disk_reload "always": the scenario measures each tier's reload, slower than a prefill or not
                    tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
-                                             disk_reload="always"), **limits)
+                                             disk_reload="always", shutdown_write_s=args.shutdown_write_s), **limits)
     chunk = args.prefill_chunk if args.prefill_chunk is not None else default_prefill_chunk(llm.device, parallel.cp)
     options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee,
                    warmup=args.warmup, warmup_tokens=args.warmup_tokens)

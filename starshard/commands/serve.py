@@ -30,7 +30,7 @@ from starshard.runconfig import parse_with_config
 from starshard.serving.disk_tier import DiskTierLocked
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
-from starshard.serving.tiers import TierConfig
+from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
 from starshard.serving.warmup import RanksDisagree
 from starshard.server.app import create_app, make_server
 from starshard.server.settings import API_KEY_ENV, ServerSettings
@@ -117,6 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "after a restart; bound to the model, dtype, FP8 parts and layout, so another model reuses "
                        "nothing. A second server on the same directory refuses to start. `starshard cache list|purge` "
                        "shows and removes the files. Needs --disk-cache-gib")
+    tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
+                       help="graceful shutdown (SIGTERM, SIGINT) with --disk-cache-dir: write the cache entries held "
+                       "only on the device or in the host tier to disk first, most recently used first and within "
+                       "--disk-cache-gib, for at most this long, so that a restart on the same directory serves them "
+                       "from disk (progress is logged); 0: write nothing down (default: %(default)g)")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
                        help="the disk tier's budget per rank: least recently used files are removed beyond it")
     tiers.add_argument("--disk-reload-policy", choices=POLICIES, default="auto",
@@ -158,7 +163,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--cache-gib must be > 0, got {args.cache_gib}")
     try:
         args.tiers = TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
-                                         args.disk_reload_policy)
+                                         args.disk_reload_policy, args.shutdown_write_s)
     except ValueError as e:
         ap.error(str(e))
     return args
@@ -269,6 +274,9 @@ def serve_lead(service, args, cache_bytes: int) -> int:
         disk = (f"{tiers.disk_bytes / 2**30:.2f} GiB in {tiers.disk_dir} (--disk-reload-policy {tiers.disk_reload})"
                 if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
+        if tiers.disk_dir and tiers.shutdown_write_s:
+            log.info("graceful shutdown writes the entries not on disk yet to %s (at most %g s, --shutdown-write-s)",
+                     tiers.disk_dir, tiers.shutdown_write_s)
     try:
         service.start()  # returns after the warm-up
     except RanksDisagree as e:

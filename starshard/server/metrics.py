@@ -56,6 +56,15 @@ _TIER_METRICS = {
     "unpinned_fallbacks": ("starshard_context_cache_tier_unpinned_fallbacks",
                            "Shard buffers the pinned host arena had no room for (fragmentation): pageable, "
                            "copied synchronously", "counter"),
+    "writes_in_flight": ("starshard_context_cache_tier_writes_in_flight",
+                         "Files being written (or queued) on rank 0's writer thread, not yet committed", "gauge"),
+    "write_bytes": ("starshard_context_cache_tier_write_bytes", "Bytes of files written and committed (rank 0)",
+                    "counter"),
+    "write_seconds_sum": ("starshard_context_cache_tier_write_seconds",
+                          "Seconds rank 0's writer thread spent writing committed files (off the step loop)",
+                          "counter"),
+    "write_failures": ("starshard_context_cache_tier_write_failures",
+                       "Writes given up: an I/O error on rank 0 (the entry stayed where it was)", "counter"),
     "skipped_slower_than_prefill": ("starshard_context_cache_tier_skipped_slower_than_prefill",
                                     "Prompts prefilled although the tier held their prefix: its reload was "
                                     "expected to take longer than the prefill (--disk-reload-policy auto)", "counter"),

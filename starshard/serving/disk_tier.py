@@ -106,6 +106,25 @@ class DiskEntry:
         return len(self.ids)
 
 
+@dataclass
+class PendingWrite:
+    """A shard file being written (DiskTier.reserve -> write -> commit or abandon): reserved in the budget,
+    not listed (never promoted) before commit."""
+
+    name: str
+    path: Path
+    ids: np.ndarray
+    entry_id: int | None
+    host: HostKV
+    need: int = 0  # the bytes reserved
+    reserved: bool = False
+    done: bool = False  # write() returned (or nothing to write)
+    wrote: bool = False  # this job's file is complete under its final name
+    error: str | None = None
+    size: int = 0
+    seconds: float = 0.0
+
+
 class DiskTier:
     """One rank's files of one cache key in `path`, LRU within `budget_bytes`.
 
@@ -252,39 +271,94 @@ class DiskTier:
     def put(self, entry_id: int | None, token_ids, kv: KVCache | HostKV) -> DiskEntry | None:
         """Demote a shard to disk: written atomically under its hashed name, LRU files evicted to stay in the
         budget. None (logged) when it cannot be kept: larger than the budget, or the write failed (disk
-        full, I/O error); the cache is best effort and the caller's entry stays valid where it was."""
+        full, I/O error); the cache is best effort and the caller's entry stays valid where it was.
+        The service writes in the background instead (reserve / write / commit; serving/disk_writer.py)."""
+        job = self.reserve(entry_id, token_ids, kv if isinstance(kv, HostKV) else to_host(kv))
+        if job.error is None and not job.done:
+            self.write(job)
+        if job.error is not None:
+            self.abandon(job)
+            return None
+        return self.commit(job)
+
+    def reserve(self, entry_id: int | None, token_ids, host: HostKV) -> "PendingWrite":
+        """Make room for a shard's file (LRU files evicted, its bytes counted in `used` from now) without
+        writing it; `write` (any thread) writes it, then `commit` lists it or `abandon` removes it. A job
+        whose tokens are already on disk is done at once (commit touches that file); one that cannot be
+        kept (larger than the budget, or these tokens being written already) carries its `error`."""
         ids = np.asarray(token_ids, dtype=np.int64)
         name = file_name(self.key, ids, self.rank)
+        job = PendingWrite(name, self.path / name, ids, entry_id, host)
         with self._mutex:
             old = self.entries.get(name)
             if old is not None and np.array_equal(old.ids, ids):
-                self._touch(old)  # the same key and tokens: the same bytes are already here
-                return old
-        host = kv if isinstance(kv, HostKV) else to_host(kv)
-        need = file_bytes(host, len(ids), self.key, self.rank, entry_id)
-        with self._mutex:
-            if name in self._writing:
-                return None  # another thread is writing these tokens right now
-            if not self._fit(need, keep=name):
-                log.warning("disk cache: a %.2f GiB shard does not fit the %.2f GiB budget; not kept on disk "
-                            "(raise --disk-cache-gib)", need / 2**30, self.budget / 2**30)
-                return None
-            self._writing[name] = need  # counted in `used` while written, invisible to get() until complete
-        path = self.path / name
+                job.done, job.size = True, old.nbytes  # the same key and tokens: the same bytes are already here
+                return job
+            if name in self._writing:  # another job writes these very bytes: this one has nothing to do
+                job.done = True
+                return job
+            job.need = file_bytes(host, len(ids), self.key, self.rank, entry_id)
+            if not self._fit(job.need, keep=name):
+                job.error = (f"a {job.need / 2**30:.2f} GiB shard does not fit the {self.budget / 2**30:.2f} GiB "
+                             f"budget (raise --disk-cache-gib)")
+                return job
+            self._writing[name] = job.need  # counted in `used` while written, invisible to get() until committed
+            job.reserved = True
+            self._stats.writes_in_flight += 1
+        return job
+
+    def write(self, job: "PendingWrite") -> None:
+        """Write a reserved job's file (atomically: a temporary name renamed when complete, 0600). Plain file
+        I/O outside the mutex, so it may run on a writer thread while lookups and loads go on. A failure is
+        kept in job.error (no partial file is left); the job stays reserved until commit or abandon."""
+        t0 = time.perf_counter()
         try:
-            # outside the mutex: lookups and loads go on during a write of many GiB
-            size = write_kv_file(path, host, ids, self.key, self.rank, entry_id)
-        except OSError as err:
-            log.warning("disk cache: writing %s failed (%s); not kept on disk", name, err)
-            return None
-        finally:
-            with self._mutex:
-                self._writing.pop(name, None)
+            job.size = write_kv_file(job.path, job.host, job.ids, self.key, self.rank, job.entry_id)
+            job.wrote = True
+        except Exception as err:  # noqa: BLE001 (disk full, I/O error: the entry stays where it was)
+            job.error = f"{type(err).__name__}: {err}"
+        job.seconds = time.perf_counter() - t0
+        job.done = True
+
+    def commit(self, job: "PendingWrite") -> DiskEntry | None:
+        """List a written job's file (every rank wrote its own: it may be promoted from now on)."""
         with self._mutex:
-            e = DiskEntry(name, path, ids, size, self.rank, entry_id, time.time(), path.stat().st_mtime, host.length)
-            self.entries[name] = e
+            self._release(job)
+            old = self.entries.get(job.name)
+            if old is not None and np.array_equal(old.ids, job.ids):
+                self._touch(old)
+                return old
+            if not job.wrote:
+                return None
+            try:
+                mtime = job.path.stat().st_mtime
+            except OSError:  # removed behind our back: nothing to list
+                return None
+            e = DiskEntry(job.name, job.path, job.ids, job.size, self.rank, job.entry_id, time.time(), mtime,
+                          job.host.length)
+            self.entries[job.name] = e
             self._stats.demotions += 1
+            self._stats.write_bytes += job.size
+            self._stats.write_seconds_sum += job.seconds
             return e
+
+    def abandon(self, job: "PendingWrite") -> None:
+        """Give a job up (its write failed here or on another rank): its file, if this rank wrote one, is removed."""
+        with self._mutex:
+            self._release(job)
+            if job.wrote and job.name not in self.entries:
+                job.path.unlink(missing_ok=True)
+                fsync_dir(self.path)
+            if job.error is not None:
+                self._stats.write_failures += 1
+                log.warning("disk cache: writing %s failed on rank %d (%s); not kept on disk", job.name, self.rank,
+                            job.error)
+
+    def _release(self, job: "PendingWrite") -> None:
+        if job.reserved:
+            self._writing.pop(job.name, None)
+            self._stats.writes_in_flight -= 1
+            job.reserved = False
 
     def get(self, token_ids, min_tokens: int = 1, only=None) -> tuple[DiskEntry | None, int]:
         """The file sharing the longest prefix with `token_ids` and that length, capped at len - 1 (as

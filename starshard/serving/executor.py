@@ -21,6 +21,8 @@ from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes
+from starshard.serving.disk_writer import FAILED as WRITE_FAILED
+from starshard.serving.disk_writer import QUEUED, WRITTEN
 from starshard.serving.host_tier import to_host
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
 from starshard.serving.tiers import Tiers
@@ -143,6 +145,10 @@ class Executor:
         self.runner = runner
         self.tiers: Tiers | None = None  # the host and disk tiers (Scheduler sets them: they need token_bytes)
         self.lost: set[int] = set()  # entries whose promotion failed: an extend on one fails with RELOAD_FAILED
+        # Demotions to disk not yet settled (entry id, in op order: the same on every rank, whatever happened
+        # locally), and those settled since rank 0's scheduler last drained them: (entry id, committed)
+        self.writes: dict[int, None] = {}
+        self.settled: list[tuple[int, bool]] = []
         self.control = control  # the gloo group over every rank (the step broadcast's); None in one process
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.config, self.tp = config, tp  # the model's config and tp, for a step's working set (work_bytes)
@@ -346,16 +352,23 @@ class Executor:
                         self._decode_contained(tokens, failures)
                     case _:
                         raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
+        self.settle_writes()
         return tokens, failures
 
     # -- the lower tiers (serving/tiers.py): moves rank 0 decided, each rank moving its own shard
     def _demote(self, op: Demote) -> None:
-        """One tier down: device -> host or disk, or host -> disk. A disk write that fails is logged by the
-        disk tier and leaves this rank without the file (a promotion of it then falls back everywhere)."""
+        """One tier down: device -> host or disk, or host -> disk. A disk write runs on the disk tier's writer
+        thread (serving/disk_writer.py) while the steps go on, and is committed or given up on every rank at
+        once (settle_writes). From the host tier the entry stays there, servable and not evictable, until
+        then; from the device its shard waits in a host buffer of its own (not counted in the host budget: a
+        free range of its pinned arena, given back when the write settles, or pageable memory)."""
         tiers = self.tiers
         e = self.cache.entries.get(op.entry)
         if e is not None and e.users:
             raise RuntimeError(f"context cache entry {op.entry} cannot be demoted while requests use it")
+        he = tiers.host.entries.get(op.entry) if e is None and tiers.host is not None else None
+        if op.to == "disk" and not (he is not None and (he.writing or he.written)):
+            self.writes[op.entry] = None  # settled on every rank, also if nothing could be queued here
         try:
             if e is not None:  # from the device
                 self.cache.evict([op.entry])
@@ -363,30 +376,73 @@ class Executor:
                     host = to_host(e.kv, arena=tiers.arena)
                     host.synchronize()  # the device memory is free (for this step's allocation) once copied
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
-                else:
-                    tiers.disk.put(e.id, e.ids, e.kv)
+                    on_disk = tiers.disk is not None and tiers.disk.entry_for(e.ids) is not None
+                    tiers.host.entries[e.id].written = on_disk  # dropping it later loses nothing
+                else:  # staged in a free range of the host tier's pinned arena if any (a fast copy), else pageable
+                    host = to_host(e.kv, arena=tiers.arena)
+                    host.synchronize()
+                    tiers.writer.submit(e.id, e.ids, host, staged=True)
                 return
-            he = tiers.host.take(op.entry)  # from the host tier: only to disk
-            if he is not None:
-                try:
-                    tiers.disk.put(he.id, he.ids, he.kv)
-                finally:
-                    he.kv.release()  # its pinned range is free for the next demotion
+            if he is not None and not (he.writing or he.written):  # from the host tier: only to disk
+                tiers.writer.submit(he.id, he.ids, he.kv, staged=False)
+                he.writing = True
         except Exception as err:  # noqa: BLE001 (e.g. no pinned memory left): dropped here; a promotion falls back
             log.warning("demoting cache entry %d to %s failed on rank %d (dropped): %s: %s", op.entry, op.to,
                         self.rank, type(err).__name__, err)
+
+    def settle_writes(self) -> None:
+        """After every step, on every rank: one all-gather over the control group of each open disk write's
+        state; a write every rank finished is committed (listed: promotable from disk; a host copy becomes
+        droppable), one any rank failed is given up everywhere once every rank is done with it (each removes
+        its file; a host entry stays in the host tier, a shard that came from the device is dropped)."""
+        if not self.writes:
+            return
+        writer = self.tiers.writer
+        ids = list(self.writes)
+        mine = torch.tensor([writer.jobs[i].state if i in writer.jobs else WRITE_FAILED for i in ids],
+                            dtype=torch.long)
+        every = [mine]
+        if self.control is not None:
+            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.control))]
+            dist.all_gather(every, mine, group=self.control)
+        for k, entry in enumerate(ids):
+            states = [int(t[k]) for t in every]
+            if QUEUED in states:
+                continue
+            del self.writes[entry]
+            job = writer.jobs.pop(entry, None)
+            ok = all(s == WRITTEN for s in states)
+            he = self.tiers.host.entries.get(entry) if self.tiers.host is not None else None
+            if job is not None and not job.staged and he is not None and he.kv is job.pending.host:
+                he.writing, he.written = False, ok
+            if job is not None:
+                if ok:
+                    self.tiers.disk.commit(job.pending)
+                else:
+                    self.tiers.disk.abandon(job.pending)
+                if job.staged:
+                    job.pending.host.release()
+            if not ok:
+                failed = [r for r, s in enumerate(states) if s != WRITTEN]
+                log.warning("cache entry %d: its disk write failed on rank(s) %s (this rank's file %s: %s); %s",
+                            entry, failed, "none" if job is None else job.pending.path,
+                            "removed" if job is not None and job.pending.wrote else "not written",
+                            "it stays in the host tier" if job is not None and not job.staged else "dropped")
+            if self.rank == 0:  # rank 0's scheduler drains them (demote() requests wait on them)
+                self.settled.append((entry, ok))
 
     def _promote(self, op: Promote) -> bool:
         """Load this rank's shard back to the device, then one vote: the entry becomes reusable only when
         every rank has its shard; otherwise no rank keeps it and the lower tier's copy is dropped on every
         rank (a disk load that failed removed its file already), so the request is prefilled instead."""
         tiers, kv, ids = self.tiers, None, None
+        src = op.entry if op.copy_of is None else op.copy_of
         try:
             self._check_memory(op.rank_bytes[self.cp_rank])
             if op.source == "host":
-                he = tiers.host.get(op.entry)
+                he = tiers.host.get(src)
                 ids = he.ids
-                load = tiers.host.load(op.entry, self.device)
+                load = tiers.host.load(src, self.device)
                 load.synchronize()
                 kv = load.kv
             else:
@@ -406,13 +462,14 @@ class Executor:
             kv = None
             self.lost.add(op.entry)
             if op.source == "host":
-                tiers.host.evict([op.entry])
+                if op.copy_of is None:  # a copy's source is being written: it stays (settle_writes decides)
+                    tiers.host.evict([op.entry])
             else:
                 found = tiers.disk.entry_for(op.ids)
                 if found is not None:
                     tiers.disk.remove(found.name)
             return False
-        if op.source == "host":
+        if op.source == "host" and op.copy_of is None:
             he = tiers.host.take(op.entry)  # moved up, copies done: its pinned range is free for the next demotion
             if he is not None:
                 he.kv.release()

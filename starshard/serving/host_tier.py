@@ -316,6 +316,8 @@ class HostEntry:
     rank_bytes: list[int] | None = None  # every CP rank's shard bytes, when the caller plans for all ranks
     last_used: int = 0
     hits: int = 0
+    writing: bool = False  # its disk write is in flight: neither evicted nor moved up (a promotion copies it)
+    written: bool = False  # its file is on disk on every rank: dropping it loses nothing
 
     def bytes_on(self, rank: int) -> int:
         return self.kv.nbytes if self.rank_bytes is None else self.rank_bytes[rank]

@@ -26,7 +26,9 @@ class Demote:
     """Move entry `entry` one tier down instead of dropping it: from the device to "host" or "disk", or
     from the host tier to "disk". Each rank moves its own shard; the entry leaves the tier above (the
     budgets rank 0 planned count it gone). A disk write that fails on a rank leaves that rank without the
-    file: a later promotion then falls back to a prefill on every rank."""
+    file: a later promotion then falls back to a prefill on every rank. A disk write runs in the background
+    (serving/disk_writer.py): a host entry stays in the host tier (servable, not evictable) until its write
+    is committed on every rank; a device entry's shard is not servable until then."""
 
     entry: int
     to: str  # "host" | "disk"
@@ -43,6 +45,7 @@ class Promote:
     source: str  # "host" | "disk"
     ids: list[int] | None  # the entry's token ids (disk; None for host: every rank holds them)
     rank_bytes: list[int]  # the entry's bytes on each CP rank, as the device budget counts them
+    copy_of: int | None = None  # host: the entry copied, which stays in the host tier (its disk write is in flight)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
     finish   requests leave the batch; entries they held become evictable
     evict    entries removed, least recently used first, to make room inside the budget
     demote   with lower tiers (--host-cache-gib, --disk-cache-dir; serving/tiers.py) an evicted entry moves
-             down instead: device -> host, the host tier's least recently used -> disk, else dropped
+             down instead: device -> host, the host tier's least recently used -> disk, else dropped. A disk
+             write runs on each rank's writer thread while steps go on (serving/disk_writer.py), and is
+             committed on every rank in the same step once every rank finished it; the host copy stays,
+             servable, until then. Graceful shutdown writes the entries not on disk yet (--shutdown-write-s)
     promote  a prompt whose prefix a lower tier's entry holds (the same rule as extend) brings that entry
              back to the device (each rank its shard; all or none), then extends it; from disk only while
              the reload is expected to be faster than a prefill (serving/reload_policy.py)
@@ -56,6 +59,7 @@ from starshard.strategies.flops import prefill_knee
 log = logging.getLogger("starshard.serve")
 
 IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the other ranks never time out
+WRITE_TICK_S = 0.1  # while disk writes are open: how often an idle rank 0 sends an empty step that settles them
 SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran
 
 
@@ -120,6 +124,8 @@ class _Move:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     rank_bytes: list[int] = field(default_factory=list)
+    write: int | None = None  # to disk: the entry whose background write answers it once settled
+    drop: int | None = None  # a host entry whose copy a step drops once its file is committed (then answered)
 
 
 class Ticket:
@@ -221,6 +227,7 @@ class Scheduler:
             self._flops = functools.lru_cache(maxsize=256)(self._prefill_flops)  # a long ring prompt's: ~0.1 s
             if self.rank == 0:
                 self.executor.on_timing = self._observe
+                self.tiers.writer.on_written = self._wake_to_settle
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
@@ -243,6 +250,12 @@ class Scheduler:
         self.warmup_s: float | None = None  # the warm-up's seconds (None: it did not run, or failed)
         self._warmed = threading.Event()  # rank 0: the scheduler thread's warm-up is over (start() waits)
         self._warm_error: BaseException | None = None  # the ranks disagree: start() raises it
+        self._move_writes: dict[int, list[_Move]] = {}  # demote() requests waiting for their disk write, by entry
+        self._written = False  # rank 0's writer finished a write: the next (idle) step settles it
+        self._drops: list[_Move] = []  # demote() requests from the host tier, written: their host copy goes next
+        self.longest_step_s = 0.0  # the longest step since a caller last reset it (bench serve --tiers)
+        # graceful shutdown: seconds to write the entries not on disk yet down to it (--shutdown-write-s)
+        self.shutdown_write_s = tiers.shutdown_write_s if self.tiers is not None and self.tiers.disk else 0.0
 
     # -- front end (rank 0)
     def chat_prompt(self, messages: list[dict]) -> Prompt:
@@ -345,11 +358,13 @@ class Scheduler:
                                     "(see their logs); restart, or start with --no-warmup")
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the step loop (and the other ranks'); with a disk tier, the entries held only on the device or
+        in the host tier are first written to disk for up to `shutdown_write_s` seconds (_write_down)."""
         with self._lock:
             self._stop = True
             self._lock.notify()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout + self.shutdown_write_s)
         self._close_tiers()
 
     # -- benchmarks: an explicit move down a tier (launch/bench.py serve --tiers; the server never calls it)
@@ -384,17 +399,18 @@ class Scheduler:
                 raise ValueError(f"context cache entry {e.id} is used by {e.users} running requests")
             move.rank_bytes = list(e.rank_bytes) if e.rank_bytes is not None else [e.nbytes] * cp
             if move.to == "disk":
+                move.write = e.id
                 return [self._to_disk(e.id, e.ids, move.rank_bytes)]
-            out = self._host_room(move.rank_bytes, set(), [0] * cp)
-            if out is None:
+            drop, writes, fits = self._host_room(move.rank_bytes, set(), [0] * cp)
+            if not fits:
                 raise ValueError(f"its {max(move.rank_bytes) / 2**30:.2f} GiB shard does not fit the host tier "
-                                 f"({tiers.host.budget / 2**30:.2f} GiB per rank, --host-cache-gib)")
-            held = [tiers.host.entries[h] for h in out]
-            return [self._to_disk(h.id, h.ids, h.rank_bytes or [h.kv.nbytes] * cp) for h in held] + [
-                Demote(e.id, "host")]
+                                 f"({tiers.host.budget / 2**30:.2f} GiB per rank, --host-cache-gib) beside the "
+                                 f"entries being written to disk or not yet written; retry once they are")
+            return [Evict(drop)] * bool(drop) + [self._to_disk(h, None, None) for h in writes] + [Demote(e.id, "host")]
         h, _ = tiers.host.peek(move.ids) if tiers.host is not None else (None, 0)
         if h is not None and move.to == "disk":
             move.rank_bytes = list(h.rank_bytes or [h.kv.nbytes] * cp)
+            move.write = h.id
             return [self._to_disk(h.id, h.ids, move.rank_bytes)]
         raise ValueError("no cache entry on the device" + (" or in the host tier" if move.to == "disk" else "")
                          + " shares a prefix with these tokens")
@@ -419,11 +435,119 @@ class Scheduler:
             return
         with self._lock:
             for move in self._moved + (self._moves if error else []):
+                if move.write is not None and error is None and move.error is None:
+                    self._move_writes.setdefault(move.write, []).append(move)  # answered by _writes_done
+                    continue
                 move.error = move.error or error
                 move.done.set()
             self._moved.clear()
             if error:
                 self._moves.clear()
+                for move in [m for moves in self._move_writes.values() for m in moves] + self._drops:
+                    move.error = move.error or error
+                    move.done.set()
+                self._move_writes.clear()
+                self._drops.clear()
+
+    def _writes_done(self) -> None:
+        """The disk writes every rank settled in the step just run (rank 0): the tiers changed, and the
+        demote() requests waiting on them are answered."""
+        settled, self.executor.settled = self.executor.settled, []
+        if settled:
+            self._tier_version += 1
+        if not self._move_writes:
+            return
+        # a move whose write failed is answered with the error; one that wrote, or found its file on disk
+        # already, ends with a step that drops its host copy (the entry then lives on disk only)
+        with self._lock:
+            for entry, ok in settled:
+                for move in self._move_writes.pop(entry, []):
+                    if ok and self.tiers.host is not None and entry in self.tiers.host.entries:
+                        move.write, move.drop = None, entry  # a move ends on disk only: a step drops the host copy
+                        self._drops.append(move)
+                        continue
+                    move.error = move.error or (None if ok else "its disk write failed on a rank (see the log)")
+                    move.done.set()
+            for entry in [e for e in self._move_writes if e not in self.executor.writes]:  # on disk already
+                for move in self._move_writes.pop(entry):
+                    if self.tiers.host is not None and entry in self.tiers.host.entries:
+                        move.write, move.drop = None, entry
+                        self._drops.append(move)
+                    else:
+                        move.done.set()
+
+    def _wake_to_settle(self) -> None:
+        """Rank 0's writer thread finished a write: an idle loop sends a step now to settle it."""
+        with self._lock:
+            self._written = True
+            self._lock.notify()
+
+    def _write_down(self) -> None:
+        """Graceful shutdown with a disk tier (rank 0): the entries held only on the device or in the host
+        tier are written to disk, most recently used first, within the disk budget and --shutdown-write-s,
+        so that a restart on the same --disk-cache-dir serves them from there. The requests still running
+        are cut off first (as without a write-down). Steps go on meanwhile, one or two writes queued at a
+        time (a device shard waits for its write in host memory of its own); what the limit cuts off is
+        left unwritten (a write in progress leaves a temporary file, removed at the next start)."""
+        tiers, limit = self.tiers, self.shutdown_write_s
+        if not limit or tiers is None or tiers.disk is None:
+            return
+        t0, ex, cp = time.monotonic(), self.executor, self.executor.cp
+        with self._lock:
+            running = list(self._running)
+            self._running.clear()
+        if running:
+            self._step([Finish(running)])
+        p = self._prefilling
+        if p is not None:
+            self._step([Abort(p.rid, p.entry)])
+            self._prefilling = None
+        device = sorted((e for e in self.cache.entries.values() if not e.pinned and not e.users and not e.filling),
+                        key=lambda e: -e.last_used)
+        host = sorted((e for e in tiers.host.entries.values() if not (e.written or e.writing)),
+                      key=lambda e: -e.last_used) if tiers.host is not None else []
+        room = [tiers.disk.budget - sum(tiers.disk._writing.values())] * cp  # writes in flight keep their room
+        todo = []
+        for kind, e in [("device", e) for e in device] + [("host", e) for e in host]:
+            if tiers.disk.entry_for(e.ids) is not None:
+                continue  # on disk already
+            rank_bytes = (list(e.rank_bytes) if e.rank_bytes is not None else
+                          [e.nbytes if kind == "device" else e.kv.nbytes] * cp)
+            need = [b + 8 * len(e.ids) + (1 << 20) for b in rank_bytes]  # the file's token ids and header
+            if all(n <= r for n, r in zip(need, room)):
+                room = [r - n for r, n in zip(room, need)]
+                todo.append((e.id, e.ids, rank_bytes))
+        if not todo:
+            return
+        total = sum(max(b) for _, _, b in todo)
+        log.info("shutdown: writing %d cache entries, %.2f GiB per rank at most, to %s (at most %g s, "
+                 "--shutdown-write-s)", len(todo), total / 2**30, tiers.disk.path, limit)
+        written, done_bytes, queued, n = 0, 0, {}, len(todo)
+        while (todo or ex.writes) and time.monotonic() - t0 < limit:
+            ops = []
+            if todo and len(ex.writes) < 2:
+                entry, ids, rank_bytes = todo.pop(0)
+                queued[entry] = max(rank_bytes)
+                ops = [self._to_disk(entry, ids, rank_bytes)]
+            self._step(ops)
+            for entry, ok in ex.settled:
+                if ok and entry in queued:
+                    written += 1
+                    done_bytes += queued[entry]
+                    log.info("shutdown: %d of %d entries written (%.2f GiB) in %.1f s", written, n,
+                             done_bytes / 2**30, time.monotonic() - t0)
+            ex.settled.clear()
+            if not ops:
+                time.sleep(0.05)
+        left = len(todo) + len(ex.writes)
+        log.info("shutdown: wrote %d cache entries (%.2f GiB per rank at most) to %s in %.1f s%s", written,
+                 done_bytes / 2**30, tiers.disk.path, time.monotonic() - t0,
+                 f"; {left} not written (--shutdown-write-s {limit:g} reached)" if left else "")
+
+    def _step(self, ops: list[Op]) -> None:
+        """One step of housekeeping ops on every rank (shutdown)."""
+        self._broadcast(ops)
+        self.executor.run(ops)
 
     def _close_tiers(self) -> None:
         if self.tiers is not None:
@@ -456,15 +580,17 @@ class Scheduler:
                 ops = self._plan()
                 if ops is None:  # shutting down
                     self._moves_done("the server is shutting down")
+                    self._write_down()
                     self._broadcast(None)
                     return
                 self._broadcast(ops)
                 t0 = time.perf_counter()
-                tokens, failures = self.executor.run(ops) if ops else ({}, {})
+                tokens, failures = self.executor.run(ops)  # also an empty step: every rank settles disk writes
                 if any(isinstance(op, (Evict, Demote, Promote)) for op in ops):
                     self._tier_version += 1
                 self._deliver(tokens, failures)
                 self._moves_done()
+                self._writes_done()
                 self._time_step(ops, time.perf_counter() - t0)
         except Exception as e:  # a dead or hung rank, or a bug: fail what is in flight, refuse the rest
             log.error("engine stopped: %s", e)
@@ -480,6 +606,7 @@ class Scheduler:
         """Log a slow step (kernel compilation, a CUDA-graph capture, a long chunk): operators see what
         stalled the streams; stats() keeps the last few. A step's time ends when its tokens are read,
         so a step without tokens (a middle chunk) is counted in the next one."""
+        self.longest_step_s = max(self.longest_step_s, seconds)
         if seconds < SLOW_STEP_S:
             return
         what = ", ".join(f"{type(op).__name__}" + (f" {op.start}:{op.end}" if isinstance(op, PrefillChunk) else "")
@@ -549,12 +676,20 @@ class Scheduler:
         then a decode if rows run and the last step was not one, else one prefill-side action."""
         with self._lock:
             while (not self._stop and not self._waiting and not self._running and self._prefilling is None
-                   and not self._moves):
-                if not self._lock.wait(IDLE_TICK_S) and self.control is not None:
-                    return []  # keep the other ranks' broadcast from timing out
+                   and not self._moves and not self._drops):
+                if self._written:  # an empty step settles the disk write (serving/executor.py, settle_writes)
+                    self._written = False
+                    return []
+                tick = WRITE_TICK_S if self.executor.writes else IDLE_TICK_S
+                if not self._lock.wait(tick) and (self.control is not None or self.executor.writes):
+                    return []  # keep the other ranks' broadcast from timing out; settle the disk writes
             if self._stop:
                 return None
             ops = self._housekeeping()
+            if self._drops:  # demote() moves whose files are committed: their host copies go (answered after)
+                self._moved += self._drops
+                ops.append(Evict(sorted({m.drop for m in self._drops})))
+                self._drops = []
             moves = self._requested_moves() if self._moves else []
             if moves:  # a step of its own: the next plan sees the entry gone
                 return ops + moves
@@ -703,7 +838,8 @@ class Scheduler:
                 self._start(req)
                 if kind == "promote":
                     promote = self._promote(req, *entry)
-                    ops += self._make_room(victims, promoting=promote.entry if promote.source == "host" else None)
+                    moving = promote.source == "host" and promote.copy_of is None
+                    ops += self._make_room(victims, promoting=promote.entry if moving else None)
                     ops.append(promote)
                     entry_id = promote.entry
                 else:
@@ -759,6 +895,9 @@ class Scheduler:
         """The op that brings `lower` back to the device (the lookup counted in its tier's stats)."""
         if tier == "host":
             self.tiers.host.lookup(req.ids)
+            if lower.writing:  # its disk write is in flight: a copy comes up, the host entry stays until settled
+                return Promote(entry=self.cache.next_id(), source="host", ids=None,
+                               rank_bytes=self._promoted_bytes(tier, lower), copy_of=lower.id)
             return Promote(entry=lower.id, source="host", ids=None, rank_bytes=self._promoted_bytes(tier, lower))
         self.tiers.disk.get(req.ids, only=self.tiers.disk_bytes)
         return Promote(entry=self.cache.next_id(), source="disk", ids=lower.ids.tolist(),
@@ -766,9 +905,11 @@ class Scheduler:
 
     def _make_room(self, victims: list[int], promoting: int | None = None) -> list[Op]:
         """The ops that free the device's `victims` (least recently used first): each moves one tier down,
-        to the host tier when its shard fits there (that tier's least recently used entries moving on to
-        disk, or dropped), else to disk, else it is dropped. `promoting`: a host entry this step brings up
-        (its room counts as free; never a victim). Pinned (APB) entries are never tiered."""
+        to the host tier when its shard fits there beside the host entries that must stay (those being
+        written to disk, and those not on disk yet: their writes start here, in the background, so that
+        they may be dropped later), else to disk (written in the background), else it is dropped.
+        `promoting`: a host entry this step brings up (its room counts as free; never a victim). Pinned
+        (APB) entries are never tiered."""
         tiers = self.tiers
         if not victims:
             return []
@@ -777,6 +918,7 @@ class Scheduler:
         ops: list[Op] = []
         drop: list[int] = []
         gone = {promoting} if promoting is not None else set()
+        started: set[int] = set()  # host entries whose write this step starts
         arriving = [0] * self.executor.cp
         for v in victims:
             e = self.cache.entries[v]
@@ -784,39 +926,58 @@ class Scheduler:
             if e.pinned:
                 drop.append(v)
                 continue
-            out = self._host_room(rank_bytes, gone, arriving) if tiers.host is not None else None
-            if out is not None:
-                for h in out:
-                    gone.add(h)
-                    he = tiers.host.entries[h]
-                    ops.append(self._to_disk(h, he.ids, he.rank_bytes or [he.kv.nbytes] * self.executor.cp))
-                arriving = [a + b for a, b in zip(arriving, rank_bytes)]
-                ops.append(Demote(v, "host"))
-            elif tiers.disk is not None:
+            fits = False
+            if tiers.host is not None:
+                out, writes, fits = self._host_room(rank_bytes, gone, arriving, started)
+                started.update(writes)
+                ops += [self._to_disk(h, None, None) for h in writes]
+                if fits:
+                    drop += out
+                    gone.update(out)
+                    arriving = [a + b for a, b in zip(arriving, rank_bytes)]
+                    ops.append(Demote(v, "host"))
+                    continue
+            if tiers.disk is not None:
                 ops.append(self._to_disk(v, e.ids, rank_bytes))
             else:
                 drop.append(v)
         return ([Evict(drop)] if drop else []) + ops
 
     def _to_disk(self, entry: int, ids, rank_bytes) -> Op:
+        """A demotion to disk (a host entry's: ids and rank_bytes None, read from it)."""
+        if ids is None:
+            he = self.tiers.host.entries[entry]
+            ids, rank_bytes = he.ids, he.rank_bytes or [he.kv.nbytes] * self.executor.cp
         if self.tiers.disk is None:
             return Evict([entry])
         self.tiers.disk_bytes[token_digest(ids)] = list(rank_bytes)  # what a promotion of the file will need
         return Demote(entry, "disk")
 
-    def _host_room(self, need: list[int], gone: set[int], arriving: list[int]) -> list[int] | None:
-        """Host entries to move on (least recently used first) so that `need` fits on every rank beside the
-        entries not `gone` and the bytes `arriving` this step; None when it never fits."""
-        host = self.tiers.host
+    def _host_room(self, need: list[int], gone: set[int], arriving: list[int],
+                   started: set[int] = frozenset()) -> tuple[list[int], list[int], bool]:
+        """(host entries to drop, host entries whose disk write to start, whether `need` then fits on every
+        rank beside the entries not `gone` and the bytes `arriving` this step). Least recently used first;
+        an entry is dropped only when nothing is lost (its file is on disk, or there is no disk tier); one
+        being written stays; one not yet written stays too, its write started (droppable once committed)."""
+        host, disk = self.tiers.host, self.tiers.disk
+        if any(n > host.budget for n in need):
+            return [], [], False  # never fits: no write is started for it
         kept = [e for e in host.entries.values() if e.id not in gone]
         free = [host.budget - sum(e.bytes_on(r) for e in kept) - arriving[r] - need[r] for r in range(len(need))]
-        out = []
+        later = list(free)  # the room once the writes in flight and those started here are committed
+        drop, writes = [], []
         for e in sorted(kept, key=lambda e: e.last_used):
             if min(free) >= 0:
                 break
-            out.append(e.id)
-            free = [f + e.bytes_on(r) for r, f in enumerate(free)]
-        return out if min(free) >= 0 else None
+            if e.written or disk is None:
+                drop.append(e.id)
+                free = [f + e.bytes_on(r) for r, f in enumerate(free)]
+            elif min(later) >= 0:
+                continue  # enough is being written already
+            elif not e.writing and e.id not in started:
+                writes.append(e.id)
+            later = [f + e.bytes_on(r) for r, f in enumerate(later)]
+        return drop, writes, min(free) >= 0
 
     def _doc_work(self):
         """The next chunk of the document being prefilled, else the oldest new document's first step

@@ -22,6 +22,10 @@ class TierStats:
     rejected: int = 0  # files skipped as damaged or unreadable (disk)
     unpinned_fallbacks: int = 0  # shard buffers the host arena had no room for: pageable instead (host)
     reload_seconds_sum: float = 0.0
+    writes_in_flight: int = 0  # files reserved and being written (or queued), not yet listed (disk)
+    write_bytes: int = 0  # bytes of files written and listed (disk)
+    write_seconds_sum: float = 0.0  # seconds those writes took on their writer thread (disk)
+    write_failures: int = 0  # writes given up (an I/O error on this rank; disk)
     # cumulative counts per RELOAD_BUCKETS bound (Prometheus' histogram), the last one +Inf
     reload_buckets: list[int] = field(default_factory=lambda: [0] * (len(RELOAD_BUCKETS) + 1))
 
@@ -33,7 +37,8 @@ class TierStats:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("bytes", "entries", "lookups", "hits", "demotions", "promotions",
-                                           "evictions", "rejected", "unpinned_fallbacks", "reload_seconds_sum")}
+                                           "evictions", "rejected", "unpinned_fallbacks", "reload_seconds_sum",
+                                           "writes_in_flight", "write_bytes", "write_seconds_sum", "write_failures")}
         d["reload_seconds_count"] = self.reload_buckets[-1]
         d["reload_seconds_buckets"] = dict(zip([*map(str, RELOAD_BUCKETS), "+Inf"], self.reload_buckets))
         return d

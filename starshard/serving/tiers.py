@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
 from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
+from starshard.serving.disk_writer import DiskWriter
 from starshard.serving.host_tier import HostTier
 from starshard.serving.pinned_arena import PinnedArena
 from starshard.serving.reload_policy import POLICIES
@@ -28,6 +29,7 @@ from starshard.serving.reload_policy import POLICIES
 log = logging.getLogger("starshard.serve")
 
 GiB = 2**30
+SHUTDOWN_WRITE_S = 120.0  # --shutdown-write-s's default
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,14 @@ class TierConfig:
     disk_dir: str | Path | None = None
     disk_bytes: int = 0
     disk_reload: str = "auto"  # when a disk hit is promoted (serving/reload_policy.py): "auto" or "always"
+    shutdown_write_s: float = SHUTDOWN_WRITE_S  # graceful shutdown: seconds to write entries down to disk (0: skip)
 
     @classmethod
     def from_gib(cls, host_gib: float = 0.0, disk_dir=None, disk_gib: float | None = None,
-                 disk_reload: str = "auto") -> "TierConfig":
+                 disk_reload: str = "auto", shutdown_write_s: float = None) -> "TierConfig":
+        shutdown_write_s = SHUTDOWN_WRITE_S if shutdown_write_s is None else shutdown_write_s
+        if shutdown_write_s < 0:
+            raise ValueError(f"--shutdown-write-s must be >= 0 seconds (0: write nothing down), got {shutdown_write_s}")
         if disk_reload not in POLICIES:
             raise ValueError(f"--disk-reload-policy must be one of {', '.join(POLICIES)}, got {disk_reload!r}")
         if host_gib < 0:
@@ -51,7 +57,7 @@ class TierConfig:
         if disk_dir is not None and (disk_gib is None or disk_gib <= 0):
             raise ValueError(f"--disk-cache-dir needs --disk-cache-gib > 0 (the disk tier's budget per rank), "
                              f"got {disk_gib}")
-        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB), disk_reload)
+        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB), disk_reload, shutdown_write_s)
 
     @property
     def any(self) -> bool:
@@ -85,10 +91,12 @@ class Tiers:
         # the host budget is page-locked here, once (seconds for many GiB), not per demoted shard
         self.host = HostTier(config.host_bytes, ranks, PinnedArena(config.host_bytes)) if config.host_bytes else None
         self.disk = None
+        self.writer: DiskWriter | None = None  # the disk tier's writer thread (background writes)
         self.token_bytes = token_bytes
         self.disk_bytes: dict[str, list[int]] = {}
         if config.disk_dir is not None:
             self._open_disk(config, ranks, cp_rank, key, control)
+            self.writer = DiskWriter(self.disk)
 
     def _open_disk(self, config: TierConfig, ranks: int, cp_rank: int, key: CacheKey, control) -> None:
         """Every rank opens (locks, indexes) its files, then one all-gather: rank 0 learns each entry's shard
@@ -129,6 +137,8 @@ class Tiers:
         return self.host.arena if self.host is not None else None
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
         if self.disk is not None:
             self.disk.close()
         if self.host is not None and self.host.arena is not None:

@@ -3,6 +3,7 @@ pool with a few tokens already held."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -21,6 +22,14 @@ def submit(svc, prompt, max_tokens: int, sampling: SamplingConfig | None = None)
 
     svc.submit(prompt, max_tokens=max_tokens, sampling=sampling or SamplingConfig(), on_event=on_event)
     return events, done
+
+
+def settle_writes(svc, timeout: float = 30.0) -> None:
+    """Wait until every background disk write the service started is committed or given up on every rank."""
+    deadline = time.monotonic() + timeout
+    while svc.executor.writes:
+        assert time.monotonic() < deadline, f"disk writes still open: {list(svc.executor.writes)}"
+        time.sleep(0.01)
 
 
 def pool_with_history(prefix: list[int], hkv: int, d: int, new: int, held: int = 3):

@@ -23,7 +23,7 @@ from starshard.serving.scheduler import Scheduler
 from starshard.serving.tiers import TierConfig
 from starshard.server.metrics import ServerMetrics
 from tests.helpers.mp_harness import run_ranks
-from tests.helpers.service import submit
+from tests.helpers.service import settle_writes, submit
 
 STEPS = 4
 
@@ -146,6 +146,7 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
     try:
         _ask(svc, d1 + q1, len(d1))
         _ask(svc, d2 + q1, len(d2))  # d1 -> disk (no host tier)
+        settle_writes(svc)
         with pytest.raises(DiskTierLocked, match="rank0.lock"):  # a second server on the directory
             Scheduler(tiny, cache_bytes=budget, tiers=tiers)
         tokens, cached = _ask(svc, d1 + q2, len(d1))
@@ -187,10 +188,12 @@ def test_disk_reload_slower_than_prefill_is_skipped(tiny, tmp_path, caplog):
         _ask(svc, d1 + q1, len(d1))
         assert policy.prefill.per_unit > 0 and policy.reload.per_unit is None  # a prefill's chunks measured
         _ask(svc, d2 + q1, len(d2))  # d1 -> disk
+        settle_writes(svc)
         policy.observe_reload(1.0, 1)  # a disk of one byte a second: slower than any prefill
         chunks = svc.counters["prefill_chunks_total"]
         with caplog.at_level(logging.INFO, logger="starshard.serve"):
             tokens, cached = _ask(svc, d1 + q2, len(d1))  # prefilled, as if nothing were cached; d2 -> disk
+        settle_writes(svc)
         assert tokens == want[0] and cached == 0 and svc.counters["prefill_chunks_total"] == chunks + 3
         assert len([r for r in caplog.records if "prefilled instead" in r.getMessage()]) == 1
         stats = svc.stats()["tiers"]["disk"]
@@ -222,8 +225,10 @@ def test_fp8_kv_stays_e4m3_through_host_and_disk(tmp_path):
         want2 = _ask(never, d2 + q2, len(d2))[0]
     finally:
         never.shutdown()
-    # the host tier holds one document, so the third one's demotion sends the oldest on to disk
-    svc = _service(llm, TierConfig(host_bytes=int(1.5 * entry), disk_dir=tmp_path, disk_bytes=1 << 30), budget)
+    # the host tier holds one document: the third one's demotion starts writing the host's (d2) to disk, which
+    # stays in host until written, and sends the device's (d1) straight to disk
+    svc = _service(llm, TierConfig(host_bytes=int(1.5 * entry), disk_dir=tmp_path, disk_bytes=1 << 30,
+                                   disk_reload="always"), budget)
     try:
         _ask(svc, d1 + q1, len(d1))
         _ask(svc, d2 + q1, len(d2))
@@ -233,11 +238,17 @@ def test_fp8_kv_stays_e4m3_through_host_and_disk(tmp_path):
         assert tokens == want and cached == len(d1)
         entry_kv = next(e for e in svc.cache.entries.values() if list(e.ids) == d1 + q1).kv
         assert all(layer.k.dtype == torch.float8_e4m3fn for layer in entry_kv.layers.values())
-        _ask(svc, [9] * 90, 80)  # a third document: d2 moves host -> disk
-        assert [list(e.ids) for e in svc.tiers.disk.entries.values()] == [d2 + q1]
-        assert read_header(next(iter(svc.tiers.disk.entries.values())).path).fp8
+        _ask(svc, [9] * 90, 80)  # a third document: d1 device -> disk, d2 host -> disk (kept in host)
+        settle_writes(svc)
+        assert sorted(list(e.ids) for e in svc.tiers.disk.entries.values()) == sorted([d1 + q1, d2 + q1])
+        assert all(read_header(e.path).fp8 for e in svc.tiers.disk.entries.values())
+        assert [list(e.ids) for e in svc.tiers.host.entries.values()] == [d2 + q1]
+        tokens, cached = _ask(svc, d1 + q2, len(d1))  # from disk
+        assert tokens == want and cached == len(d1) and svc.stats()["tiers"]["disk"]["promotions"] == 1
+        # the third document's entry took the host's room: d2 (on disk by now) was dropped from host
+        assert [list(e.ids) for e in svc.tiers.host.entries.values()] == [[9] * 90]
         tokens, cached = _ask(svc, d2 + q2, len(d2))  # from disk
-        assert tokens == want2 and cached == len(d2)
+        assert tokens == want2 and cached == len(d2) and svc.stats()["tiers"]["disk"]["promotions"] == 2
     finally:
         svc.shutdown()
 
@@ -247,7 +258,7 @@ def _cp2(rank, world, directory):
     (d1, d2), (q1, q2, q3) = _docs(seed=8)
     solo = [llm.generate(d + q, max_new_tokens=STEPS).token_ids for d, q in ((d1, q2), (d1, q3), (d2, q2))]
     budget, _ = _budget(llm, len(d1) + len(q1))
-    tiers = TierConfig(disk_dir=directory, disk_bytes=1 << 30)
+    tiers = TierConfig(disk_dir=directory, disk_bytes=1 << 30, shutdown_write_s=0)  # only what evictions wrote
     out = dict(solo=solo)
     for run in range(2):  # the second is a restart on the same directory
         if run == 1 and rank == 1:  # rank 1's copy of d2 damaged in its payload: found only when loaded
@@ -262,6 +273,7 @@ def _cp2(rank, world, directory):
             if run == 0:
                 _ask(svc, d1 + q1, len(d1))
                 _ask(svc, d2 + q1, len(d2))  # d1's shards -> disk, each rank its own
+                settle_writes(svc)
                 out["first"] = _ask(svc, d1 + q2, len(d1))
             else:
                 out["restart"] = _ask(svc, d1 + q3, len(d1))
