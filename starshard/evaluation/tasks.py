@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
@@ -344,16 +345,24 @@ def make_sample(task: str, tok: Tokenizer, length: int, depth: float | None, see
                   parts.answer_prefix, spans, budget)
 
 
-def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0) -> list[Sample]:
+def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0,
+                 workers: int = 1) -> list[Sample]:
     """Every (task, length, depth) cell `per_cell` times. Tasks without a needle get the same number of
-    samples per length (depth None), so each task weighs the same in the summaries."""
-    out = []
+    samples per length (depth None), so each task weighs the same in the summaries. `workers` threads
+    make them (the tokenizer's encode releases the GIL); each sample is its own seed's, so the list is
+    the same for any count."""
+    cells = []
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
         for L in lengths:
             if TASKS[t].uses_depth:
-                out += [make_sample(t, tok, L, d, seed * 1000 + i, reserve) for d in depths for i in range(per_cell)]
+                cells += [(t, L, d, seed * 1000 + i) for d in depths for i in range(per_cell)]
             else:
-                out += [make_sample(t, tok, L, None, seed * 1000 + i, reserve) for i in range(per_cell * len(depths))]
-    return out
+                cells += [(t, L, None, seed * 1000 + i) for i in range(per_cell * len(depths))]
+    make = lambda c: make_sample(c[0], tok, c[1], c[2], c[3], reserve)  # noqa: E731
+    if workers <= 1 or len(cells) <= 1:
+        return [make(c) for c in cells]
+    count_tokens(tok, "x")  # the tokenizer's settings made once, before threads share it
+    with ThreadPoolExecutor(min(workers, len(cells))) as pool:
+        return list(pool.map(make, cells))
