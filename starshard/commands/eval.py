@@ -92,6 +92,11 @@ def parse_args(argv=None):
                    help="no model run: print the strategy-vs-dense table (accuracy and ratio to the run labelled "
                         "dense, else the first) of these run directories, paired on their common samples")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="start no new sample S seconds after the command started (loading and prompt making "
+                        "count) and write what ran (summary.json says "
+                        "\"stopped_early\"); samples run seed by seed over every cell, so a cut run keeps a "
+                        "balanced share of each task, length and depth (one process only: not under torchrun)")
     add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -123,6 +128,8 @@ def parse_args(argv=None):
         ap.error(f"--depths must lie in [0, 1], got {args.depths}")
     if not args.lengths or min(args.lengths) <= 0 or args.samples_per_cell < 1 or args.max_new_tokens < 1:
         ap.error("--lengths, --samples-per-cell and --max-new-tokens must be positive")
+    if args.time_limit is not None and args.time_limit < 0:
+        ap.error(f"--time-limit must be >= 0 seconds, got {args.time_limit}")
     if args.sample_workers < 1:
         ap.error(f"--sample-workers must be >= 1, got {args.sample_workers}")
     return args
@@ -185,13 +192,17 @@ def build_llm(args, llm_cls=None):
         raise
 
 
-def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = True, label: str = "eval") -> list[dict]:
-    """Run every sample through llm.generate (greedy) and score it; one row per sample."""
+def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = True, label: str = "eval",
+             deadline: float | None = None) -> list[dict]:
+    """Run every sample through llm.generate (greedy) and score it; one row per sample. With a
+    `deadline` (time.time()) no sample starts after it: the rows of those that ran."""
     from tqdm import tqdm
 
     rows, total = [], 0.0
     bar = tqdm(samples, desc=label, unit="sample", disable=not progress, dynamic_ncols=True)
     for s in bar:
+        if deadline is not None and time.time() > deadline:
+            break
         kw = dict(context=s.context, question=s.question, max_new_tokens=max_new_tokens, temperature=0.0)
         if not chat:  # the question goes on as the query, the answer cue at its end
             kw.update(question=f"{s.question} {s.answer_prefix}".strip(), raw=True)
@@ -208,6 +219,7 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
 
 
 def main(argv=None, llm_cls=None) -> int:
+    started = time.time()
     args = parse_args(argv)
 
     if args.compare:
@@ -235,9 +247,15 @@ def main(argv=None, llm_cls=None) -> int:
     samples = make_samples(args.tasks, tok, args.lengths, args.depths, args.samples_per_cell, args.seed, reserve,
                            workers=args.sample_workers)
     sample_seconds = time.time() - t0
+    # Seed by seed over every (task, length, depth) cell: a run cut by --time-limit stays balanced.
+    samples.sort(key=lambda s: s.seed)
+    if args.time_limit is not None and getattr(topo, "world_size", 1) > 1:
+        raise SystemExit("error: --time-limit stops one process on its own clock; the ranks of a torchrun group "
+                         "would stop at different samples: drop it (or run one process, e.g. --cp 1 --num-blocks N)")
     name = args.strategy_name or args.cp_strategy or "dense"
     rows = evaluate(llm, samples, chat=chat, max_new_tokens=args.max_new_tokens,
-                    progress=lead and not args.no_progress, label=f"eval {name}")
+                    progress=lead and not args.no_progress, label=f"eval {name}",
+                    deadline=None if args.time_limit is None else started + args.time_limit)
     if not lead:
         return 0
     meta = {"strategy": name, "model": str(getattr(llm, "path", args.model)), "tasks_version": TASKS_VERSION,
@@ -246,6 +264,7 @@ def main(argv=None, llm_cls=None) -> int:
             "samples_per_cell": args.samples_per_cell, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
             "reserve_tokens": reserve, "seconds": round(time.time() - t0, 1),
             "prompt_seconds": round(sample_seconds, 1),  # of "seconds": making the prompts, before the model ran
+            "stopped_early": None if len(rows) == len(samples) else f"--time-limit: {len(rows)} of {len(samples)} samples ran",
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     summary = report.write_run(args.out, rows, meta)
     if not (args.out / "heatmap.png").is_file() and summary["by_length_depth"]:

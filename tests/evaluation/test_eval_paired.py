@@ -6,7 +6,9 @@ import importlib.util
 import json
 import random
 import re
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,3 +130,43 @@ def test_paired_kept_share_per_task_and_length(tmp_path, capsys):
     assert "66.7 (2/3) +1" in capsys.readouterr().out
     saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert saved["runs"]["star"]["paired"]["all"]["all"]["right"] == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# --time-limit: a run cut short keeps whole seeds
+
+
+class SlowReader:
+    """Answers every needle (echoes the context) and takes `pause` seconds a sample."""
+
+    pause = 0.0
+
+    def __init__(self, path=None, **kwargs):
+        self.tokenizer = Words()
+
+    def generate(self, *, context, question, max_new_tokens, temperature, raw=False):
+        time.sleep(self.pause)
+        return SimpleNamespace(text=context, token_ids=[], metrics={})
+
+
+class Slow(SlowReader):
+    pause = 1.0  # against --time-limit 1.5: the second sample starts at ~1 s, the third would at ~2 s
+
+
+def test_time_limit_writes_what_ran_seed_by_seed(tmp_path):
+    spec = importlib.util.spec_from_file_location("eval_cli_limit", ROOT / "starshard" / "commands" / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    common = ["--tasks", "niah_essay,multikey", "--lengths", "300", "--depths", "0.5", "--samples-per-cell", "3",
+              "--max-new-tokens", "8", "--no-progress", "--format", "completion"]
+    assert cli.main(common + ["--out", str(tmp_path / "all")], llm_cls=SlowReader) == 0
+    rows = [json.loads(x) for x in (tmp_path / "all" / "samples.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2]  # every task's seed 0, then seed 1, ...
+    assert json.loads((tmp_path / "all" / "summary.json").read_text())["stopped_early"] is None
+    assert cli.main(common + ["--out", str(tmp_path / "cut"), "--time-limit", "1.5"], llm_cls=Slow) == 0
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert cut["summary"]["samples"] == 2 and cut["stopped_early"] == "--time-limit: 2 of 6 samples ran"
+    assert {r["task"] for r in map(json.loads, (tmp_path / "cut" / "samples.jsonl").read_text().splitlines())} == \
+        {"niah_essay", "multikey"}
+    with pytest.raises(SystemExit):
+        cli.parse_args(common + ["--out", "x", "--time-limit", "-1"])
