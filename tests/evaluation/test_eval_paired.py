@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from starshard.evaluation import report, tasks
+from starshard.evaluation.scoring import score
 from starshard.evaluation.tasks import count_tokens, make_sample, make_samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +46,8 @@ def test_multikey_has_four_needles_and_asks_one(depth):
     # The asked needle starts at the stated depth; the distractors lie on the roomier side of it.
     assert abs(s.needle_spans[0][0] / len(s.context) - depth) <= 0.02
     assert s == make_sample("multikey", Words(), 2000, depth, seed=11)  # deterministic from the seed
-    wrong = [v for v in values[1:]]
-    from starshard.evaluation.scoring import score
-    assert score(s.answers, s.metric, f" {values[0]}.") == 1.0
-    assert all(score(s.answers, s.metric, f" {v}.") == 0.0 for v in wrong)
+    assert score(s.answers, s.metric, f" {values[0]}.") == 1.0  # a distractor's number scores 0
+    assert all(score(s.answers, s.metric, f" {v}.") == 0.0 for v in values[1:])
 
 
 @pytest.mark.parametrize("tok,task,budget", [(Words(), "niah_essay", 900), (Chars(), "multikey", 2500),
