@@ -8,6 +8,10 @@ Lengths are whole sequences in model tokens: context + question + prompt templat
 budget (--max-new-tokens), so 8192 fits an 8K window. Runs with the same --lengths, depths, --seed,
 --format and --max-new-tokens see the same prompts, so --compare pairs them sample by sample.
 
+--compare adds, sample by sample, the share of the samples dense answers right that each strategy
+answers right too ("kept", per task and length) and the median prefill seconds per length; with
+--out it writes compare.md and compare.json (the same numbers) there.
+
 Writes to --out: samples.jsonl (each sample's output and score), summary.json (accuracy per task,
 length and depth), table.md, heatmap.png (length x depth, needle tasks) and heatmap_<task>.png.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,6 +71,10 @@ def parse_args(argv=None):
     t.add_argument("--samples-per-cell", type=int, default=1,
                    help="samples per (task, length, depth) cell, each with its own seed (default: 1)")
     t.add_argument("--seed", type=int, default=0, help="task generator seed (default: 0)")
+    t.add_argument("--sample-workers", type=int, default=min(8, os.cpu_count() or 1), metavar="N",
+                   help="threads that make the prompts before the model runs (sizing a prompt to its length "
+                        "tokenizes it a few times: ~0.3 s a 30K-token prompt on one core); the prompts are the "
+                        "same for any N (default: min(8, CPU cores))")
     g = ap.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=64,
                    help="answer budget per sample, greedy; chat answers restate the question (default: 64)")
@@ -82,6 +92,11 @@ def parse_args(argv=None):
                    help="no model run: print the strategy-vs-dense table (accuracy and ratio to the run labelled "
                         "dense, else the first) of these run directories, paired on their common samples")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="start no new sample S seconds after the command started (loading and prompt making "
+                        "count) and write what ran (summary.json says "
+                        "\"stopped_early\"); samples run seed by seed over every cell, so a cut run keeps a "
+                        "balanced share of each task, length and depth (one process only: not under torchrun)")
     add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -113,6 +128,10 @@ def parse_args(argv=None):
         ap.error(f"--depths must lie in [0, 1], got {args.depths}")
     if not args.lengths or min(args.lengths) <= 0 or args.samples_per_cell < 1 or args.max_new_tokens < 1:
         ap.error("--lengths, --samples-per-cell and --max-new-tokens must be positive")
+    if args.time_limit is not None and args.time_limit < 0:
+        ap.error(f"--time-limit must be >= 0 seconds, got {args.time_limit}")
+    if args.sample_workers < 1:
+        ap.error(f"--sample-workers must be >= 1, got {args.sample_workers}")
     return args
 
 
@@ -173,13 +192,17 @@ def build_llm(args, llm_cls=None):
         raise
 
 
-def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = True, label: str = "eval") -> list[dict]:
-    """Run every sample through llm.generate (greedy) and score it; one row per sample."""
+def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = True, label: str = "eval",
+             deadline: float | None = None) -> list[dict]:
+    """Run every sample through llm.generate (greedy) and score it; one row per sample. With a
+    `deadline` (time.time()) no sample starts after it: the rows of those that ran."""
     from tqdm import tqdm
 
     rows, total = [], 0.0
     bar = tqdm(samples, desc=label, unit="sample", disable=not progress, dynamic_ncols=True)
     for s in bar:
+        if deadline is not None and time.time() > deadline:
+            break
         kw = dict(context=s.context, question=s.question, max_new_tokens=max_new_tokens, temperature=0.0)
         if not chat:  # the question goes on as the query, the answer cue at its end
             kw.update(question=f"{s.question} {s.answer_prefix}".strip(), raw=True)
@@ -196,6 +219,7 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
 
 
 def main(argv=None, llm_cls=None) -> int:
+    started = time.time()
     args = parse_args(argv)
 
     if args.compare:
@@ -203,6 +227,8 @@ def main(argv=None, llm_cls=None) -> int:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "compare.md").write_text(table + "\n")
+            summary = report.compare_summary(args.compare)
+            (args.out / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(table)
         return 0
 
@@ -218,10 +244,18 @@ def main(argv=None, llm_cls=None) -> int:
     chat = args.format == "chat"
     reserve = template_overhead(tok, chat) + args.max_new_tokens
     t0 = time.time()
-    samples = make_samples(args.tasks, tok, args.lengths, args.depths, args.samples_per_cell, args.seed, reserve)
+    samples = make_samples(args.tasks, tok, args.lengths, args.depths, args.samples_per_cell, args.seed, reserve,
+                           workers=args.sample_workers)
+    sample_seconds = time.time() - t0
+    # Seed by seed over every (task, length, depth) cell: a run cut by --time-limit stays balanced.
+    samples.sort(key=lambda s: s.seed)
+    if args.time_limit is not None and getattr(topo, "world_size", 1) > 1:
+        raise SystemExit("error: --time-limit stops one process on its own clock; the ranks of a torchrun group "
+                         "would stop at different samples: drop it (or run one process, e.g. --cp 1 --num-blocks N)")
     name = args.strategy_name or args.cp_strategy or "dense"
     rows = evaluate(llm, samples, chat=chat, max_new_tokens=args.max_new_tokens,
-                    progress=lead and not args.no_progress, label=f"eval {name}")
+                    progress=lead and not args.no_progress, label=f"eval {name}",
+                    deadline=None if args.time_limit is None else started + args.time_limit)
     if not lead:
         return 0
     meta = {"strategy": name, "model": str(getattr(llm, "path", args.model)), "tasks_version": TASKS_VERSION,
@@ -229,6 +263,8 @@ def main(argv=None, llm_cls=None) -> int:
             "engine": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in engine_flags(args).items()}, "tasks": args.tasks, "lengths": args.lengths, "depths": args.depths,
             "samples_per_cell": args.samples_per_cell, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
             "reserve_tokens": reserve, "seconds": round(time.time() - t0, 1),
+            "prompt_seconds": round(sample_seconds, 1),  # of "seconds": making the prompts, before the model ran
+            "stopped_early": None if len(rows) == len(samples) else f"--time-limit: {len(rows)} of {len(samples)} samples ran",
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     summary = report.write_run(args.out, rows, meta)
     if not (args.out / "heatmap.png").is_file() and summary["by_length_depth"]:

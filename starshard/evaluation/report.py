@@ -93,10 +93,23 @@ def load_run(path: Path) -> Run:
     return Run(meta.get("strategy", path.name), rows, path, meta)
 
 
-def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
-    """Markdown: each strategy's accuracy and its ratio to the base run (the one named `base`, else
-    the first), per task and per length. Paired: only samples present in every run count, so every
-    strategy is scored on the same prompts."""
+@dataclass
+class Paired:
+    """Runs restricted to the samples every one of them has: `kept[name]` their rows, `ref` the base run."""
+
+    runs: list[Run]
+    ref: Run
+    common: set
+    kept: dict[str, list[dict]]
+
+    @property
+    def others(self) -> list[Run]:
+        return [r for r in self.runs if r is not self.ref]
+
+
+def pair_runs(run_dirs: list[Path], base: str = "dense") -> Paired:
+    """Load run directories and keep the samples (task, length, depth, seed) present in all; the base
+    run is the one named `base`, else the first. Refuses runs whose prompts differ (PROMPT_FIELDS)."""
     runs = [load_run(d) for d in run_dirs]
     for f in PROMPT_FIELDS:
         seen = {str(r.meta.get(f)) for r in runs}
@@ -114,7 +127,80 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
         raise ValueError("the runs share no samples (task, length, depth, seed): were they made with the same "
                          "--tasks/--lengths/--depths/--seed?")
     kept = {r.name: [row for row in r.rows if _key(row) in common] for r in runs}
-    others = [r for r in runs if r is not ref]
+    return Paired(runs, ref, common, kept)
+
+
+def _right(row: dict) -> bool:
+    """Answered right: every expected answer found (score 1; partial credit does not count)."""
+    return row["score"] >= 1.0
+
+
+def kept_stats(ref_rows: list[dict], rows: list[dict]) -> dict:
+    """Sample by sample against the reference: of the `of` samples it answers right, `right` are right
+    here too (`kept` = right / of, None when of = 0); `gained`: right here where the reference missed."""
+    mine = {_key(r): _right(r) for r in rows}
+    ref_right = [_key(r) for r in ref_rows if _right(r)]
+    ref_wrong = [_key(r) for r in ref_rows if not _right(r)]
+    right = sum(mine[k] for k in ref_right)
+    return {"n": len(ref_rows), "of": len(ref_right), "right": right,
+            "kept": right / len(ref_right) if ref_right else None, "gained": sum(mine[k] for k in ref_wrong)}
+
+
+def _cells(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """(task, length) -> rows, plus ("all", length) and ("all", "all")."""
+    out: dict = defaultdict(list)
+    for r in rows:
+        for key in ((r["task"], str(r["length"])), ("all", str(r["length"])), ("all", "all")):
+            out[key].append(r)
+    return out
+
+
+def _cell_order(keys) -> list[tuple[str, str]]:
+    return sorted(keys, key=lambda k: (k[0] == "all", k[0], k[1] == "all", int(k[1]) if k[1].isdigit() else 0))
+
+
+def _seconds(rows: list[dict], field: str) -> float | None:
+    """Median of a per-sample metric (the first sample of a run carries the kernels' compilation)."""
+    xs = sorted(float(r["metrics"][field]) for r in rows if (r.get("metrics") or {}).get(field) is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def compare_summary(run_dirs: list[Path], base: str = "dense") -> dict:
+    """compare_table's numbers as JSON: per run its accuracy per (task, length) on the common samples,
+    its paired `kept` share against the reference (kept_stats) and its median prefill / decode seconds
+    per length."""
+    p = pair_runs(run_dirs, base)
+    ref_cells = _cells(p.kept[p.ref.name])
+    out = {"reference": p.ref.name, "samples": len(p.common), "runs": {}}
+    for r in p.runs:
+        cells = _cells(p.kept[r.name])
+        entry = {"path": str(r.path), "strategy": r.meta.get("strategy"), "engine": r.meta.get("engine"),
+                 "seconds": r.meta.get("seconds"), "prompt_seconds": r.meta.get("prompt_seconds"),
+                 "left_out": len(r.rows) - len(p.kept[r.name]), "accuracy": {}, "paired": {},
+                 "prefill_seconds": {}, "decode_seconds": {}}
+        for task, L in _cell_order(cells):
+            rows = cells[(task, L)]
+            entry["accuracy"].setdefault(task, {})[L] = _mean([x["score"] for x in rows])
+            if r is not p.ref:
+                entry["paired"].setdefault(task, {})[L] = kept_stats(ref_cells[(task, L)], rows)
+            if task == "all":
+                for f in ("prefill_seconds", "decode_seconds"):
+                    entry[f][L] = _seconds(rows, f)
+        out["runs"][r.name] = entry
+    return out
+
+
+def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
+    """Markdown: each strategy's accuracy and its ratio to the base run (the one named `base`, else
+    the first), per task and per length; then, sample by sample, the share of the samples the base
+    answers right that each strategy answers right too, per task and length; then the median prefill
+    seconds per length where the runs recorded them. Paired: only samples present in every run count,
+    so every strategy is scored on the same prompts."""
+    p = pair_runs(run_dirs, base)
+    ref, kept, others = p.ref, p.kept, p.others
 
     def table(group: str, label: str) -> list[str]:
         acc = {name: _by(rows, group) for name, rows in kept.items()}
@@ -130,11 +216,48 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
             lines.append(f"| {g} | " + " | ".join(cells) + " |")
         return lines
 
-    dropped = {r.name: len(r.rows) - len(kept[r.name]) for r in runs if len(r.rows) != len(kept[r.name])}
-    note = f"Accuracy % on the {len(common)} samples common to all runs; ratio = strategy / {ref.name}."
+    def kept_table() -> list[str]:
+        ref_cells = _cells(kept[ref.name])
+        cells = {o.name: _cells(kept[o.name]) for o in others}
+        lines = [f"Paired on {ref.name}: of the samples {ref.name} answers right, the share each strategy answers "
+                 f"right too (right / {ref.name}-right); +N: right where {ref.name} missed.", "",
+                 f"| task | length | n | {ref.name} | " + " | ".join(f"{o.name} | kept" for o in others) + " |",
+                 "|---|---|---:|---:|" + "---:|---:|" * len(others)]
+        for task, L in _cell_order(ref_cells):
+            rows = ref_cells[(task, L)]
+            row = [task if task != "all" else "**all tasks**", L, str(len(rows)), _pct(_mean([x["score"] for x in rows]))]
+            for o in others:
+                st = kept_stats(rows, cells[o.name][(task, L)])
+                k = "–" if st["kept"] is None else f"{100 * st['kept']:.1f} ({st['right']}/{st['of']})"
+                row += [_pct(_mean([x["score"] for x in cells[o.name][(task, L)]])),
+                        k + (f" +{st['gained']}" if st["gained"] else "")]
+            lines.append("| " + " | ".join(row) + " |")
+        return lines
+
+    def speed_table() -> list[str]:
+        lengths = sorted({str(r["length"]) for r in kept[ref.name]}, key=int)
+        med = {n: {L: _seconds([r for r in rows if str(r["length"]) == L], "prefill_seconds") for L in lengths}
+               for n, rows in kept.items()}
+        if all(v is None for m in med.values() for v in m.values()):
+            return []
+        lines = ["Prefill seconds per sample (median over the common samples; ratio = strategy / "
+                 f"{ref.name}):", "", f"| length | {ref.name} | " + " | ".join(f"{o.name} | ratio" for o in others) + " |",
+                 "|---|---:|" + "---:|---:|" * len(others)]
+        for L in lengths:
+            b = med[ref.name][L]
+            row = [L, "–" if b is None else f"{b:.3f}"]
+            for o in others:
+                v = med[o.name][L]
+                row += ["–" if v is None else f"{v:.3f}", f"{v / b:.2f}" if v is not None and b else "–"]
+            lines.append("| " + " | ".join(row) + " |")
+        return [""] + lines
+
+    dropped = {r.name: len(r.rows) - len(kept[r.name]) for r in p.runs if len(r.rows) != len(kept[r.name])}
+    note = f"Accuracy % on the {len(p.common)} samples common to all runs; ratio = strategy / {ref.name}."
     if dropped:
         note += " Left out (not in every run): " + ", ".join(f"{n}: {k}" for n, k in dropped.items()) + "."
-    return "\n".join([note, ""] + table("task", "task") + [""] + table("length", "length"))
+    paired = [""] + kept_table() if others else []
+    return "\n".join([note, ""] + table("task", "task") + [""] + table("length", "length") + paired + speed_table())
 
 
 # ---------------------------------------------------------------------------------------------

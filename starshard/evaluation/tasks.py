@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
@@ -300,15 +301,28 @@ def _fit(tok: Tokenizer, budget: int, fixed: int, parts: _Parts, rng: random.Ran
     if base > budget:
         raise ValueError(f"a {budget}-token budget cannot hold this task's needles and question "
                          f"({base} tokens); use a longer length or a smaller reserve")
-    # Grow from the measured tokens per unit until over budget, then bisect the unit count.
+    # Grow until over budget: a probe of 32 units measures the tokens per unit, then one step to just past
+    # the budget. lo / hi: the largest count measured within the budget and the count measured past it.
+    lo, s_lo = 0, base
     while cur <= budget:
-        per_unit = max(1.0, (cur - base) / len(units)) if units else 8.0
-        units += [parts.filler(rng, len(units) + i) for i in range(int((budget - cur) / per_unit) + 8)]
+        lo, s_lo = len(units), cur
+        more = int((budget - cur) / max(1.0, (cur - base) / len(units))) + 8 if units else 32
+        units += [parts.filler(rng, len(units) + i) for i in range(more)]
         cur = size(len(units))
-    lo, hi = 0, len(units)  # size(lo) <= budget < size(hi)
+    # Then the boundary, size(lo) <= budget < size(lo + 1). Tokens grow about linearly with the units, so
+    # interpolating lands within a unit or two of it: ~4 encodes of the whole context where growing from a
+    # guess and bisecting took ~15 (most of a sample's cost on a GPU). A step that does not halve the
+    # bracket is followed by a bisection step, so the worst case stays logarithmic. Prompts are unchanged.
+    hi, s_hi = len(units), cur
+    bisect = False
     while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid) <= budget else (lo, mid)
+        if bisect:
+            mid = (lo + hi) // 2
+        else:
+            mid = min(hi - 1, max(lo + 1, lo + round((budget - s_lo) * (hi - lo) / max(1, s_hi - s_lo))))
+        width, s = hi - lo, size(mid)
+        lo, hi, s_lo, s_hi = (mid, hi, s, s_hi) if s <= budget else (lo, mid, s_lo, s)
+        bisect = not bisect and 2 * (hi - lo) > width
     return _build(units[:lo], parts.needles, parts.depths)
 
 
@@ -331,16 +345,24 @@ def make_sample(task: str, tok: Tokenizer, length: int, depth: float | None, see
                   parts.answer_prefix, spans, budget)
 
 
-def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0) -> list[Sample]:
+def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0,
+                 workers: int = 1) -> list[Sample]:
     """Every (task, length, depth) cell `per_cell` times. Tasks without a needle get the same number of
-    samples per length (depth None), so each task weighs the same in the summaries."""
-    out = []
+    samples per length (depth None), so each task weighs the same in the summaries. `workers` threads
+    make them (the tokenizer's encode releases the GIL); each sample is its own seed's, so the list is
+    the same for any count."""
+    cells = []
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; choose from {', '.join(TASKS)}")
         for L in lengths:
             if TASKS[t].uses_depth:
-                out += [make_sample(t, tok, L, d, seed * 1000 + i, reserve) for d in depths for i in range(per_cell)]
+                cells += [(t, L, d, seed * 1000 + i) for d in depths for i in range(per_cell)]
             else:
-                out += [make_sample(t, tok, L, None, seed * 1000 + i, reserve) for i in range(per_cell * len(depths))]
-    return out
+                cells += [(t, L, None, seed * 1000 + i) for i in range(per_cell * len(depths))]
+    make = lambda c: make_sample(c[0], tok, c[1], c[2], c[3], reserve)  # noqa: E731
+    if workers <= 1 or len(cells) <= 1:
+        return [make(c) for c in cells]
+    count_tokens(tok, "x")  # the tokenizer's settings made once, before threads share it
+    with ThreadPoolExecutor(min(workers, len(cells))) as pool:
+        return list(pool.map(make, cells))

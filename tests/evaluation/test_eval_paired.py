@@ -1,0 +1,171 @@
+"""The distractor task (multikey: 4 needles, one asked), the prompt sizing's search against a brute
+force, threaded sample making, and the paired comparison (`--compare`: of the samples dense answers
+right, the share a strategy answers right too) on hand-made run directories. No model: word and
+character tokenizers."""
+import importlib.util
+import json
+import random
+import re
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from starshard.evaluation import report, tasks
+from starshard.evaluation.scoring import score
+from starshard.evaluation.tasks import count_tokens, make_sample, make_samples
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Words:
+    def encode(self, text, add_special_tokens=False):
+        return text.split()
+
+
+class Chars:
+    """A tokenizer whose tokens per filler unit vary a lot (one per character, three per digit)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [c for ch in text for c in ((ch,) * 3 if ch.isdigit() else (ch,))]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_multikey_has_four_needles_and_asks_one(depth):
+    s = make_sample("multikey", Words(), 2000, depth, seed=11)
+    needles = [s.context[a:b] for a, b in s.needle_spans]
+    assert len(needles) == 4
+    pairs = [re.fullmatch(r"The secret number assigned to (\S+) is (\d{7})\.", n).groups() for n in needles]
+    keys, values = [k for k, _ in pairs], [v for _, v in pairs]
+    assert len(set(keys)) == 4 and len(set(values)) == 4  # three distractors, each its own key and number
+    assert s.question == f"What is the secret number assigned to {keys[0]}?"
+    assert s.answers == [values[0]] and s.answer_prefix.endswith(f"{keys[0]} is")
+    for k, v in pairs:  # every needle once in the context, the asked one among them
+        assert s.context.count(f"assigned to {k} is {v}.") == 1
+    # The asked needle starts at the stated depth; the distractors lie on the roomier side of it.
+    assert abs(s.needle_spans[0][0] / len(s.context) - depth) <= 0.02
+    assert s == make_sample("multikey", Words(), 2000, depth, seed=11)  # deterministic from the seed
+    assert score(s.answers, s.metric, f" {values[0]}.") == 1.0  # a distractor's number scores 0
+    assert all(score(s.answers, s.metric, f" {v}.") == 0.0 for v in values[1:])
+
+
+@pytest.mark.parametrize("tok,task,budget", [(Words(), "niah_essay", 900), (Chars(), "multikey", 2500),
+                                             (Chars(), "niah_number", 700), (Words(), "passkey", 40)])
+def test_fit_finds_the_largest_unit_count_that_fits(tok, task, budget):
+    parts = tasks.TASKS[task].build(random.Random(5), 0.3)
+    fixed = 7
+    context, _ = tasks._fit(tok, budget, fixed, parts, random.Random(9))
+    rng = random.Random(9)
+    units = [parts.filler(rng, i) for i in range(budget)]
+    size = lambda n: count_tokens(tok, tasks._build(units[:n], parts.needles, parts.depths)[0]) + fixed  # noqa: E731
+    best = 0
+    while size(best + 1) <= budget:  # the brute force: one unit more at a time
+        best += 1
+    assert all(size(n) > budget for n in range(best + 1, best + 4))
+    assert context == tasks._build(units[:best], parts.needles, parts.depths)[0]
+
+
+def test_threaded_samples_are_the_serial_ones():
+    args = (["niah_essay", "multikey"], Chars(), [600, 1200], [0.0, 0.5, 1.0], 2, 3)
+    assert make_samples(*args, reserve=9, workers=4) == make_samples(*args, reserve=9, workers=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired comparison
+
+
+def _run(tmp_path, name, scores, prefill=None):
+    """A run dir; `scores`: {(task, length, seed): score}; prefill: seconds per sample (metrics)."""
+    rows = [{"task": t, "length": L, "depth": 0.5, "seed": s, "score": sc,
+             "metrics": {} if prefill is None else {"prefill_seconds": prefill(L, s), "decode_seconds": 0.01}}
+            for (t, L, s), sc in scores.items()]
+    report.write_run(tmp_path / name, rows, {"strategy": name, "format": "completion"}, per_task_heatmaps=False)
+    return tmp_path / name
+
+
+def test_paired_kept_share_per_task_and_length(tmp_path, capsys):
+    keys = [(t, L, s) for t in ("multikey", "niah_essay") for L in (16384, 30720) for s in range(5)]
+    dense = {k: 1.0 for k in keys}
+    dense[("multikey", 30720, 0)] = dense[("multikey", 30720, 1)] = 0.0  # dense: 3 of 5 right there
+    star = dict(dense)
+    star[("multikey", 30720, 2)] = 0.0  # loses one dense got right ...
+    star[("multikey", 30720, 0)] = 1.0  # ... and gains one dense missed
+    star[("niah_essay", 16384, 4)] = 0.5  # partial credit is not right
+    apb = {k: 1.0 for k in keys}
+    d = _run(tmp_path, "dense", dense, prefill=lambda L, s: L / 1e5 + (9.0 if s == 0 else 0.0))  # s 0: compiling
+    st = _run(tmp_path, "star", star, prefill=lambda L, s: L / 2e5)
+    ap = _run(tmp_path, "apb", apb)
+
+    summary = report.compare_summary([st, d, ap])
+    assert summary["reference"] == "dense" and summary["samples"] == 20
+    ps = summary["runs"]["star"]["paired"]
+    assert ps["multikey"]["30720"] == {"n": 5, "of": 3, "right": 2, "kept": pytest.approx(2 / 3), "gained": 1}
+    assert ps["niah_essay"]["16384"] == {"n": 5, "of": 5, "right": 4, "kept": 0.8, "gained": 0}
+    assert ps["multikey"]["16384"]["kept"] == 1.0
+    assert ps["all"]["30720"] == {"n": 10, "of": 8, "right": 7, "kept": 7 / 8, "gained": 1}
+    assert ps["all"]["all"] == {"n": 20, "of": 18, "right": 16, "kept": 16 / 18, "gained": 1}
+    assert summary["runs"]["apb"]["paired"]["all"]["all"]["kept"] == 1.0
+    assert summary["runs"]["apb"]["paired"]["multikey"]["30720"]["gained"] == 2
+    assert "paired" not in summary["runs"]["dense"] or summary["runs"]["dense"]["paired"] == {}
+    # unpaired accuracies beside them
+    assert summary["runs"]["dense"]["accuracy"]["multikey"]["30720"] == pytest.approx(0.6)
+    assert summary["runs"]["star"]["accuracy"]["niah_essay"]["16384"] == pytest.approx(0.9)
+    # median prefill per length: the compiling first sample does not move it
+    assert summary["runs"]["dense"]["prefill_seconds"]["16384"] == pytest.approx(0.16384)
+    assert summary["runs"]["star"]["prefill_seconds"]["30720"] == pytest.approx(0.1536)
+    assert summary["runs"]["apb"]["prefill_seconds"]["30720"] is None
+
+    table = report.compare_table([st, d, ap])
+    assert "| multikey | 30720 | 5 | 60 | 60 | 66.7 (2/3) +1 | 100 | 100.0 (3/3) +2 |" in table
+    assert "| niah_essay | 16384 | 5 | 100 | 90 | 80.0 (4/5) | 100 | 100.0 (5/5) |" in table
+    assert "| **all tasks** | all | 20 | 90 | 88 | 88.9 (16/18) +1 | 100 | 100.0 (18/18) +2 |" in table
+    assert "| 16384 | 0.164 | 0.082 | 0.50 | – | – |" in table
+
+    spec = importlib.util.spec_from_file_location("eval_cli_paired", ROOT / "starshard" / "commands" / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["--compare", str(d), str(st), "--out", str(tmp_path / "cmp")]) == 0
+    assert "66.7 (2/3) +1" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert saved["runs"]["star"]["paired"]["all"]["all"]["right"] == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# --time-limit: a run cut short keeps whole seeds
+
+
+class SlowReader:
+    """Answers every needle (echoes the context) and takes `pause` seconds a sample."""
+
+    pause = 0.0
+
+    def __init__(self, path=None, **kwargs):
+        self.tokenizer = Words()
+
+    def generate(self, *, context, question, max_new_tokens, temperature, raw=False):
+        time.sleep(self.pause)
+        return SimpleNamespace(text=context, token_ids=[], metrics={})
+
+
+class Slow(SlowReader):
+    pause = 1.0  # against --time-limit 1.5: the second sample starts at ~1 s, the third would at ~2 s
+
+
+def test_time_limit_writes_what_ran_seed_by_seed(tmp_path):
+    spec = importlib.util.spec_from_file_location("eval_cli_limit", ROOT / "starshard" / "commands" / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    common = ["--tasks", "niah_essay,multikey", "--lengths", "300", "--depths", "0.5", "--samples-per-cell", "3",
+              "--max-new-tokens", "8", "--no-progress", "--format", "completion"]
+    assert cli.main(common + ["--out", str(tmp_path / "all")], llm_cls=SlowReader) == 0
+    rows = [json.loads(x) for x in (tmp_path / "all" / "samples.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2]  # every task's seed 0, then seed 1, ...
+    assert json.loads((tmp_path / "all" / "summary.json").read_text())["stopped_early"] is None
+    assert cli.main(common + ["--out", str(tmp_path / "cut"), "--time-limit", "1.5"], llm_cls=Slow) == 0
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert cut["summary"]["samples"] == 2 and cut["stopped_early"] == "--time-limit: 2 of 6 samples ran"
+    assert {r["task"] for r in map(json.loads, (tmp_path / "cut" / "samples.jsonl").read_text().splitlines())} == \
+        {"niah_essay", "multikey"}
+    with pytest.raises(SystemExit):
+        cli.parse_args(common + ["--out", "x", "--time-limit", "-1"])
