@@ -24,6 +24,7 @@ done
 t plans
 for row in "${LAYOUTS[@]}"; do
   IFS='|' read -r name n flags <<< "$row"
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then continue; fi  # ONLY="name name": those layouts alone
   if [ "$name" = tp2cp2_star_fp8 ] && [ $(( $(date +%s)-S )) -gt 380 ]; then echo "skip $name (time)"; continue; fi
   timeout -k 10 120 torchrun --standalone --nproc-per-node $n launch/bench.py prefill $P70 $RUNF $flags \
     --out $OUT/$name.json >> $OUT/all.log 2>&1; t $name
