@@ -82,8 +82,12 @@ def test_warmup_runs_the_schedule_and_leaves_no_trace(tiny, monkeypatch):
     assert [(c.start, c.end) for c in chunks] == bounds and len({e - s for s, e in bounds}) > 1
     assert {n for _, n, _ in seen} == {1} and list(tiny.model.layers) == layers and tiny.model.layer_ids == ids
     decodes = [rows for ops, _, rows in seen if isinstance(ops[0], Decode)]
-    assert decodes == [b for b in range(1, 5) for _ in range(2)]  # each batch size eager, then (on CUDA) captured
-    assert sum(isinstance(ops[0], Extend) for ops, _, _ in seen) == 3
+    # each batch size eager, then (on CUDA) captured; then k = 2, 3 follow-ups joining in one forward beside the
+    # document's row
+    assert decodes == [b for b in range(1, 5) for _ in range(2)] + [3, 4]
+    extends = [len(ops) for ops, _, _ in seen if isinstance(ops[0], Extend)]
+    assert extends == [1, 1, 1, 2, 3] and all(isinstance(op, Extend) for ops, _, _ in seen
+                                              if isinstance(ops[0], Extend) for op in ops)
     # nothing of it is left: the cache, the executor, the counters are a cold service's
     stats, cold_stats = svc.stats(), cold_svc.stats()
     assert stats["warmup_s"] > 0 and cold_stats["warmup_s"] is None
