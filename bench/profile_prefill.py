@@ -2,6 +2,7 @@
 besides the GEMMs and attention at 128K).
 
     python bench/profile_prefill.py --layers 2 --prompt-len 131072 [--fp8 linear,kv] [--gaps 15] [--host 30] [--out prof.json]
+    python bench/profile_prefill.py --layers 4 --prefill-chunk 4096 --prefill-knee 26624   # the service's chunk steps
 
 A Llama-3.1-8B-shaped model with --layers decoder layers (random weights: fine for dense speed), random
 token ids. One warm-up prefill, `--repeats` timed ones, then one under torch.profiler; prints the
@@ -39,6 +40,9 @@ ap.add_argument("--host", type=int, default=0, help="also profile the host: list
                 "time (short prompts are bound by the host's launches)")
 ap.add_argument("--gaps", type=int, default=0, help="also list the N longest idle gaps between device kernels "
                 "(with the kernels either side) and their sum")
+ap.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens a step, as serve's (0: the whole prompt)")
+ap.add_argument("--prefill-knee", type=int, default=None, help="the chunks' taper knee in held tokens (serve's "
+                "default for Llama-3.1-8B: 26624; none: uniform chunks)")
 args = ap.parse_args()
 sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
@@ -58,7 +62,7 @@ runner, s = llm.runner, SamplingConfig()
 
 def prefill():
     cache = runner.new_cache(len(ids) + 8)
-    runner.prefill(Prompt(ids, len(ids)), cache, s, None)
+    runner.prefill(Prompt(ids, len(ids)), cache, s, None, chunk=args.prefill_chunk or None, knee=args.prefill_knee)
     torch.cuda.synchronize()
 
 
@@ -95,7 +99,8 @@ if args.gaps:  # idle device time: from the trace, kernel and memcpy / memset in
     gaps.sort(key=lambda g: -g["ms"])
 for r in rows:
     r["share"] = r["ms"] / total
-print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, fp8 {args.fp8 or 'none'}, "
+print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, chunk {args.prefill_chunk or 'whole'} "
+      f"(knee {args.prefill_knee}), fp8 {args.fp8 or 'none'}, "
       f"sparse {args.sparse or 'none'}: "
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
@@ -117,6 +122,7 @@ if args.out:
         json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
                    "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
+                   "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee,
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
                    "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps],
                    "host_ops": host[: args.host]}, f, indent=1)
