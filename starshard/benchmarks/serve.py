@@ -116,10 +116,8 @@ def add_arguments(p) -> None:
                        help="the disk tier's directory (serve's flag; needs --disk-cache-gib); its files outlive the "
                        "run, so a later --reuse-only run on it finds the documents")
     tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
-                       help="graceful shutdown (SIGTERM, SIGINT) with --disk-cache-dir: write the cache entries held "
-                       "only on the device or in the host tier to disk first, most recently used first and within "
-                       "--disk-cache-gib, for at most this long, so that a restart on the same directory serves them "
-                       "from disk (progress is logged); 0: write nothing down (default: %(default)g)")
+                       help="at the end of the run, seconds to write the entries not on disk yet down to it (serve's "
+                       "flag: its graceful shutdown's write-down); 0: none (default: %(default)g)")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
                        help="the disk tier's budget per rank (serve's flag)")
     tiers.add_argument("--tiers", type=tier_list, default=[], metavar="host,disk",
