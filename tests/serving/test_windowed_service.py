@@ -18,6 +18,7 @@ from starshard.config import ParallelConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
+from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes, served_prefix
 from starshard.serving.scheduler import Scheduler
 from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.engine.test_sliding_window_families import FAMILIES as SWA
@@ -48,10 +49,11 @@ def _tokens(events) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
 
 
-def _serve(llm, chunk: int) -> dict:
-    """The prompts through one Scheduler: a alone, then b, c, d together -> (tokens, cached tokens) each."""
+def _serve(llm, chunk: int, trim: bool = False, svc_out: list | None = None) -> dict:
+    """The prompts through one Scheduler: a alone, then b, c, d together -> (tokens, cached tokens) each.
+    trim: window_trim (d shares only part of a's entry: prefilled then); svc_out gets the scheduler."""
     p = _prompts()
-    svc = Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk)
+    svc = Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk, window_trim=trim)
     svc.start()
     try:
         runs = {"a": submit(svc, p["a"], NEW)}
@@ -61,12 +63,14 @@ def _serve(llm, chunk: int) -> dict:
         assert all(done.wait(120) for _, done in runs.values())
     finally:
         svc.shutdown()
+    if svc_out is not None:
+        svc_out.append(svc)
     return {k: (_tokens(ev), ev[-1].cached_tokens) for k, (ev, _) in runs.items()}
 
 
-def _check(served: dict, refs: dict, what) -> None:
+def _check(served: dict, refs: dict, what, trim: bool = False) -> None:
     assert {k: t for k, (t, _) in served.items()} == refs, what
-    assert {k: c for k, (_, c) in served.items()} == dict(a=0, b=DOC, c=DOC, d=PART), what
+    assert {k: c for k, (_, c) in served.items()} == dict(a=0, b=DOC, c=DOC, d=0 if trim else PART), what
 
 
 def _refs(llm) -> dict:
@@ -134,6 +138,51 @@ def test_service_equals_generate_past_the_window(paths):
         assert _refs(llm) != refs, name
 
 
+def test_window_trimmed_entries(paths):
+    """window_trim (the default): once a document of C tokens is prefilled, each local layer of its entry
+    keeps only the keys at positions >= C - (W - 1) (the document's last W - 1 and its question). The
+    follow-ups on all of the document (b, c) answer as generate does from those; d, sharing only its first
+    90 tokens, is prefilled (cached 0) and answers right; the entries' bytes are the arithmetic (global
+    layers L rows, local layers W - 1 + L - C) and so is the cache's accounting. Gemma 3 (local and global
+    layers), whole and in chunks of 8 (< W)."""
+    llm = LLM(paths["gemma3"], progress=False)
+    refs = _refs(llm)
+    for chunk in (0, 8):
+        out = []
+        _check(_serve(llm, chunk, trim=True, svc_out=out), refs, chunk, trim=True)
+        svc = out[0]
+        windows, layers = svc.executor.local_windows(), llm.model.layer_ids
+        assert svc.window_trim and 0 < len(windows) < len(layers)
+        per_layer = svc.executor.token_bytes() // len(layers)
+        entries = sorted((len(e), e.serves_from, e) for e in svc.cache.entries.values())
+        assert [(L, C) for L, C, _ in entries] == [(PART + 7, PART), (DOC + 7, DOC)]  # d's and a's entries
+        total = 0
+        for L, C, e in entries:
+            for i, kv in e.kv.layers.items():
+                want = range(C - windows[i] + 1, L) if i in windows else range(L)
+                assert sorted(kv.pos[:kv.length].tolist()) == list(want), (chunk, L, i)
+            rows = sum(windows[i] - 1 + L - C if i in windows else L for i in layers)
+            assert e.trimmed and kv_bytes(e.kv) == e.nbytes == e.rank_bytes[0] == rows * per_layer, (chunk, L)
+            total += rows * per_layer
+        assert svc.cache.used_bytes == svc.stats()["cache_bytes"] == total
+
+
+def test_served_prefix_of_a_trimmed_entry():
+    """A trimmed entry of a 20-token document (and a 2-token question) serves a prompt sharing at least the
+    document (capped at len - 1: a token runs), none sharing fewer; an untrimmed one any shared prefix."""
+    ids = np.arange(10, 32)
+    cache = ContextCache(1 << 20)
+    cache.add(CacheEntry(1, ids, None, 1, serves_from=20))
+    assert cache.peek(np.concatenate([ids, [7, 8]])) == (cache.entries[1], 22)
+    assert cache.peek(np.concatenate([ids[:20], [7, 8]])) == (cache.entries[1], 20)
+    assert cache.peek(ids) == (cache.entries[1], 21)
+    for prompt in (ids[:20], ids[:15], np.concatenate([ids[:19], [7, 8]])):
+        assert cache.peek(prompt) == (None, 0)
+    cache.entries[1].serves_from = 0
+    assert cache.peek(ids[:15])[1] == 14 and cache.peek(ids[:20])[1] == 19
+    assert served_prefix(cache.entries[1], 5) == 5
+
+
 def test_cascade_graph_step_with_windows(paths):
     """The CUDA-graph step's eager twin (capture=False) on Gemma 2 (windows, soft-caps, scale): rows sharing
     all of a 40-token entry and its first 30 tokens step like run_cascade, and each row's logits are the
@@ -159,20 +208,36 @@ def test_cascade_graph_step_with_windows(paths):
 
 
 def _cp_rank(rank, world, paths):
+    """Each layout's (served, refs, each entry's rank_bytes) on rank 0; every rank: its entries' bytes held.
+    The last two trim the local layers (window_trim)."""
     out = {}
-    for name, strategy, chunk in (("mistral", "ring", 0), ("mistral", "ring", 8), ("gemma2", "ring", 0),
-                                  ("gemma3", "ulysses", 0), ("mistral", "star", 0)):
+    for name, strategy, chunk, trim in (("mistral", "ring", 0, False), ("mistral", "ring", 8, False),
+                                        ("gemma2", "ring", 0, False), ("gemma3", "ulysses", 0, False),
+                                        ("mistral", "star", 0, False), ("gemma3", "ring", 8, True),
+                                        ("mistral", "star", 0, True)):
         llm = LLM(paths[name], progress=False, parallel=ParallelConfig(cp=world, cp_strategy=strategy))
         refs = _refs(llm)
+        svcs = []
         if rank == 0:
-            out[(name, strategy, chunk)] = (_serve(llm, chunk), refs)
+            served = _serve(llm, chunk, trim, svcs)
         else:
-            Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk).serve_forever()
+            svcs.append(Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk, window_trim=trim))
+            svcs[0].serve_forever()
+        entries = svcs[0].cache.entries.values()
+        held = {e.id: (kv_bytes(e.kv), e.trimmed, e.rank_bytes) for e in entries}
+        out[(name, strategy, chunk, trim)] = (served, refs, held) if rank == 0 else held
     return out
 
 
 def test_service_equals_generate_past_the_window_cp2(paths):
-    lead = run_ranks(_cp_rank, 2, paths)[0]
-    assert len(lead) == 5
-    for key, (served, refs) in lead.items():
-        _check(served, refs, key)
+    """cp=2 ring, Ulysses and Star, keeping every key and window-trimmed: the tokens equal generate's, and
+    every rank records each entry's bytes as each rank holds them."""
+    ranks = run_ranks(_cp_rank, 2, paths)
+    assert len(ranks[0]) == 7
+    for key, (served, refs, held) in ranks[0].items():
+        trim = key[-1]
+        _check(served, refs, key, trim)
+        assert len(held) == (2 if trim else 1), key  # d prefilled when trimmed
+        for entry, (mine, trimmed, rank_bytes) in held.items():
+            assert trimmed == trim and ranks[1][key][entry] == (rank_bytes[1], trimmed, rank_bytes), (key, entry)
+            assert mine == rank_bytes[0], (key, entry)
