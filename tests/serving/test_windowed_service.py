@@ -3,10 +3,15 @@ tokens past windows of 16, the service's greedy tokens equal LLM.generate's (whi
 a new document (whole, and prefilled in chunks smaller and larger than the window), follow-ups that extend
 its entry (sharing all of the document, or only its first 90 tokens) and decode together, on a windowed
 Mistral, Gemma 2 (alternating windows, soft-caps, query_pre_attn_scalar) and Gemma 3 (local RoPE), in one
-process and over cp=2 ring and Star (gloo). The cascade attention itself (shared entry + own pool, with a
+process and over cp=2 ring and Star (gloo); those runs keep every key (window_trim=False). Window-trimmed
+entries (the default: local layers keep only what a question after the document sees) answer the same for
+follow-ups on all of the document, prefill a prompt sharing less, and count their exact bytes, in one
+process and over cp=2 ring (chunked) and Star. The cascade attention itself (shared entry + own pool, with a
 window, soft-cap and scale) is checked against a float64 reference. CUDA graphs are CUDA-only: the eager
 cascade runs here (the captured step runs the same attend)."""
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -20,6 +25,7 @@ from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes, served_prefix
 from starshard.serving.scheduler import Scheduler
+from starshard.serving.tiers import TierConfig
 from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.engine.test_sliding_window_families import FAMILIES as SWA
 from tests.helpers.hf_models import make_hf_model
@@ -138,7 +144,7 @@ def test_service_equals_generate_past_the_window(paths):
         assert _refs(llm) != refs, name
 
 
-def test_window_trimmed_entries(paths):
+def test_window_trimmed_entries(paths, caplog):
     """window_trim (the default): once a document of C tokens is prefilled, each local layer of its entry
     keeps only the keys at positions >= C - (W - 1) (the document's last W - 1 and its question). The
     follow-ups on all of the document (b, c) answer as generate does from those; d, sharing only its first
@@ -165,6 +171,12 @@ def test_window_trimmed_entries(paths):
             assert e.trimmed and kv_bytes(e.kv) == e.nbytes == e.rank_bytes[0] == rows * per_layer, (chunk, L)
             total += rows * per_layer
         assert svc.cache.used_bytes == svc.stats()["cache_bytes"] == total
+    # the host and disk tiers copy whole entries: there every key is kept, and the log says so
+    with caplog.at_level(logging.INFO, logger="starshard.serve"):
+        tiered = Scheduler(llm, cache_bytes=1 << 26, tiers=TierConfig(host_bytes=1 << 26))
+    assert not tiered.window_trim and not tiered.executor.window_trim
+    assert "not supported with --host-cache-gib" in caplog.text
+    assert not Scheduler(llm, cache_bytes=1 << 26, window_trim=False).executor.window_trim
 
 
 def test_served_prefix_of_a_trimmed_entry():
