@@ -176,7 +176,7 @@ class Executor:
         norm = self.model.layers[0].attention_norm.weight  # the compute dtype (projections may hold FP8)
         self.dtype, self.device = norm.dtype, norm.device
         self.kv_fp8 = runner.kv_fp8
-        # Local layers of a finished prefill keep only what a continuation after its document sees (_trim; Scheduler sets it)
+        # A finished prefill's local layers keep only what a continuation after its document sees (_trim)
         self.window_trim = False
         # Length-dependent RoPE (dynamic NTK, longrope) at the window's length for every request: cached
         # entries and batched rows then share one rotation.

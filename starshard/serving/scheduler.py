@@ -10,7 +10,9 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
              document runs one chunk a step, and decode steps of the running batch take turns with
              its chunks (no stream stalls for a whole prefill)
     extend   a prompt that begins with an entry's tokens runs only the rest, attending the entry's
-             first m tokens (serving/cascade.py): the prefill is skipped
+             first m tokens (serving/cascade.py): the prefill is skipped. A sliding-window model's entry is
+             window-trimmed once prefilled (window_trim): it then serves only prompts sharing all of its
+             document (context_cache.served_prefix)
     decode   one token for every running request, in one forward: each entry's context is read once
              for all requests on it, each request's own tokens beside it, merged by log-sum-exp
     finish   requests leave the batch; entries they held become evictable
@@ -157,11 +159,12 @@ class Scheduler:
     budgets per rank (serving/tiers.py; None: the device only). warmup: before the first step, run every
     kernel shape the service will use once (serving/warmup.py; None: on with CUDA, off on CPU); warmup_tokens:
     the longest document it prefills (None: the longest the window and cache budget admit). window_trim: a
-    sliding-window model's entries keep only the keys of their local layers at positions >= C - (window - 1) once
-    prefilled, C the prompt's context (document) length (Executor._trim): a long document's entry holds its global
-    layers whole and a window (plus the question) of the rest; such an entry serves only prompts that share at
-    least its document (context_cache.served_prefix; a prompt sharing less is prefilled). False: every key is kept and any shared prefix is served. Off while a host or disk tier is
-    configured (their copies hold one row count for every layer).
+    sliding-window model's entries keep only the keys of their local layers at positions >= C - (window - 1)
+    once prefilled, C the prompt's context (document) length (Executor._trim): a long document's entry holds
+    its global layers whole and a window (plus the question) of the rest; such an entry serves only prompts
+    that share at least its document (context_cache.served_prefix; a prompt sharing less is prefilled).
+    False: every key is kept and any shared prefix is served. Off while a host or disk tier is configured
+    (their copies hold one row count for every layer).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,

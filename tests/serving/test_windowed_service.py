@@ -179,6 +179,32 @@ def test_window_trimmed_entries(paths, caplog):
     assert not Scheduler(llm, cache_bytes=1 << 26, window_trim=False).executor.window_trim
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compact_local_keeps_what_follows_the_document(fp8):
+    """KVCache.compact_local on a CP-like shard (shuffled positions): the local layer keeps exactly the rows
+    at positions >= start - (window - 1), as stored (e4m3 bytes and scales alike), in tensors of that many
+    rows; a global layer, and a local one whose window covers everything, keep every row."""
+    torch.manual_seed(0)
+    perm = torch.randperm(12)
+    kv = KVCache([0, 1, 2], 1, 2, 8, 12, torch.float32, "cpu", fp8=fp8)
+    for i in kv.layers:
+        kv.layer(i).append(torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), perm)
+    before = {i: kv.layer(i).stored() for i in kv.layers}
+    kv.compact_local({0: 4, 2: 20}, 9)
+    keep = perm >= 6
+    s, b = kv.layer(0).stored(), before[0]
+    assert kv.trimmed and kv.layer(0).capacity == kv.layer(0).length == int(keep.sum())
+    assert torch.equal(s.pos, perm[keep])
+    for part in ("k", "v") + (("k_scale", "v_scale") if fp8 else ()):
+        got, want = getattr(s, part), getattr(b, part)[:, :, keep]
+        assert torch.equal(got.view(torch.uint8) if fp8 and part in "kv" else got,
+                           want.view(torch.uint8) if fp8 and part in "kv" else want), part
+    for i in (1, 2):
+        assert not kv.layer(i).trimmed and kv.layer(i).length == 12 and torch.equal(kv.layer(i).pos[:12], perm)
+    kv.compact_local({0: 4}, 100)  # past every key: none left, nothing allocated
+    assert kv.layer(0).length == kv.layer(0).nbytes() == 0
+
+
 def test_served_prefix_of_a_trimmed_entry():
     """A trimmed entry of a 20-token document (and a 2-token question) serves a prompt sharing at least the
     document (capped at len - 1: a token runs), none sharing fewer; an untrimmed one any shared prefix."""
