@@ -243,6 +243,16 @@ def test_cascade_graph_step_with_windows(paths):
             seq = torch.cat([ids[:, :n], torch.tensor([[3 + b, 4 + b]])], 1)
             want = model(seq)[0, -2:]
             assert torch.allclose(outs[1][:, b], want, atol=1e-4), b
+        # window-trimmed (the local layers keep positions >= 40 - (W - 1)): the row after all of it steps alike
+        windows = {i: layer.attention.extras["window"] for i, layer in zip(model.layer_ids, model.layers)
+                   if "window" in layer.attention.extras}
+        entry.compact_local(windows, 40)
+        assert entry.trimmed and 0 < len(windows) < len(model.layers)
+        pool = OwnKV(model.layer_ids, 1, 2, 8, 4, torch.float32, "cpu")
+        step = CascadeGraph(model, CascadeAttention([SharedGroup(entry, [0], [40], 40)], pool), 1, "cpu",
+                            capture=False).step
+        trimmed = torch.stack([step(tok[:1], pos[:1]), step(tok[:1] + 1, pos[:1] + 1)])
+        assert torch.allclose(trimmed[:, 0], outs[1][:, 0], atol=1e-5)
 
 
 def _cp_rank(rank, world, paths):
