@@ -103,6 +103,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "(Triton compilation, CUDA-graph capture, cuDNN plans: seconds each on a GPU); its seconds are "
                      "logged and in the engine's stats (warmup_s). A failed warm-up is logged and the server "
                      "serves cold. Default: on with CUDA, off on CPU")
+    eng.add_argument("--window-trim", action=argparse.BooleanOptionalAction, default=True,
+                     help="sliding-window models (Gemma 2/3, windowed Mistral/Qwen2): once a document is prefilled, "
+                     "each local layer of its cache entry keeps only the last window - 1 keys of the document (and "
+                     "the question after it); the global layers keep every key. A long document's entry then takes a "
+                     "fraction of the memory (Gemma 3: about 1/6), but serves only prompts that share all of the "
+                     "document (follow-up questions on it); a prompt sharing only part of it is prefilled. "
+                     "--no-window-trim: keep every key, so any shared prefix is reused. Off while --host-cache-gib / "
+                     "--disk-cache-dir is set (those tiers copy whole entries) (default: on)")
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")
@@ -232,7 +240,8 @@ def main(argv=None) -> int:
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
                             max_extend=args.max_extend, model_name=name, cuda_graphs=not args.no_cuda_graphs,
                             prefill_chunk=chunk, prefill_taper=args.prefill_taper,
-                            request_timeout=args.request_timeout, tiers=args.tiers, warmup=args.warmup)
+                            request_timeout=args.request_timeout, tiers=args.tiers, warmup=args.warmup,
+                            window_trim=args.window_trim)
     except (LayoutError, CheckpointError, ValueError, DiskTierLocked) as e:
         if lead:
             print(f"error: {e}", file=sys.stderr)

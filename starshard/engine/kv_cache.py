@@ -9,7 +9,9 @@ layer keeps only the keys a later query can still see. Since every kernel masks 
 by row order, the rows need not be in order: single-token writes go round a fixed-capacity ring
 (overwriting the oldest row, CUDA-graph friendly), and a multi-row block first moves the last
 `window - 1` rows to the front, then appends. Such a cache holds a window, not the sequence: whatever
-reads a whole cache (context strategies, the service's context cache and tiers, kv_file) must not get one.
+reads a whole cache (context strategies, the service's tiers, kv_file) must not get one. The service's
+context cache trims its entries itself once their prefill ends (`KVCache.compact_local`): each local layer
+keeps the keys a continuation after the document sees (serving/context_cache.py served_prefix).
 """
 from __future__ import annotations
 
@@ -143,6 +145,22 @@ class LayerKV:
                 src.narrow(dim, 0, keep).copy_(src.index_select(dim, idx))
         self.length = self.head = keep
 
+    def keep_from(self, start: int, window: int) -> None:
+        """Keep only the held keys at positions >= start (in stored order), in new tensors of exactly that
+        many rows: the rest is freed. The layer is then trimmed (`window`): what a context cache entry's
+        local layer keeps once its prefill ended (KVCache.compact_local)."""
+        n = self.length
+        keep = torch.nonzero(self.pos[:n] >= start).flatten()
+        kept = keep.numel()
+        ts = {"k": 2, "v": 2, "pos": 0} | ({"k_scale": 2, "v_scale": 2} if self.fp8 else {})
+        if kept < self.capacity:
+            for name, dim in ts.items():
+                t = getattr(self, name)
+                src = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t  # index_select takes no e4m3
+                setattr(self, name, src.index_select(dim, keep).view(t.dtype))
+        self.window, self.length = window, kept
+        self.head = kept % self.capacity if self.capacity else 0
+
     def store(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Store new entries (k, v [B, Hkv, n, D] in the compute dtype, pos [n])."""
         n = k.shape[2]
@@ -248,6 +266,16 @@ class KVCache:
             end = int(positions.max()) + 1
         if end is not None:
             self.next_position = max(self.next_position, end)
+
+    def compact_local(self, windows: dict[int, int], start: int) -> None:
+        """A finished prefill whose continuations all begin at or after position `start`: each local layer
+        i of `windows` ({layer: window}) keeps only the keys such a continuation can see, positions >=
+        start - (window - 1) (a CP shard: those of its rows, possibly none), freeing the rest
+        (LayerKV.keep_from). Such a cache serves no prefix of itself shorter than `start` tokens
+        (serving/context_cache.py served_prefix)."""
+        for i, w in windows.items():
+            if i in self.layers and start - (w - 1) > 0:
+                self.layers[i].keep_from(start - (w - 1), w)
 
     @property
     def trimmed(self) -> bool:

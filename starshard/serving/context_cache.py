@@ -3,7 +3,10 @@ beginning with the same tokens (another question on the same document, a follow-
 the rest.
 
 An entry holds the KV of one prefilled token sequence. Keys carry their global positions, so an
-entry serves any prefix of itself: attention masks keys at positions >= the shared length. Entries
+entry that keeps every key serves any prefix of itself: attention masks keys at positions >= the shared
+length. A window-trimmed entry (a sliding-window model's local layers keep only the keys a continuation
+after its document sees once the prefill ends: Scheduler(window_trim=)) serves only prompts that share
+at least its document (`served_prefix`, the rule of every lookup). Entries
 are evicted least-recently-used within a byte budget per rank, never while a request uses them. Every
 rank holds the same entries (the service executes the same steps on every rank), each with its own
 shard; the accounting counts every rank's shard (CacheEntry.rank_bytes), so the worst rank decides.
@@ -35,9 +38,14 @@ class CacheEntry:
     hits: int = field(default=0)
     rank_bytes: list[int] | None = None  # each CP rank's shard in bytes (None: nbytes on one rank)
     filling: bool = False  # its prefill still runs chunk by chunk: not reusable yet (its request holds it)
+    serves_from: int = 0  # the fewest shared tokens it serves (0: any; window-trimmed: its document's, served_prefix)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def trimmed(self) -> bool:
+        return self.serves_from > 0
 
     def bytes_on(self, rank: int) -> int:
         return self.nbytes if self.rank_bytes is None else self.rank_bytes[rank]
@@ -51,13 +59,24 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def served_prefix(entry, shared: int) -> int:
+    """The leading tokens of a prompt that `entry` serves when they share `shared` tokens (0: none, the
+    prompt is prefilled). An entry keeping every key serves any prefix of itself. A window-trimmed one of
+    a document of C tokens (`entry.serves_from` = C: each local layer holds only the keys at positions
+    >= C - (window - 1), and every key after them) serves a prompt sharing at least those C tokens: a
+    continuation after m >= C tokens sees only keys past m - window. After m < C tokens it would need
+    local keys the entry dropped: it serves none (a question after the whole document is the main case;
+    a prompt reusing only part of a document is prefilled)."""
+    return shared if shared >= getattr(entry, "serves_from", 0) else 0
+
+
 def longest_prefix(entries, ids: np.ndarray, min_tokens: int = 1):
-    """(the entry sharing the longest prefix with `ids`, that length capped at len(ids) - 1, so at least
-    one token always runs), or (None, 0) below `min_tokens`: the lookup of every cache tier. `entries`:
-    objects with `.ids`, already filtered by the caller."""
+    """(the entry serving the longest prefix of `ids` (served_prefix), that length capped at len(ids) - 1, so
+    at least one token always runs), or (None, 0) below `min_tokens`: the lookup of every cache tier.
+    `entries`: objects with `.ids` (and `.serves_from`, else 0), already filtered by the caller."""
     best, best_n = None, 0
     for e in entries:
-        n = min(common_prefix(e.ids, ids), len(ids) - 1)
+        n = served_prefix(e, min(common_prefix(e.ids, ids), len(ids) - 1))
         if n > best_n:
             best, best_n = e, n
     if best is None or best_n < min_tokens:
@@ -106,10 +125,10 @@ class ContextCache:
         return next(self._ids)
 
     def add(self, entry: CacheEntry) -> None:
-        if entry.kv is not None and entry.kv.trimmed:  # an entry serves prefixes of itself: every key must be there
-            raise ValueError("ContextCache: a trimmed KV cache (local layers keep only their window, "
-                             "LocalRunner.new_cache(trim_local=True)) cannot be a context cache entry; "
-                             "the service's caches keep every key")
+        if entry.kv is not None and entry.kv.trimmed and not entry.trimmed:  # it would serve shorter prefixes
+            raise ValueError("ContextCache: a trimmed KV cache (local layers keep only their window) cannot be a "
+                             "context cache entry unless marked CacheEntry.trimmed (served_prefix: it serves no "
+                             "shorter prefix of itself)")
         self.entries[entry.id] = entry
         self.touch(entry)
 

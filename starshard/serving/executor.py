@@ -176,6 +176,8 @@ class Executor:
         norm = self.model.layers[0].attention_norm.weight  # the compute dtype (projections may hold FP8)
         self.dtype, self.device = norm.dtype, norm.device
         self.kv_fp8 = runner.kv_fp8
+        # A finished prefill's local layers keep only what a continuation after its document sees (_trim)
+        self.window_trim = False
         # Length-dependent RoPE (dynamic NTK, longrope) at the window's length for every request: cached
         # entries and batched rows then share one rotation.
         self.model.set_rope_length(None)
@@ -556,6 +558,7 @@ class Executor:
                                f"{rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
         st.entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), st.kv, max(rank_bytes), pinned=op.pinned,
                               rank_bytes=rank_bytes)
+        self._trim(st.entry, op.context_len)
         own = self._empty_pool() if self.is_query_rank else None
         st.row = self._new_row(op, st.entry, len(ids), own, st.token, st.gen)
         st.pool = self._gather_pool(self.rows + [st.row])
@@ -638,11 +641,41 @@ class Executor:
             raise RuntimeError(f"CP rank {self.cp_rank}'s entry holds {kv_bytes(st.kv)} bytes, more than the "
                                f"{st.rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
         st.token = int(tok)
+        self._trim(st.entry, op.context_len)
         own = self._empty_pool() if self.is_query_rank else None
         L = op.prompt_len
         st.row = Row(op.rid, st.entry, L, L, st.token, op.max_tokens - 1, op.sampling, st.gen, own, 0)
         st.pool = self._gather_pool(self.rows + [st.row])
         return st
+
+    def local_windows(self) -> dict[int, int]:
+        """{layer: window} of the model's local layers as it runs now (run_without_windows drops them)."""
+        return {i: layer.attention.extras["window"] for i, layer in zip(self.model.layer_ids, self.model.layers)
+                if "window" in layer.attention.extras}
+
+    def _trim(self, entry: CacheEntry, context_len: int) -> None:
+        """A document's prefill ended: with window_trim, each local layer of its entry keeps only the keys
+        at positions >= C - (window - 1), C = min(context_len, its length) (KVCache.compact_local): all a
+        continuation after the document sees. The entry then serves only prompts sharing its first C tokens
+        (context_cache.served_prefix). Its bytes on each rank become what that rank holds now: which
+        positions a CP rank holds depends on the strategy's layout, so the ranks all-gather their sizes
+        (the control group, a few bytes) and every rank records the same list (rank 0's scheduler plans
+        with it)."""
+        C = min(context_len, len(entry))
+        windows = {i: w for i, w in self.local_windows().items() if C - (w - 1) > 0}
+        if not self.window_trim or entry.pinned or not windows:  # pinned (APB): never reused, dropped when done
+            return
+        entry.kv.compact_local(windows, C)
+        mine = kv_bytes(entry.kv)
+        rank_bytes = [mine]
+        if self.cp > 1:
+            t = torch.tensor([self.cp_rank, mine], dtype=torch.long)
+            out = [torch.zeros(2, dtype=torch.long) for _ in range(dist.get_world_size(self.control))]
+            dist.all_gather(out, t, group=self.control)
+            rank_bytes = [0] * self.cp
+            for r, n in (o.tolist() for o in out):
+                rank_bytes[r] = n  # the TP ranks of one CP rank hold equal shards
+        entry.rank_bytes, entry.nbytes, entry.serves_from = rank_bytes, max(rank_bytes), C
 
     def _abort(self, entry_id: int) -> None:
         """Drop a filling entry on this rank (its prefill was cancelled, timed out or failed)."""

@@ -179,7 +179,7 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedA
     if kv.trimmed:  # its local layers' rows are a window in ring order, not the sequence a tier or file holds
         raise ValueError("to_host: a trimmed KV cache (local layers keep only their window, "
                          "LocalRunner.new_cache(trim_local=True)) cannot be copied to a tier or a file; "
-                         "the service's caches keep every key")
+                         "the service's entries keep every key when a host or disk tier is configured")
     first = kv.layers[layer_ids[0]]
     lengths = {layer.length for layer in kv.layers.values()}
     if len(lengths) != 1:

@@ -10,7 +10,9 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
              document runs one chunk a step, and decode steps of the running batch take turns with
              its chunks (no stream stalls for a whole prefill)
     extend   a prompt that begins with an entry's tokens runs only the rest, attending the entry's
-             first m tokens (serving/cascade.py): the prefill is skipped
+             first m tokens (serving/cascade.py): the prefill is skipped. A sliding-window model's entry is
+             window-trimmed once prefilled (window_trim): it then serves only prompts sharing all of its
+             document (context_cache.served_prefix)
     decode   one token for every running request, in one forward: each entry's context is read once
              for all requests on it, each request's own tokens beside it, merged by log-sum-exp
     finish   requests leave the batch; entries they held become evictable
@@ -156,14 +158,21 @@ class Scheduler:
     ends with an error (code "timeout") and is freed; None: no limit. tiers: the host and disk tiers'
     budgets per rank (serving/tiers.py; None: the device only). warmup: before the first step, run every
     kernel shape the service will use once (serving/warmup.py; None: on with CUDA, off on CPU); warmup_tokens:
-    the longest document it prefills (None: the longest the window and cache budget admit).
+    the longest document it prefills (None: the longest the window and cache budget admit). window_trim: a
+    sliding-window model's entries keep only the keys of their local layers at positions >= C - (window - 1)
+    once prefilled, C the prompt's context (document) length (Executor._trim): a long document's entry holds
+    its global layers whole and a window (plus the question) of the rest; such an entry serves only prompts
+    that share at least its document (context_cache.served_prefix; a prompt sharing less is prefilled).
+    False: every key is kept and any shared prefix is served. Off while a host or disk tier is configured
+    (their copies hold one row count for every layer).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
                  max_extend: int = 4096, model_name: str = "starshard", cuda_graphs: bool = True,
                  prefill_chunk: int = 0, prefill_taper: bool = True, prefill_knee_tokens: int | None = None,
                  request_timeout: float | None = None,
-                 tiers: TierConfig | None = None, warmup: bool | None = None, warmup_tokens: int | None = None):
+                 tiers: TierConfig | None = None, warmup: bool | None = None, warmup_tokens: int | None = None,
+                 window_trim: bool = True):
         runner = llm.runner
         if getattr(runner, "link", None) is not None:
             raise ValueError("the service does not run pipeline stages yet (--pp > 1): serve with --pp 1 and spread the "
@@ -220,6 +229,12 @@ class Scheduler:
                    else None)
             self.tiers = ex.tiers = Tiers(tiers, ranks=ex.cp, cp_rank=ex.cp_rank, token_bytes=ex.token_bytes(),
                                           key=key, control=self.control)
+        windowed = window_trim and self.reuse and bool(self.executor.local_windows())
+        self.window_trim = windowed and self.tiers is None
+        if windowed and self.tiers is not None:
+            log.info("the context cache keeps every key of the local (sliding-window) layers too: trimming them to "
+                     "their window is not supported with --host-cache-gib / --disk-cache-dir yet")
+        self.executor.window_trim = self.window_trim
         self.reload_policy: DiskReloadPolicy | None = None  # rank 0 decides every promotion: it alone measures
         if self.tiers is not None and self.tiers.disk is not None:
             self.reload_policy = DiskReloadPolicy(tiers.disk_reload)
@@ -796,9 +811,17 @@ class Scheduler:
         p = self._prefilling
         if p is not None and self.reuse:
             m = min(common_prefix(p.ids, req.ids), len(req.ids) - 1)
+            if m < self._serves_from(p.prompt):  # its entry will not serve this prompt (served_prefix)
+                m = 0
             if m > 0 and self._extends(len(req.ids), m):
                 return "parked", None, 0
         return "doc", None, 0
+
+    def _serves_from(self, prompt: Prompt) -> int:
+        """The fewest shared tokens the entry of this prompt serves once prefilled (Executor._trim's rule)."""
+        C = min(prompt.context_len, len(prompt.ids))
+        trims = self.window_trim and any(C - (w - 1) > 0 for w in self.executor.local_windows().values())
+        return C if trims else 0
 
     def _extends(self, n: int, m: int) -> bool:
         # Run only the rest when the cache holds most of the prompt and the rest is short. A prompt that

@@ -3,10 +3,15 @@ tokens past windows of 16, the service's greedy tokens equal LLM.generate's (whi
 a new document (whole, and prefilled in chunks smaller and larger than the window), follow-ups that extend
 its entry (sharing all of the document, or only its first 90 tokens) and decode together, on a windowed
 Mistral, Gemma 2 (alternating windows, soft-caps, query_pre_attn_scalar) and Gemma 3 (local RoPE), in one
-process and over cp=2 ring and Star (gloo). The cascade attention itself (shared entry + own pool, with a
+process and over cp=2 ring and Star (gloo); those runs keep every key (window_trim=False). Window-trimmed
+entries (the default: local layers keep only what a question after the document sees) answer the same for
+follow-ups on all of the document, prefill a prompt sharing less, and count their exact bytes, in one
+process and over cp=2 ring (chunked) and Star. The cascade attention itself (shared entry + own pool, with a
 window, soft-cap and scale) is checked against a float64 reference. CUDA graphs are CUDA-only: the eager
 cascade runs here (the captured step runs the same attend)."""
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -18,7 +23,9 @@ from starshard.config import ParallelConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
+from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes, served_prefix
 from starshard.serving.scheduler import Scheduler
+from starshard.serving.tiers import TierConfig
 from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.engine.test_sliding_window_families import FAMILIES as SWA
 from tests.helpers.hf_models import make_hf_model
@@ -48,10 +55,11 @@ def _tokens(events) -> list[int]:
     return [e.token_id for e in events if e.token_id is not None]
 
 
-def _serve(llm, chunk: int) -> dict:
-    """The prompts through one Scheduler: a alone, then b, c, d together -> (tokens, cached tokens) each."""
+def _serve(llm, chunk: int, trim: bool = False, svc_out: list | None = None) -> dict:
+    """The prompts through one Scheduler: a alone, then b, c, d together -> (tokens, cached tokens) each.
+    trim: window_trim (d shares only part of a's entry: prefilled then); svc_out gets the scheduler."""
     p = _prompts()
-    svc = Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk)
+    svc = Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk, window_trim=trim)
     svc.start()
     try:
         runs = {"a": submit(svc, p["a"], NEW)}
@@ -61,12 +69,14 @@ def _serve(llm, chunk: int) -> dict:
         assert all(done.wait(120) for _, done in runs.values())
     finally:
         svc.shutdown()
+    if svc_out is not None:
+        svc_out.append(svc)
     return {k: (_tokens(ev), ev[-1].cached_tokens) for k, (ev, _) in runs.items()}
 
 
-def _check(served: dict, refs: dict, what) -> None:
+def _check(served: dict, refs: dict, what, trim: bool = False) -> None:
     assert {k: t for k, (t, _) in served.items()} == refs, what
-    assert {k: c for k, (_, c) in served.items()} == dict(a=0, b=DOC, c=DOC, d=PART), what
+    assert {k: c for k, (_, c) in served.items()} == dict(a=0, b=DOC, c=DOC, d=0 if trim else PART), what
 
 
 def _refs(llm) -> dict:
@@ -134,6 +144,83 @@ def test_service_equals_generate_past_the_window(paths):
         assert _refs(llm) != refs, name
 
 
+def test_window_trimmed_entries(paths, caplog):
+    """window_trim (the default): once a document of C tokens is prefilled, each local layer of its entry
+    keeps only the keys at positions >= C - (W - 1) (the document's last W - 1 and its question). The
+    follow-ups on all of the document (b, c) answer as generate does from those; d, sharing only its first
+    90 tokens, is prefilled (cached 0) and answers right; the entries' bytes are the arithmetic (global
+    layers L rows, local layers W - 1 + L - C) and so is the cache's accounting. Gemma 3 (local and global
+    layers), whole and in chunks of 8 (< W)."""
+    llm = LLM(paths["gemma3"], progress=False)
+    refs = _refs(llm)
+    for chunk in (0, 8):
+        out = []
+        _check(_serve(llm, chunk, trim=True, svc_out=out), refs, chunk, trim=True)
+        svc = out[0]
+        windows, layers = svc.executor.local_windows(), llm.model.layer_ids
+        assert svc.window_trim and 0 < len(windows) < len(layers)
+        per_layer = svc.executor.token_bytes() // len(layers)
+        entries = sorted((len(e), e.serves_from, e) for e in svc.cache.entries.values())
+        assert [(L, C) for L, C, _ in entries] == [(PART + 7, PART), (DOC + 7, DOC)]  # d's and a's entries
+        total = 0
+        for L, C, e in entries:
+            for i, kv in e.kv.layers.items():
+                want = range(C - windows[i] + 1, L) if i in windows else range(L)
+                assert sorted(kv.pos[:kv.length].tolist()) == list(want), (chunk, L, i)
+            rows = sum(windows[i] - 1 + L - C if i in windows else L for i in layers)
+            assert e.trimmed and kv_bytes(e.kv) == e.nbytes == e.rank_bytes[0] == rows * per_layer, (chunk, L)
+            total += rows * per_layer
+        assert svc.cache.used_bytes == svc.stats()["cache_bytes"] == total
+    # the host and disk tiers copy whole entries: there every key is kept, and the log says so
+    with caplog.at_level(logging.INFO, logger="starshard.serve"):
+        tiered = Scheduler(llm, cache_bytes=1 << 26, tiers=TierConfig(host_bytes=1 << 26))
+    assert not tiered.window_trim and not tiered.executor.window_trim
+    assert "not supported with --host-cache-gib" in caplog.text
+    assert not Scheduler(llm, cache_bytes=1 << 26, window_trim=False).executor.window_trim
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compact_local_keeps_what_follows_the_document(fp8):
+    """KVCache.compact_local on a CP-like shard (shuffled positions): the local layer keeps exactly the rows
+    at positions >= start - (window - 1), as stored (e4m3 bytes and scales alike), in tensors of that many
+    rows; a global layer, and a local one whose window covers everything, keep every row."""
+    torch.manual_seed(0)
+    perm = torch.randperm(12)
+    kv = KVCache([0, 1, 2], 1, 2, 8, 12, torch.float32, "cpu", fp8=fp8)
+    for i in kv.layers:
+        kv.layer(i).append(torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), perm)
+    before = {i: kv.layer(i).stored() for i in kv.layers}
+    kv.compact_local({0: 4, 2: 20}, 9)
+    keep = perm >= 6
+    s, b = kv.layer(0).stored(), before[0]
+    assert kv.trimmed and kv.layer(0).capacity == kv.layer(0).length == int(keep.sum())
+    assert torch.equal(s.pos, perm[keep])
+    for part in ("k", "v") + (("k_scale", "v_scale") if fp8 else ()):
+        got, want = getattr(s, part), getattr(b, part)[:, :, keep]
+        assert torch.equal(got.view(torch.uint8) if fp8 and part in "kv" else got,
+                           want.view(torch.uint8) if fp8 and part in "kv" else want), part
+    for i in (1, 2):
+        assert not kv.layer(i).trimmed and kv.layer(i).length == 12 and torch.equal(kv.layer(i).pos[:12], perm)
+    kv.compact_local({0: 4}, 100)  # past every key: none left, nothing allocated
+    assert kv.layer(0).length == kv.layer(0).nbytes() == 0
+
+
+def test_served_prefix_of_a_trimmed_entry():
+    """A trimmed entry of a 20-token document (and a 2-token question) serves a prompt sharing at least the
+    document (capped at len - 1: a token runs), none sharing fewer; an untrimmed one any shared prefix."""
+    ids = np.arange(10, 32)
+    cache = ContextCache(1 << 20)
+    cache.add(CacheEntry(1, ids, None, 1, serves_from=20))
+    assert cache.peek(np.concatenate([ids, [7, 8]])) == (cache.entries[1], 22)
+    assert cache.peek(np.concatenate([ids[:20], [7, 8]])) == (cache.entries[1], 20)
+    assert cache.peek(ids) == (cache.entries[1], 21)
+    for prompt in (ids[:20], ids[:15], np.concatenate([ids[:19], [7, 8]])):
+        assert cache.peek(prompt) == (None, 0)
+    cache.entries[1].serves_from = 0
+    assert cache.peek(ids[:15])[1] == 14 and cache.peek(ids[:20])[1] == 19
+    assert served_prefix(cache.entries[1], 5) == 5
+
+
 def test_cascade_graph_step_with_windows(paths):
     """The CUDA-graph step's eager twin (capture=False) on Gemma 2 (windows, soft-caps, scale): rows sharing
     all of a 40-token entry and its first 30 tokens step like run_cascade, and each row's logits are the
@@ -156,23 +243,49 @@ def test_cascade_graph_step_with_windows(paths):
             seq = torch.cat([ids[:, :n], torch.tensor([[3 + b, 4 + b]])], 1)
             want = model(seq)[0, -2:]
             assert torch.allclose(outs[1][:, b], want, atol=1e-4), b
+        # window-trimmed (the local layers keep positions >= 40 - (W - 1)): the row after all of it steps alike
+        windows = {i: layer.attention.extras["window"] for i, layer in zip(model.layer_ids, model.layers)
+                   if "window" in layer.attention.extras}
+        entry.compact_local(windows, 40)
+        assert entry.trimmed and 0 < len(windows) < len(model.layers)
+        pool = OwnKV(model.layer_ids, 1, 2, 8, 4, torch.float32, "cpu")
+        step = CascadeGraph(model, CascadeAttention([SharedGroup(entry, [0], [40], 40)], pool), 1, "cpu",
+                            capture=False).step
+        trimmed = torch.stack([step(tok[:1], pos[:1]), step(tok[:1] + 1, pos[:1] + 1)])
+        assert torch.allclose(trimmed[:, 0], outs[1][:, 0], atol=1e-5)
 
 
 def _cp_rank(rank, world, paths):
+    """Each layout's (served, refs, each entry's rank_bytes) on rank 0; every rank: its entries' bytes held.
+    The last two trim the local layers (window_trim)."""
     out = {}
-    for name, strategy, chunk in (("mistral", "ring", 0), ("mistral", "ring", 8), ("gemma2", "ring", 0),
-                                  ("gemma3", "ulysses", 0), ("mistral", "star", 0)):
+    for name, strategy, chunk, trim in (("mistral", "ring", 0, False), ("mistral", "ring", 8, False),
+                                        ("gemma2", "ring", 0, False), ("gemma3", "ulysses", 0, False),
+                                        ("mistral", "star", 0, False), ("gemma3", "ring", 8, True),
+                                        ("mistral", "star", 0, True)):
         llm = LLM(paths[name], progress=False, parallel=ParallelConfig(cp=world, cp_strategy=strategy))
         refs = _refs(llm)
+        svcs = []
         if rank == 0:
-            out[(name, strategy, chunk)] = (_serve(llm, chunk), refs)
+            served = _serve(llm, chunk, trim, svcs)
         else:
-            Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk).serve_forever()
+            svcs.append(Scheduler(llm, cache_bytes=1 << 26, max_batch=4, prefill_chunk=chunk, window_trim=trim))
+            svcs[0].serve_forever()
+        entries = svcs[0].cache.entries.values()
+        held = {e.id: (kv_bytes(e.kv), e.trimmed, e.rank_bytes) for e in entries}
+        out[(name, strategy, chunk, trim)] = (served, refs, held) if rank == 0 else held
     return out
 
 
 def test_service_equals_generate_past_the_window_cp2(paths):
-    lead = run_ranks(_cp_rank, 2, paths)[0]
-    assert len(lead) == 5
-    for key, (served, refs) in lead.items():
-        _check(served, refs, key)
+    """cp=2 ring, Ulysses and Star, keeping every key and window-trimmed: the tokens equal generate's, and
+    every rank records each entry's bytes as each rank holds them."""
+    ranks = run_ranks(_cp_rank, 2, paths)
+    assert len(ranks[0]) == 7
+    for key, (served, refs, held) in ranks[0].items():
+        trim = key[-1]
+        _check(served, refs, key, trim)
+        assert len(held) == (2 if trim else 1), key  # d prefilled when trimmed
+        for entry, (mine, trimmed, rank_bytes) in held.items():
+            assert trimmed == trim and ranks[1][key][entry] == (rank_bytes[1], trimmed, rank_bytes), (key, entry)
+            assert mine == rank_bytes[0], (key, entry)
