@@ -19,7 +19,6 @@ from starshard.kernels.attention import causal_attention
 from starshard.kernels.fp8 import fp8_linear, quantize_rows
 
 
-
 def probe_rows(device: torch.device) -> int:
     """Rows of the GEMM and all-reduce probes: a long prefill's chunk-sized calls on a GPU; few on the
     CPU (tests), where the rates only fill the JSON."""
