@@ -3,6 +3,7 @@ besides the GEMMs and attention at 128K).
 
     python bench/profile_prefill.py --layers 2 --prompt-len 131072 [--fp8 linear,kv] [--gaps 15] [--host 30] [--out prof.json]
     python bench/profile_prefill.py --layers 4 --prefill-chunk 4096 --prefill-knee 26624   # the service's chunk steps
+    python bench/profile_prefill.py --layers 4 --prefill-chunk 4096 --prefill-knee 26624 --service  # through its scheduler
 
 A Llama-3.1-8B-shaped model with --layers decoder layers (random weights: fine for dense speed), random
 token ids. One warm-up prefill, `--repeats` timed ones, then one under torch.profiler; prints the
@@ -43,6 +44,9 @@ ap.add_argument("--gaps", type=int, default=0, help="also list the N longest idl
 ap.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens a step, as serve's (0: the whole prompt)")
 ap.add_argument("--prefill-knee", type=int, default=None, help="the chunks' taper knee in held tokens (serve's "
                 "default for Llama-3.1-8B: 26624; none: uniform chunks)")
+ap.add_argument("--service", action="store_true", help="prefill through the service's scheduler (in process, "
+                "its step thread, a question of 2 tokens after the document), as bench.py serve's document scenario")
+ap.add_argument("--cache-gib", type=float, default=40.0, help="with --service: the context cache budget")
 args = ap.parse_args()
 sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
@@ -60,7 +64,26 @@ ids = ids.tolist() if torch.is_tensor(ids) else ids
 runner, s = llm.runner, SamplingConfig()
 
 
+svc = None
+if args.service:
+    import threading
+
+    from starshard.serving.scheduler import Scheduler
+
+    svc = Scheduler(llm, cache_bytes=int(args.cache_gib * 2**30), prefill_chunk=args.prefill_chunk,
+                    prefill_taper=args.prefill_knee is not None, prefill_knee_tokens=args.prefill_knee,
+                    warmup=False)
+    svc.start()
+    docs = iter(range(1, 1000))
+
+
 def prefill():
+    if svc is not None:  # a new document each time (a changed first token): never a cache hit
+        done = threading.Event()
+        svc.submit(Prompt([next(docs)] + ids[1:], len(ids)), max_tokens=1, sampling=s,
+                   on_event=lambda ev: ev.finish_reason is not None and done.set())
+        done.wait()
+        return
     cache = runner.new_cache(len(ids) + 8)
     runner.prefill(Prompt(ids, len(ids)), cache, s, None, chunk=args.prefill_chunk or None, knee=args.prefill_knee)
     torch.cuda.synchronize()
@@ -75,6 +98,8 @@ with torch.inference_mode():
         times.append(time.perf_counter() - t)
     with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])) as prof:
         prefill()
+if svc is not None:
+    svc.shutdown()
 rows = []
 total = 0.0
 for e in prof.key_averages():
@@ -101,7 +126,7 @@ for r in rows:
     r["share"] = r["ms"] / total
 print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, chunk {args.prefill_chunk or 'whole'} "
       f"(knee {args.prefill_knee}), fp8 {args.fp8 or 'none'}, "
-      f"sparse {args.sparse or 'none'}: "
+      f"sparse {args.sparse or 'none'}{', through the service' if svc else ''}: "
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
     print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
@@ -122,7 +147,7 @@ if args.out:
         json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
                    "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
-                   "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee,
+                   "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee, "service": args.service,
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
                    "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps],
                    "host_ops": host[: args.host]}, f, indent=1)
