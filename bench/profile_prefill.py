@@ -47,7 +47,14 @@ ap.add_argument("--prefill-knee", type=int, default=None, help="the chunks' tape
 ap.add_argument("--service", action="store_true", help="prefill through the service's scheduler (in process, "
                 "its step thread, a question of 2 tokens after the document), as bench.py serve's document scenario")
 ap.add_argument("--cache-gib", type=float, default=40.0, help="with --service: the context cache budget")
+ap.add_argument("--vary-length", action="store_true", help="each prefill one token shorter than the last, as new "
+                "documents are (a KV cache's capacity sets its views' strides)")
+ap.add_argument("--no-own-strides", action="store_true", help="hand cuDNN the KV cache's views as they are (the "
+                "behaviour before kernels/attention.py _own_strides), for a side-by-side ratio")
 args = ap.parse_args()
+if args.no_own_strides:
+    import starshard.kernels.attention as attention_module
+    attention_module._own_strides = lambda x: x
 sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
 if args.model:
@@ -74,18 +81,20 @@ if args.service:
                     prefill_taper=args.prefill_knee is not None, prefill_knee_tokens=args.prefill_knee,
                     warmup=False)
     svc.start()
-    docs = iter(range(1, 1000))
+docs = iter(range(1, 1000))
 
 
 def prefill():
+    i = next(docs)
+    p = ids[: len(ids) - i] if args.vary_length else ids
     if svc is not None:  # a new document each time (a changed first token): never a cache hit
         done = threading.Event()
-        svc.submit(Prompt([next(docs)] + ids[1:], len(ids)), max_tokens=1, sampling=s,
+        svc.submit(Prompt([i] + p[1:], len(p)), max_tokens=1, sampling=s,
                    on_event=lambda ev: ev.finish_reason is not None and done.set())
         done.wait()
         return
-    cache = runner.new_cache(len(ids) + 8)
-    runner.prefill(Prompt(ids, len(ids)), cache, s, None, chunk=args.prefill_chunk or None, knee=args.prefill_knee)
+    cache = runner.new_cache(len(p) + 8)
+    runner.prefill(Prompt(p, len(p)), cache, s, None, chunk=args.prefill_chunk or None, knee=args.prefill_knee)
     torch.cuda.synchronize()
 
 
@@ -126,7 +135,8 @@ for r in rows:
     r["share"] = r["ms"] / total
 print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, chunk {args.prefill_chunk or 'whole'} "
       f"(knee {args.prefill_knee}), fp8 {args.fp8 or 'none'}, "
-      f"sparse {args.sparse or 'none'}{', through the service' if svc else ''}: "
+      f"sparse {args.sparse or 'none'}{', through the service' if svc else ''}"
+      f"{', lengths varied' if args.vary_length else ''}{', cache views as they are' if args.no_own_strides else ''}: "
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
     print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
@@ -148,6 +158,7 @@ if args.out:
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
                    "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
                    "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee, "service": args.service,
+                   "vary_length": args.vary_length, "own_strides": not args.no_own_strides,
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
                    "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps],
                    "host_ops": host[: args.host]}, f, indent=1)
