@@ -45,16 +45,13 @@ ap.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens a st
 ap.add_argument("--prefill-knee", type=int, default=None, help="the chunks' taper knee in held tokens (serve's "
                 "default for Llama-3.1-8B: 26624; none: uniform chunks)")
 ap.add_argument("--service", action="store_true", help="prefill through the service's scheduler (in process, "
-                "its step thread, a question of 2 tokens after the document), as bench.py serve's document scenario")
+                "on its step thread: each prompt a new document, one token generated), as bench.py serve's document "
+                "scenario does; the model's chunks and taper as serve's --prefill-chunk / --prefill-knee")
 ap.add_argument("--cache-gib", type=float, default=40.0, help="with --service: the context cache budget")
 ap.add_argument("--vary-length", action="store_true", help="each prefill one token shorter than the last, as new "
-                "documents are (a KV cache's capacity sets its views' strides)")
-ap.add_argument("--no-own-strides", action="store_true", help="hand cuDNN the KV cache's views as they are (the "
-                "behaviour before kernels/attention.py _own_strides), for a side-by-side ratio")
+                "documents are (a KV cache's capacity sets its views' strides, and torch keeps a cuDNN graph per "
+                "shape and strides)")
 args = ap.parse_args()
-if args.no_own_strides:
-    import starshard.kernels.attention as attention_module
-    attention_module._own_strides = lambda x: x
 sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
 if args.model:
@@ -136,7 +133,7 @@ for r in rows:
 print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, chunk {args.prefill_chunk or 'whole'} "
       f"(knee {args.prefill_knee}), fp8 {args.fp8 or 'none'}, "
       f"sparse {args.sparse or 'none'}{', through the service' if svc else ''}"
-      f"{', lengths varied' if args.vary_length else ''}{', cache views as they are' if args.no_own_strides else ''}: "
+      f"{', lengths varied' if args.vary_length else ''}: "
       f"{min(times):.3f} s wall (best of {args.repeats}); kernels {total:.1f} ms")
 for r in rows[:30]:
     print(f"{r['ms']:10.2f} ms {100 * r['share']:5.1f}% x{r['calls']:<5d} {r['kernel'][:110]}")
@@ -158,7 +155,7 @@ if args.out:
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
                    "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
                    "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee, "service": args.service,
-                   "vary_length": args.vary_length, "own_strides": not args.no_own_strides,
+                   "vary_length": args.vary_length,
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
                    "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps],
                    "host_ops": host[: args.host]}, f, indent=1)

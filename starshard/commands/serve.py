@@ -87,9 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "chunk over its ranks); between a new document's chunks the running requests take a decode step, "
                      "so no stream stalls for a whole prefill. 0: the whole prompt in one step (default: 4096 x cp on "
                      "CUDA, 0 on CPU; APB always prefills whole). Smaller chunks shorten the other streams' longest "
-                     "gap and cost prefill time: on one H200 an 8B model's 128K prefill in tapered chunks (--prefill-taper) "
-                     "took 1.16-1.22x / 1.10-1.15x / 1.06-1.07x the whole prompt's time at 4096 / 6144 / 8192, "
-                     "with other streams' p99 gaps of 0.39 / 0.60 / 0.78 s")
+                     "gap and cost prefill time: on one H200 an 8B model's 128K prefill in the default tapered 4096-token "
+                     "chunks (--prefill-taper) took 1.05-1.09x the whole prompt's time, with other streams' p99 gaps of "
+                     "0.39-0.47 s (6144 / 8192-token chunks: p99 0.60 / 0.78 s)")
     eng.add_argument("--prefill-taper", action=argparse.BooleanOptionalAction, default=True,
                      help="later chunks of a document take fewer tokens as the prefix before them grows (a chunk's "
                      "attention grows with it), so that no step costs more than about twice the first: full chunks up "

@@ -137,18 +137,6 @@ def _cudnn_native_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _NATIVE_GQA[key]
 
 
-def _own_strides(x: torch.Tensor) -> torch.Tensor:
-    """x, or a copy of it whose strides follow from its shape alone. torch builds a cuDNN graph (tens of ms)
-    for every new (shape, strides) it is called with; a view into a longer KV cache has strides set by that
-    cache's capacity, so a chunked prefill built new graphs at every step of every document of a new
-    length (+20 % on a 128K prefill in 4096-token chunks, one H200; docs/results.md, Service). The copy
-    moves ~1-3 % of a chunk step's attention time; the projection's layout (a transpose of a contiguous
-    [B, L, H, D]) is kept as is."""
-    if x.is_contiguous() or x.transpose(1, 2).is_contiguous():
-        return x
-    return x.contiguous()
-
-
 def _fused(q, k, v, *, causal: bool, scale, op: str):
     """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row)."""
     B, Hq, Lq, D = q.shape
@@ -161,7 +149,6 @@ def _fused(q, k, v, *, causal: bool, scale, op: str):
         # Causal rows of different heads differ: equal head counts (the copy is a few % of the time).
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if op == "cudnn":
-        q, k, v = _own_strides(q), _own_strides(k), _own_strides(v)
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     else:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)

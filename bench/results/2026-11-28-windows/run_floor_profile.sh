@@ -1,8 +1,8 @@
-# call E (the host of call D, warm): issue 38's sparse floor. AnchorAttention on SmolLM2 at 128K measured 0.936x
+# call E (the host of call D, warm; the JSON are e_*): issue 38's sparse floor. AnchorAttention on SmolLM2 at 128K measured 0.936x
 # dense with every call sent dense by the per-call floor (2026-11-28-windows, run_sparse_floor.sh): where do its
 # ~3 ms per call go? Profiles of dense and anchor (kernels, idle gaps, host ops), then the floor with 1, 2 and 4
 # sampled groups, side by side with dense.
-LOG=run_e.log; source bench/gpu_env.sh
+LOG=run_floor_profile.log; source bench/gpu_env.sh
 if [ ! -f "$SMOL/config.json" ]; then
   cat /tmp/smol/smolpart_aa .s2/smolpart_ab > /tmp/smol/smol.gguf
   echo "$SMOL_SHA  /tmp/smol/smol.gguf" | sha256sum -c || exit 1

@@ -1,3 +1,5 @@
+# Ran at 85d5cbf with kernels/attention.py `_own_strides` (cuDNN handed KV-cache views copied to their shape's own
+# strides) and profile_prefill.py `--no-own-strides`; both were dropped after call F (docs/results.md, Service).
 # call D (2 GPUs of one host): issue 36's chunk cost with kernels/attention.py _own_strides (cuDNN gets KV-cache
 # views with strides set by their shape, not the cache's capacity, so its graph cache hits across documents).
 # GPU 0: the 128K document scenario whole, then the load (other streams' gaps while a 128K document prefills);
