@@ -29,10 +29,10 @@ blocks form a group g, whose first row sits at key index gb_g. For group g:
   row at a time in the key dimension, any gaps).
 theta = +inf keeps every candidate, i.e. exact causal attention.
 
-Backends: Triton kernels (anchor max, identification with in-kernel compaction, sparse flash) on CUDA
-or under TRITON_INTERPRET=1; otherwise torch code computing the very same quantities (float32 math,
-float64 for float64 inputs). Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
-exact dense attention.
+Backends: Triton kernels (anchor max, identification with in-kernel compaction or, for the per-call
+floor's sample, counts only, sparse flash) on CUDA or under TRITON_INTERPRET=1; otherwise torch code
+computing the very same quantities (float32 math, float64 for float64 inputs). Non-causal calls and
+query blocks of fewer than MIN_SPARSE_ROWS rows run exact dense attention.
 """
 from __future__ import annotations
 
@@ -140,10 +140,10 @@ class AnchorRates:
     call_density: the per-call floor. When the call's selected key fraction (its heads' mean density)
     reaches it, the whole call runs the dense kernel (exact) and is counted as fallen back; None: the
     break-even density `kernel` itself (a call at it costs the stripe kernel as much as dense costs).
-    sample_groups: > 0 first identifies only the call's last `sample_groups` groups of query blocks
-    (their rows see the most keys) and, when their mean density reaches the floor, runs dense without
-    the full identification (its cost is what a fallen-back call otherwise pays on top of dense); 0: the
-    floor is checked on the full identification only."""
+    sample_groups: > 0 first counts the stripes of only the call's last `sample_groups` groups of query
+    blocks (their rows see the most keys; `sampled_density`) and, when their mean density reaches the
+    floor, runs dense without the full identification (its cost is what a fallen-back call otherwise
+    pays on top of dense); 0: the floor is checked on the full identification only."""
 
     kernel: float
     call_density: float | None = None
@@ -169,6 +169,13 @@ class AnchorRates:
 # H100 (docs/results.md, run 2026-11-26-gpu-anchor-grouped), x 30 layers = 0.11 s on dense's 1.41 s:
 # the 1.51 s (0.92x) measured with every head sent dense. 4 of the 64 groups at 128K (the longest:
 # their rows see the most keys) are 1/16 of the identification's work, 1/8 at the 64K+ minimum length.
+# The sample is counted, not listed (`count_stripes`): identified with the stripe kernel's one program
+# per (group, head), each scanning its group's keys serially, 1-4 groups were a few dozen programs on
+# 132 SMs, latency-bound, their cost not shrinking with fewer groups (SmolLM2 at 128K on one H200,
+# 2026-11-28: the stripe kernel 82 ms over the 30 calls; 1.443 / 1.444 / 1.447 s with 1 / 2 / 4 groups
+# against dense's 1.361 s, 0.94x). Split over key chunks (~1000 programs), without the list's
+# compaction and stores, the sample should cost in proportion to its work: the anchors of its rows
+# plus 1/16 (1/8) of the stripe scores. Not measured yet.
 FLOOR_SAMPLE_GROUPS = 4
 MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399, sample_groups=FLOOR_SAMPLE_GROUPS),
                          128: AnchorRates(kernel=0.411, sample_groups=FLOOR_SAMPLE_GROUPS)}
@@ -853,10 +860,11 @@ def fall_back(report, heads: int, result):
 
 
 def sampled_density(q, k, config: AnchorConfig, groups: int, *, offset: int, scale=None, backend=None) -> float | None:
-    """The mean head density of the call's last `groups` groups of query blocks, identified alone: the
-    geometry is by key index, so they select exactly the stripes the full identification gives them
-    (their rows see the most keys: the bulk of the causal pairs). None when the call has no more
-    groups than that (the sample would be the full identification)."""
+    """The mean head density of the call's last `groups` groups of query blocks, their stripes counted
+    alone (`anchor_scores` of their rows, `count_stripes`, `count_density`): the geometry is by key
+    index, so they select exactly the stripes the full identification gives them (their rows see the
+    most keys: the bulk of the causal pairs). None when the call has no more groups than that (the
+    sample would be the full identification)."""
     Lq, Lk = q.shape[2], k.shape[2]
     rpg = config.block_q * config.step
     G = cdiv(Lq, rpg)
