@@ -29,10 +29,10 @@ blocks form a group g, whose first row sits at key index gb_g. For group g:
   row at a time in the key dimension, any gaps).
 theta = +inf keeps every candidate, i.e. exact causal attention.
 
-Backends: Triton kernels (anchor max, identification with in-kernel compaction, sparse flash) on CUDA
-or under TRITON_INTERPRET=1; otherwise torch code computing the very same quantities (float32 math,
-float64 for float64 inputs). Non-causal calls and query blocks of fewer than MIN_SPARSE_ROWS rows run
-exact dense attention.
+Backends: Triton kernels (anchor max, identification with in-kernel compaction or, for the per-call
+floor's sample, counts only, sparse flash) on CUDA or under TRITON_INTERPRET=1; otherwise torch code
+computing the very same quantities (float32 math, float64 for float64 inputs). Non-causal calls and
+query blocks of fewer than MIN_SPARSE_ROWS rows run exact dense attention.
 """
 from __future__ import annotations
 
@@ -140,10 +140,10 @@ class AnchorRates:
     call_density: the per-call floor. When the call's selected key fraction (its heads' mean density)
     reaches it, the whole call runs the dense kernel (exact) and is counted as fallen back; None: the
     break-even density `kernel` itself (a call at it costs the stripe kernel as much as dense costs).
-    sample_groups: > 0 first identifies only the call's last `sample_groups` groups of query blocks
-    (their rows see the most keys) and, when their mean density reaches the floor, runs dense without
-    the full identification (its cost is what a fallen-back call otherwise pays on top of dense); 0: the
-    floor is checked on the full identification only."""
+    sample_groups: > 0 first counts the stripes of only the call's last `sample_groups` groups of query
+    blocks (their rows see the most keys; `sampled_density`) and, when their mean density reaches the
+    floor, runs dense without the full identification (its cost is what a fallen-back call otherwise
+    pays on top of dense); 0: the floor is checked on the full identification only."""
 
     kernel: float
     call_density: float | None = None
@@ -169,6 +169,13 @@ class AnchorRates:
 # H100 (docs/results.md, run 2026-11-26-gpu-anchor-grouped), x 30 layers = 0.11 s on dense's 1.41 s:
 # the 1.51 s (0.92x) measured with every head sent dense. 4 of the 64 groups at 128K (the longest:
 # their rows see the most keys) are 1/16 of the identification's work, 1/8 at the 64K+ minimum length.
+# The sample is counted, not listed (`count_stripes`): identified with the stripe kernel's one program
+# per (group, head), each scanning its group's keys serially, 1-4 groups were a few dozen programs on
+# 132 SMs, latency-bound, their cost not shrinking with fewer groups (SmolLM2 at 128K on one H200,
+# 2026-11-28: the stripe kernel 82 ms over the 30 calls; 1.443 / 1.444 / 1.447 s with 1 / 2 / 4 groups
+# against dense's 1.361 s, 0.94x). Split over key chunks (~1000 programs), without the list's
+# compaction and stores, the sample should cost in proportion to its work: the anchors of its rows
+# plus 1/16 (1/8) of the stripe scores. Not measured yet.
 FLOOR_SAMPLE_GROUPS = 4
 MEASURED_ANCHOR_RATES = {64: AnchorRates(kernel=0.399, sample_groups=FLOOR_SAMPLE_GROUPS),
                          128: AnchorRates(kernel=0.411, sample_groups=FLOOR_SAMPLE_GROUPS)}
@@ -387,12 +394,15 @@ if triton is not None:
     def _identify_fwd(
         QP, XP, K, IDX, CNT, TH, qk_scale,
         s_kb, s_kh, s_kn, s_kd,
-        Hq, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group,
+        Hq, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group, chunk_keys,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STEP_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, COUNT_ONLY: tl.constexpr,
     ):
         # One program per (group, batch x head): pooled queries of the group's blocks against every
         # candidate key; a key is kept if any block's pooled anchor minus its score is <= theta.
+        # COUNT_ONLY: one program per (group, batch x head, chunk of chunk_keys candidates), which only
+        # counts its chunk's hits into CNT [batch x head, group, chunk] (no list). Chunks start at
+        # init_tokens + a multiple of BLOCK_N, so every key tile, score and hit is the full kernel's.
         gi = tl.program_id(0)
         pid = tl.program_id(1)
         b = pid // Hq
@@ -412,9 +422,14 @@ if triton is not None:
         kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
         ws = tl.maximum(gi * rows_per_group + off - local_window, 0)
         hi = tl.minimum(ws, Lk)
+        lo = init_tokens
+        end = hi
+        if COUNT_ONLY:  # this program's chunk of the candidates
+            lo = init_tokens + tl.program_id(2) * chunk_keys
+            end = tl.minimum(hi, lo + chunk_keys)
         out_ptr = IDX + (pid.to(tl.int64) * n_groups + gi) * KI
         cnt = gi - gi  # int32 zero
-        for start in range(init_tokens, hi, BLOCK_N):
+        for start in range(lo, end, BLOCK_N):
             cols = start + offs_n
             ok = cols < hi
             kt = tl.load(kt_base + cols[None, :] * s_kn, mask=ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
@@ -424,22 +439,27 @@ if triton is not None:
                 s = tl.dot(qp, kt) * qk_scale
             hit = (tl.max(s - thr[:, None], 0) >= 0) & ok
             hit_i = hit.to(tl.int32)
-            pos = cnt + tl.cumsum(hit_i, 0) - 1
-            tl.store(out_ptr + pos, cols, mask=hit)
+            if not COUNT_ONLY:
+                pos = cnt + tl.cumsum(hit_i, 0) - 1
+                tl.store(out_ptr + pos, cols, mask=hit)
             cnt += tl.sum(hit_i, 0)
-        tl.store(CNT + pid.to(tl.int64) * n_groups + gi, cnt)
+        if COUNT_ONLY:
+            tl.store(CNT + (pid.to(tl.int64) * n_groups + gi) * tl.num_programs(2) + tl.program_id(2), cnt)
+        else:
+            tl.store(CNT + pid.to(tl.int64) * n_groups + gi, cnt)
 
     @triton.jit
     def _identify_gqa_fwd(
         QP, XP, K, IDX, CNT, TH, qk_scale,
         s_kb, s_kh, s_kn, s_kd,
-        Hq, Hkv, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group,
+        Hq, Hkv, G, nM, n_groups, KI, step, init_tokens, Lk, off, local_window, rows_per_group, chunk_keys,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STEP_P: tl.constexpr, G_P: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, COUNT_ONLY: tl.constexpr,
     ):
         # `_identify_fwd` with one program per (group, batch x KV head): the G query heads of the KV
         # head stacked as G_P x STEP_P pooled rows, so each key tile is loaded once for all of them
-        # (and the product has G times the rows); hits and lists stay per head.
+        # (and the product has G times the rows); hits and lists stay per head. COUNT_ONLY: as there,
+        # per (group, batch x KV head, chunk), each head's count of the chunk into CNT.
         R: tl.constexpr = G_P * STEP_P
         gi = tl.program_id(0)
         pid = tl.program_id(1)
@@ -464,9 +484,14 @@ if triton is not None:
         kt_base = K + b.to(tl.int64) * s_kb + kvh.to(tl.int64) * s_kh + offs_d[:, None] * s_kd
         ws = tl.maximum(gi * rows_per_group + off - local_window, 0)
         hi = tl.minimum(ws, Lk)
+        lo = init_tokens
+        end = hi
+        if COUNT_ONLY:
+            lo = init_tokens + tl.program_id(2) * chunk_keys
+            end = tl.minimum(hi, lo + chunk_keys)
         out_ptr = IDX + (bh * n_groups + gi) * KI  # [G_P]
         cnt = tl.zeros([G_P], dtype=tl.int32)
-        for start in range(init_tokens, hi, BLOCK_N):
+        for start in range(lo, end, BLOCK_N):
             cols = start + offs_n
             ok = cols < hi
             kt = tl.load(kt_base + cols[None, :] * s_kn, mask=ok[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
@@ -477,10 +502,14 @@ if triton is not None:
             gap = tl.reshape(sc - thr[:, None], (G_P, STEP_P, BLOCK_N))
             hit = (tl.max(gap, 1) >= 0) & ok[None, :] & h_ok[:, None]  # [G_P, BLOCK_N]
             hit_i = hit.to(tl.int32)
-            pos = cnt[:, None] + tl.cumsum(hit_i, 1) - 1
-            tl.store(out_ptr[:, None] + pos, tl.broadcast_to(cols[None, :], (G_P, BLOCK_N)), mask=hit)
+            if not COUNT_ONLY:
+                pos = cnt[:, None] + tl.cumsum(hit_i, 1) - 1
+                tl.store(out_ptr[:, None] + pos, tl.broadcast_to(cols[None, :], (G_P, BLOCK_N)), mask=hit)
             cnt += tl.sum(hit_i, 1)
-        tl.store(CNT + bh * n_groups + gi, cnt, mask=h_ok)
+        if COUNT_ONLY:
+            tl.store(CNT + (bh * n_groups + gi) * tl.num_programs(2) + tl.program_id(2), cnt, mask=h_ok)
+        else:
+            tl.store(CNT + bh * n_groups + gi, cnt, mask=h_ok)
 
     @triton.jit
     def _anchor_sparse_fwd(
@@ -634,26 +663,86 @@ def identify_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None,
         return _identify_torch(q, k, xa, config, offset=offset, scale=scale)
     if group_heads is None:
         group_heads = grouped_identify(D, Lk, Hq // Hkv)
-    qbar, xbar = pool_blocks(q, xa, config.block_q)
-    nM = qbar.shape[2]
-    G = cdiv(nM, config.step)
+    G = cdiv(cdiv(Lq, config.block_q), config.step)
     KI = index_capacity(config, Lq=Lq, Lk=Lk, offset=offset)
     idx = torch.empty(B, Hq, G, max(KI, 1), dtype=torch.int32, device=q.device)
     count = torch.empty(B, Hq, G, dtype=torch.int32, device=q.device)
+    _launch_identify(q, k, xa, config, offset=offset, scale=scale, launch=launch, group_heads=group_heads,
+                     idx=idx, count=count)
+    return StripeIndex(idx[..., :KI], count)
+
+
+# The floor's sample is a few groups (1-4), i.e. a few dozen (group, head) programs against 132 SMs:
+# count_stripes splits each group's candidate keys into chunks, one program each, aiming at about
+# _COUNT_PROGRAMS programs in all (~8 per SM of an H100 / H200: enough resident to keep key loads in
+# flight), each scanning at least _COUNT_MIN_KEYS keys (below that its fixed work, the pooled-query
+# loads and its store, stops being small next to its scan). 128K keys, 9 heads: ~1.2K keys per
+# program for 1 group, ~4.5K for 4.
+_COUNT_PROGRAMS = 1024
+_COUNT_MIN_KEYS = 1024
+
+
+def count_chunk_keys(candidates: int, programs: int, block_k: int) -> int:
+    """Keys per count-only program (a multiple of block_k) for `candidates` keys per group and
+    `programs` (group, head) pairs: see _COUNT_PROGRAMS."""
+    chunks = max(1, min(cdiv(candidates, _COUNT_MIN_KEYS), cdiv(_COUNT_PROGRAMS, programs)))
+    return max(1, cdiv(cdiv(candidates, chunks), block_k)) * block_k
+
+
+def count_stripes(q, k, xa, config: AnchorConfig, *, offset: int, scale=None, backend=None, launch=None,
+                  group_heads: bool | None = None, chunk_keys: int | None = None) -> torch.Tensor:
+    """Stage 2 counted only: `identify_stripes(...).count` ([B, Hq, G] int32), equal to it (the same
+    kernel's hit test on the same key tiles, group_heads picked the same way), without writing the
+    lists. The Triton kernel splits each group's candidate keys into chunks of `chunk_keys` (a
+    multiple of block_k; None: `count_chunk_keys`), one program each, so that a call of a few groups
+    (the floor's sample, `sampled_density`) still fills the GPU."""
+    check_shapes(q, k, k)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if chunk_keys is not None and (chunk_keys < 1 or chunk_keys % config.block_k):
+        raise ValueError(f"count_stripes chunk_keys must be a positive multiple of block_k ({config.block_k}), "
+                         f"got {chunk_keys}")
+    scale = D**-0.5 if scale is None else scale
+    if not _use_triton(q, backend):
+        return _identify_torch(q, k, xa, config, offset=offset, scale=scale).count
+    if group_heads is None:
+        group_heads = grouped_identify(D, Lk, Hq // Hkv)
+    G = cdiv(cdiv(Lq, config.block_q), config.step)
+    cands = index_capacity(config, Lq=Lq, Lk=Lk, offset=offset)  # the last group's: the most
+    if cands == 0:
+        return torch.zeros(B, Hq, G, dtype=torch.int32, device=q.device)
+    if chunk_keys is None:
+        chunk_keys = count_chunk_keys(cands, G * B * (Hkv if group_heads else Hq), config.block_k)
+    part = torch.empty(B, Hq, G, cdiv(cands, chunk_keys), dtype=torch.int32, device=q.device)  # per chunk
+    _launch_identify(q, k, xa, config, offset=offset, scale=scale, launch=launch, group_heads=group_heads,
+                     idx=part, count=part, chunk_keys=chunk_keys)
+    return part.sum(-1, dtype=torch.int32)
+
+
+def _launch_identify(q, k, xa, config, *, offset, scale, launch, group_heads, idx, count, chunk_keys=0):
+    """The stripe kernel (per head, or per KV head with group_heads): lists into idx [B, Hq, G, KI] and
+    count [B, Hq, G]; with chunk_keys > 0 count-only, count [B, Hq, G, chunks] per chunk (idx unused)."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    qbar, xbar = pool_blocks(q, xa, config.block_q)
+    nM = qbar.shape[2]
+    G = count.shape[2]
+    chunks = count.shape[3] if chunk_keys else 1
     warps, stages = launch or (4, 2)
     common = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), STEP_P=max(16, triton.next_power_of_2(config.step)),
-                  BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                  BLOCK_N=config.block_k, IEEE=q.dtype == torch.float32, COUNT_ONLY=chunk_keys > 0,
+                  num_warps=warps, num_stages=stages)
     thetas = config.head_thetas(Hq, q.device)
-    tail = (nM, G, max(KI, 1), config.step, config.init_tokens, Lk, offset, config.local_window,
-            config.block_q * config.step)
+    tail = (nM, G, idx.shape[-1], config.step, config.init_tokens, Lk, offset, config.local_window,
+            config.block_q * config.step, chunk_keys)
     if group_heads:
         g = Hq // Hkv
-        _identify_gqa_fwd[(G, B * Hkv)](qbar.contiguous(), xbar.contiguous(), k, idx, count, thetas, float(scale),
-                                        *k.stride(), Hq, Hkv, g, *tail, G_P=triton.next_power_of_2(g), **common)
+        _identify_gqa_fwd[(G, B * Hkv, chunks)](qbar.contiguous(), xbar.contiguous(), k, idx, count, thetas,
+                                                float(scale), *k.stride(), Hq, Hkv, g, *tail,
+                                                G_P=triton.next_power_of_2(g), **common)
     else:
-        _identify_fwd[(G, B * Hq)](qbar.contiguous(), xbar.contiguous(), k, idx, count, thetas, float(scale),
-                                   *k.stride(), Hq, Hq // Hkv, *tail, **common)
-    return StripeIndex(idx[..., :KI], count)
+        _identify_fwd[(G, B * Hq, chunks)](qbar.contiguous(), xbar.contiguous(), k, idx, count, thetas,
+                                           float(scale), *k.stride(), Hq, Hq // Hkv, *tail, **common)
 
 
 def sparse_attention(q, k, v, index: StripeIndex, config: AnchorConfig, *, offset: int, scale=None, backend=None,
@@ -771,34 +860,42 @@ def fall_back(report, heads: int, result):
 
 
 def sampled_density(q, k, config: AnchorConfig, groups: int, *, offset: int, scale=None, backend=None) -> float | None:
-    """The mean head density of the call's last `groups` groups of query blocks, identified alone: the
-    geometry is by key index, so they select exactly the stripes the full identification gives them
-    (their rows see the most keys: the bulk of the causal pairs). None when the call has no more
-    groups than that (the sample would be the full identification)."""
+    """The mean head density of the call's last `groups` groups of query blocks, their stripes counted
+    alone (`anchor_scores` of their rows, `count_stripes`, `count_density`): the geometry is by key
+    index, so they select exactly the stripes the full identification gives them (their rows see the
+    most keys: the bulk of the causal pairs). None when the call has no more groups than that (the
+    sample would be the full identification)."""
     Lq, Lk = q.shape[2], k.shape[2]
     rpg = config.block_q * config.step
     G = cdiv(Lq, rpg)
     if G <= groups:
         return None
     start = (G - groups) * rpg
-    sub = build_index(q[:, :, start:], k, config, offset=offset + start, scale=scale, backend=backend)
-    return float(head_density(sub, config, Lq=Lq - start, Lk=Lk, offset=offset + start).mean())  # the sync
+    qs, off = q[:, :, start:], offset + start
+    xa = anchor_scores(qs, k, config, offset=off, scale=scale, backend=backend)
+    count = count_stripes(qs, k, xa, config, offset=off, scale=scale, backend=backend)
+    return float(count_density(count, config, Lq=Lq - start, Lk=Lk, offset=off).mean())  # the sync
 
 
 def head_density(index: StripeIndex, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> torch.Tensor:
     """Per (batch row, head), the share of the causal (row, key) pairs the sparse step computes (anchor
     region + the group's stripes): [B, Hq] float64, counted in closed form per row (no [rows, keys]
-    mask). Its mean is `density`."""
-    dev = index.count.device
+    mask). Its mean is `density`. It needs only the counts: `count_density`."""
+    return count_density(index.count, config, Lq=Lq, Lk=Lk, offset=offset)
+
+
+def count_density(count: torch.Tensor, config: AnchorConfig, *, Lq: int, Lk: int, offset: int) -> torch.Tensor:
+    """`head_density` from the stripe counts [B, Hq, G] alone (`StripeIndex.count`, `count_stripes`)."""
+    dev = count.device
     rows = torch.arange(Lq, device=dev)
     rpg = config.block_q * config.step
     hi = (rows + offset + 1).clamp(max=Lk)  # keys j < hi are causal for the row
     ws = window_starts(config, Lq=Lq, offset=offset, device=dev)[rows // rpg]
     init = config.init_tokens
     region = hi.clamp(max=init) + (hi - ws.clamp(min=init)).clamp(min=0)
-    G = index.count.shape[2]
+    G = count.shape[2]
     per_group = torch.clamp(torch.arange(1, G + 1, device=dev) * rpg, max=Lq) - torch.arange(G, device=dev) * rpg
-    stripes = (index.count.double() * per_group.double()).sum(-1)  # [B, Hq]
+    stripes = (count.double() * per_group.double()).sum(-1)  # [B, Hq]
     return (region.double().sum() + stripes) / hi.double().sum()
 
 
@@ -844,5 +941,5 @@ __all__ = [
     "AnchorConfig", "StripeIndex", "anchor_attention", "anchor_scores", "identify_stripes", "sparse_attention",
     "build_index", "anchor_region", "selected_mask", "window_starts", "index_capacity", "pool_blocks", "density",
     "head_density", "sampled_density", "kernel_cost", "AnchorRates", "MEASURED_ANCHOR_RATES", "FLOOR_SAMPLE_GROUPS", "measured_anchor_rates", "triton_available",
-    "default_launch",
+    "default_launch", "count_stripes", "count_chunk_keys", "count_density",
 ]

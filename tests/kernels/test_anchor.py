@@ -319,10 +319,14 @@ ptrs = {"_anchor_max_fwd": {"Q": "q", "K": "q", "XA": "fp32"},
         "_identify_gqa_fwd": {"QP": "fp32", "XP": "fp32", "K": "q", "IDX": "i32", "CNT": "i32", "TH": "fp32"},
         "_anchor_sparse_fwd": {"Q": "q", "K": "q", "V": "q", "O": "q", "LSE": "fp32", "IDX": "i32", "CNT": "i32"}}
 floats = {"qk_scale", "theta"}
-consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 64, "STEP_P": 16, "G_P": 4, "IEEE": False}
+consts = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 128, "BLOCK_N": 64, "STEP_P": 16, "G_P": 4, "IEEE": False,
+          "COUNT_ONLY": False}
+stores = {}
 for name, p in ptrs.items():
     fn = getattr(an, name)
-    for dt in ("bf16",):  # the GPU dtype; an fp32 build of the 128-row sparse kernel takes minutes
+    # the stripe kernels also in their count-only form (the floor's sample, count_stripes)
+    for count_only in ((False, True) if "COUNT_ONLY" in fn.arg_names else (False,)):
+        dt = "bf16"  # the GPU dtype; an fp32 build of the 128-row sparse kernel takes minutes
         sig = {}
         for n in fn.arg_names:
             if n in p:
@@ -332,10 +336,15 @@ for name, p in ptrs.items():
             else:
                 sig[n] = "fp32" if n in floats else "i32"
         c = {n: (dt == "fp32" if n == "IEEE" else v) for n, v in consts.items() if n in fn.arg_names}
+        if count_only:
+            c["COUNT_ONLY"] = True
         warps, stages = an.default_launch(128, 128)
         k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages})
         assert name.startswith("_identify") or "wgmma" in k.asm["ptx"], name
+        stores[name, count_only] = k.asm["ptx"].count("st.global")
+for name in ("_identify_fwd", "_identify_gqa_fwd"):  # count-only: no list written, its one store is the count
+    assert stores[name, True] == 1 < stores[name, False], stores
 print("compiled")
 """
 

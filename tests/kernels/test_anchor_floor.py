@@ -2,20 +2,28 @@
 whose heads keep on average at least `AnchorRates.call_density` of the causal pairs runs the dense
 kernel whole (exactly dense attention's (out, lse)) and is counted per layer; below it the call runs
 as before. `sampled_density` checks the floor on the last groups of query blocks before the full
-identification. --sparse-no-fallback still forces the sparse path. Torch backend, tiny inputs.
+identification, counting the stripes only (`count_stripes`: the stripe kernels' count-only form split
+over key chunks). --sparse-no-fallback still forces the sparse path. Torch backend and interpreted
+Triton (TRITON_INTERPRET=1 set before anchor.py is imported, float32/float16), tiny inputs.
 """
-import argparse
-import dataclasses
+import os
 
-import pytest
-import torch
+os.environ["TRITON_INTERPRET"] = "1"
 
-from starshard.benchmarks.sparse import make_inputs
-from starshard.cli import add_sparse_arguments, layout_error, sparse_config
-from starshard.kernels import anchor as an
-from starshard.kernels.attention import attention, causal_attention_at
-from starshard.kernels.sparse import SparseConfig, SparseReport, load_sparse_method, sparse_report
-from starshard.llm import LLM
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from starshard.benchmarks.sparse import make_inputs  # noqa: E402
+from starshard.cli import add_sparse_arguments, layout_error, sparse_config  # noqa: E402
+from starshard.kernels import anchor as an  # noqa: E402
+from starshard.kernels.attention import attention, causal_attention_at  # noqa: E402
+from starshard.kernels.sparse import SparseConfig, SparseReport, load_sparse_method, sparse_report  # noqa: E402
+from starshard.llm import LLM  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not an.triton_available(torch.zeros(1)), reason="needs Triton (interpreted on CPU)")
 
 CFG = an.AnchorConfig(theta=2.0, block_q=16, block_k=16, init_tokens=4, step=2)
 L = 384
@@ -88,25 +96,132 @@ def test_sampled_floor_skips_the_full_identification(monkeypatch):
     q, k, v, q_pos, k_pos = inputs()
     est = an.sampled_density(q, k, CFG, 2, offset=0, backend="torch")
     seen = []
-    orig = an.build_index
 
-    def spy(q, *a, **kw):
-        seen.append(q.shape[2])
-        return orig(q, *a, **kw)
+    def spy(name, orig):
+        def f(q, *a, **kw):
+            seen.append((name, q.shape[2]))
+            return orig(q, *a, **kw)
+        return f
 
-    monkeypatch.setattr(an, "build_index", spy)
+    monkeypatch.setattr(an, "build_index", spy("build", an.build_index))
+    monkeypatch.setattr(an, "count_stripes", spy("count", an.count_stripes))
     rep = SparseReport()
     out, lse = an.anchor_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, config=CFG, backend="torch",
                                    rates=an.AnchorRates(kernel=1.0, call_density=est * 0.999, sample_groups=2),
                                    report=rep)
     dense = attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
     assert torch.equal(out, dense[0]) and torch.equal(lse, dense[1])
-    assert seen == [2 * CFG.block_q * CFG.step] and rep.calls_fallen_back == 1  # only the sample identified
+    assert seen == [("count", 2 * CFG.block_q * CFG.step)] and rep.calls_fallen_back == 1  # only the sample, counted
     seen.clear()
     plain = an.anchor_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, config=CFG, backend="torch")
     out, _ = an.anchor_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, config=CFG, backend="torch",
                                  rates=an.AnchorRates(kernel=1.0, call_density=0.99, sample_groups=2))
-    assert seen == [L, 64, L] and torch.equal(out, plain[0])  # sample under the floor: the full call runs
+    assert seen == [("build", L), ("count", 64), ("build", L)] and torch.equal(out, plain[0])  # under the floor
+
+
+# name: B, Hq, Hkv, Lq, D, offset (Lk = offset + Lq: the query block is the tail of its keys), dtype
+COUNT_LAYOUTS = {
+    "gqa_d64_fp32": (1, 4, 2, 107, 64, 0, torch.float32),
+    "gqa_d128_fp16_prefix": (1, 4, 2, 75, 128, 37, torch.float16),
+    "mha_d64_long_prefix": (1, 2, 2, 70, 64, 150, torch.float32),
+    "batch_mqa_fp16": (2, 3, 1, 70, 32, 13, torch.float16),
+}
+COUNT_CFG = an.AnchorConfig(theta=2.0, block_q=16, block_k=16, init_tokens=5, local_window=7, step=2)
+
+
+def count_inputs(layout, seed):
+    B, hq, hkv, lq, d, off, dtype = COUNT_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, hq, lq, d, generator=g) * 1.5).to(dtype)
+    k = torch.randn(B, hkv, off + lq, d, generator=g).to(dtype)
+    return q, k, off
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", list(COUNT_LAYOUTS))
+def test_count_stripes_equals_the_identification_counts(layout):
+    """The count-only stripe kernels (per head and KV-grouped, split over key chunks of several sizes,
+    chunks starting off the block grid: init_tokens 5) count exactly the hits of the full kernels on
+    the floor's samples (last 1 and 3 groups of query blocks, odd lengths, offsets); the torch path
+    equals the torch identification; per-head thetas in one layout."""
+    q, k, off = count_inputs(layout, seed=len(layout))
+    cfg = COUNT_CFG
+    if layout == "batch_mqa_fp16":
+        cfg = dataclasses.replace(cfg, theta=tuple(1.0 + 0.75 * h for h in range(q.shape[1])))
+    rpg = cfg.block_q * cfg.step
+    G = -(-q.shape[2] // rpg)
+    hits = cands = 0
+    for groups in (1, 3):
+        start = (G - groups) * rpg
+        qs, o = q[:, :, start:], off + start
+        for backend in ("triton", "torch"):
+            xa = an.anchor_scores(qs, k, cfg, offset=o, backend=backend)
+            for group_heads in ((False, True) if backend == "triton" else (None,)):
+                want = an.identify_stripes(qs, k, xa, cfg, offset=o, backend=backend, group_heads=group_heads).count
+                for chunk_keys in ((cfg.block_k, 3 * cfg.block_k) if backend == "triton" else (None,)):
+                    got = an.count_stripes(qs, k, xa, cfg, offset=o, backend=backend, group_heads=group_heads,
+                                           chunk_keys=chunk_keys)
+                    assert got.dtype == torch.int32 and torch.equal(got, want), (groups, backend, group_heads, chunk_keys)
+            if backend == "triton":  # the defaults: the identification's kernel choice, one chunk at this size
+                assert torch.equal(an.count_stripes(qs, k, xa, cfg, offset=o, backend=backend), want)
+        hits += int(want.sum())
+        ws = an.window_starts(cfg, Lq=qs.shape[2], offset=o).clamp(max=k.shape[2])
+        cands += int((ws - cfg.init_tokens).clamp(min=0).sum()) * q.shape[0] * q.shape[1]
+    assert 0 < hits < cands  # theta keeps some candidates, not all: the counts test the hit test
+
+
+@needs_triton
+def test_count_stripes_edges():
+    """No candidates (the first group at offset 0): zeros without a launch; chunk_keys refused unless
+    a positive multiple of block_k."""
+    q, k, off = count_inputs("gqa_d64_fp32", seed=1)
+    qs = q[:, :, :20]
+    xa = an.anchor_scores(qs, k[:, :, :20], COUNT_CFG, offset=0, backend="triton")
+    got = an.count_stripes(qs, k[:, :, :20], xa, COUNT_CFG, offset=0, backend="triton")
+    assert torch.equal(got, an.identify_stripes(qs, k[:, :, :20], xa, COUNT_CFG, offset=0, backend="triton").count)
+    assert got.shape == (1, q.shape[1], 1) and not got.any()
+    for bad in (0, 24, -16):
+        with pytest.raises(ValueError, match="chunk_keys"):
+            an.count_stripes(q, k, an.anchor_scores(q, k, COUNT_CFG, offset=0, backend="torch"), COUNT_CFG,
+                             offset=0, backend="torch", chunk_keys=bad)
+
+
+@pytest.mark.parametrize("keys,heads,groups", [(1 << 17, 9, 1), (1 << 17, 9, 4), (1 << 17, 3, 1), (1 << 15, 32, 4),
+                                               (3000, 9, 2), (200, 9, 1)])
+def test_count_chunks_fill_the_gpu(keys, heads, groups):
+    """Chunks are whole key tiles covering the candidates; about _COUNT_PROGRAMS programs in all (a
+    128K-key call of 1-4 groups fills an H100 / H200's 132 SMs several times over), none scanning
+    fewer than _COUNT_MIN_KEYS keys unless the group has fewer."""
+    block_k = 64
+    programs = heads * groups
+    chunk = an.count_chunk_keys(keys, programs, block_k)
+    chunks = -(-keys // chunk)
+    assert chunk % block_k == 0 and chunks * chunk >= keys
+    assert chunk >= min(an._COUNT_MIN_KEYS, -(-keys // block_k) * block_k)
+    assert programs * chunks <= max(an._COUNT_PROGRAMS + programs, programs)
+    if keys >= 1 << 17 and heads >= 9:
+        assert programs * chunks >= an._COUNT_PROGRAMS - programs
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sampled_density_is_the_sampled_identification(backend):
+    """sampled_density (anchors + counts of the sample) equals head_density of the sample's full
+    build_index, exactly (the same counts, the same closed form)."""
+    q, k, off = count_inputs("gqa_d128_fp16_prefix", seed=3)
+    if backend == "torch":
+        q, k = q.float(), k.float()
+    rpg = COUNT_CFG.block_q * COUNT_CFG.step
+    G = -(-q.shape[2] // rpg)
+    assert G == 3
+    for groups in (1, 2):
+        start = (G - groups) * rpg
+        sub = an.build_index(q[:, :, start:], k, COUNT_CFG, offset=off + start, backend=backend)
+        want = float(an.head_density(sub, COUNT_CFG, Lq=q.shape[2] - start, Lk=k.shape[2], offset=off + start).mean())
+        assert an.sampled_density(q, k, COUNT_CFG, groups, offset=off, backend=backend) == want
+        assert torch.equal(an.count_density(sub.count, COUNT_CFG, Lq=q.shape[2] - start, Lk=k.shape[2],
+                                            offset=off + start),
+                           an.head_density(sub, COUNT_CFG, Lq=q.shape[2] - start, Lk=k.shape[2], offset=off + start))
 
 
 def run_tiny(cfg):
