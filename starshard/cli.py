@@ -76,10 +76,10 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     "kernel's measured speed per pair as a share of cuDNN's: 0.399 at head dim 64, 0.411 at 128; "
                     "above 1: no per-call floor, heads still priced one by one)")
     sp.add_argument("--sparse-fallback-sample", type=int, default=None, metavar="N",
-                    help="--sparse anchor: identify only the last N groups of query blocks first and run the call "
-                    "dense, skipping the full identification (what a fallen-back call costs on top of dense), when "
-                    "their mean density reaches the floor (default 4; 0: the floor is checked after the full "
-                    "identification)")
+                    help="--sparse anchor: count the stripes of only the last N groups of query blocks first and run "
+                    "the call dense, skipping the full identification (what a fallen-back call costs on top of "
+                    "dense), when their mean density reaches the floor (default 4; 0: the floor is checked after the "
+                    "full identification)")
 
 
 def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
