@@ -31,6 +31,7 @@ from starshard.serving.tiers import TierConfig
 from tests.engine.test_gemma import FAMILIES as GEMMA
 from tests.helpers.hf_models import make_hf_model
 from tests.helpers.kv_shards import bits, key_for
+from tests.helpers.mp_harness import run_ranks
 from tests.helpers.service import settle_writes, submit
 
 transformers.logging.set_verbosity_error()
@@ -200,10 +201,7 @@ def gemma3(tmp_path_factory):
     path = make_hf_model(arch, tmp_path_factory.mktemp("trimtiers") / "g3", eos_token_id=None, initializer_range=0.1,
                          **kw)[1]
     llm = LLM(path, progress=False)
-    d1, d2 = _ids(1, DOC), _ids(2, DOC)
-    q = [_ids(10 + i, 6) for i in range(5)]
-    prompts = dict(a=Prompt(d1 + q[0], DOC), b=Prompt(d2 + q[1], DOC), c=Prompt(d1 + q[2], DOC),
-                   d=Prompt(d1[:PART] + q[3], PART), e=Prompt(d1 + q[4], DOC))
+    prompts = _prompts()
     refs = {k: llm.generate(p, max_new_tokens=NEW).token_ids for k, p in prompts.items()}
     return llm, prompts, refs
 
@@ -293,3 +291,52 @@ def test_service_trims_with_the_disk_tier_and_a_restart(gemma3, tmp_path):
         assert got.serves_from == DOC and got.kv.trimmed and kv_bytes(got.kv) == trimmed
     finally:
         svc.shutdown()
+
+
+def _cp2(rank, world, path, directory):
+    """cp=2 ring in chunks of 8: a's trimmed shards (a local layer's may be empty on a rank) go to disk on
+    each rank, come back for c; after a restart d is prefilled and e promoted. Rank 0: each answer; every
+    rank: the reloaded entries' (bytes held, bytes counted for every rank, serves_from)."""
+    from starshard.config import ParallelConfig
+
+    llm = LLM(path, progress=False, parallel=ParallelConfig(cp=world, cp_strategy="ring"))
+    p = _prompts()
+    tiers = TierConfig(disk_dir=directory, disk_bytes=1 << 30, disk_reload="always", shutdown_write_s=0)
+    out = {}
+    for run in range(2):  # the second is a restart on the same directory
+        svc = Scheduler(llm, cache_bytes=_budget(llm)[0], max_batch=4, prefill_chunk=8, tiers=tiers)
+        if rank != 0:
+            svc.serve_forever()
+        else:
+            svc.start()
+            try:
+                for k in ("a", "b", "c") if run == 0 else ("d", "e"):
+                    out[k] = _ask(svc, p[k])
+                    settle_writes(svc)
+                out[f"disk_bytes{run}"] = svc.tiers.disk_bytes[token_digest(p["a"].ids)]
+            finally:
+                svc.shutdown()
+        out[f"held{run}"] = [(kv_bytes(e.kv), e.rank_bytes, e.serves_from, e.kv.trimmed)
+                             for e in svc.cache.entries.values() if list(e.ids) == p["a"].ids]
+    return out
+
+
+def _prompts() -> dict[str, Prompt]:
+    d1, d2 = _ids(1, DOC), _ids(2, DOC)
+    q = [_ids(10 + i, 6) for i in range(5)]
+    return dict(a=Prompt(d1 + q[0], DOC), b=Prompt(d2 + q[1], DOC), c=Prompt(d1 + q[2], DOC),
+                d=Prompt(d1[:PART] + q[3], PART), e=Prompt(d1 + q[4], DOC))
+
+
+def test_cp2_ring_trimmed_shards_through_disk_and_a_restart(gemma3, tmp_path):
+    llm, _, refs = gemma3
+    ranks = run_ranks(_cp2, 2, str(llm.path), str(tmp_path / "kv"))
+    lead = ranks[0]
+    assert [lead[k] for k in "abcde"] == [(refs["a"], 0), (refs["b"], 0), (refs["c"], DOC), (refs["d"], 0),
+                                          (refs["e"], DOC)]
+    assert lead["disk_bytes0"] == lead["disk_bytes1"]  # counted after the restart as before it
+    for run in (0, 1):
+        (mine0, every, serves_from, trimmed), = lead[f"held{run}"]
+        (mine1, every1, serves_from1, trimmed1), = ranks[1][f"held{run}"]
+        assert every == every1 == lead["disk_bytes0"] == [mine0, mine1], run
+        assert serves_from == serves_from1 == DOC and trimmed and trimmed1, run
