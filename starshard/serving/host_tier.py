@@ -5,8 +5,9 @@ positions and, for FP8, the e4m3 bytes with their float32 scales; nothing is con
 side CUDA stream so the compute stream keeps running. A window-trimmed shard (a sliding-window model's
 entry after Executor._trim: KVCache.compact_local) moves as it is: each layer its own row count, each
 trimmed layer its window (`HostKV.windows`), and the entry's `serves_from` (context_cache.served_prefix),
-so that it comes back with the same rows, positions, windows and bytes, serving the same prompts. The same buffer is what kv_file.py writes to
-disk and reads back, so a shard moves device -> host -> disk -> host -> device without reformatting.
+so that it comes back with the same rows, positions, windows and bytes, serving the same prompts. The
+same buffer is what kv_file.py writes to disk and reads back, so a shard moves device -> host -> disk ->
+host -> device without reformatting.
 
 Coming back, `to_device` copies layer by layer on a side stream and records one CUDA event per
 layer: a consumer makes its stream wait for layer i only (`DeviceLoad.wait(i)`) right before layer i
