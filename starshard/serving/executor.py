@@ -456,6 +456,8 @@ class Executor:
             if kv_bytes(kv) > op.rank_bytes[self.cp_rank]:
                 raise RuntimeError(f"the reloaded shard holds {kv_bytes(kv)} bytes, more than the "
                                    f"{op.rank_bytes[self.cp_rank]} the scheduler counts")
+            if kv.trimmed and serves_from <= 0:  # it would serve prefixes whose local keys it dropped
+                raise RuntimeError("the reloaded shard is window-trimmed but carries no serves_from")
         except Exception as e:  # noqa: BLE001 (contained: every rank decides by the vote)
             log.warning("promoting cache entry %d from %s failed on rank %d: %s: %s", op.entry, op.source, self.rank,
                         type(e).__name__, e)
