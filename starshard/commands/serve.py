@@ -110,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "the question after it); the global layers keep every key. A long document's entry then takes a "
                      "fraction of the memory (Gemma 3: about 1/6), but serves only prompts that share all of the "
                      "document (follow-up questions on it); a prompt sharing only part of it is prefilled. "
-                     "--no-window-trim: keep every key, so any shared prefix is reused. Off while --host-cache-gib / "
-                     "--disk-cache-dir is set (those tiers copy whole entries) (default: on)")
+                     "--no-window-trim: keep every key, so any shared prefix is reused. The --host-cache-gib / "
+                     "--disk-cache-dir tiers keep trimmed entries as they are (default: on)")
     eng.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="a request still running this long after it arrived ends with an error (code "
                      "request_timeout) and its memory is freed, also in the middle of its prefill (default: no limit)")

@@ -9,9 +9,10 @@ layer keeps only the keys a later query can still see. Since every kernel masks 
 by row order, the rows need not be in order: single-token writes go round a fixed-capacity ring
 (overwriting the oldest row, CUDA-graph friendly), and a multi-row block first moves the last
 `window - 1` rows to the front, then appends. Such a cache holds a window, not the sequence: whatever
-reads a whole cache (context strategies, the service's tiers, kv_file) must not get one. The service's
-context cache trims its entries itself once their prefill ends (`KVCache.compact_local`): each local layer
-keeps the keys a continuation after the document sees (serving/context_cache.py served_prefix).
+reads a whole cache (context strategies) must not get one. The service's context cache trims its entries
+itself once their prefill ends (`KVCache.compact_local`): each local layer keeps the keys a continuation
+after the document sees (serving/context_cache.py served_prefix); its host and disk tiers copy such a
+cache with each layer's rows and window (serving/host_tier.py).
 """
 from __future__ import annotations
 

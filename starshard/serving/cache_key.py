@@ -23,7 +23,8 @@ import torch
 from starshard.config import Fp8Config, ModelConfig
 
 # The on-disk layout of kv_file.py; part of every key, so files of another version are another key's.
-FORMAT_VERSION = 1
+# 2: each layer's rows, the window-trimmed layers' windows and the entry's serves_from in the header.
+FORMAT_VERSION = 2
 
 SAMPLE_BYTES = 4096  # bytes read per sample of a weight file
 SAMPLES_PER_FILE = 16  # evenly spread over the file besides its head: catches a fine-tune with the same shapes

@@ -100,10 +100,22 @@ class DiskEntry:
     entry_id: int | None  # the context cache's id when it was written (informational: ids restart with the server)
     created: float
     last_used: float  # the file's mtime: LRU order, kept across restarts
-    rows: int = 0  # KV rows per layer the shard holds (its device size: rows x a token's bytes)
+    rows: int = 0  # KV rows of a layer that keeps every key
+    layer_rows: tuple[tuple[int, bool], ...] = ()  # (rows, window-trimmed) of each layer
+    serves_from: int = 0  # the fewest shared tokens it serves (a window-trimmed entry's document: served_prefix)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def device_bytes(self, token_bytes: int) -> int:
+        """Its shard's bytes once loaded on the device, as the service counted them before it went down:
+        `token_bytes` (every layer's KV of one token) per row of a layer keeping every key (at least one,
+        as Executor.entry_rank_bytes), a layer's share of it per row a trimmed layer holds (exactly its rows,
+        as after KVCache.compact_local)."""
+        if not self.layer_rows:
+            return max(1, self.rows) * token_bytes
+        per_layer = token_bytes // len(self.layer_rows)
+        return per_layer * sum(n if trimmed else max(1, n) for n, trimmed in self.layer_rows)
 
 
 @dataclass
@@ -194,8 +206,10 @@ class DiskTier:
                 st = p.stat()
             except OSError:
                 continue  # removed meanwhile
+            windows = dict(h.windows)
             self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime,
-                                             h.length)
+                                             h.length, tuple((n, i in windows) for i, n in zip(h.layer_ids, h.lengths)),
+                                             h.serves_from)
         if foreign:
             log.info("disk cache %s: %d file(s) of rank %d belong to another model or layout (key differs from %s): "
                      "not reused, left in place (`starshard cache list --disk-cache-dir %s` shows them)",
@@ -334,8 +348,10 @@ class DiskTier:
                 mtime = job.path.stat().st_mtime
             except OSError:  # removed behind our back: nothing to list
                 return None
+            host = job.host
             e = DiskEntry(job.name, job.path, job.ids, job.size, self.rank, job.entry_id, time.time(), mtime,
-                          job.host.length)
+                          host.length, tuple((host.rows(i), i in host.windows) for i in host.layer_ids),
+                          host.serves_from)
             self.entries[job.name] = e
             self._stats.demotions += 1
             self._stats.write_bytes += job.size

@@ -375,13 +375,13 @@ class Executor:
             if e is not None:  # from the device
                 self.cache.evict([op.entry])
                 if op.to == "host":
-                    host = to_host(e.kv, arena=tiers.arena)
+                    host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from)
                     host.synchronize()  # the device memory is free (for this step's allocation) once copied
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
                     on_disk = tiers.disk is not None and tiers.disk.entry_for(e.ids) is not None
                     tiers.host.entries[e.id].written = on_disk  # dropping it later loses nothing
                 else:  # staged in a free range of the host tier's pinned arena if any (a fast copy), else pageable
-                    host = to_host(e.kv, arena=tiers.arena)
+                    host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from)
                     host.synchronize()
                     tiers.writer.submit(e.id, e.ids, host, staged=True)
                 return
@@ -437,13 +437,13 @@ class Executor:
         """Load this rank's shard back to the device, then one vote: the entry becomes reusable only when
         every rank has its shard; otherwise no rank keeps it and the lower tier's copy is dropped on every
         rank (a disk load that failed removed its file already), so the request is prefilled instead."""
-        tiers, kv, ids = self.tiers, None, None
+        tiers, kv, ids, serves_from = self.tiers, None, None, 0
         src = op.entry if op.copy_of is None else op.copy_of
         try:
             self._check_memory(op.rank_bytes[self.cp_rank])
             if op.source == "host":
                 he = tiers.host.get(src)
-                ids = he.ids
+                ids, serves_from = he.ids, he.serves_from
                 load = tiers.host.load(src, self.device)
                 load.synchronize()
                 kv = load.kv
@@ -452,10 +452,12 @@ class Executor:
                 found = tiers.disk.entry_for(ids)
                 if found is None:
                     raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(ids)} tokens")
-                kv = tiers.disk.load(found, self.device, arena=tiers.arena)
+                kv, serves_from = tiers.disk.load(found, self.device, arena=tiers.arena), found.serves_from
             if kv_bytes(kv) > op.rank_bytes[self.cp_rank]:
                 raise RuntimeError(f"the reloaded shard holds {kv_bytes(kv)} bytes, more than the "
                                    f"{op.rank_bytes[self.cp_rank]} the scheduler counts")
+            if kv.trimmed and serves_from <= 0:  # it would serve prefixes whose local keys it dropped
+                raise RuntimeError("the reloaded shard is window-trimmed but carries no serves_from")
         except Exception as e:  # noqa: BLE001 (contained: every rank decides by the vote)
             log.warning("promoting cache entry %d from %s failed on rank %d: %s: %s", op.entry, op.source, self.rank,
                         type(e).__name__, e)
@@ -475,7 +477,9 @@ class Executor:
             he = tiers.host.take(op.entry)  # moved up, copies done: its pinned range is free for the next demotion
             if he is not None:
                 he.kv.release()
-        self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes)))
+        # a window-trimmed entry comes back serving only what it served before (served_prefix)
+        self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes),
+                                  serves_from=serves_from))
         return True
 
     def _lost(self, op: Extend | list, failures) -> bool:
@@ -660,7 +664,8 @@ class Executor:
         (context_cache.served_prefix). Its bytes on each rank become what that rank holds now: which
         positions a CP rank holds depends on the strategy's layout, so the ranks all-gather their sizes
         (the control group, a few bytes) and every rank records the same list (rank 0's scheduler plans
-        with it)."""
+        with it, in every tier). The host and disk tiers move it as it is, serves_from with it (host_tier.to_host,
+        kv_file)."""
         C = min(context_len, len(entry))
         windows = {i: w for i, w in self.local_windows().items() if C - (w - 1) > 0}
         if not self.window_trim or entry.pinned or not windows:  # pinned (APB): never reused, dropped when done

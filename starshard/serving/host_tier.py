@@ -2,8 +2,12 @@
 
 A shard leaves the device as one flat byte buffer (`HostKV`: each layer's filled rows of k, v,
 positions and, for FP8, the e4m3 bytes with their float32 scales; nothing is converted), copied on a
-side CUDA stream so the compute stream keeps running. The same buffer is what kv_file.py writes to
-disk and reads back, so a shard moves device -> host -> disk -> host -> device without reformatting.
+side CUDA stream so the compute stream keeps running. A window-trimmed shard (a sliding-window model's
+entry after Executor._trim: KVCache.compact_local) moves as it is: each layer its own row count, each
+trimmed layer its window (`HostKV.windows`), and the entry's `serves_from` (context_cache.served_prefix),
+so that it comes back with the same rows, positions, windows and bytes, serving the same prompts. The
+same buffer is what kv_file.py writes to disk and reads back, so a shard moves device -> host -> disk ->
+host -> device without reformatting.
 
 Coming back, `to_device` copies layer by layer on a side stream and records one CUDA event per
 layer: a consumer makes its stream wait for layer i only (`DeviceLoad.wait(i)`) right before layer i
@@ -38,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from starshard.engine.kv_cache import KVCache, StoredKV
+from starshard.engine.kv_cache import KVCache, LayerKV, StoredKV
 from starshard.serving.context_cache import longest_prefix
 from starshard.serving.pinned_arena import PinnedArena
 from starshard.serving.tier_stats import TierStats
@@ -65,16 +69,18 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def layout(layer_ids, batch: int, heads: int, head_dim: int, length: int, dtype: torch.dtype,
+def layout(layer_ids, batch: int, heads: int, head_dim: int, length: int | dict[int, int], dtype: torch.dtype,
            fp8: bool) -> tuple[tuple[Section, ...], int]:
-    """The sections of a shard of `length` rows per layer and the buffer's size in bytes."""
+    """The sections of a shard of `length` rows per layer ({layer: rows} when they differ: a window-trimmed
+    shard's local layers hold fewer) and the buffer's size in bytes."""
     store = torch.float8_e4m3fn if fp8 else dtype
-    shapes = dict(pos=((length,), torch.int64), k=((batch, heads, length, head_dim), store),
-                  v=((batch, heads, length, head_dim), store))
-    if fp8:
-        shapes |= dict(k_scale=((batch, heads, length), torch.float32), v_scale=((batch, heads, length), torch.float32))
     out, off = [], 0
     for i in layer_ids:
+        n = length[i] if isinstance(length, dict) else length
+        shapes = dict(pos=((n,), torch.int64), k=((batch, heads, n, head_dim), store),
+                      v=((batch, heads, n, head_dim), store))
+        if fp8:
+            shapes |= dict(k_scale=((batch, heads, n), torch.float32), v_scale=((batch, heads, n), torch.float32))
         for part in PARTS:
             if part not in shapes:
                 continue
@@ -117,8 +123,10 @@ class HostKV:
     sections: tuple[Section, ...]
     dtype: torch.dtype  # the compute dtype (an FP8 shard stores e4m3 and dequantizes to this)
     fp8: bool
-    length: int  # rows per layer
+    length: int  # rows of a layer that keeps every key (each layer's own: rows(i); they differ when trimmed)
     next_position: int
+    windows: dict[int, int] = field(default_factory=dict)  # {layer: window} of the window-trimmed layers
+    serves_from: int = 0  # its cache entry's (CacheEntry.serves_from): the fewest shared tokens it serves
     ready: torch.cuda.Event | None = None  # recorded after the device -> host copy (None: already done)
     _source: KVCache | None = field(default=None, repr=False)  # kept alive until the copy is done
     _copies: list = field(default_factory=list, repr=False)  # events of copies that use the buffer (CUDA)
@@ -131,6 +139,10 @@ class HostKV:
     @property
     def layer_ids(self) -> list[int]:
         return list(dict.fromkeys(s.layer for s in self.sections))
+
+    def rows(self, i: int) -> int:
+        """Rows layer i holds."""
+        return next(s.shape[0] for s in self.sections if s.layer == i and s.part == "pos")
 
     def shape(self) -> tuple[int, int, int]:
         """(batch, KV heads, head dim) of every layer."""
@@ -169,28 +181,47 @@ def _layer_parts(stored: StoredKV) -> dict[str, torch.Tensor]:
     return dict(pos=stored.pos, k=stored.k, v=stored.v, k_scale=stored.k_scale, v_scale=stored.v_scale)
 
 
-def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedArena | None = None) -> HostKV:
+def _in_order(layer: LayerKV) -> StoredKV:
+    """A layer's held rows as stored, from its oldest write: a trimmed layer whose single-token writes went
+    round its ring (head past row 0) is rolled so that its next write would append (the host copy keeps no
+    ring state); every other layer as it is (no copy). Attention masks by position, not row order."""
+    stored = layer.stored()
+    if not (layer.trimmed and layer.ring_full() and layer.head):
+        return stored
+
+    def roll(t, dim):
+        if t is None:
+            return None
+        src = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # roll takes no e4m3
+        return torch.roll(src, -layer.head, dim).view(t.dtype)
+    return StoredKV(roll(stored.k, 2), roll(stored.v, 2), roll(stored.pos, 0), roll(stored.k_scale, 2),
+                    roll(stored.v_scale, 2))
+
+
+def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedArena | None = None,
+            serves_from: int = 0) -> HostKV:
     """Copy a KV shard's filled rows into one host buffer (a range of `arena` when it has room, else
     pageable). CUDA: asynchronous on `stream` (default: a new side stream) after the work already queued
-    on the current stream; the returned HostKV's `ready` event says when. CPU: a plain copy, done on return."""
+    on the current stream; the returned HostKV's `ready` event says when. CPU: a plain copy, done on return.
+    A window-trimmed shard keeps each layer's rows and window; `serves_from`: its cache entry's (a trimmed
+    entry's is its document's length, CacheEntry.serves_from), which travels with it to a file and back."""
     layer_ids = list(kv.layers)
     if not layer_ids:
         raise ValueError("to_host: the KV cache holds no layers")
-    if kv.trimmed:  # its local layers' rows are a window in ring order, not the sequence a tier or file holds
-        raise ValueError("to_host: a trimmed KV cache (local layers keep only their window, "
-                         "LocalRunner.new_cache(trim_local=True)) cannot be copied to a tier or a file; "
-                         "the service's entries keep every key when a host or disk tier is configured")
     first = kv.layers[layer_ids[0]]
-    lengths = {layer.length for layer in kv.layers.values()}
-    if len(lengths) != 1:
-        raise ValueError(f"to_host: the layers hold different lengths {sorted(lengths)}; a cache entry's layers agree")
-    n = lengths.pop()
+    rows = {i: layer.length for i, layer in kv.layers.items()}
+    lengths = {layer.length for layer in kv.layers.values() if not layer.trimmed}
+    if len(lengths) > 1:
+        raise ValueError(f"to_host: the layers keeping every key hold different lengths {sorted(lengths)}; "
+                         "a cache entry's layers agree")
+    n = kv.length
     b, h, _, d = first.k.shape
-    sections, nbytes = layout(layer_ids, b, h, d, n, first.dtype, first.fp8)
+    sections, nbytes = layout(layer_ids, b, h, d, rows, first.dtype, first.fp8)
     cuda = kv.device.type == "cuda"
     ready = torch.cuda.Event() if cuda else None  # recorded below; whoever frees the buffer waits on it
+    windows = {i: layer.window for i, layer in kv.layers.items() if layer.trimmed}
     host = own(HostKV(host_buffer(nbytes, arena), sections, first.dtype, first.fp8, n, kv.next_position,
-                      _copies=[ready] if cuda else []), arena)
+                      windows, serves_from, _copies=[ready] if cuda else []), arena)
     ends = [s.offset + s.nbytes for s in sections]
     for end, nxt in zip(ends, [s.offset for s in sections[1:]] + [nbytes]):
         host.buffer[end:nxt].zero_()  # the gaps between sections: never stale process memory in a file
@@ -199,7 +230,7 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedA
         stream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes are queued there
     with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
         for i in layer_ids:
-            parts = _layer_parts(kv.layers[i].stored())
+            parts = _layer_parts(_in_order(kv.layers[i]))
             for s in (s for s in sections if s.layer == i):
                 host.tensor(s).copy_(parts[s.part], non_blocking=cuda)
                 if cuda:
@@ -260,8 +291,11 @@ class DeviceLoader:
             raise ValueError(f"extra_capacity must be >= 0, got {extra_capacity}")
         self.host, self.device = host, torch.device(device)
         b, h, d = host.shape()
-        self.kv = KVCache(host.layer_ids, b, h, d, host.length + extra_capacity, host.dtype, self.device, host.fp8)
+        self.kv = KVCache([], b, h, d, 0, host.dtype, self.device, host.fp8)
+        self.kv.layers = {i: LayerKV(b, h, d, host.rows(i) + extra_capacity, host.dtype, self.device, host.fp8,
+                                     host.windows.get(i)) for i in host.layer_ids}  # each layer its own rows
         self.kv.next_position = host.next_position
+        self.copied: set[int] = set()
         self.cuda = self.device.type == "cuda"
         self.stream = None
         if self.cuda:
@@ -275,13 +309,14 @@ class DeviceLoader:
         self.started = time.perf_counter()
 
     def copy_layer(self, i: int) -> None:
-        host, layer, n = self.host, self.kv.layers[i], self.host.length
+        host, layer, n = self.host, self.kv.layers[i], self.host.rows(i)
         dst = _layer_parts(StoredKV(layer.k[:, :, :n], layer.v[:, :, :n], layer.pos[:n],
                                     *((layer.k_scale[:, :, :n], layer.v_scale[:, :, :n]) if host.fp8 else (None, None))))
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for s in (s for s in host.sections if s.layer == i):
                 dst[s.part].copy_(host.tensor(s), non_blocking=self.cuda)
-            layer.length = n
+            layer.length, layer.head = n, n % layer.capacity if layer.capacity else 0
+            self.copied.add(i)
             if self.cuda:
                 for t in (layer.k, layer.v, layer.pos, layer.k_scale, layer.v_scale):
                     if t is not None:
@@ -292,8 +327,8 @@ class DeviceLoader:
 
     def finish(self) -> DeviceLoad:
         """The load, once copy_layer has been called for every layer."""
-        missing = [i for i in self.kv.layers if self.kv.layers[i].length != self.host.length]
-        if missing and self.host.length:
+        missing = [i for i in self.kv.layers if i not in self.copied and self.host.rows(i)]
+        if missing:
             raise RuntimeError(f"DeviceLoader.finish: layers {missing} were never copied")
         return DeviceLoad(self.kv, self.events, self.host if self.cuda else None, self.started)
 
@@ -321,6 +356,11 @@ class HostEntry:
 
     def bytes_on(self, rank: int) -> int:
         return self.kv.nbytes if self.rank_bytes is None else self.rank_bytes[rank]
+
+    @property
+    def serves_from(self) -> int:
+        """The fewest shared tokens it serves (a window-trimmed entry's document: context_cache.served_prefix)."""
+        return self.kv.serves_from
 
 
 class HostTier:

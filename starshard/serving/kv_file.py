@@ -2,8 +2,10 @@
 
     prelude  MAGIC (8 bytes) | format version (u32 LE) | header length (u32 LE) | blake2b-128 of the header
     header   JSON: the cache key's fields and digest, rank, entry id, token count, the compute dtype, fp8,
-             length, next position, the token section and every payload section (layer, part, dtype,
-             shape, offset, bytes, blake2b-128)
+             length, each layer's rows (`lengths`, in layer order), the window-trimmed layers' windows
+             (`windows`, [layer, window] pairs) and the entry's `serves_from` (format version 2), next
+             position, the token section and every payload section (layer, part, dtype, shape, offset,
+             bytes, blake2b-128)
     tokens   the token ids, int64, at a 4096-byte boundary
     payload  host_tier.HostKV's buffer as is (each layer's filled rows of pos, k, v and, for FP8, the e4m3
              bytes and their float32 scales), at a 4096-byte boundary: one large sequential read
@@ -102,6 +104,13 @@ class KVFileHeader:
     sections: tuple[Section, ...]
     section_digests: tuple[str, ...]
     created: float
+    lengths: tuple[int, ...] = ()  # each layer's rows, in the sections' layer order
+    windows: tuple[tuple[int, int], ...] = ()  # (layer, window) of the window-trimmed layers
+    serves_from: int = 0  # the cache entry's: a trimmed entry serves only prompts sharing that many tokens
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(dict.fromkeys(s.layer for s in self.sections))
 
     @property
     def file_bytes(self) -> int:
@@ -115,6 +124,7 @@ class KVFileHeader:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["sections"] = [dict(layer=s.layer, part=s.part, dtype=s.dtype, shape=list(s.shape), offset=s.offset,
                               nbytes=s.nbytes, digest=h) for s, h in zip(self.sections, self.section_digests)]
+        d["lengths"], d["windows"] = list(self.lengths), [list(w) for w in self.windows]
         return d
 
 
@@ -133,21 +143,33 @@ def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHea
                          tokens_digest=str(raw["tokens_digest"]), dtype=str(raw["dtype"]), fp8=bool(raw["fp8"]),
                          length=int(raw["length"]), next_position=int(raw["next_position"]),
                          payload_offset=payload_offset, payload_bytes=int(raw["payload_bytes"]),
-                         sections=sections, section_digests=digests, created=float(raw["created"]))
+                         sections=sections, section_digests=digests, created=float(raw["created"]),
+                         lengths=tuple(int(n) for n in raw["lengths"]),
+                         windows=tuple((int(i), int(w)) for i, w in raw["windows"]),
+                         serves_from=int(raw["serves_from"]))
     except (KeyError, TypeError, ValueError) as e:
         raise bad(f"missing or malformed field ({type(e).__name__}: {e})") from None
     if h.dtype not in COMPUTE_DTYPES:
         raise bad(f"compute dtype {h.dtype!r} is not one of {COMPUTE_DTYPES}")
     if not sections:
         raise bad("no sections")
-    if h.n_tokens < 0 or h.length < 0:
+    if h.n_tokens < 0 or h.length < 0 or any(n < 0 for n in h.lengths):
         raise bad("negative token count or length")
+    layer_ids = h.layer_ids
+    if len(h.lengths) != len(layer_ids):
+        raise bad(f"{len(h.lengths)} layer lengths for {len(layer_ids)} layers")
+    windows = dict(h.windows)
+    if len(windows) != len(h.windows) or not set(windows) <= set(layer_ids) or any(w < 1 for w in windows.values()):
+        raise bad(f"windows {list(h.windows)}: not one window >= 1 per trimmed layer of {layer_ids}")
+    if any(n != h.length for i, n in zip(layer_ids, h.lengths) if i not in windows):
+        raise bad(f"a layer keeping every key holds other than {h.length} rows")
+    if not 0 <= h.serves_from <= h.n_tokens:
+        raise bad(f"serves_from {h.serves_from} is not within the file's {h.n_tokens} tokens")
     first_k = next((s for s in sections if s.part == "k"), None)
     if first_k is None or len(first_k.shape) != 4:
         raise bad("no 4-d k section")
     b, heads, _, d = first_k.shape
-    expect, size = layout(list(dict.fromkeys(s.layer for s in sections)), b, heads, d, h.length,
-                          getattr(torch, h.dtype), h.fp8)
+    expect, size = layout(layer_ids, b, heads, d, dict(zip(layer_ids, h.lengths)), getattr(torch, h.dtype), h.fp8)
     if expect != sections or size != h.payload_bytes:  # shapes, dtypes, offsets, sizes all as the layout says
         raise bad("sections disagree with the layout of their shapes (damaged header)")
     if any(s.dtype not in STORE_DTYPES or s.part not in PARTS for s in sections):
@@ -220,7 +242,9 @@ def _header_bytes(host: HostKV, n_tokens: int, tokens_digest: str, digests, key:
                      tokens_offset=0, tokens_digest=tokens_digest, dtype=str(host.dtype).removeprefix("torch."),
                      fp8=host.fp8, length=host.length, next_position=host.next_position, payload_offset=0,
                      payload_bytes=host.nbytes, sections=host.sections, section_digests=tuple(digests),
-                     created=int(time.time()))  # whole seconds: a fixed width, so file_bytes is exact
+                     created=int(time.time()),  # whole seconds: a fixed width, so file_bytes is exact
+                     lengths=tuple(host.rows(i) for i in host.layer_ids), windows=tuple(sorted(host.windows.items())),
+                     serves_from=host.serves_from)
     return json.dumps(h.to_json()).encode()
 
 
@@ -286,7 +310,7 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
     h = header or read_header(path, key, rank)
     tokens = read_tokens(path, h)
     host = own(HostKV(host_buffer(h.payload_bytes, arena), h.sections, getattr(torch, h.dtype), h.fp8, h.length,
-                      h.next_position), arena)
+                      h.next_position, dict(h.windows), h.serves_from), arena)
     buf = _u8(host.buffer)
     pending, futures, done = list(zip(h.sections, h.section_digests)), [], 0
     layer_end = {}

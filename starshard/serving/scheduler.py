@@ -163,8 +163,8 @@ class Scheduler:
     once prefilled, C the prompt's context (document) length (Executor._trim): a long document's entry holds
     its global layers whole and a window (plus the question) of the rest; such an entry serves only prompts
     that share at least its document (context_cache.served_prefix; a prompt sharing less is prefilled).
-    False: every key is kept and any shared prefix is served. Off while a host or disk tier is configured
-    (their copies hold one row count for every layer).
+    False: every key is kept and any shared prefix is served. The host and disk tiers keep a trimmed entry as
+    it is (each layer its rows and window, and the fewest shared tokens it serves: serving/host_tier.py, kv_file.py).
     """
 
     def __init__(self, llm, *, cache_bytes: int, max_batch: int = 16, max_queue: int = 64,
@@ -229,11 +229,7 @@ class Scheduler:
                    else None)
             self.tiers = ex.tiers = Tiers(tiers, ranks=ex.cp, cp_rank=ex.cp_rank, token_bytes=ex.token_bytes(),
                                           key=key, control=self.control)
-        windowed = window_trim and self.reuse and bool(self.executor.local_windows())
-        self.window_trim = windowed and self.tiers is None
-        if windowed and self.tiers is not None:
-            log.info("the context cache keeps every key of the local (sliding-window) layers too: trimming them to "
-                     "their window is not supported with --host-cache-gib / --disk-cache-dir yet")
+        self.window_trim = window_trim and self.reuse and bool(self.executor.local_windows())
         self.executor.window_trim = self.window_trim
         self.reload_policy: DiskReloadPolicy | None = None  # rank 0 decides every promotion: it alone measures
         if self.tiers is not None and self.tiers.disk is not None:

@@ -105,7 +105,7 @@ class Tiers:
         mine, err = {}, None
         try:
             self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank)
-            mine = {digest_of(e): e.rows for e in self.disk.list()}
+            mine = {digest_of(e): e.device_bytes(self.token_bytes) for e in self.disk.list()}
         except (DiskTierLocked, OSError) as e:
             err = e
         own = (cp_rank, mine, None if err is None else f"{type(err).__name__}: {err}")
@@ -121,12 +121,12 @@ class Tiers:
             r, msg = failed[0]
             raise ValueError(f"--disk-cache-dir {config.disk_dir}: rank {r} could not open it ({msg})")
         for digest in mine:
-            rows = [None] * ranks
+            nbytes = [None] * ranks
             if all(digest in files for _, files, _ in every):
                 for r, files, _ in every:
-                    rows[r] = files[digest]
-            if None not in rows:
-                self.disk_bytes[digest] = [max(1, n) * self.token_bytes for n in rows]
+                    nbytes[r] = files[digest]
+            if None not in nbytes:
+                self.disk_bytes[digest] = nbytes
         if self.disk.entries:
             log.info("disk cache: %d of this rank's %d entries are held by every rank (reusable)",
                      len(self.disk_bytes), len(self.disk.entries))

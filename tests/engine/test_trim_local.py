@@ -244,11 +244,12 @@ def test_tp2_trims_as_one_process(families):
 
 
 def test_whole_cache_readers_refuse_a_trimmed_cache(families):
-    """The service's context cache, its host / disk tiers and kv_file (through to_host) take whole caches only."""
+    """The service's context cache takes a trimmed cache only as a trimmed entry (serves_from); its host /
+    disk tiers copy one as it is, each layer's rows and window (tests/serving/test_trimmed_tiers.py)."""
     import numpy as np
 
     from starshard.serving.context_cache import CacheEntry, ContextCache
-    from starshard.serving.host_tier import to_host
+    from starshard.serving.host_tier import to_device, to_host
 
     path, ids, _, _ = families["mistral"]
     model = load_model(path)
@@ -256,8 +257,11 @@ def test_whole_cache_readers_refuse_a_trimmed_cache(families):
     with torch.no_grad():
         model(ids[None], cache=cache)
     assert cache.trimmed
-    with pytest.raises(ValueError, match=r"to_host: a trimmed KV cache .* keep every key"):
-        to_host(cache)
+    host = to_host(cache, serves_from=L)
+    assert host.windows and all(host.rows(i) <= w - 1 for i, w in host.windows.items())
+    back = to_device(host, "cpu").kv
+    assert [(kv.window, kv.length) for kv in back.layers.values()] == [(kv.window, kv.length)
+                                                                       for kv in cache.layers.values()]
     with pytest.raises(ValueError, match=r"ContextCache: a trimmed KV cache .* cannot be a context cache entry"):
         ContextCache(1 << 30).add(CacheEntry(0, np.asarray(ids), cache, 0))
     full = LocalRunner(model).new_cache(L + 2, L)

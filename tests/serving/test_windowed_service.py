@@ -11,8 +11,6 @@ window, soft-cap and scale) is checked against a float64 reference. CUDA graphs 
 cascade runs here (the captured step runs the same attend)."""
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -144,7 +142,7 @@ def test_service_equals_generate_past_the_window(paths):
         assert _refs(llm) != refs, name
 
 
-def test_window_trimmed_entries(paths, caplog):
+def test_window_trimmed_entries(paths):
     """window_trim (the default): once a document of C tokens is prefilled, each local layer of its entry
     keeps only the keys at positions >= C - (W - 1) (the document's last W - 1 and its question). The
     follow-ups on all of the document (b, c) answer as generate does from those; d, sharing only its first
@@ -171,12 +169,12 @@ def test_window_trimmed_entries(paths, caplog):
             assert e.trimmed and kv_bytes(e.kv) == e.nbytes == e.rank_bytes[0] == rows * per_layer, (chunk, L)
             total += rows * per_layer
         assert svc.cache.used_bytes == svc.stats()["cache_bytes"] == total
-    # the host and disk tiers copy whole entries: there every key is kept, and the log says so
-    with caplog.at_level(logging.INFO, logger="starshard.serve"):
-        tiered = Scheduler(llm, cache_bytes=1 << 26, tiers=TierConfig(host_bytes=1 << 26))
-    assert not tiered.window_trim and not tiered.executor.window_trim
-    assert "not supported with --host-cache-gib" in caplog.text
+    # the host and disk tiers keep trimmed entries as they are (tests/serving/test_trimmed_tiers.py)
+    tiered = Scheduler(llm, cache_bytes=1 << 26, tiers=TierConfig(host_bytes=1 << 26))
+    assert tiered.window_trim and tiered.executor.window_trim
     assert not Scheduler(llm, cache_bytes=1 << 26, window_trim=False).executor.window_trim
+    assert not Scheduler(llm, cache_bytes=1 << 26, tiers=TierConfig(host_bytes=1 << 26),
+                         window_trim=False).executor.window_trim
 
 
 @pytest.mark.parametrize("fp8", [False, True])
