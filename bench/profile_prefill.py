@@ -46,7 +46,7 @@ ap.add_argument("--prefill-knee", type=int, default=None, help="the chunks' tape
                 "default for Llama-3.1-8B: 26624; none: uniform chunks)")
 ap.add_argument("--service", action="store_true", help="prefill through the service's scheduler (in process, "
                 "on its step thread: each prompt a new document, one token generated), as bench.py serve's document "
-                "scenario does; the model's chunks and taper as serve's --prefill-chunk / --prefill-knee")
+                "scenario does; its chunks from --prefill-chunk, tapered after --prefill-knee (none: uniform chunks)")
 ap.add_argument("--cache-gib", type=float, default=40.0, help="with --service: the context cache budget")
 ap.add_argument("--vary-length", action="store_true", help="each prefill one token shorter than the last, as new "
                 "documents are (a KV cache's capacity sets its views' strides, and torch keeps a cuDNN graph per "
@@ -78,11 +78,11 @@ if args.service:
                     prefill_taper=args.prefill_knee is not None, prefill_knee_tokens=args.prefill_knee,
                     warmup=False)
     svc.start()
-docs = iter(range(1, 1000))
+calls = iter(range(1, 1000))  # the i-th prefill: its first token (and with --vary-length, i tokens fewer)
 
 
 def prefill():
-    i = next(docs)
+    i = next(calls)
     p = ids[: len(ids) - i] if args.vary_length else ids
     if svc is not None:  # a new document each time (a changed first token): never a cache hit
         done = threading.Event()
