@@ -1,4 +1,4 @@
-# Ran at 280d734: "the fix" is kernels/attention.py `_own_strides`, dropped after this call (docs/results.md, Service):
+# Ran at 280d734: "the fix" is kernels/attention.py `_own_strides`, dropped after this call in c9f3135 (docs/results.md, Service):
 # the "before" run below is the code that shipped.
 # call F (2 GPUs of one host): the document scenario's chunk cost with and without _own_strides side by side
 # (the fix's share at 32 layers; call D measured 1.07x with it, earlier calls 1.16-1.22x without it on other hosts).
