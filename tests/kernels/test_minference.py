@@ -176,23 +176,33 @@ def test_gapped_positions_query_is_tail_of_keys():
 
 
 _COMPILE = """
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from starshard.kernels.minference import kernel as mk
-fn = mk._minference_fwd
-ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "IDX", "CNT", "CFULL"}
-for dt, modes in (("bf16", (0, 1, 2)), ("fp32", (1,))):
+
+def build(dt, mode):
+    fn = mk._minference_fwd
+    ints = {"HEADS", "P0", "P1", "SEG", "SEGN", "IDX", "CNT", "CFULL"}
     sig = {n: "*i32" if n in ints else ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     sig.update({n: "*" + dt for n in ("Q", "K", "V", "O")}, LSE="*fp32")
     sig.update({n: "constexpr" for n in ("MODE", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "IEEE", "FLAT")})
-    for mode in modes:
-        warps, stages = mk.default_launch(128, kind=("a_shape", "vertical_slash", "block_sparse")[mode])
-        consts = dict(MODE=mode, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, IEEE=dt == "fp32",
-                      FLAT=mode == 1 and mk.default_flat(128))
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_stages": stages})
-        assert "wgmma" in k.asm["ptx"] or dt == "fp32", (dt, mode)
+    warps, stages = mk.default_launch(128, kind=("a_shape", "vertical_slash", "block_sparse")[mode])
+    consts = dict(MODE=mode, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, IEEE=dt == "fp32",
+                  FLAT=mode == 1 and mk.default_flat(128))
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    return "wgmma" in k.asm["ptx"] or dt == "fp32"
+
+# the variants build apart (ptxas and Triton's passes are CPU-bound): one process per core
+jobs = [("bf16", 0), ("bf16", 1), ("bf16", 2), ("fp32", 1)]
+with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=mp.get_context("fork")) as pool:
+    ok = list(pool.map(build, *zip(*jobs)))
+assert all(ok), [j for j, o in zip(jobs, ok) if not o]
 print("compiled")
 """
 
