@@ -12,6 +12,7 @@ device kernels by total time and writes them (name, calls, ms per prefill, share
 import argparse
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from starshard.kernels.sparse import SparseConfig
 from starshard.config import SamplingConfig
 from starshard.presets import PRESETS
 from starshard.runtime.prompt import Prompt
+from starshard.serving.scheduler import Scheduler
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--preset", default="llama-3.1-8b")
@@ -70,10 +72,6 @@ runner, s = llm.runner, SamplingConfig()
 
 svc = None
 if args.service:
-    import threading
-
-    from starshard.serving.scheduler import Scheduler
-
     svc = Scheduler(llm, cache_bytes=int(args.cache_gib * 2**30), prefill_chunk=args.prefill_chunk,
                     prefill_taper=args.prefill_knee is not None, prefill_knee_tokens=args.prefill_knee,
                     warmup=False)
