@@ -65,6 +65,7 @@ from starshard.cli import add_layout_arguments, layout_error, parallel_config
 from starshard.config import SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
+from starshard.runtime.prompt import Prompt
 from starshard.serving.cache_key import token_digest
 from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
@@ -254,8 +255,12 @@ def run(args) -> None:
     def document(L):  # its own stream: the same tokens for the same --seed, whatever ran before (--reuse-only)
         return tokens(L - args.question_tokens, np.random.default_rng([args.seed, L]))
 
-    def ask(ids, max_tokens):
-        """Submit; -> (done event, record with arrival, first-token and per-token times)."""
+    def ask(doc, max_tokens):
+        """Submit a new question on `doc`, split into context and query as the chat API splits a document
+        and its question (Star / APB run the question as their query; a window-trimmed entry serves the
+        prompts that share its whole context); -> (done event, record with arrival, first-token and
+        per-token times)."""
+        ids = doc + tokens(args.question_tokens)
         rec = {"t0": time.perf_counter(), "times": [], "ids": [], "finish": None, "cached": 0}
         done = threading.Event()
 
@@ -267,7 +272,7 @@ def run(args) -> None:
                 rec["finish"], rec["cached"] = ev.finish_reason, ev.cached_tokens
                 done.set()
 
-        svc.submit(svc.text_prompt(ids), max_tokens=max_tokens, sampling=SamplingConfig(), on_event=on_event)
+        svc.submit(Prompt(ids, len(doc)), max_tokens=max_tokens, sampling=SamplingConfig(), on_event=on_event)
         return done, rec
 
     def wait(done):
@@ -279,7 +284,7 @@ def run(args) -> None:
             torch.cuda.synchronize(device)
 
     def question(doc):  # -> (time to first token, cached tokens) of a new question on `doc`
-        done, rec = ask(doc + tokens(args.question_tokens), 2)
+        done, rec = ask(doc, 2)
         wait(done)
         return rec["times"][0] - rec["t0"], rec["cached"]
 
@@ -292,9 +297,9 @@ def run(args) -> None:
     def measure(L) -> dict:
         """Prefill vs cached first token, concurrent decode, then each of --tiers."""
         doc = document(L)
-        first = ask(doc + tokens(args.question_tokens), 2)  # a new document: prefill
+        first = ask(doc, 2)  # a new document: prefill
         wait(first[0])
-        follow = ask(doc + tokens(args.question_tokens), 2)  # another question on it: cached
+        follow = ask(doc, 2)  # another question on it: cached
         wait(follow[0])
         ttft = lambda r: r["times"][0] - r["t0"]  # noqa: E731
         row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc),
@@ -303,7 +308,7 @@ def run(args) -> None:
         row["cached_over_uncached"] = row["ttft_cached_s"] / row["ttft_uncached_s"]
         for n in args.concurrency:
             sync()
-            reqs = [ask(doc + tokens(args.question_tokens), args.decode_tokens) for _ in range(n)]
+            reqs = [ask(doc, args.decode_tokens) for _ in range(n)]
             for d, _ in reqs:
                 wait(d)
             recs = [r for _, r in reqs]
@@ -331,7 +336,7 @@ def run(args) -> None:
     # the timed first-token latencies.
     warm = tokens(1024)
     for n in [1, 1] + [max(args.concurrency)]:
-        for d, _ in [ask(warm + tokens(args.question_tokens), 2) for _ in range(n)]:
+        for d, _ in [ask(warm, 2) for _ in range(n)]:
             wait(d)
     measure_one = (lambda L: reuse_row(svc, L, document(L), question)) if args.reuse_only else measure
     try:

@@ -14,10 +14,11 @@ READ_BLOCK = 64 << 20  # plain large sequential reads
 
 
 def entry_files(tier, ids, world: int, timeout: float = 600.0) -> list[Path]:
-    """The files of the disk entry sharing the longest prefix with `ids`: rank 0's, and every other
-    rank's of this one node in the same directory (waited for: the other ranks may still be writing
-    theirs; a file appears only complete, by rename). Ranks of another node are skipped after `timeout`."""
-    e, _ = tier.peek(ids)
+    """The files of the disk entry sharing the longest prefix with `ids` (a document's own tokens find its
+    entry): rank 0's, and every other rank's of this one node in the same directory (waited for: the other
+    ranks may still be writing theirs; a file appears only complete, by rename). Ranks of another node are
+    skipped after `timeout`."""
+    e, _ = tier.peek(ids, whole=True)
     if e is None:
         raise ValueError("the disk tier holds no file of this document")
     paths = [tier.path / file_name(tier.key, e.ids, r) for r in range(world)]

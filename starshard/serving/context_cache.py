@@ -70,13 +70,15 @@ def served_prefix(entry, shared: int) -> int:
     return shared if shared >= getattr(entry, "serves_from", 0) else 0
 
 
-def longest_prefix(entries, ids: np.ndarray, min_tokens: int = 1):
+def longest_prefix(entries, ids: np.ndarray, min_tokens: int = 1, whole: bool = False):
     """(the entry serving the longest prefix of `ids` (served_prefix), that length capped at len(ids) - 1, so
     at least one token always runs), or (None, 0) below `min_tokens`: the lookup of every cache tier.
-    `entries`: objects with `.ids` (and `.serves_from`, else 0), already filtered by the caller."""
+    `entries`: objects with `.ids` (and `.serves_from`, else 0), already filtered by the caller.
+    whole: no cap, `ids` may be an entry's own tokens (finding an entry to move, not a prompt to run: a
+    window-trimmed entry serves no prefix shorter than itself)."""
     best, best_n = None, 0
     for e in entries:
-        n = served_prefix(e, min(common_prefix(e.ids, ids), len(ids) - 1))
+        n = served_prefix(e, min(common_prefix(e.ids, ids), len(ids) - (not whole)))
         if n > best_n:
             best, best_n = e, n
     if best is None or best_n < min_tokens:
@@ -117,9 +119,10 @@ class ContextCache:
             self.hits += 1
         return best, best_n
 
-    def peek(self, ids: np.ndarray, min_tokens: int = 1) -> tuple[CacheEntry | None, int]:
-        """lookup without counting (the scheduler scans its queue with it)."""
-        return longest_prefix((e for e in self.entries.values() if not (e.pinned or e.filling)), ids, min_tokens)
+    def peek(self, ids: np.ndarray, min_tokens: int = 1, whole: bool = False) -> tuple[CacheEntry | None, int]:
+        """lookup without counting (the scheduler scans its queue with it); whole: see longest_prefix."""
+        return longest_prefix((e for e in self.entries.values() if not (e.pinned or e.filling)), ids, min_tokens,
+                              whole)
 
     def next_id(self) -> int:
         return next(self._ids)

@@ -388,13 +388,13 @@ class DiskTier:
             self._touch(best)
             return best, best_n
 
-    def peek(self, token_ids, min_tokens: int = 1, only=None) -> tuple[DiskEntry | None, int]:
+    def peek(self, token_ids, min_tokens: int = 1, only=None, whole: bool = False) -> tuple[DiskEntry | None, int]:
         """get without counting or touching (a scheduler scans its queue with it); `only`: the token
-        digests (file names' middle part) to consider, e.g. those every rank holds."""
+        digests (file names' middle part) to consider, e.g. those every rank holds; whole: see longest_prefix."""
         ids = np.asarray(token_ids, dtype=np.int64)
         with self._mutex:
             kept = [e for e in self.entries.values() if only is None or e.name.split("-")[1] in only]
-            return longest_prefix(kept, ids, min_tokens)
+            return longest_prefix(kept, ids, min_tokens, whole)
 
     def entry_for(self, token_ids) -> DiskEntry | None:
         """This rank's file of exactly these tokens (what rank 0 found by prefix with `get`, sent to every rank

@@ -438,9 +438,9 @@ class HostTier:
         """Remove an entry that moves on (down to disk, or up to the device): not counted as an eviction."""
         return self.entries.pop(entry_id, None)
 
-    def peek(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
-        """lookup without counting or touching (a scheduler scans its queue with it)."""
-        return longest_prefix(self.entries.values(), np.asarray(ids, dtype=np.int64), min_tokens)
+    def peek(self, ids, min_tokens: int = 1, whole: bool = False) -> tuple[HostEntry | None, int]:
+        """lookup without counting or touching (a scheduler scans its queue with it); whole: see longest_prefix."""
+        return longest_prefix(self.entries.values(), np.asarray(ids, dtype=np.int64), min_tokens, whole)
 
     def lookup(self, ids, min_tokens: int = 1) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with `ids` and that length, capped at len(ids) - 1 (as

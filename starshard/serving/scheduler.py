@@ -404,7 +404,7 @@ class Scheduler:
         if tiers is None or getattr(tiers, move.to) is None:
             raise ValueError(f"there is no {move.to} tier (start with "
                              f"{'--host-cache-gib' if move.to == 'host' else '--disk-cache-dir / --disk-cache-gib'})")
-        e, _ = self.cache.peek(move.ids)
+        e, _ = self.cache.peek(move.ids, whole=True)  # a document's own tokens find its entry, trimmed or not
         if e is not None:
             if e.users:
                 raise ValueError(f"context cache entry {e.id} is used by {e.users} running requests")
@@ -418,7 +418,7 @@ class Scheduler:
                                  f"({tiers.host.budget / 2**30:.2f} GiB per rank, --host-cache-gib) beside the "
                                  f"entries being written to disk or not yet written; retry once they are")
             return [Evict(drop)] * bool(drop) + [self._to_disk(h, None, None) for h in writes] + [Demote(e.id, "host")]
-        h, _ = tiers.host.peek(move.ids) if tiers.host is not None else (None, 0)
+        h, _ = tiers.host.peek(move.ids, whole=True) if tiers.host is not None else (None, 0)
         if h is not None and move.to == "disk":
             move.rank_bytes = list(h.rank_bytes or [h.kv.nbytes] * cp)
             move.write = h.id

@@ -257,6 +257,26 @@ def test_service_trims_with_the_host_tier(gemma3):
         svc.shutdown()
 
 
+def test_demote_finds_a_trimmed_entry_by_its_document(gemma3, tmp_path):
+    """Scheduler.demote given a document's own tokens (as bench serve --tiers passes them) moves its trimmed
+    entry to host, then to disk; the document less its last token shares less than the entry serves: refused."""
+    llm, p, refs = gemma3
+    tiers = TierConfig(host_bytes=1 << 22, disk_dir=tmp_path, disk_bytes=1 << 22)
+    svc = Scheduler(llm, cache_bytes=1 << 24, tiers=tiers)
+    svc.start()
+    try:
+        assert _ask(svc, p["a"]) == (refs["a"], 0)
+        doc = p["a"].ids[:DOC]
+        with pytest.raises(ValueError, match="no cache entry on the device shares"):
+            svc.demote(doc[:-1], "host")
+        shard = svc.demote(doc, "host")
+        assert shard == [_trimmed_bytes(svc)] and svc.stats()["tiers"]["host"]["entries"] == 1
+        assert svc.demote(doc, "disk") == shard and svc.stats()["tiers"]["disk"]["entries"] == 1
+        assert _ask(svc, p["c"]) == (refs["c"], DOC)  # read back from disk
+    finally:
+        svc.shutdown()
+
+
 def test_service_trims_with_the_disk_tier_and_a_restart(gemma3, tmp_path):
     llm, p, refs = gemma3
     budget, trimmed = _budget(llm)
