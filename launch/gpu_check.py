@@ -144,8 +144,9 @@ def main():
     else:
         dev = torch.device("cuda")
         rows += check_dispatcher(dev) + check_merges(dev)
-    for r in rows:
-        print(json.dumps(r), flush=True)
+    for r in rows:  # one write per row: the ranks share torchrun's stdout, and print() writes the newline apart
+        sys.stdout.write(json.dumps(r) + "\n")
+        sys.stdout.flush()
     ok = all(r["ok"] for r in rows)
     exit_process(0 if ok else 1)
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def run(cmd: list[str], timeout: int = 1200) -> list[dict]:
     """Run a check script from the repo root; its JSON lines (rank 0's), after asserting it exited 0."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
