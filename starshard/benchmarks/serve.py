@@ -84,7 +84,9 @@ def add_arguments(p) -> None:
     p.add_argument("--random-weights", default=None, help="preset name (llama-3.1-8b, tiny); default: --model")
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2 when no --random-weights)")
     p.add_argument("--lengths", type=ints, default=[32768, 131072], help="document + question lengths in tokens")
-    p.add_argument("--question-tokens", type=int, default=64, help="tokens of each question after the document")
+    p.add_argument("--question-tokens", type=int, default=64,
+                   help="tokens of each question after the document (document scenario: the prompt's query part, "
+                   "as the chat API splits a document and its question)")
     p.add_argument("--concurrency", type=ints, default=[1, 4, 16], help="concurrent questions on one document")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens each concurrent question generates")
     p.add_argument("--cache-gib", type=float, default=40.0, help="context cache budget")
