@@ -76,9 +76,9 @@ def longest_prefix(entries, ids: np.ndarray, min_tokens: int = 1, whole: bool = 
     `entries`: objects with `.ids` (and `.serves_from`, else 0), already filtered by the caller.
     whole: no cap, `ids` may be an entry's own tokens (finding an entry to move, not a prompt to run: a
     window-trimmed entry serves no prefix shorter than itself)."""
-    best, best_n = None, 0
+    best, best_n, cap = None, 0, len(ids) if whole else len(ids) - 1
     for e in entries:
-        n = served_prefix(e, min(common_prefix(e.ids, ids), len(ids) - (not whole)))
+        n = served_prefix(e, min(common_prefix(e.ids, ids), cap))
         if n > best_n:
             best, best_n = e, n
     if best is None or best_n < min_tokens:
