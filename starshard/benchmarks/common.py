@@ -76,6 +76,44 @@ def timed(fn, device: torch.device, repeats: int, warmup: int = 1, barrier=None)
     return out
 
 
+def back_to_back(fn, device: torch.device, calls: int, warmup: int = 2) -> dict:
+    """fn() `calls` times with no sync between calls (as a serving loop runs steps), one event pair around
+    each: seconds per call over the whole run, the device's busy time per call (median) and its idle time
+    between calls (median, sum), which is the host's launch time showing. CPU: host clocks (no idle)."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return {"seconds_per_call": (time.perf_counter() - t) / calls}
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    torch.cuda.synchronize(device)
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    events[-1][1].synchronize()
+    busy = [a.elapsed_time(b) / 1e3 for a, b in events]
+    idle = [b0.elapsed_time(a1) / 1e3 for (_, b0), (a1, _) in zip(events, events[1:])]
+    return {"seconds_per_call": events[0][0].elapsed_time(events[-1][1]) / 1e3 / calls,
+            "busy_s_median": statistics.median(busy), "idle_between_s_median": statistics.median(idle) if idle else 0.0,
+            "idle_between_s_sum": sum(idle)}
+
+
+def copy_read_rate(device: torch.device, gib: float = 4.0, repeats: int = 5) -> float | None:
+    """Bytes per second one large device-to-device copy reads (the best of `repeats`): the read rate a
+    bytes-bound kernel can hope for on this card, measured beside the kernels it judges. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src), device, repeats, warmup=1))
+    del src, dst
+    return n / best
+
+
 def _captured(fn, calls: int, warmup: int, copies: int | None) -> torch.cuda.CUDAGraph:
     """One CUDA graph of `calls` calls of fn, replayed once. The warm-up runs on a side stream
     (compilation, autotuning and allocations stay out of the capture). copies: fn takes an index and

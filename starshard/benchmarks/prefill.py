@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from starshard.benchmarks.common import add_common_arguments, header, median, timed, write
+from starshard.benchmarks.common import (add_common_arguments, back_to_back, copy_read_rate, header, median,
+                                        nominal_hbm_bandwidth, timed, write)
 from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
 from starshard.cli import (add_fp8_arguments, add_sparse_arguments, add_strategy_arguments, fp8_config, layout_error,
                            parallel_config, sparse_config)
@@ -146,6 +147,28 @@ def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, l
     work = Workload(L, context_len if query_phase else None, args.decode_steps + 8, None, 4 if args.dtype == "float32"
                     else 2, fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts)
     return plan_json(plan_memory(cfg, lay, work), limit, None)
+
+
+def decode_bound(model, cache, device, step_seconds: float) -> dict:
+    """A decode step's bytes bound: this rank's weights (the embedding table aside: one row is read) and
+    its KV as stored (FP8: e4m3 bytes and their scales), over the card's nominal bandwidth and over the
+    read rate of one large copy measured now."""
+    embed, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+    skip -= {id(p) for p in head.parameters()} if head is not None else set()  # tied: the head reads it all
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    weights += sum(b.numel() * b.element_size() for b in model.buffers() if b.dim() >= 2)  # FP8 weights kept as buffers
+    kv = 0
+    for layer in cache.layers.values():
+        s = layer.stored()
+        kv += sum(t.numel() * t.element_size() for t in (s.k, s.v, s.k_scale, s.v_scale) if t is not None)
+    out = {"weight_bytes": weights, "kv_bytes": kv}
+    nominal, rate = nominal_hbm_bandwidth(device), copy_read_rate(device)
+    if nominal:
+        out |= {"bytes_bound_s": (weights + kv) / nominal, "step_over_bound": step_seconds / ((weights + kv) / nominal)}
+    if rate:
+        out |= {"copy_read_bytes_per_s": rate, "step_over_copy_bound": step_seconds / ((weights + kv) / rate)}
+    return out
 
 
 def add_arguments(p) -> None:
@@ -298,7 +321,10 @@ def run(args) -> None:
                         runner.next_token(tok, state["cache"], SamplingConfig(), None)
 
                 step_times = timed(step, topo.device, args.decode_steps, warmup=2)
-                decode = {"step_seconds": median(step_times), "tokens_per_second": 1 / median(step_times)}
+                decode = {"step_seconds": median(step_times), "tokens_per_second": 1 / median(step_times),
+                          # steps queued as a serving loop queues them: the device's idle time between steps
+                          "back_to_back": back_to_back(step, topo.device, args.decode_steps)}
+                decode.update(decode_bound(model, state["cache"], topo.device, median(step_times)))
             t = median(times)
             fl = prefill_flops(fcfg, L)
             row = {"length": L, "prefill_seconds": t, "all_seconds": times, "peak_memory_gib": mem,

@@ -68,6 +68,7 @@ from starshard.parallel.topology import read_launch_env
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cache_key import token_digest
 from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
+from starshard.serving.step_clock import StepClock, idle_summary
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
@@ -296,31 +297,42 @@ def run(args) -> None:
         svc.shutdown()
         raise SystemExit(f"error: {e}") from None
 
+    clock = svc.executor.clock = StepClock(device)  # each step's device time and the idle time between steps
+
     def measure(L) -> dict:
         """Prefill vs cached first token, concurrent decode, then each of --tiers."""
         doc = document(L)
+        clock.drain()
         first = ask(doc, 2)  # a new document: prefill
         wait(first[0])
+        prefill_steps = idle_summary(clock.drain(), "P")
         follow = ask(doc, 2)  # another question on it: cached
         wait(follow[0])
         ttft = lambda r: r["times"][0] - r["t0"]  # noqa: E731
         row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc),
                "ttft_uncached_s": ttft(first[1]), "ttft_cached_s": ttft(follow[1]),
-               "cached_tokens": follow[1]["cached"], "concurrency": []}
+               "cached_tokens": follow[1]["cached"], "prefill_steps": prefill_steps, "concurrency": []}
         row["cached_over_uncached"] = row["ttft_cached_s"] / row["ttft_uncached_s"]
         for n in args.concurrency:
             sync()
+            clock.drain()
             reqs = [ask(doc, args.decode_tokens) for _ in range(n)]
             for d, _ in reqs:
                 wait(d)
+            decode_steps = idle_summary([st for st in clock.drain() if st.kind == "D"], "D")  # the batch of all n
             recs = [r for _, r in reqs]
             # Steady state: from the moment every request has its first token to the last token.
             start = max(r["times"][0] for r in recs)
             end = max(r["times"][-1] for r in recs)
             decoded = sum(sum(1 for t in r["times"] if t > start) for r in recs)
             steps = [b - a for r in recs for a, b in zip(r["times"], r["times"][1:]) if a >= start]
+            busy = decode_steps["busy_s_median"]
             row["concurrency"].append({"questions": n, "decode_tokens_per_second": decoded / (end - start),
                                        "step_seconds_median": statistics.median(steps) if steps else None,
+                                       # the device's time per decode step: tokens/s over n / that is the host's share
+                                       "decode_steps": decode_steps,
+                                       "tokens_per_second_over_device_bound": (decoded / (end - start)) / (n / busy)
+                                       if busy else None,
                                        "all_cached": all(r["cached"] > 0 for r in recs),
                                        "tokens": [r["ids"] for r in recs]})
         one = row["concurrency"][0]["decode_tokens_per_second"]

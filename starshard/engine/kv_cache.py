@@ -24,6 +24,15 @@ from starshard.kernels.fp8 import FP8_DTYPE, dequantize, quantize_rows
 from starshard.kernels.kv_write import use_kv_write_kernel, write_kv_block, write_kv_slot, write_kv_slot_reference
 
 
+def token_major(batch: int, n_kv_heads: int, rows: int, head_dim: int, dtype, device) -> torch.Tensor:
+    """An uninitialized [batch, n_kv_heads, rows, head_dim] tensor stored token-major ([batch, rows, heads,
+    head_dim] in memory). Why: a view of the first n rows then has head and row strides set by (heads,
+    head_dim) alone, not by the cache's capacity, which is the prompt's length; torch keys its cuDNN
+    attention plans by strides, so with head-major rows every document length paid a plan build (46-65 ms
+    on one H200) in every chunk step of its prefill (issue 47)."""
+    return torch.empty(batch, rows, n_kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+
+
 @dataclass
 class StoredKV:
     """What a LayerKV holds, as stored: k, v [B, Hkv, n, D] (e4m3 for an FP8 cache) with positions [n];
@@ -35,6 +44,13 @@ class StoredKV:
     pos: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+
+
+def _rows_like(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """An empty tensor like a LayerKV part `t` with `rows` rows: k / v token-major, the rest plain."""
+    if t.dim() == 4:
+        return token_major(t.shape[0], t.shape[1], rows, t.shape[3], t.dtype, t.device)
+    return t.new_empty(*t.shape[:-1], rows)
 
 
 class LayerKV:
@@ -67,8 +83,8 @@ class LayerKV:
         self.head = 0  # trimmed: the row the next single-token write takes (the oldest row once full)
         self.fp8 = fp8
         store = FP8_DTYPE if fp8 else dtype
-        self.k = torch.empty(batch, n_kv_heads, capacity, head_dim, dtype=store, device=device)
-        self.v = torch.empty_like(self.k)
+        self.k = token_major(batch, n_kv_heads, capacity, head_dim, store, device)
+        self.v = token_major(batch, n_kv_heads, capacity, head_dim, store, device)
         self.k_scale = torch.empty(batch, n_kv_heads, capacity, dtype=torch.float32, device=device) if fp8 else None
         self.v_scale = torch.empty_like(self.k_scale) if fp8 else None
         self.pos = torch.empty(capacity, dtype=torch.long, device=device)
@@ -88,7 +104,7 @@ class LayerKV:
         n = self.length
 
         def grown(t, dim):
-            new = t.new_empty(*t.shape[:dim], cap, *t.shape[dim + 1 :])
+            new = _rows_like(t, cap)
             new.narrow(dim, 0, n).copy_(t.narrow(dim, 0, n))
             return new
 
@@ -158,7 +174,7 @@ class LayerKV:
             for name, dim in ts.items():
                 t = getattr(self, name)
                 src = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t  # index_select takes no e4m3
-                setattr(self, name, src.index_select(dim, keep).view(t.dtype))
+                setattr(self, name, _rows_like(src, kept).copy_(src.index_select(dim, keep)).view(t.dtype))
         self.window, self.length = window, kept
         self.head = kept % self.capacity if self.capacity else 0
 

@@ -137,6 +137,17 @@ def _cudnn_native_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return _NATIVE_GQA[key]
 
 
+def _plan_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t` with a size-1 batch's stride set by its other dims. torch keys its cuDNN plans by every stride,
+    and a KV cache view's batch stride is the cache's capacity (the prompt's length): a plan per document
+    (46-65 ms each on one H200). The stride of a size-1 dim addresses nothing, so any value is the same
+    tensor; the token-major cache (engine/kv_cache.py) makes the other strides length-free."""
+    if t.shape[0] != 1:
+        return t
+    stride = max(s * n for s, n in zip(t.stride()[1:], t.shape[1:]))
+    return t if t.stride(0) == stride else t.as_strided(t.shape, (stride, *t.stride()[1:]))
+
+
 def _fused(q, k, v, *, causal: bool, scale, op: str):
     """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row)."""
     B, Hq, Lq, D = q.shape
@@ -149,6 +160,7 @@ def _fused(q, k, v, *, causal: bool, scale, op: str):
         # Causal rows of different heads differ: equal head counts (the copy is a few % of the time).
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if op == "cudnn":
+        q, k, v = _plan_strides(q), _plan_strides(k), _plan_strides(v)
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     else:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)

@@ -119,7 +119,7 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
         L = len(prompt.ids)
         if not 0 <= start < end <= L:
             raise ValueError(f"a prefill step needs 0 <= start < end <= {L}, got [{start}, {end})")
-        ids = torch.tensor(prompt.ids, device=cache.device)
+        ids = prompt.device_ids(cache.device)  # uploaded once, not at every step
         s.use_prompt_head(prompt.head_len)  # APB embeds the query after the chat template's head
         # Approximate strategies need >= 1 query token after the context: borrow the last token.
         context_len = min(prompt.context_len, L - 1)

@@ -80,7 +80,7 @@ class LocalRunner:
     def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig, gen):
         """Run prompt tokens [start, end) on a cache that holds [0, start) -> the first new token [1]
         (the same on every rank) when `end` is the prompt's end, else None."""
-        ids = torch.tensor([prompt.ids[start:end]], device=cache.device)
+        ids = prompt.device_ids(cache.device)[None, start:end]
         logits = self.model(ids, cache=cache, last_only=True)
         return sample(logits[:, -1], sampling, gen) if end == len(prompt.ids) else None
 

@@ -73,13 +73,13 @@ class ParallelRunner(LocalRunner):
         return run_stage(self.model, ids, cache, self.link, chunk, last_only)
 
     def prefill(self, prompt: Prompt, cache: KVCache, sampling: SamplingConfig, gen, chunk: int | None = None):
-        ids = torch.tensor([prompt.ids], device=cache.device)
+        ids = prompt.device_ids(cache.device)[None]
         return self.next_token(ids, cache, sampling, gen, chunk or self.default_chunk(ids.shape[1]), graph=False)
 
     def prefill_step(self, prompt: Prompt, cache: KVCache, start: int, end: int, sampling: SamplingConfig, gen):
         """Run prompt tokens [start, end) through the pipeline -> the first new token on every rank at the
         prompt's end, else None (`prefill` pipelines a whole prompt's chunks in one call instead)."""
-        ids = torch.tensor([prompt.ids[start:end]], device=cache.device)
+        ids = prompt.device_ids(cache.device)[None, start:end]  # uploaded once, not at every step
         out = self._run(ids, cache, None, last_only=True)
         if end < len(prompt.ids):
             return None

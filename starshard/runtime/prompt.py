@@ -6,8 +6,10 @@ separately and every strategy sees the same ids.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from starshard.checkpoints.convert import gguf_tokenizer
 from starshard.config import ModelConfig
@@ -25,6 +27,19 @@ class Prompt:
     ids: list[int]
     context_len: int
     head_len: int = 0
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def device_ids(self, device) -> torch.Tensor:
+        """All ids as a [L] tensor on `device`, uploaded once (CUDA: from pinned memory, non-blocking): a
+        chunked prefill's steps take slices of it, so none waits on a host copy (a copy from a Python list
+        drains the GPU's queue, which then idles while the host launches the step)."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            host = torch.tensor(self.ids, dtype=torch.long)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._on_device[device] = host.to(device, non_blocking=True)
+        return self._on_device[device]
 
 
 def load_tokenizer(path: Path):

@@ -25,6 +25,7 @@ from starshard.serving.disk_writer import FAILED as WRITE_FAILED
 from starshard.serving.disk_writer import QUEUED, WRITTEN
 from starshard.serving.host_tier import to_host
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
+from starshard.serving.step_clock import StepClock, step_kind
 from starshard.serving.tiers import Tiers
 
 log = logging.getLogger("starshard.serve")
@@ -186,6 +187,7 @@ class Executor:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graph: CascadeGraph | None = None
         self._steady = 0  # decode steps since the rows last changed
+        self.clock: StepClock | None = None  # benchmarks: each step's device time and the idle time between steps
 
     # -- sizes the scheduler plans with (pure arithmetic: rank 0 plans every rank's bytes)
     def token_bytes(self) -> int:
@@ -246,8 +248,9 @@ class Executor:
 
     def _vote(self, code: int, need: int) -> list[tuple[int, int, int]]:
         """Every rank's (code, free bytes or -1, need bytes), the same list on every rank: one gloo
-        all-gather on the control group (the one the step broadcast uses)."""
-        free = self.free_bytes()
+        all-gather on the control group (the one the step broadcast uses). Only a failing rank's free
+        bytes are read (its message names them): a step queries the memory once, in its pre-check."""
+        free = self.free_bytes() if code else None
         mine = (code, -1 if free is None else free, need)
         if self.control is None:
             return [mine]
@@ -320,6 +323,8 @@ class Executor:
         every rank. A failed request's memory is freed on every rank; the others go on."""
         tokens: dict[int, int] = {}
         failures: dict[int, Failure] = {}
+        if self.clock is not None and ops:
+            self.clock.begin(step_kind(ops))
         with torch.inference_mode():
             for op in _batched(ops):
                 match op:
@@ -354,6 +359,8 @@ class Executor:
                         self._decode_contained(tokens, failures)
                     case _:
                         raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
+        if self.clock is not None and ops:
+            self.clock.end()
         self.settle_writes()
         return tokens, failures
 

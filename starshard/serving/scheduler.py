@@ -616,14 +616,21 @@ class Scheduler:
     def _time_step(self, ops: list[Op], seconds: float) -> None:
         """Log a slow step (kernel compilation, a CUDA-graph capture, a long chunk): operators see what
         stalled the streams; stats() keeps the last few. A step's time ends when its tokens are read,
-        so a step without tokens (a middle chunk) is counted in the next one."""
+        so a step without tokens (a middle chunk) is counted in the next one. The log line is only for a slow
+        step that other requests waited on (streams running, or requests queued): a lone document's chunks are
+        not a stall."""
         self.longest_step_s = max(self.longest_step_s, seconds)
         if seconds < SLOW_STEP_S:
             return
         what = ", ".join(f"{type(op).__name__}" + (f" {op.start}:{op.end}" if isinstance(op, PrefillChunk) else "")
                          for op in ops)
-        log.warning("slow step: %.2f s (%s; %d running)", seconds, what, len(self._running))
         self.slow_steps.append((round(seconds, 3), what))
+        own = {op.rid for op in ops if hasattr(op, "rid") and not isinstance(op, Decode)}
+        with self._lock:
+            waited = sum(1 for rid in self._running if rid not in own) + sum(1 for r in self._waiting
+                                                                             if r.rid not in own)
+        if waited:
+            log.warning("slow step: %.2f s (%s; %d requests waited)", seconds, what, waited)
 
     def _broadcast(self, ops) -> None:
         if self.control is not None:

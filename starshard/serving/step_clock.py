@@ -1,0 +1,85 @@
+"""The device's view of the service's steps: when each step's work began and ended on the compute stream,
+so a benchmark can tell how long the device worked on a step and how long it sat idle between two steps
+(the host late to queue the next one). CUDA: events recorded at the step's start and end, read only when
+asked (no host sync in the loop); elsewhere the host clock, where idle time means the host's own gaps."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Prefill, PrefillChunk, Promote
+
+_LETTERS = {Prefill: "P", PrefillChunk: "P", Extend: "E", Decode: "D", Demote: "M", Promote: "M", Evict: "F",
+            Finish: "F", Abort: "F"}
+
+
+@dataclass
+class StepTime:
+    kind: str  # the step's operations, one letter each (serving/ops.py): "P" a prefill or chunk, "D" a decode ...
+    busy_s: float  # start to end of the step's work on the device
+    idle_before_s: float | None  # the device's idle time since the previous step's end (None: the first kept)
+
+
+class StepClock:
+    """Marks each step's start and end; `drain()` hands back the steps marked since the last drain."""
+
+    def __init__(self, device, keep: int = 100_000):
+        self.cuda = torch.device(device).type == "cuda"
+        self._marks: deque = deque(maxlen=keep)  # (kind, start mark, end mark)
+        self._open = None
+        self._last_end = None  # the end mark of the last step drained: the next one's idle is measured from it
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self, kind: str) -> None:
+        self._open = (kind, self._mark())
+
+    def end(self) -> None:
+        if self._open is not None:
+            self._marks.append((*self._open, self._mark()))
+            self._open = None
+
+    def drain(self) -> list[StepTime]:
+        """Every step marked since the last drain (waits for the last one to end on the device)."""
+        marks = list(self._marks)
+        self._marks.clear()
+        if not marks:
+            return []
+        if self.cuda:
+            marks[-1][2].synchronize()
+            seconds = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+        else:
+            seconds = lambda a, b: b - a  # noqa: E731
+        out, prev = [], self._last_end
+        for kind, start, end in marks:
+            out.append(StepTime(kind, seconds(start, end), None if prev is None else max(0.0, seconds(prev, start))))
+            prev = end
+        self._last_end = prev
+        return out
+
+
+def step_kind(ops) -> str:
+    """One letter per operation: P prefill (whole or a chunk), E extend, D decode, M a move between tiers,
+    F finish / abort / evict; "" for an empty step."""
+    return "".join(_LETTERS.get(type(op), "?") for op in ops)
+
+
+def idle_summary(steps: list[StepTime], kind: str) -> dict:
+    """The device's idle time before each step of `kind` that followed a step of the same kind (a chunk
+    after a chunk), and their busy times: medians, the largest, the sums."""
+    gaps = [s.idle_before_s for a, s in zip(steps, steps[1:]) if kind in a.kind and kind in s.kind
+            and s.idle_before_s is not None]
+    busy = [s.busy_s for s in steps if kind in s.kind]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"steps": len(busy), "busy_s_median": med(busy), "busy_s_sum": sum(busy),
+            "idle_between_s_median": med(gaps), "idle_between_s_max": max(gaps) if gaps else None,
+            "idle_between_s_sum": sum(gaps)}
