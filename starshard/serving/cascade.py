@@ -22,6 +22,7 @@ import torch
 
 from starshard.engine.kv_cache import KVCache
 from starshard.kernels.attention import attention
+from starshard.kernels.common import to_device
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.merge import merge_partials
 
@@ -102,8 +103,9 @@ class CascadeAttention:
         self.groups, self.own, self.group = groups, own, group
         # Row indices and query positions per group, made once on the device: a captured step
         # replays them, and attend() copies nothing from the host.
-        self._rows = [torch.tensor(g.rows, device=device) for g in groups]
-        self._last = [torch.tensor(g.prefix, device=device) - 1 for g in groups]  # keys at positions < prefix
+        up = functools.partial(to_device, device=device or "cpu")  # non-blocking: no step waits on these copies
+        self._rows = [up(g.rows) for g in groups]
+        self._last = [up(g.prefix) - 1 for g in groups]  # keys at positions < prefix
         # A local layer's window starts at each query's own position, which the one shared call per entry
         # (every row at position prefix - 1) cannot say: there the rows of one prefix attend together at
         # their own positions, the entry's keys past that prefix moved out of reach (position _NO_KEY).
@@ -112,8 +114,7 @@ class CascadeAttention:
             parts = {}
             for r, m in zip(g.rows, g.prefix):
                 parts.setdefault(m, []).append(r)
-            self._windowed.append([(torch.tensor(rows, device=device), None if m >= g.full else
-                                    torch.tensor(m, device=device)) for m, rows in parts.items()])
+            self._windowed.append([(up(rows), None if m >= g.full else up(m)) for m, rows in parts.items()])
 
     def hook(self, layer: int):
         return functools.partial(self.attend, layer)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from starshard.config import SamplingConfig
 from starshard.engine.sampling import sample
-from starshard.kernels.common import DECODE_MAX_ROWS
+from starshard.kernels.common import DECODE_MAX_ROWS, to_device
 from starshard.planner import Layout, Workload, plan_memory
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
@@ -137,6 +137,16 @@ class Row:
     pool_row: int = 0
 
 
+@dataclass
+class _Issued:
+    """A decode step issued to the device and not read yet: its rows in batch order and their sampled
+    tokens [B], on the device (every rank of the CP group holds them)."""
+
+    rows: list[Row]
+    tokens: torch.Tensor
+    step: int
+
+
 class Executor:
     """Runs the scheduler's operations on this rank. The same instance state on every rank: the
     scheduler's decisions (rank 0) arrive as lists of operations (serving/ops.py)."""
@@ -188,6 +198,13 @@ class Executor:
         self._graph: CascadeGraph | None = None
         self._steady = 0  # decode steps since the rows last changed
         self.clock: StepClock | None = None  # benchmarks: each step's device time and the idle time between steps
+        # The host one step ahead: a decode step's tokens stay on the device, the next decode takes them as its
+        # inputs there, and they are read at the end of the next step, once its work is queued (the device never
+        # waits for the host between decode steps). False: read at the end of their own step (serialized).
+        self.lookahead = True
+        self._issued: _Issued | None = None
+        self._decodes = 0  # decode steps issued
+        self.trace: list[tuple[str, int]] | None = None  # test hook: ("issue" | "read", decode step) in order
 
     # -- sizes the scheduler plans with (pure arithmetic: rank 0 plans every rank's bytes)
     def token_bytes(self) -> int:
@@ -221,7 +238,7 @@ class Executor:
         OwnKV.gather pads: every row gets room for the longest own part plus the most remaining."""
         if not rows:
             return 0
-        cap = max(max(own for own, _ in rows) + max([left for _, left in rows] + [1]), 1)
+        cap = max(max(own for own, _ in rows) + max([left for _, left in rows] + [0]) + 1, 1)
         return len(rows) * cap * self.own_token_bytes()
 
     # -- failure containment (every rank takes the same decision: votes over the control group)
@@ -323,6 +340,7 @@ class Executor:
         every rank. A failed request's memory is freed on every rank; the others go on."""
         tokens: dict[int, int] = {}
         failures: dict[int, Failure] = {}
+        earlier = self._issued  # a decode issued by an earlier step: read below, after this step's work is queued
         if self.clock is not None and ops:
             self.clock.begin(step_kind(ops))
         with torch.inference_mode():
@@ -361,8 +379,39 @@ class Executor:
                         raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
         if self.clock is not None and ops:
             self.clock.end()
+        if earlier is not None:
+            if self._issued is earlier:
+                self._issued = None
+            tokens.update(self._read(earlier))
+        if self._issued is not None and not self.lookahead:
+            tokens.update(self._read(self._issued))
+            self._issued = None
         self.settle_writes()
         return tokens, failures
+
+    def _read(self, issued: _Issued) -> dict[int, int]:
+        """An issued decode's tokens on the host (waits for that step alone: later ones stay queued); each
+        row's host copy of its last token follows."""
+        vals = issued.tokens.tolist()
+        if self.trace is not None:
+            self.trace.append(("read", issued.step))
+        out = {}
+        for r, t in zip(issued.rows, vals):
+            r.last_token = out[r.rid] = t
+        return out
+
+    def _decode_inputs(self, rows: list[Row]) -> torch.Tensor:
+        """The rows' last tokens [B, 1] on the device: from the issued decode (not read yet) where a row was
+        in it, else the host's copy (a row that joined since, or whose token was read)."""
+        issued = self._issued
+        if issued is None:
+            return to_device([[r.last_token] for r in rows], self.device)
+        if len(issued.rows) == len(rows) and all(a is b for a, b in zip(issued.rows, rows)):
+            return issued.tokens[:, None]
+        at = {id(r): j for j, r in enumerate(issued.rows)}
+        sel = to_device([at.get(id(r), -1) for r in rows], self.device)
+        host = to_device([r.last_token for r in rows], self.device)
+        return torch.where(sel >= 0, issued.tokens[sel.clamp(min=0)], host)[:, None]
 
     # -- the lower tiers (serving/tiers.py): moves rank 0 decided, each rank moving its own shard
     def _demote(self, op: Demote) -> None:
@@ -510,15 +559,18 @@ class Executor:
         return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     def _sample(self, logits: torch.Tensor, draws: list[tuple[SamplingConfig, torch.Generator | None]]) -> list[int]:
-        """One token per row from last-row logits [B, V] and each row's (sampling, generator): sampled
-        on the query rank, then the same tokens on every rank of the CP group."""
+        """One token per row from last-row logits [B, V] and each row's (sampling, generator), on the host."""
+        return self._sample_on_device(logits, draws).tolist()
+
+    def _sample_on_device(self, logits: torch.Tensor, draws) -> torch.Tensor:
+        """The tokens [B] on the device: sampled on the query rank, then the same on every rank of the CP group."""
         toks = torch.zeros(len(draws), dtype=torch.long, device=logits.device)
         if self.is_query_rank:
             for b, (sampling, gen) in enumerate(draws):
                 toks[b] = self.sampler(logits[b : b + 1], sampling, gen)[0]
         if self.group is not None:
             dist.broadcast(toks, src=dist.get_global_rank(self.group, self.query_rank), group=self.group)
-        return toks.tolist()
+        return toks
 
     def _gather_pool(self, rows: list[Row]) -> OwnKV | None:
         """The batch's own-KV pool for `rows` (query rank; None elsewhere), built beside the old one:
@@ -526,7 +578,8 @@ class Executor:
         if not self.is_query_rank or not rows:
             return None
         parts = [(r.pool, r.pool_row) for r in rows]
-        extra = max([r.remaining for r in rows] + [1])
+        # + 1: a row may run one decode past its last token before the host reads that token (lookahead)
+        extra = max([r.remaining for r in rows] + [0]) + 1
         return OwnKV.gather(parts, extra, self.model.layer_ids, self.kv_heads, self.head_dim, self.dtype, self.device)
 
     def _set_rows(self, rows: list[Row], pool: OwnKV | None) -> None:
@@ -715,7 +768,7 @@ class Executor:
 
     def _extend_compute(self, op: Extend, st: "_Admission") -> "_Admission":
         ids, m, entry = op.ids, op.prefix, st.entry
-        suffix = torch.tensor([ids[m:]], device=self.device)
+        suffix = to_device([ids[m:]], self.device)
         pos = torch.arange(m, len(ids), device=self.device)[None]
         cascade = CascadeAttention([SharedGroup(entry.kv, [0], [m], len(entry))], st.own, self.group, self.device)
         logits = run_cascade(self.model, suffix, pos, cascade)
@@ -759,7 +812,7 @@ class Executor:
     def _together_compute(self, group: "_ExtendBatch", st: "_Admission") -> list["_Admission"]:
         ops, m, entry = group.ops, group.ops[0].prefix, st.entry
         B, n = len(ops), len(ops[0].ids)
-        suffix = torch.tensor([op.ids[m:] for op in ops], device=self.device)
+        suffix = to_device([op.ids[m:] for op in ops], self.device)
         pos = torch.arange(m, n, device=self.device)[None].expand(B, n - m)
         cascade = CascadeAttention([SharedGroup(entry.kv, list(range(B)), [m] * B, len(entry))], st.own, self.group,
                                    self.device)
@@ -793,12 +846,12 @@ class Executor:
         (a fault's), else the newest row (the last to add memory) leaves and the rest go on. With
         peers it is not: the ranks would disagree inside the forward's collectives."""
         if self.control is not None:
-            tokens.update(self._decode())
+            self._decode()
             return
         try:
             for r in self.rows:
                 self._inject(r.rid, "decode")
-            tokens.update(self._decode())
+            self._decode()
         except Exception as e:  # noqa: BLE001
             rid = next((f.rid for f in self.faults if f.error is e), None)
             victim = next((r for r in self.rows if r.rid == rid), self.rows[-1])
@@ -810,10 +863,11 @@ class Executor:
             failures[victim.rid] = self._failure([(_code(e), -1 if self.free_bytes() is None else self.free_bytes(),
                                                    self.pool_bytes(self.pool_rows()))], e, "decode step")
 
-    def _decode(self) -> dict[int, int]:
+    def _decode(self) -> None:
+        """Issue a decode step of the batch; its tokens are read at the end of the next step (Executor.run)."""
         rows = self.rows
-        toks = torch.tensor([[r.last_token] for r in rows], device=self.device)
-        pos = torch.tensor([[r.next_pos] for r in rows], device=self.device)
+        toks = self._decode_inputs(rows)
+        pos = to_device([[r.next_pos] for r in rows], self.device)
         if self._graph is None and self.cuda_graphs and self._steady >= 1 and len(rows) <= DECODE_MAX_ROWS:
             self._graph = CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device)
         if self._graph is not None:  # the rows kept since the capture: replay
@@ -821,11 +875,13 @@ class Executor:
         else:
             logits = run_cascade(self.model, toks, pos, self._batch_cascade())
         self._steady += 1
-        out = {}
-        for r, t in zip(rows, self._sample(logits, [(r.sampling, r.gen) for r in rows])):
-            r.last_token, r.next_pos, r.remaining = t, r.next_pos + 1, r.remaining - 1
-            out[r.rid] = t
-        return out
+        tokens = self._sample_on_device(logits, [(r.sampling, r.gen) for r in rows])
+        for r in rows:
+            r.next_pos, r.remaining = r.next_pos + 1, r.remaining - 1
+        self._decodes += 1
+        if self.trace is not None:
+            self.trace.append(("issue", self._decodes))
+        self._issued = _Issued(list(rows), tokens, self._decodes)
 
     def _finish(self, rids: list[int]) -> None:
         gone = set(rids)

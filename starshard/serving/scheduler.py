@@ -1089,7 +1089,7 @@ class Scheduler:
                     self._fail(req, failure.code, failure.message)
             for rid, tok in tokens.items():
                 req = self._running.get(rid)
-                if req is None:
+                if req is None or req.cancelled:  # finished, or cancelled since: nothing more is streamed
                     continue
                 first = not req.tokens
                 req.tokens.append(tok)
@@ -1125,7 +1125,7 @@ class Scheduler:
     def _finish_now(self, rids: list[int]) -> None:
         ops = [Finish(rids)]
         self._broadcast(ops)
-        self.executor.run(ops)
+        self._deliver(*self.executor.run(ops))  # the tokens of a decode issued before (Executor.lookahead)
 
     def _fail(self, req: Request, code: str, message: str) -> None:
         """End `req` with an error the server maps by its code; the others and the server go on."""

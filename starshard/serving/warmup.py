@@ -209,7 +209,7 @@ def _restore(svc, clock: int) -> None:
     """Drop what the warm-up built on this rank (no collectives: also after a failure on some ranks)."""
     ex, cache = svc.executor, svc.cache
     ex.rows, ex.pool, ex.filling = [], None, {}
-    ex._graph, ex._steady = None, 0
+    ex._graph, ex._steady, ex._issued = None, 0, None
     ex.lost.discard(_ENTRY)
     for e in [e for e in cache.entries.values() if e.id < 0]:
         cache.entries.pop(e.id)
