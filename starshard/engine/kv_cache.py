@@ -46,11 +46,15 @@ class StoredKV:
     v_scale: torch.Tensor | None = None
 
 
+def _head_major(batch: int, n_kv_heads: int, rows: int, head_dim: int, dtype, device) -> torch.Tensor:
+    return torch.empty(batch, n_kv_heads, rows, head_dim, dtype=dtype, device=device)
+
+
 def _rows_like(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """An empty tensor like a LayerKV part `t` with `rows` rows: k / v token-major, the rest plain."""
-    if t.dim() == 4:
+    """An empty tensor like a LayerKV part `t` (k / v in its layout, positions, scales) with `rows` rows."""
+    if t.dim() == 4 and not t.is_contiguous():
         return token_major(t.shape[0], t.shape[1], rows, t.shape[3], t.dtype, t.device)
-    return t.new_empty(*t.shape[:-1], rows)
+    return t.new_empty(*t.shape[:2], rows, t.shape[3]) if t.dim() == 4 else t.new_empty(*t.shape[:-1], rows)
 
 
 class LayerKV:
@@ -83,8 +87,11 @@ class LayerKV:
         self.head = 0  # trimmed: the row the next single-token write takes (the oldest row once full)
         self.fp8 = fp8
         store = FP8_DTYPE if fp8 else dtype
-        self.k = token_major(batch, n_kv_heads, capacity, head_dim, store, device)
-        self.v = token_major(batch, n_kv_heads, capacity, head_dim, store, device)
+        # An e4m3 cache stays head-major: its prefill reads dequantized copies (strides of their own) and its
+        # decode kernel loads a head's rows through tensor descriptors over contiguous rows.
+        alloc = token_major if not fp8 else _head_major
+        self.k = alloc(batch, n_kv_heads, capacity, head_dim, store, device)
+        self.v = alloc(batch, n_kv_heads, capacity, head_dim, store, device)
         self.k_scale = torch.empty(batch, n_kv_heads, capacity, dtype=torch.float32, device=device) if fp8 else None
         self.v_scale = torch.empty_like(self.k_scale) if fp8 else None
         self.pos = torch.empty(capacity, dtype=torch.long, device=device)
