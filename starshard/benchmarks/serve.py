@@ -61,7 +61,7 @@ from starshard.benchmarks.serve_load import (METRICS, RequestRecord, RequestSpec
                                              crosscheck_http, crosscheck_stats, detailed, make_workload,
                                              parse_len_dist, parse_token_range, print_summary, run_load,
                                              tier_deltas)
-from starshard.cli import add_layout_arguments, layout_error, parallel_config
+from starshard.cli import add_fp8_arguments, add_layout_arguments, fp8_config, layout_error, parallel_config
 from starshard.config import SamplingConfig
 from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
@@ -136,6 +136,7 @@ def add_arguments(p) -> None:
                        "document that an earlier run with the same --seed made on this --disk-cache-dir (its files "
                        "read cold); reports cached_tokens per length (>= the document's tokens: reused)")
     add_layout_arguments(p)
+    add_fp8_arguments(p)
     load = p.add_argument_group("load scenario (names as vLLM's serving benchmark where it has one)")
     load.add_argument("--url", default=None,
                       help="client mode: the base URL of a running server (http://HOST:PORT); no model is loaded here")
@@ -363,7 +364,8 @@ def run(args) -> None:
     result = {"kind": "serve", "device": device_name(device), "gpus": world(), "date": today(),
               "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
-              "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee, "warmup_s": svc.warmup_s,
+              "fp8": llm.fp8.describe(), "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee,
+              "warmup_s": svc.warmup_s,
               "results": rows,
               "engine_stats": stats}
     write(args.out, result)
@@ -478,7 +480,7 @@ def start_scheduler(args, **limits):
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
-              parallel=parallel)
+              parallel=parallel, fp8=fp8_config(args))
     options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
                    # disk_reload "always": the scenario measures each tier's reload, slower than a prefill or not
                    tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,

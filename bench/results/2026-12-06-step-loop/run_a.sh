@@ -1,7 +1,7 @@
 # call A (one GPU): decode at 128K, parent vs this tree (the KV layout); the service's whole vs default-chunked
-# prefill on three document lengths drawn now in [96K, 200K], serve's default warm-up, with the GPU's idle time.
+# prefill on three document lengths drawn now in [96K, 180K], serve's default warm-up, with the GPU's idle time.
 . bench/results/2026-12-06-step-loop/prelude.sh
-LENS=$(python3 -c "import random; print(','.join(str(x) for x in sorted(random.sample(range(98304, 200001), 3))))")
+LENS=$(python3 -c "import random; print(','.join(str(x) for x in sorted(random.sample(range(98304, 180001), 3))))")
 echo "lengths $LENS"
 P="bench prefill $L8B --lengths 131072 --decode-steps 32 --repeats 2"
 timeout 150 $BASE -m starshard $P --out $OUT/prefill_base.json > $OUT/log_pb.txt 2>&1; t prefill_base
