@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,
-                           fp8_config, layout_error, parallel_config, sparse_config)
+from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8_arguments, add_layout_arguments,
+                           add_sampling_arguments, add_sparse_arguments, default_strategy, fp8_config, layout_error,
+                           parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Run a prompt through a model with starshard. With no --model, runs the embedded "
         "SmolLM2-135M-Instruct (converted once into the cache dir, $STARSHARD_CACHE or ~/.cache/starshard).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default=None,
                     help="starshard checkpoint dir, Hugging Face model dir, or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -59,12 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--question", help="the question asked about --context-file")
     ap.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     gen = ap.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (stops earlier at EOS)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    gen.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+    gen.add_argument("--max-new-tokens", type=COUNT, default=128, help="most tokens to generate (stops earlier at EOS)")
+    add_sampling_arguments(gen)
+    gen.add_argument("--prefill-chunk", type=COUNT, default=None, metavar="TOKENS",
                      help="run the prompt through the model this many tokens at a time, counted over the whole prompt "
                      "(bounds activation memory; default: the whole prompt in one step). Under a context "
                      "strategy each chunk is split over the CP ranks as the prompt would be (ring, ulysses, usp: the "
@@ -77,9 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
                     "starshard/presets.py) or a HF config.json path; the prompt is --prompt-len random token ids")
-    rt.add_argument("--prompt-len", type=int, default=None,
+    rt.add_argument("--prompt-len", type=POSITIVE, default=None,
                     help="use this many random token ids as the prompt (needed with --random-weights: no tokenizer)")
-    rt.add_argument("--dist-timeout", type=float, default=600.0,
+    rt.add_argument("--dist-timeout", type=SECONDS, default=600.0,
                     help="seconds any collective may wait before the run fails with an error: a dead or hung rank "
                     "ends the job on every rank within about this long")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -102,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="print the longest prompt (tokens) whose memory plan fits --memory-limit-gb with these "
                       "settings (layout, --max-new-tokens, --prefill-chunk, --fp8, --dtype) and exit; loads nothing "
                       "and needs no prompt")
-    plan.add_argument("--memory-limit-gb", type=float, default=None,
+    plan.add_argument("--memory-limit-gb", type=GIB, default=None,
                       help="usable memory per rank in GiB; a layout whose plan exceeds it is refused with the "
                       "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU)")
     ap.add_argument("--config", type=Path, default=None,

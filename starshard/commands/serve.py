@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
+from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
                            layout_error, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Serve a model over an OpenAI-compatible HTTP API (chat / completions, streaming, /v1/models, "
         "/health, /metrics). With no --model, serves the embedded SmolLM2-135M-Instruct.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None,
                     help="starshard checkpoint dir, Hugging Face model dir, or .gguf file (default: embedded "
                     "SmolLM2-135M-Instruct)")
