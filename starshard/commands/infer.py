@@ -33,6 +33,7 @@ from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
 from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, max_prompt_json, max_prompt_line, max_prompt_tokens,
                                plan_json, plan_memory, refusal, smallest_layout, usable_bytes)
+from starshard.presets import past_real_context
 from starshard.runconfig import parse_with_config
 from starshard.runtime.monitor import RunMonitor, Watchdog
 from starshard.runtime.preflight import Weights, check_weights
@@ -95,14 +96,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan = ap.add_argument_group("memory plan (computed from the model config before anything loads)")
     plan.add_argument("--plan-only", action="store_true",
                       help="print the per-rank memory plan (weights, KV cache, peak activations per pipeline stage) "
-                      "and exit without loading weights or starting any collective")
+                      "and exit without loading weights or starting any collective (exit status 1 when it does not "
+                      "fit --memory-limit-gb)")
     plan.add_argument("--max-prompt", action="store_true",
                       help="print the longest prompt (tokens) whose memory plan fits --memory-limit-gb with these "
                       "settings (layout, --max-new-tokens, --prefill-chunk, --fp8, --dtype) and exit; loads nothing "
                       "and needs no prompt")
     plan.add_argument("--memory-limit-gb", type=GIB, default=None,
                       help="usable memory per rank in GiB; a layout whose plan exceeds it is refused with the "
-                      "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU)")
+                      "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU; planning --device "
+                      "cuda on a machine without CUDA needs it)")
     ap.add_argument("--config", type=Path, default=None,
                     help="TOML run config whose keys are these flags' long names (tables only group them); flags "
                     "given on the command line override it; relative paths are relative to the file (examples/)")
@@ -201,6 +204,9 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
     if device.startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_available():  # planning a GPU job from a laptop: the limit cannot be read here
+            raise Abort("--device cuda without a CUDA device here: give --memory-limit-gb (usable GiB per rank) to "
+                        "plan against")
         idx = local_rank if local_rank < torch.cuda.device_count() else 0
         return usable_bytes(torch.cuda.get_device_properties(idx).total_memory)
     return None
@@ -308,6 +314,9 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     prompt = encode_prompt(args, path, kw, cfg.vocab_size)
     n_prompt, n_context = len(prompt.ids), prompt.context_len
     check_window(cfg, n_prompt, args.max_new_tokens)
+    past = past_real_context(args.random_weights, n_prompt + args.max_new_tokens) if args.random_weights else None
+    if past and lead:
+        print(f"warning: {past}", file=sys.stderr)
     limit = memory_limit(args, device, launch.local_rank)
     plan, best = make_plan(args, cfg, n_prompt, n_context, DTYPE_BYTES[dtype_name], limit)
     if args.plan_only:
@@ -315,7 +324,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
             print(json.dumps(plan_json(plan, limit, best)) if args.json else plan.table(limit))
             if best is not None:
                 print(f"note: {refusal(plan, limit, best)}", file=sys.stderr)
-        return 0
+        return 0 if plan.fits(limit) else 1  # DOES NOT FIT: a script sees it
     if not plan.fits(limit):
         raise Abort(refusal(plan, limit, best))
     log.info("memory plan: %s", plan.table(limit).splitlines()[-1])

@@ -109,3 +109,24 @@ def test_a_run_config_value_is_checked_as_its_flag(tmp_path, capsys):
     cfg.write_text("temperature = 1\ntop-p = 0.5\nmemory-limit-gb = 2\n")
     args = infer.parse_args(["--config", str(cfg)])
     assert (args.temperature, args.top_p, args.memory_limit_gb) == (1.0, 0.5, 2.0)
+
+
+PLAN_1M = ["--random-weights", "llama-3.1-8b", "--tp", "2", "--cp", "4", "--prompt-len", "1048000", "--dtype",
+           "bfloat16", "--device", "cuda"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="planning a GPU job from a machine without CUDA")
+def test_plan_for_cuda_without_cuda(capsys):
+    """Without CUDA the GPU's memory cannot be read: one line naming --memory-limit-gb (exit 2); with it the
+    plan runs (the 1M prompt too, past the model's real 128K context: a warning); DOES NOT FIT exits 1."""
+    assert main(["plan", *PLAN_1M]) == 2
+    err = capsys.readouterr().err
+    assert "error: --device cuda without a CUDA device here: give --memory-limit-gb" in err and "Traceback" not in err
+    assert main(["plan", *PLAN_1M, "--memory-limit-gb", "80"]) == 0
+    out, err = capsys.readouterr()
+    assert "limit 80.000 GiB: fits" in out and "past llama-3.1-8b's real context of 131072 tokens" in err
+    assert main(["plan", *PLAN_1M, "--memory-limit-gb", "20"]) == 1
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out and "smallest layout that fits" in err
+    assert main(["plan", *PLAN_1M[:7], "131072", *PLAN_1M[8:], "--max-new-tokens", "0", "--memory-limit-gb", "80"]) == 0
+    assert "real context" not in capsys.readouterr().err  # within it: no warning
