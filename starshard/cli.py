@@ -4,7 +4,9 @@ one translation of them into configs: flags -> ParallelConfig, SparseConfig.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import sys
 
 from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
@@ -46,6 +48,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+class LogFormatter(logging.Formatter):
+    """'[starshard] message' on starshard's own lines; another library's keep their own name ('[megatron] Using
+    Megatron-FSDP without Transformer Engine.'), so its import notices are not read as starshard's."""
+
+    def __init__(self):
+        super().__init__("[%(package)s] %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.package = record.name.partition(".")[0]
+        return super().format(record)
+
+
+def log_handler() -> logging.Handler:
+    """The commands' stderr log handler (LogFormatter)."""
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(LogFormatter())
+    return h
 
 
 def add_sampling_arguments(group) -> None:

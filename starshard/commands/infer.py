@@ -27,7 +27,7 @@ from pathlib import Path
 
 from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8_arguments, add_layout_arguments,
                            add_sampling_arguments, add_sparse_arguments, default_strategy, fp8_config, layout_error,
-                           parallel_config, sparse_config)
+                           log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
@@ -141,10 +141,8 @@ class Abort(Exception):
 
 
 def setup_logging(level: str, lead: bool) -> None:
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("[starshard] %(message)s"))
     root = logging.getLogger("starshard")
-    root.handlers[:] = [h]
+    root.handlers[:] = [log_handler()]
     root.propagate = False
     root.setLevel(getattr(logging, level.upper()) if lead else logging.ERROR)  # progress from rank 0 only
 

@@ -130,3 +130,19 @@ def test_plan_for_cuda_without_cuda(capsys):
     assert "DOES NOT FIT" in out and "smallest layout that fits" in err
     assert main(["plan", *PLAN_1M[:7], "131072", *PLAN_1M[8:], "--max-new-tokens", "0", "--memory-limit-gb", "80"]) == 0
     assert "real context" not in capsys.readouterr().err  # within it: no warning
+
+
+def test_other_libraries_log_lines_keep_their_own_prefix():
+    """run and serve log through cli.log_handler: starshard's lines read [starshard], megatron-core's import
+    notices [megatron] (not [starshard])."""
+    import logging
+
+    from starshard.cli import log_handler
+
+    h = log_handler()
+
+    def line(name):
+        return h.format(logging.LogRecord(name, logging.INFO, __file__, 1, "hello %s", ("x",), None))
+
+    assert line("starshard.server") == "[starshard] hello x"
+    assert line("megatron.core.distributed.fsdp.src.megatron_fsdp") == "[megatron] hello x"
