@@ -10,7 +10,8 @@ import sys
 
 from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
-from starshard.strategies import OPTIONS, SPECS, STRATEGIES, check, fp8_attention_error, given_options
+from starshard.strategies import (OPTIONS, SPECS, STRATEGIES, check, default_name, fp8_attention_error,
+                                  given_options)
 
 
 def number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False):
@@ -97,7 +98,8 @@ def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
     approximate = " / ".join(s.name for s in SPECS.values() if not s.exact)
     par.add_argument("--cp-strategy", choices=STRATEGIES, default=None,
                      help=f"how the CP group splits the sequence: {exact} (exact), {approximate} (approximate); "
-                     "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
+                     f"default {default_name(1)} for --cp 1, {default_name(2)} otherwise; composes with --tp (tp x cp "
+                     "ranks)")
     add_strategy_arguments(ap, par)
 
 
@@ -220,8 +222,8 @@ def layout_error(args) -> str | None:
 
 
 def default_strategy(args) -> str:
-    """--cp-strategy as given, else dense for --cp 1 and ring for a CP group."""
-    return args.cp_strategy or ("dense" if (args.cp or 1) == 1 else "ring")
+    """--cp-strategy as given, else the registry's default for --cp (dense on one rank, ring for a CP group)."""
+    return args.cp_strategy or default_name(args.cp or 1)
 
 
 def parallel_config(args) -> ParallelConfig:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 
+import starshard  # light: the package root imports nothing until asked (its __getattr__)
 from starshard.parallel.exit import exit_process
 
 # Each command's module is imported only when that command runs: `starshard --help` and `--version`
@@ -68,15 +69,10 @@ COMMANDS = {
 
 def version() -> str:
     """The installed package's version (the source tree's __version__ when run from a checkout)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
     try:
-        return installed("starshard")
-    except PackageNotFoundError:
-        from starshard import __version__
-
-        return __version__
+        return metadata.version("starshard")
+    except metadata.PackageNotFoundError:
+        return starshard.__version__
 
 
 def usage() -> str:

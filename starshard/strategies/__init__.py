@@ -18,6 +18,13 @@ from starshard.strategies.usp import USP
 
 SPECS: dict[str, StrategySpec] = {s.name: s for s in (DENSE, RING, ULYSSES, USP, STAR, APB)}
 STRATEGIES = tuple(SPECS)  # --cp-strategy's choices, in this order
+SINGLE_RANK = next(s.name for s in SPECS.values() if s.single_rank)  # the whole sequence on one CP rank
+CP_DEFAULT = RING.name  # a CP group's strategy when none is named (exact, every model)
+
+
+def default_name(cp: int) -> str:
+    """The strategy that runs when --cp-strategy is not given: the one-rank strategy on one CP rank, else CP_DEFAULT."""
+    return SINGLE_RANK if cp == 1 else CP_DEFAULT
 
 # Every option by field, each strategy's in registry order, then the one every strategy reads.
 OPTIONS: dict[str, Option] = {o.field: o for s in SPECS.values() for o in s.options} | {QUERY_RANK.field: QUERY_RANK}
