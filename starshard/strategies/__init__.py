@@ -52,10 +52,14 @@ def _names(names: list[str], last: str = "or") -> str:
 
 def check(name: str, cp: int, options: dict) -> None:
     """Refuse (ValueError naming the fix) strategy `name` on `cp` ranks with `options` (field -> value,
-    unset ones None or absent): an unknown name, a one-rank strategy on a CP group, another strategy's
-    exclusive options, and the strategy's own rules (StrategySpec.validate)."""
+    unset ones None or absent): an unknown name, a query rank outside the group, a one-rank strategy on a CP
+    group, another strategy's exclusive options, and the strategy's own rules (StrategySpec.validate)."""
     spec = get_spec(name)
     options = {k: v for k, v in options.items() if v is not None}
+    q = options.get(QUERY_RANK.field)
+    if q is not None and not 0 <= q < cp:
+        raise ValueError(f"{QUERY_RANK.flag} {q} is outside the CP group of {cp} ranks: give 0..{cp - 1} (default: "
+                         f"the last, {cp - 1})")
     if spec.single_rank and cp > 1:
         raise ValueError(f"cp={cp} needs a context strategy: --cp-strategy "
                          f"{_names([s.name for s in SPECS.values() if not s.single_rank])}")
