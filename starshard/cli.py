@@ -4,10 +4,80 @@ one translation of them into configs: flags -> ParallelConfig, SparseConfig.
 from __future__ import annotations
 
 import argparse
+import logging
+import math
+import sys
 
 from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
-from starshard.strategies import OPTIONS, SPECS, STRATEGIES, check, fp8_attention_error, given_options
+from starshard.strategies import (OPTIONS, SPECS, STRATEGIES, check, default_name, fp8_attention_error,
+                                  given_options)
+
+
+def number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False):
+    """An argparse type: a `kind` (int or float) >= low (> low with `above`) and <= high. A value out of
+    range is argparse's error naming the flag and the range (exit 2), as a bad TOML key is (runconfig)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if low is not None and (value <= low if above else value < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low:g}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {text}")
+        return value
+    parse.kind = kind  # runconfig reads a TOML number through it as through `kind`
+    parse.__name__ = kind.__name__
+    return parse
+
+
+POSITIVE = number(int, 1)  # sizes and counts that cannot be zero: --tp, --prompt-len, ...
+COUNT = number(int, 0)  # counts where 0 means none / off
+SECONDS = number(float, 0, above=True)
+GIB = number(float, 0, above=True)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help only where the help does not say its default already and
+    X tells something (not None, not a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+class LogFormatter(logging.Formatter):
+    """'[starshard] message' on starshard's own lines; another library's keep their own name ('[megatron] Using
+    Megatron-FSDP without Transformer Engine.'), so its import notices are not read as starshard's."""
+
+    def __init__(self):
+        super().__init__("[%(package)s] %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.package = record.name.partition(".")[0]
+        return super().format(record)
+
+
+def log_handler() -> logging.Handler:
+    """The commands' stderr log handler (LogFormatter)."""
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(LogFormatter())
+    return h
+
+
+def add_sampling_arguments(group) -> None:
+    """How the next token is drawn: --temperature, --top-p, --top-k, --seed (checked by the parser)."""
+    group.add_argument("--temperature", type=number(float, 0), default=0.0,
+                       help="sampling temperature, >= 0; 0 = greedy")
+    group.add_argument("--top-p", type=number(float, 0, 1, above=True), default=1.0,
+                       help="nucleus sampling mass in (0, 1] (1 = off)")
+    group.add_argument("--top-k", type=COUNT, default=0, help="sample from the k most likely tokens (0 = off)")
+    group.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
 def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
@@ -15,20 +85,21 @@ def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
     par = ap.add_argument_group(
         "parallel layout (launch tp*pp*cp processes: torchrun --nproc-per-node N, or srun --ntasks N in a Slurm "
         "allocation; CUDA runs NCCL on cuda:LOCAL_RANK, CPU runs gloo)")
-    par.add_argument("--tp", type=int, default=1,
+    par.add_argument("--tp", type=POSITIVE, default=1,
                      help="tensor-parallel size: heads and MLP columns split over this many ranks (must divide the "
                      "attention heads; the error lists the valid sizes)")
-    par.add_argument("--pp", type=int, default=1,
+    par.add_argument("--pp", type=POSITIVE, default=1,
                      help="pipeline-parallel stages: layers split over this many ranks, prefill pipelined in chunks")
     par.add_argument("--pp-layers", type=lambda s: [int(x) for x in s.split(",")], default=None, metavar="N,N,..",
                      help="layers per pipeline stage, comma separated (default: even split, earlier stages take the "
                      "remainder); must match a converted checkpoint's split")
-    par.add_argument("--cp", type=int, default=1, help="context-parallel size: ranks that share the sequence")
+    par.add_argument("--cp", type=POSITIVE, default=1, help="context-parallel size: ranks that share the sequence")
     exact = " / ".join(s.name for s in SPECS.values() if s.exact and not s.single_rank)
     approximate = " / ".join(s.name for s in SPECS.values() if not s.exact)
     par.add_argument("--cp-strategy", choices=STRATEGIES, default=None,
                      help=f"how the CP group splits the sequence: {exact} (exact), {approximate} (approximate); "
-                     "default dense for --cp 1, ring otherwise; composes with --tp (tp x cp ranks)")
+                     f"default {default_name(1)} for --cp 1, {default_name(2)} otherwise; composes with --tp (tp x cp "
+                     "ranks)")
     add_strategy_arguments(ap, par)
 
 
@@ -54,28 +125,28 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     "recall 0.99). --sparse anchor: per-layer, per-head thresholds and "
                     "the pooling, calibrated for the model to a recall target (JSON from `python -m "
                     "starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / --anchor-step")
-    sp.add_argument("--anchor-theta", type=float, default=12.0,
+    sp.add_argument("--anchor-theta", type=number(float, 0), default=12.0,
                     help="--sparse anchor without --sparse-config: one threshold for every head, in natural-log units "
                     "of the softmax weight: keep keys whose score stays within this of the anchor on average over "
                     "a query block (paper: 12 for 8B models; lower = sparser; how much attention mass a given theta "
                     "keeps depends on the model and head: calibrate with --sparse-config)")
-    sp.add_argument("--anchor-block-q", type=int, default=128,
+    sp.add_argument("--anchor-block-q", type=POSITIVE, default=128,
                     help="--sparse anchor: query rows pooled per block (small models at a few K tokens: 16)")
-    sp.add_argument("--anchor-step", type=int, default=16,
+    sp.add_argument("--anchor-step", type=POSITIVE, default=16,
                     help="--sparse anchor: query blocks sharing one stripe selection (small models: 1)")
-    sp.add_argument("--sparse-min-length", type=int, default=None, metavar="N",
+    sp.add_argument("--sparse-min-length", type=COUNT, default=None, metavar="N",
                     help="prefill calls over fewer than N keys run dense, nothing estimated (default: more than 64K "
                     "keys on CUDA, the measured crossover; 0 on CPU; 0 = always estimate, e.g. accuracy studies)")
     sp.add_argument("--sparse-no-fallback", action="store_true",
                     help="run every head's sparse pattern even where the dense kernel is faster (kernel and accuracy "
                     "studies; with --sparse-min-length 0 this reproduces runs from before the fallback)")
-    sp.add_argument("--sparse-fallback-density", type=float, default=None, metavar="D",
+    sp.add_argument("--sparse-fallback-density", type=number(float, 0), default=None, metavar="D",
                     help="--sparse anchor: the per-call floor: after identification a call whose heads keep on "
                     "average at least this share of the causal (query, key) pairs runs the exact dense kernel "
                     "whole, counted per layer in sparse_report (default: the break-even density, the stripe "
                     "kernel's measured speed per pair as a share of cuDNN's: 0.399 at head dim 64, 0.411 at 128; "
                     "above 1: no per-call floor, heads still priced one by one)")
-    sp.add_argument("--sparse-fallback-sample", type=int, default=None, metavar="N",
+    sp.add_argument("--sparse-fallback-sample", type=COUNT, default=None, metavar="N",
                     help="--sparse anchor: count the stripes of only the last N groups of query blocks first and run "
                     "the call dense, skipping the full identification (what a fallen-back call costs on top of "
                     "dense), when their mean density reaches the floor (default 4; 0: the floor is checked after the "
@@ -151,8 +222,8 @@ def layout_error(args) -> str | None:
 
 
 def default_strategy(args) -> str:
-    """--cp-strategy as given, else dense for --cp 1 and ring for a CP group."""
-    return args.cp_strategy or ("dense" if (args.cp or 1) == 1 else "ring")
+    """--cp-strategy as given, else the registry's default for --cp (dense on one rank, ring for a CP group)."""
+    return args.cp_strategy or default_name(args.cp or 1)
 
 
 def parallel_config(args) -> ParallelConfig:

@@ -107,7 +107,8 @@ def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp
     if not extras:
         return None
     paths = []
-    if (parallel.cp > 1 or parallel.cp_strategy != "dense") and not get_spec(parallel.cp_strategy).windows:
+    spec = get_spec(parallel.cp_strategy)
+    if (parallel.cp > 1 or not spec.single_rank) and not spec.windows:
         exact = " / ".join(s.name for s in SPECS.values() if s.windows and not s.single_rank)
         paths.append((f"--cp-strategy {parallel.cp_strategy} (cp={parallel.cp})",
                       f"use --cp-strategy {exact} (exact with windows), or --cp 1 --cp-strategy dense"))
@@ -192,10 +193,11 @@ class LLM:
         if sparse is not None:
             heads = model.layers[0].attention.n_heads  # this rank's
             install_sparse(model, load_sparse_method(sparse), head_offset=topo.tp_rank * heads)
-        if fp8.attention and p.cp_strategy == "dense":
+        one_rank = get_spec(p.cp_strategy).single_rank
+        if fp8.attention and one_rank:
             model.int8_scores = True  # every layer's own attention: dense_attend_int8_scores
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp, cuda_graphs=cuda_graphs, kv_fp8=fp8.kv,
-                                    int8_scores=fp8.attention and p.cp_strategy != "dense")
+                                    int8_scores=fp8.attention and not one_rank)
         self.config: ModelConfig = model.config
         self.unwindowed: str | None = None  # what runs this model without its windows (check_window)
         if unwindowed is not None:

@@ -47,7 +47,7 @@ from typing import Callable
 
 from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig
 from starshard.partition import check_tp, partition_layers, prefill_steps, valid_tp_sizes
-from starshard.strategies import check, get_spec
+from starshard.strategies import SINGLE_RANK, check, get_spec
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -60,7 +60,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    strategy: str = "dense"
+    strategy: str = SINGLE_RANK  # a name in starshard.strategies.STRATEGIES
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None = even split, earlier stages the remainder
     block_size: int | None = None  # star: context tokens per block (default ceil(context / cp))
     anchor_size: int | None = None  # star / apb: anchor tokens (star default: the block; apb: paper defaults)
@@ -263,7 +263,7 @@ def layer_kv_tokens(cfg: ModelConfig, lay: Layout, w: Workload, layer: int, kv_t
     without pp or cp, where the runners trim: LocalRunner.trims_local) window - 1 plus one forward's rows, as
     KVCache allocates them."""
     window = cfg.layer_window(layer)
-    if window is None or not w.trim_local or (lay.pp, lay.cp, lay.strategy) != (1, 1, "dense"):
+    if window is None or not w.trim_local or (lay.pp, lay.cp) != (1, 1) or not get_spec(lay.strategy).single_rank:
         return kv_tok
     return min(kv_tok, window - 1 + trimmed_step(prefill_steps(w.prompt_tokens, w.prefill_chunk, w.prefill_knee)))
 
@@ -339,7 +339,7 @@ def smallest_layout(cfg: ModelConfig, workload: Workload, strategy: str, limit_b
                 cp = world // (tp * pp)
                 if (cp > 1 and get_spec(strategy).single_rank) or not allow(tp, pp, cp):
                     continue
-                lay = Layout(tp, pp, cp, strategy if cp > 1 else "dense")
+                lay = Layout(tp, pp, cp, strategy if cp > 1 else SINGLE_RANK)
                 plan = plan_memory(cfg, lay, workload)
                 if plan.fits(limit_bytes) and (best is None or plan.peak_bytes < best.peak_bytes):
                     best = plan
@@ -453,14 +453,14 @@ def prefill_step_bytes(cfg: ModelConfig, layout: Layout, w: Workload) -> tuple[s
     rank, their (out, lse) partials sent and received, and held e4m3 keys read as a dense chunk reads them."""
     window, chunk, cp = w.prompt_tokens, w.prefill_chunk, layout.cp
     over = f" over cp={cp}" if cp > 1 else ""
-    if not chunk or chunk >= window or layout.strategy == "apb":
+    spec = get_spec(layout.strategy)
+    if not chunk or chunk >= window or not spec.chunked_prefill:
         whole = dataclasses.replace(w, prefill_chunk=None)
         return f"a whole {window}-token prompt{over}", _activations(cfg, layout, whole)
     if cp == 1:
-        return f"one {chunk}-token chunk", _activations(cfg, dataclasses.replace(layout, strategy="dense"), w)
+        return f"one {chunk}-token chunk", _activations(cfg, dataclasses.replace(layout, strategy=SINGLE_RANK), w)
     rows = -(-chunk // cp)
-    in_chunk = Layout(layout.tp, layout.pp, cp, "ring" if layout.strategy == "star" else layout.strategy,
-                      layout.pp_layers)
+    in_chunk = Layout(layout.tp, layout.pp, cp, spec.chunk_plan or layout.strategy, layout.pp_layers)
     acts = _activations(cfg, in_chunk, dataclasses.replace(w, prompt_tokens=chunk, context_tokens=None,
                                                            max_new_tokens=0, prefill_chunk=None, fp8_kv=False))
     hq, d = _heads(cfg, layout.tp)[0], cfg.head_dim
@@ -473,7 +473,7 @@ def cascade_step_bytes(cfg: ModelConfig, layout: Layout, w: Workload, rows: int,
     token) on a rank: every CP rank runs all the rows (the planner's layer model, last-row logits per
     row), attends its shard; the partials in float32 (shared and own, merged), gathered over the CP group.
     An extend reads a held FP8 entry a key block at a time; a decode step reads e4m3 in the kernel."""
-    dense = Layout(layout.tp, layout.pp, 1, "dense", layout.pp_layers)
+    dense = Layout(layout.tp, layout.pp, 1, SINGLE_RANK, layout.pp_layers)
     acts = _activations(cfg, dense, Workload(rows, None, 0, rows, w.dtype_bytes, batch, fp8_linear=w.fp8_linear,
                                              fp8_experts=w.fp8_experts))
     hq, d = _heads(cfg, layout.tp)[0], cfg.head_dim
@@ -492,7 +492,7 @@ def _held_fp8_bytes(cfg: ModelConfig, layout: Layout, w: Workload, rows: int, he
     planner's chunk after held FP8 entries less the same rows alone."""
     if not w.fp8_kv:
         return 0
-    dense = Layout(layout.tp, layout.pp, 1, "dense", layout.pp_layers)
+    dense = Layout(layout.tp, layout.pp, 1, SINGLE_RANK, layout.pp_layers)
     one = dataclasses.replace(w, prompt_tokens=held + rows, context_tokens=None, max_new_tokens=0, prefill_chunk=rows,
                               batch=1)
     return (_activations(cfg, dense, one)

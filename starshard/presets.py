@@ -91,6 +91,25 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The context each real model is published for (its own config's window; Qwen3-8B with the YaRN x4 above). The
+# presets allow 1M positions so that benchmarks and plans run past it; answers past it are not the model's.
+REAL_CONTEXT: dict[str, int] = {
+    "llama-3.1-8b": 131072, "llama-3.1-70b": 131072, "qwen2.5-7b": 32768, "qwen3-8b": 131072,
+    "qwen3-30b-a3b": 40960, "mixtral-8x7b": 32768, "smollm2-135m": 8192,
+}
+
+
+def past_real_context(name: str, tokens: int) -> str | None:
+    """A warning when `tokens` (prompt + new tokens) run past preset `name`'s real model's context (None: within
+    it, or not a preset that has one): the plan and the timings hold, the answers would not be the model's."""
+    real = REAL_CONTEXT.get(name)
+    if real is None or tokens <= real:
+        return None
+    return (f"{tokens} tokens (prompt + new tokens) run past {name}'s real context of {real} tokens (the preset allows "
+            f"{PRESETS[name]['max_position_embeddings']} for benchmarks and plans): memory and speed hold, "
+            "a real model's answers past its context would not")
+
+
 def preset_config(name_or_path: str) -> ModelConfig:
     """A preset by name, or the shape in a Hugging Face config.json."""
     if name_or_path in PRESETS:

@@ -55,19 +55,20 @@ def _check(action: argparse.Action, key: str, value: Any, base: Path) -> Any:
     if isinstance(value, bool) or isinstance(value, (dict,)):
         raise RunConfigError(f"{key} = {value!r}: {flag} takes a value, not a switch")
     typ = action.type
+    kind = getattr(typ, "kind", typ)  # a range-checked number (cli.number) reads as its int or float
     try:
         if typ is None:
             out = str(value)
         elif typ is Path:
             p = Path(str(value)).expanduser()
             out = p if p.is_absolute() else base / p
-        elif typ is float and isinstance(value, (int, float)):
-            out = float(value)
-        elif typ is int and not isinstance(value, int):
+        elif kind is float and isinstance(value, (int, float)):
+            out = float(value) if typ is float else typ(str(float(value)))
+        elif kind is int and not isinstance(value, int):
             raise ValueError("not an integer")
         else:
             out = typ(value) if isinstance(value, str) or typ in (int, float) else typ(str(value))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
         raise RunConfigError(f"{key} = {value!r}: not a valid value for {flag} ({e})") from None
     if action.choices is not None and out not in action.choices:
         raise RunConfigError(f"{key} = {value!r}: {flag} must be one of {', '.join(map(str, action.choices))}")

@@ -115,3 +115,38 @@ def test_package_imports_have_no_cycles():
     for m in sorted(graph):
         visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# The registry answers strategy questions (StrategySpec's fields): no module outside it compares a strategy's
+# name. "dense" is also a sparse pattern's name (kernels/minference, the sparse benchmark), and config sits
+# below the registry (its construction-time guard repeats one rule).
+REGISTRY = ("starshard/strategies/", "starshard/parallel/context/")
+DENSE_ALLOWED = ("starshard/config.py", "starshard/kernels/minference/patterns.py", "starshard/benchmarks/sparse.py")
+
+
+def strategy_literals(node: ast.AST, names: set[str]) -> list[str]:
+    """The strategy names among a comparison operand's string constants (a tuple / list / set's too)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+
+
+def test_only_the_registry_compares_strategy_names():
+    from starshard.strategies import SINGLE_RANK, STRATEGIES
+
+    found = []
+    for _, path in modules():
+        rel = str(path.relative_to(PKG.parent))
+        if rel.startswith(REGISTRY):
+            continue
+        names = set(STRATEGIES) - ({SINGLE_RANK} if rel in DENSE_ALLOWED else set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                hits = [n for side in (node.left, *node.comparators) for n in strategy_literals(side, names)]
+            elif isinstance(node, ast.match_case):
+                hits = strategy_literals(getattr(node.pattern, "value", node.pattern), names)
+            else:
+                continue
+            if hits:
+                line = getattr(node, "lineno", None) or node.pattern.lineno  # a match case has no line of its own
+                found.append(f"{rel}:{line} compares {', '.join(hits)}")
+    assert not found, "ask the strategy's spec (starshard.strategies) instead:\n" + "\n".join(found)

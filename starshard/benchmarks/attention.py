@@ -18,18 +18,35 @@ from starshard.config import ParallelConfig
 from starshard.kernels.attention import attention
 from starshard.parallel.context import make_strategy
 from starshard.parallel.topology import init_topology
+from starshard.strategies import CP_DEFAULT, DENSE, RING, SPECS, ULYSSES
 
 HELP = "one attention layer per strategy (and torch's context_parallel)"
+ONE_GPU = ("sdpa-cudnn",)  # besides the one-rank strategy (dense): rank 0 alone
+TORCH_CP = ("torch-cp", "torch-cp-flash")  # torch's context_parallel over the CP group
 
 
 def add_arguments(p) -> None:
     add_common_arguments(p)
-    p.add_argument("--strategies", type=lambda s: s.split(","), default=["dense", "ring", "ulysses"],
-                   help="dense, sdpa-cudnn (1 GPU), ring, ulysses, torch-cp, torch-cp-flash (CP group)")
+    p.add_argument("--strategies", type=lambda s: s.split(","), default=[DENSE.name, RING.name, ULYSSES.name],
+                   help=f"comma-separated, from {', '.join(SPECS)} (the registry's; {DENSE.name} runs on rank 0 "
+                   f"alone, the others over the CP group), {', '.join(ONE_GPU)} (1 GPU), {', '.join(TORCH_CP)} (CP "
+                   "group)")
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")
-    p.set_defaults(cp_strategy="ring")
+    p.set_defaults(cp_strategy=CP_DEFAULT)
+
+
+def check(args) -> str | None:
+    bad = [n for n in args.strategies if n not in (*SPECS, *ONE_GPU, *TORCH_CP)]
+    if bad:
+        return f"--strategies: unknown {', '.join(bad)}; choose from {', '.join((*SPECS, *ONE_GPU, *TORCH_CP))}"
+    return None
+
+
+def on_one_gpu(name: str) -> bool:
+    """Runs on rank 0 alone: the one-rank strategy, or a single-GPU kernel."""
+    return name in ONE_GPU or (name in SPECS and SPECS[name].single_rank)
 
 
 def run(args) -> None:
@@ -46,19 +63,17 @@ def run(args) -> None:
         pos = torch.arange(L, device=dev)
         for name in args.strategies:
             try:
-                if name == "dense":
-                    if topo.rank != 0:
-                        continue
+                if on_one_gpu(name) and topo.rank != 0:
+                    continue
+                if name in SPECS and SPECS[name].single_rank:
                     fn = lambda: attention(q, k, v, q_pos=pos, k_pos=pos)  # noqa: E731
-                elif name == "sdpa-cudnn":
-                    if topo.rank != 0:
-                        continue
+                elif name in ONE_GPU:
                     from torch.nn.attention import SDPBackend, sdpa_kernel
 
                     def fn():
                         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                elif name.startswith("torch-cp"):
+                elif name in TORCH_CP:
                     fn = torch_cp_attention(q, k, v, topo, flash=name.endswith("flash"))
                 else:
                     s = make_strategy(name, topo.cp_group)
@@ -68,7 +83,7 @@ def run(args) -> None:
                     attend = s.prefill_attend(seg.to(dev))
                     fn = lambda: attend(ql, kl, vl, pl, None)  # noqa: E731
                 t = median(timed(fn, dev, args.repeats, warmup=2))
-                gpus = 1 if name in ("dense", "sdpa-cudnn") else topo.world_size
+                gpus = 1 if on_one_gpu(name) else topo.world_size
                 rows.append({"length": L, "strategy": name, "gpus": gpus, "seconds": t,
                              "tflops_per_gpu": flops / t / gpus / 1e12})
             except Exception as e:  # noqa: BLE001 -- a failing peer must not lose the other rows

@@ -65,7 +65,7 @@ from starshard.parallel.topology import LayoutError
 from starshard.planner import Layout, Workload, plan_json, plan_memory, usable_bytes
 from starshard.presets import preset_config
 from starshard.runtime.context_parallel import ContextParallelRunner
-from starshard.strategies import STRATEGIES, get_spec
+from starshard.strategies import CP_DEFAULT, SINGLE_RANK, STRATEGIES, get_spec
 from starshard.strategies.flops import linear_flops_per_token, predicted_seconds, prefill_flops, tp_flops
 
 HELP = "end-to-end prefill (+ decode steps) of one strategy"
@@ -114,7 +114,7 @@ def layout_flops(cfg, strategy, L: int, context: int, tp: int = 1, dtype_bytes: 
     prefill_flops) split over tp (flops.tp_flops); serial when one device runs the hosts in turn (study
     mode). strategy None: the whole model on one CP rank (dense)."""
     if strategy is None:
-        ranks, cp = get_spec("dense").prefill_flops(cfg, L, context, None), 1
+        ranks, cp = get_spec(SINGLE_RANK).prefill_flops(cfg, L, context, None), 1
     else:
         ranks, cp = get_spec(strategy.name).prefill_flops(cfg, L, context, strategy), strategy.cp
     return tp_flops(cfg, ranks, tp, dtype_bytes), cp == 1 and len(ranks) > 1
@@ -142,7 +142,7 @@ def flop_model(cfg, strategy, L: int, context: int, tp: int, dtype_bytes: int, r
 def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, limit: int | None) -> dict:
     """The planner's per-rank plan of this run (its cache holds L + decode steps + 8 tokens)."""
     fp8 = fp8_config(args)
-    strategy = args.cp_strategy if args.cp > 1 else "dense"  # one CP rank: the whole sequence's plan
+    strategy = args.cp_strategy if args.cp > 1 else SINGLE_RANK  # one CP rank: the whole sequence's plan
     lay = Layout(args.tp, 1, args.cp, strategy, None, args.block_size, args.anchor_size, None)
     work = Workload(L, context_len if query_phase else None, args.decode_steps + 8, None, 4 if args.dtype == "float32"
                     else 2, fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts)
@@ -194,8 +194,8 @@ def add_arguments(p) -> None:
                    "truncated to each length; the JSON names the file and whether it was repeated (default: random "
                    "token ids). Sparse speed needs natural text; `python bench/make_essay.py --out FILE` writes the "
                    "harness's essay-like filler")
-    p.add_argument("--cp-strategy", default="ring", choices=STRATEGIES,
-                   help="context strategy (default ring, at --cp 1 too)")
+    p.add_argument("--cp-strategy", default=CP_DEFAULT, choices=STRATEGIES,
+                   help=f"context strategy (default {CP_DEFAULT}, at --cp 1 too)")
     add_strategy_arguments(p, p, without=("query_rank",))  # the query is the last --query-tokens
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
     add_sparse_arguments(p)
@@ -216,8 +216,8 @@ def check(args) -> str | None:
         return f"--prompt-file {args.prompt_file} does not exist"
     if args.tp < 1:
         return f"--tp must be >= 1, got {args.tp}"
-    if args.tp > 1 and args.cp == 1 and args.cp_strategy != "dense":
-        return (f"--tp {args.tp} with --cp 1 runs the model-parallel runner: pass --cp-strategy dense (got "
+    if args.tp > 1 and args.cp == 1 and not get_spec(args.cp_strategy).single_rank:
+        return (f"--tp {args.tp} with --cp 1 runs the model-parallel runner: pass --cp-strategy {SINGLE_RANK} (got "
                 f"{args.cp_strategy}, a context strategy's study mode, which this benchmark runs on one rank only)")
     return layout_error(args)
 
@@ -334,7 +334,7 @@ def run(args) -> None:
                 row["sparse_report"] = report
             if strategy is not None and strategy.cp > 1:
                 row["kv_bytes_sent"] = strategy.wire.kv_bytes  # by this rank in one prefill (context/wire.py)
-                if strategy.name == "ring":
+                if get_spec(strategy.name).ring_kv:
                     row["ring_bytes"] = ring_bytes(strategy, cfg, topo.device, win)
             if text is not None:
                 row["prompt_repeated"] = L > len(text)

@@ -442,7 +442,7 @@ def _save_tokenizer(out: Path, tok_dir: Path | None, tokenizer) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m starshard.checkpoints.convert",
+        prog="starshard convert",  # also run as python -m starshard.checkpoints.convert
         description="Convert a Hugging Face model directory or a GGUF file into starshard shards, "
         "one safetensors file per (tensor-parallel rank, pipeline stage).",
     )

@@ -25,12 +25,13 @@ import argparse
 import torch.distributed as dist
 
 from starshard.benchmarks import anchor, attention, fp8_attention, hf, kernels, moe, plot, prefill, serve, sparse, tp
+from starshard.cli import HelpFormatter
 
 SUBCOMMANDS = {"prefill": prefill, "attention": attention, "hf": hf, "tp": tp, "serve": serve, "sparse": sparse,
                "anchor": anchor, "kernels": kernels, "fp8-attention": fp8_attention, "moe": moe, "plot": plot}
 
 
-class _DescriptionAndDefaults(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+class _DescriptionAndDefaults(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     pass
 
 

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config, sparse_config,
-                           strategy_cli_error)
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy, fp8_config,
+                           sparse_config, strategy_cli_error)
 from starshard.config import ParallelConfig
 from starshard.evaluation import report
 from starshard.evaluation.scoring import found, score
@@ -252,7 +252,7 @@ def main(argv=None, llm_cls=None) -> int:
     if args.time_limit is not None and getattr(topo, "world_size", 1) > 1:
         raise SystemExit("error: --time-limit stops one process on its own clock; the ranks of a torchrun group "
                          "would stop at different samples: drop it (or run one process, e.g. --cp 1 --num-blocks N)")
-    name = args.strategy_name or args.cp_strategy or "dense"
+    name = args.strategy_name or default_strategy(args)
     rows = evaluate(llm, samples, chat=chat, max_new_tokens=args.max_new_tokens,
                     progress=lead and not args.no_progress, label=f"eval {name}",
                     deadline=None if args.time_limit is None else started + args.time_limit)

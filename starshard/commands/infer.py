@@ -25,13 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy,
-                           fp8_config, layout_error, parallel_config, sparse_config)
+from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8_arguments, add_layout_arguments,
+                           add_sampling_arguments, add_sparse_arguments, default_strategy, fp8_config, layout_error,
+                           log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
 from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, max_prompt_json, max_prompt_line, max_prompt_tokens,
                                plan_json, plan_memory, refusal, smallest_layout, usable_bytes)
+from starshard.presets import past_real_context
 from starshard.runconfig import parse_with_config
 from starshard.runtime.monitor import RunMonitor, Watchdog
 from starshard.runtime.preflight import Weights, check_weights
@@ -47,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Run a prompt through a model with starshard. With no --model, runs the embedded "
         "SmolLM2-135M-Instruct (converted once into the cache dir, $STARSHARD_CACHE or ~/.cache/starshard).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default=None,
                     help="starshard checkpoint dir, Hugging Face model dir, or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -59,12 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--question", help="the question asked about --context-file")
     ap.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     gen = ap.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (stops earlier at EOS)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    gen.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+    gen.add_argument("--max-new-tokens", type=COUNT, default=128, help="most tokens to generate (stops earlier at EOS)")
+    add_sampling_arguments(gen)
+    gen.add_argument("--prefill-chunk", type=COUNT, default=None, metavar="TOKENS",
                      help="run the prompt through the model this many tokens at a time, counted over the whole prompt "
                      "(bounds activation memory; default: the whole prompt in one step). Under a context "
                      "strategy each chunk is split over the CP ranks as the prompt would be (ring, ulysses, usp: the "
@@ -77,9 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
                     "starshard/presets.py) or a HF config.json path; the prompt is --prompt-len random token ids")
-    rt.add_argument("--prompt-len", type=int, default=None,
+    rt.add_argument("--prompt-len", type=POSITIVE, default=None,
                     help="use this many random token ids as the prompt (needed with --random-weights: no tokenizer)")
-    rt.add_argument("--dist-timeout", type=float, default=600.0,
+    rt.add_argument("--dist-timeout", type=SECONDS, default=600.0,
                     help="seconds any collective may wait before the run fails with an error: a dead or hung rank "
                     "ends the job on every rank within about this long")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -97,14 +96,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan = ap.add_argument_group("memory plan (computed from the model config before anything loads)")
     plan.add_argument("--plan-only", action="store_true",
                       help="print the per-rank memory plan (weights, KV cache, peak activations per pipeline stage) "
-                      "and exit without loading weights or starting any collective")
+                      "and exit without loading weights or starting any collective (exit status 1 when it does not "
+                      "fit --memory-limit-gb)")
     plan.add_argument("--max-prompt", action="store_true",
                       help="print the longest prompt (tokens) whose memory plan fits --memory-limit-gb with these "
                       "settings (layout, --max-new-tokens, --prefill-chunk, --fp8, --dtype) and exit; loads nothing "
                       "and needs no prompt")
-    plan.add_argument("--memory-limit-gb", type=float, default=None,
+    plan.add_argument("--memory-limit-gb", type=GIB, default=None,
                       help="usable memory per rank in GiB; a layout whose plan exceeds it is refused with the "
-                      "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU)")
+                      "smallest layout that fits (default: 90%% of the GPU's memory on CUDA, no limit on CPU; planning --device "
+                      "cuda on a machine without CUDA needs it)")
     ap.add_argument("--config", type=Path, default=None,
                     help="TOML run config whose keys are these flags' long names (tables only group them); flags "
                     "given on the command line override it; relative paths are relative to the file (examples/)")
@@ -140,10 +141,8 @@ class Abort(Exception):
 
 
 def setup_logging(level: str, lead: bool) -> None:
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("[starshard] %(message)s"))
     root = logging.getLogger("starshard")
-    root.handlers[:] = [h]
+    root.handlers[:] = [log_handler()]
     root.propagate = False
     root.setLevel(getattr(logging, level.upper()) if lead else logging.ERROR)  # progress from rank 0 only
 
@@ -203,6 +202,9 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
     if device.startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_available():  # planning a GPU job from a laptop: the limit cannot be read here
+            raise Abort("--device cuda without a CUDA device here: give --memory-limit-gb (usable GiB per rank) to "
+                        "plan against")
         idx = local_rank if local_rank < torch.cuda.device_count() else 0
         return usable_bytes(torch.cuda.get_device_properties(idx).total_memory)
     return None
@@ -310,6 +312,9 @@ def run(args, launch, lead: bool, t_start: float) -> int:
     prompt = encode_prompt(args, path, kw, cfg.vocab_size)
     n_prompt, n_context = len(prompt.ids), prompt.context_len
     check_window(cfg, n_prompt, args.max_new_tokens)
+    past = past_real_context(args.random_weights, n_prompt + args.max_new_tokens) if args.random_weights else None
+    if past and lead:
+        print(f"warning: {past}", file=sys.stderr)
     limit = memory_limit(args, device, launch.local_rank)
     plan, best = make_plan(args, cfg, n_prompt, n_context, DTYPE_BYTES[dtype_name], limit)
     if args.plan_only:
@@ -317,7 +322,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
             print(json.dumps(plan_json(plan, limit, best)) if args.json else plan.table(limit))
             if best is not None:
                 print(f"note: {refusal(plan, limit, best)}", file=sys.stderr)
-        return 0
+        return 0 if plan.fits(limit) else 1  # DOES NOT FIT: a script sees it
     if not plan.fits(limit):
         raise Abort(refusal(plan, limit, best))
     log.info("memory plan: %s", plan.table(limit).splitlines()[-1])

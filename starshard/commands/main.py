@@ -13,62 +13,73 @@ Each command parses its own flags, so `starshard <command> --help` is that comma
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 
-from starshard.checkpoints import convert
-from starshard.commands import bench, cache, fidelity, infer, serve
-from starshard.commands import eval as accuracy
+import starshard  # light: the package root imports nothing until asked (its __getattr__)
 from starshard.parallel.exit import exit_process
-from starshard.tools import anchor_calibrate, minference_search
 
-
-def plan(argv: list[str]) -> int:
-    """`starshard plan ...` is `starshard run ... --plan-only`: the per-rank memory plan, nothing loaded."""
-    return infer.main([*argv, "--plan-only"])
-
-
-def tool(main: Callable[[list[str]], dict]) -> Callable[[list[str]], int]:
-    """An offline tool's main, which returns its result (a dict) rather than an exit status."""
-    def run(argv: list[str]) -> int:
-        main(argv)
-        return 0
-    return run
-
-
-def benchmark(argv: list[str]) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as launch/bench.py: ranks of one host share its cores
-    bench.main(argv)
+# Each command's module is imported only when that command runs: `starshard --help` and `--version`
+# load neither torch nor the kernels (a second run takes well under a second on 2 cores).
 
 
 @dataclass(frozen=True)
 class Command:
-    run: Callable[[list[str]], int | None]  # parses argv itself; the exit status (None = 0)
+    module: str  # the module whose `main` runs it, imported when the command runs
     summary: str
+    argv: tuple[str, ...] = ()  # flags appended to the command's own (plan = run --plan-only)
+    tool: bool = False  # an offline tool's main returns its result (a dict), not an exit status
+    env: tuple[tuple[str, str], ...] = ()  # environment defaults set before the module loads
+
+    def run(self, argv: list[str]) -> int | None:
+        """Parse argv with the command's own flags and run it; the exit status (None = 0)."""
+        for key, value in self.env:
+            os.environ.setdefault(key, value)
+        result = importlib.import_module(self.module).main([*argv, *self.argv])
+        return 0 if self.tool else result
 
 
 COMMANDS = {
-    "run": Command(infer.main, "run one prompt through a model and print the answer (launch/infer.py)"),
-    "plan": Command(plan, "print the per-rank memory plan and exit, loading nothing (run's flags; run --plan-only)"),
-    "serve": Command(serve.main, "OpenAI-compatible HTTP server over the parallel group (launch/serve.py)"),
-    "eval": Command(accuracy.main, "accuracy harness: RULER-style synthetic tasks, --compare runs (launch/eval.py)"),
-    "bench": Command(benchmark, "benchmarks -> JSON (+ PNG), one subcommand per benchmark (launch/bench.py)"),
-    "cache": Command(cache.main, "list or purge the context cache's disk tier (--disk-cache-dir)"),
-    "convert": Command(convert.main, "convert a Hugging Face dir or a GGUF file into starshard shards"),
-    "fidelity": Command(fidelity.main, "per-layer fidelity of approximate attention against dense (launch/fidelity.py)"),
-    "minference-search": Command(tool(minference_search.main),
-                                 "search per-head MInference patterns for a model (--sparse-config JSON)"),
-    "anchor-calibrate": Command(tool(anchor_calibrate.main),
-                                "calibrate per-head AnchorAttention thresholds (--sparse-config JSON)"),
+    "run": Command("starshard.commands.infer",
+                   "run one prompt through a model and print the answer (launch/infer.py)"),
+    "plan": Command("starshard.commands.infer",
+                    "print the per-rank memory plan and exit, loading nothing (run's flags; run --plan-only)",
+                    argv=("--plan-only",)),
+    "serve": Command("starshard.commands.serve",
+                     "OpenAI-compatible HTTP server over the parallel group (launch/serve.py)"),
+    "eval": Command("starshard.commands.eval",
+                    "accuracy harness: RULER-style synthetic tasks, --compare runs (launch/eval.py)"),
+    # as launch/bench.py: ranks of one host share its cores
+    "bench": Command("starshard.commands.bench",
+                     "benchmarks -> JSON (+ PNG), one subcommand per benchmark (launch/bench.py)",
+                     env=(("OMP_NUM_THREADS", "1"),)),
+    "cache": Command("starshard.commands.cache", "list or purge the context cache's disk tier (--disk-cache-dir)"),
+    "convert": Command("starshard.checkpoints.convert", "convert a Hugging Face dir or a GGUF file into starshard shards"),
+    "fidelity": Command("starshard.commands.fidelity",
+                        "per-layer fidelity of approximate attention against dense (launch/fidelity.py)"),
+    "minference-search": Command("starshard.tools.minference_search",
+                                 "search per-head MInference patterns for a model (--sparse-config JSON)", tool=True),
+    "anchor-calibrate": Command("starshard.tools.anchor_calibrate",
+                                "calibrate per-head AnchorAttention thresholds (--sparse-config JSON)", tool=True),
 }
+
+
+def version() -> str:
+    """The installed package's version (the source tree's __version__ when run from a checkout)."""
+    try:
+        return metadata.version("starshard")
+    except metadata.PackageNotFoundError:
+        return starshard.__version__
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()]
-    return ("usage: starshard <command> [flags]   (starshard <command> --help: that command's flags)\n\n"
+    return ("usage: starshard <command> [flags]   (starshard <command> --help: that command's flags; "
+            "starshard --version)\n\n"
             "commands:\n" + "\n".join(lines))
 
 
@@ -76,6 +87,9 @@ def dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"starshard {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     command = COMMANDS.get(name)
     if command is None:

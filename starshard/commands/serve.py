@@ -20,8 +20,8 @@ import sys
 import threading
 from pathlib import Path
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
-                           layout_error, parallel_config, sparse_config)
+from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
+                           layout_error, log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Serve a model over an OpenAI-compatible HTTP API (chat / completions, streaming, /v1/models, "
         "/health, /metrics). With no --model, serves the embedded SmolLM2-135M-Instruct.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None,
                     help="starshard checkpoint dir, Hugging Face model dir, or .gguf file (default: embedded "
                     "SmolLM2-135M-Instruct)")
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     launch = read_launch_env()
     lead = launch.rank == 0
     logging.basicConfig(level=getattr(logging, args.log_level.upper()) if lead else logging.ERROR,
-                        format="[starshard] %(message)s", stream=sys.stderr)
+                        handlers=[log_handler()])  # megatron's lines keep their own prefix
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     try:

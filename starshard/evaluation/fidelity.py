@@ -56,6 +56,7 @@ from starshard.kernels.minference import (
 from starshard.partition import star_blocks
 from starshard.parallel.context.apb import APBAttention, _rotate
 from starshard.parallel.context.star import StarAttention
+from starshard.strategies import APB, STAR
 
 # float64 elements per [heads, rows, keys] score tile (several such tiles live at once): bounds memory.
 DEFAULT_TILE_ELEMENTS = 1 << 23
@@ -149,10 +150,10 @@ class StarApproximation(Approximation):
                 raise ValueError(f"star: {flag} must be >= 1, got {v}")
         self.block_size, self.anchor_size, self.cp = block_size, anchor_size, cp
         parts = [f"b={block_size}" if block_size else f"cp={cp}"] + ([f"a={anchor_size}"] if anchor_size else [])
-        self.name = f"star({','.join(parts)})"
+        self.name = f"{STAR.name}({','.join(parts)})"
 
     def config(self) -> dict:
-        return {"kind": "star", "block_size": self.block_size, "anchor_size": self.anchor_size, "cp": self.cp,
+        return {"kind": STAR.name, "block_size": self.block_size, "anchor_size": self.anchor_size, "cp": self.cp,
                 "resolved": getattr(self, "_resolved", None)}
 
     def begin_layer(self, x: LayerInputs) -> None:
@@ -199,7 +200,7 @@ class APBApproximation(Approximation):
                                      compressor_path=compressor_path, seed=seed)
         # A stand-in for a CP group of `cp` ranks: only the layout arithmetic and the compressor run.
         self.strategy.cp = cp
-        self._cfg = {"kind": "apb", "cp": cp, "anchor_size": anchor_size, "passing_size": passing_size,
+        self._cfg = {"kind": APB.name, "cp": cp, "anchor_size": anchor_size, "passing_size": passing_size,
                      "compressor": getattr(self.strategy.compressor, "name", str(compressor)),
                      "embed_query": embed_query, "prefix_len": prefix_len}
         parts = [f"cp={cp}"] + [f"{k[0]}={v}" for k, v in (("anchor", anchor_size), ("passing", passing_size))
@@ -208,7 +209,7 @@ class APBApproximation(Approximation):
             parts.append(self._cfg["compressor"])
         if not embed_query:
             parts.append("no-query")
-        self.name = f"apb({','.join(parts)})"
+        self.name = f"{APB.name}({','.join(parts)})"
         self.selected: dict[int, list] = {}  # layer -> per rank: positions [Hkv, m] (tests, inspection)
 
     def bind(self, model) -> None:

@@ -105,6 +105,10 @@ def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, budget:
     window = cfg.max_position_embeddings
     if prompt_len == 0:
         raise ValueError("the prompt is empty")
+    if prompt_len >= window:  # the prompt alone: no new-token budget would make it fit
+        raise PromptTooLongError(f"the prompt is {prompt_len} tokens, which fills the model window of {window} "
+                                 f"tokens (room is needed for at least one new token): shorten the prompt to at most "
+                                 f"{window - max(max_new_tokens, 1)} tokens")
     if max_new_tokens >= window:
         raise PromptTooLongError(f"{max_new_tokens} new tokens leave no room for a prompt: the budget exceeds the model "
                                  f"window of {window} tokens; lower {budget} below {window}")
@@ -151,6 +155,9 @@ def build_chat_prompt(tokenizer, messages: list[dict]) -> Prompt:
     last_user = max((i for i, m in enumerate(clean) if m["role"] == "user"), default=None)
     if last_user is None:
         raise ValueError("messages need at least one user message")
+    if not clean[last_user]["content"].strip():
+        raise ValueError(f"messages[{last_user}] (the last user message) has empty content: send the question as "
+                         "its content")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use the completions API")
     text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)

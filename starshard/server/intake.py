@@ -77,8 +77,9 @@ class RequestGate:
 
     def _too_large(self, size: int | None) -> str:
         got = f"{size} bytes" if size is not None else "the body"
-        return (f"request body too large: {got} is over the limit of {self.settings.max_body_bytes} bytes; "
-                "send a shorter document, or start the server with a larger max_body_bytes")
+        limit = self.settings.max_body_bytes
+        return (f"request body too large: {got} is over the limit of {limit} bytes (--max-body-mb "
+                f"{limit / 2**20:g}); send a shorter document, or start the server with a larger --max-body-mb")
 
     def _counting(self, receive):
         seen = 0
@@ -107,9 +108,14 @@ class Job:
     stops: list[str] | None
 
 
+OPENAI_TEMPERATURE = 1.0  # what a request that leaves temperature out gets, as OpenAI's API and vLLM
+
+
 def sampling_of(body: P.GenerationRequest) -> SamplingConfig:
-    """Only what the request set; the rest keeps SamplingConfig's defaults (greedy)."""
-    given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+    """What the request set; temperature left out is OpenAI's default 1.0 (temperature 0 is greedy), the
+    rest keeps SamplingConfig's defaults (top_p 1, top_k off)."""
+    temperature = OPENAI_TEMPERATURE if body.temperature is None else body.temperature
+    given = {"temperature": temperature, "top_p": body.top_p, "seed": body.seed,
              "top_k": None if body.top_k is None else max(body.top_k, 0), "ignore_eos": body.ignore_eos or None}
     return SamplingConfig(**{k: v for k, v in given.items() if v is not None})
 

@@ -1,7 +1,8 @@
 """Request and response bodies in the shapes of OpenAI's API.
 
 Requests ignore fields they do not know (OpenAI clients send many) but refuse, with a message saying
-what to send instead, the known ones this server cannot honour (n > 1, logprobs, echo, ...).
+what to send instead, the known ones this server cannot honour (n > 1, logprobs, echo, penalties,
+tools, a JSON response_format, ...). Sampling follows OpenAI's defaults: temperature 1, top_p 1.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class GenerationRequest(_Request):
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # left out: 1.0 (as OpenAI); 0 = greedy
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extension; -1 or 0 = off (vLLM users send -1)
     seed: int | None = None
@@ -62,6 +63,46 @@ class GenerationRequest(_Request):
     # event, also when its text is "" (random weights have no tokenizer: inter-token times stay measurable).
     return_token_ids: bool | None = False
     ignore_eos: bool | None = False  # vLLM's extension: generate max_tokens even past an end-of-sequence token
+    # Known fields this server cannot honour: refused unless they ask for nothing (the validators below).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    tools: list | None = None
+    functions: list | None = None  # the older name of tools
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name}={value} is not supported: this server samples without penalties; "
+                             f"leave {info.field_name} out or send 0")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} are not supported: this server has no tool calling; leave "
+                             f"{info.field_name} out or send []")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported: this server has no tool calling; leave it out or "
+                             "send \"none\"")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value):
+        kind = value.get("type") if isinstance(value, dict) else value
+        if value is not None and kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported: this server answers plain text only; "
+                             "leave response_format out or send {\"type\": \"text\"}")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -6,7 +6,8 @@ An entry holds the KV of one prefilled token sequence. Keys carry their global p
 entry that keeps every key serves any prefix of itself: attention masks keys at positions >= the shared
 length. A window-trimmed entry (a sliding-window model's local layers keep only the keys a continuation
 after its document sees once the prefill ends: Scheduler(window_trim=)) serves only prompts that share
-at least its document (`served_prefix`, the rule of every lookup). Entries
+at least its document, or all but the last token of a prompt that is all document (`trim_start`,
+`served_prefix`, the rule of every lookup). Entries
 are evicted least-recently-used within a byte budget per rank, never while a request uses them. Every
 rank holds the same entries (the service executes the same steps on every rank), each with its own
 shard; the accounting counts every rank's shard (CacheEntry.rank_bytes), so the worst rank decides.
@@ -68,6 +69,15 @@ def served_prefix(entry, shared: int) -> int:
     local keys the entry dropped: it serves none (a question after the whole document is the main case;
     a prompt reusing only part of a document is prefilled)."""
     return shared if shared >= getattr(entry, "serves_from", 0) else 0
+
+
+def trim_start(context_len: int, length: int) -> int:
+    """Where a window-trimmed entry of a `length`-token prompt whose document is `context_len` tokens begins
+    to serve (Executor._trim's start, CacheEntry.serves_from): the document's end, at most length - 1. A
+    prompt always runs its last token (longest_prefix's cap), so the same prompt sent again shares length - 1
+    tokens: a prompt that is all document (the completions API) keeps one key more in each local layer and
+    serves itself again, and any continuation of itself."""
+    return min(context_len, length - 1)
 
 
 def longest_prefix(entries, ids: np.ndarray, min_tokens: int = 1, whole: bool = False):

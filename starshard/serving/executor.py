@@ -20,7 +20,7 @@ from starshard.planner import Layout, Workload, plan_memory
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
-from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes
+from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes, trim_start
 from starshard.serving.disk_writer import FAILED as WRITE_FAILED
 from starshard.serving.disk_writer import QUEUED, WRITTEN
 from starshard.serving.host_tier import to_host
@@ -719,14 +719,14 @@ class Executor:
 
     def _trim(self, entry: CacheEntry, context_len: int) -> None:
         """A document's prefill ended: with window_trim, each local layer of its entry keeps only the keys
-        at positions >= C - (window - 1), C = min(context_len, its length) (KVCache.compact_local): all a
+        at positions >= C - (window - 1), C = trim_start(context_len, its length) (KVCache.compact_local): all a
         continuation after the document sees. The entry then serves only prompts sharing its first C tokens
         (context_cache.served_prefix). Its bytes on each rank become what that rank holds now: which
         positions a CP rank holds depends on the strategy's layout, so the ranks all-gather their sizes
         (the control group, a few bytes) and every rank records the same list (rank 0's scheduler plans
         with it, in every tier). The host and disk tiers move it as it is, serves_from with it (host_tier.to_host,
         kv_file)."""
-        C = min(context_len, len(entry))
+        C = trim_start(context_len, len(entry))
         windows = {i: w for i, w in self.local_windows().items() if C - (w - 1) > 0}
         if not self.window_trim or entry.pinned or not windows:  # pinned (APB): never reused, dropped when done
             return

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt
 from starshard.serving.cache_key import token_digest
-from starshard.serving.context_cache import ContextCache, common_prefix
+from starshard.serving.context_cache import ContextCache, common_prefix, trim_start
 from starshard.serving.executor import RELOAD_FAILED, Executor
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
 from starshard.serving.reload_policy import DiskReloadPolicy
@@ -822,7 +822,7 @@ class Scheduler:
 
     def _serves_from(self, prompt: Prompt) -> int:
         """The fewest shared tokens the entry of this prompt serves once prefilled (Executor._trim's rule)."""
-        C = min(prompt.context_len, len(prompt.ids))
+        C = trim_start(prompt.context_len, len(prompt.ids))
         trims = self.window_trim and any(C - (w - 1) > 0 for w in self.executor.local_windows().values())
         return C if trims else 0
 

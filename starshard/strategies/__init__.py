@@ -18,6 +18,13 @@ from starshard.strategies.usp import USP
 
 SPECS: dict[str, StrategySpec] = {s.name: s for s in (DENSE, RING, ULYSSES, USP, STAR, APB)}
 STRATEGIES = tuple(SPECS)  # --cp-strategy's choices, in this order
+SINGLE_RANK = next(s.name for s in SPECS.values() if s.single_rank)  # the whole sequence on one CP rank
+CP_DEFAULT = RING.name  # a CP group's strategy when none is named (exact, every model)
+
+
+def default_name(cp: int) -> str:
+    """The strategy that runs when --cp-strategy is not given: the one-rank strategy on one CP rank, else CP_DEFAULT."""
+    return SINGLE_RANK if cp == 1 else CP_DEFAULT
 
 # Every option by field, each strategy's in registry order, then the one every strategy reads.
 OPTIONS: dict[str, Option] = {o.field: o for s in SPECS.values() for o in s.options} | {QUERY_RANK.field: QUERY_RANK}
@@ -45,10 +52,14 @@ def _names(names: list[str], last: str = "or") -> str:
 
 def check(name: str, cp: int, options: dict) -> None:
     """Refuse (ValueError naming the fix) strategy `name` on `cp` ranks with `options` (field -> value,
-    unset ones None or absent): an unknown name, a one-rank strategy on a CP group, another strategy's
-    exclusive options, and the strategy's own rules (StrategySpec.validate)."""
+    unset ones None or absent): an unknown name, a query rank outside the group, a one-rank strategy on a CP
+    group, another strategy's exclusive options, and the strategy's own rules (StrategySpec.validate)."""
     spec = get_spec(name)
     options = {k: v for k, v in options.items() if v is not None}
+    q = options.get(QUERY_RANK.field)
+    if q is not None and not 0 <= q < cp:
+        raise ValueError(f"{QUERY_RANK.flag} {q} is outside the CP group of {cp} ranks: give 0..{cp - 1} (default: "
+                         f"the last, {cp - 1})")
     if spec.single_rank and cp > 1:
         raise ValueError(f"cp={cp} needs a context strategy: --cp-strategy "
                          f"{_names([s.name for s in SPECS.values() if not s.single_rank])}")

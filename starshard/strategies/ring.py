@@ -29,6 +29,7 @@ class RingSpec(StrategySpec):
     sparse = False  # a ring step sees part of a row's keys: no pattern estimate over the whole range
     chunked_prefill = True
     windows = True
+    ring_kv = True  # USP inherits it: its ring pass is ring attention's
 
     def kv_rows(self, lay, w):
         chunked = self.chunked_kv_rows(lay, w)  # --prefill-chunk: one chunk's shard per forward

@@ -82,6 +82,8 @@ class StrategySpec:
     fp8_attention: str | None = None  # where --fp8 attention's 8-bit scores run in it, e.g. "in Ulysses"
     context_cache = True  # a cached context's KV serves another question (APB's depends on the question)
     chunked_prefill = False  # the prompt runs in chunks after held KV (--prefill-chunk, pp > 1 stages)
+    chunk_plan: str | None = None  # the strategy whose memory plan a chunk-long prompt follows (None: its own)
+    ring_kv = False  # passes K/V blocks around the CP ring, local layers' tagged (WireStats.local_kv_bytes)
     # A context strategy's later chunks (start > 0) run one generic path (parallel/context/chunked.py):
     # the chunk's rows zigzagged over the CP ranks, its queries gathered against every rank's stored keys.
 

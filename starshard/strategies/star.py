@@ -35,6 +35,7 @@ class StarSpec(StrategySpec):
     exact = False
     fp8_attention = "in Star's context blocks"
     chunked_prefill = True  # context chunks cut at block ends; the anchor is the document's first chunks, run once
+    chunk_plan = "ring"  # a chunk's in-chunk part runs ring's zigzag path (parallel/context/chunked.py)
     windows = True  # local layers exact (the previous block's edge); the anchor approximates global layers only
 
     def validate(self, cp, options):

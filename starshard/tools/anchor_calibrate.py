@@ -201,7 +201,7 @@ def sample_prompts(tok, length: int, tasks, n: int, seed: int) -> list[list[int]
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m starshard.tools.anchor_calibrate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="starshard anchor-calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir, HF dir or .gguf (default: the embedded default model)")
     p.add_argument("--out", required=True, help="output JSON (starshard AnchorAttention config, for --sparse-config)")
     p.add_argument("--length", type=int, default=8192, help="sample prompt length in tokens (default 8192)")

@@ -283,7 +283,7 @@ def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m starshard.tools.minference_search", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="starshard minference-search", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir, HF dir or .gguf (default: the embedded default model)")
     p.add_argument("--out", required=True, help="output JSON (starshard MInference config)")
     p.add_argument("--length", type=int, default=8192,

@@ -499,8 +499,14 @@ def test_bad_inputs_are_refused_and_the_server_keeps_serving(http, client, llm, 
     _error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": user("hello " * (WINDOW + 100))}),
            400, f"window of {WINDOW}")
     assert_alive(client)
+    # with max_tokens given, a prompt over the window is still the prompt's fault, not max_tokens'
+    r = http.post("/v1/chat/completions", json={**good, "messages": user("hello " * (WINDOW + 100))})
+    _error(r, 400, "the prompt is", f"window of {WINDOW}")
+    assert "max_tokens" not in r.json()["error"]["message"]
+    _error(http.post("/v1/chat/completions", json={**good, "messages": user("")}), 400, "has empty content")
+    assert_alive(client)
     _error(http.post("/v1/chat/completions", json={**good, "messages": user("x" * (1 << 20))}), 413,
-           f"limit of {1 << 20} bytes")
+           f"limit of {1 << 20} bytes", "--max-body-mb")
     assert_alive(client)
     with httpx.Client(base_url=base, timeout=30) as anon:
         _error(anon.post("/v1/chat/completions", json=good), 401, "missing API key")

@@ -279,7 +279,13 @@ def test_sampling_fields_reach_the_engine(client, engine):
     chat(client, temperature=0.7, top_p=0.9, seed=3, extra_body={"top_k": 5}, user="u1", presence_penalty=0)
     assert engine.calls[-1]["sampling"] == SamplingConfig(temperature=0.7, top_p=0.9, top_k=5, seed=3)
     chat(client, extra_body={"top_k": -1})
-    assert engine.calls[-1]["sampling"] == SamplingConfig()  # absent = greedy; -1 = no top-k
+    assert engine.calls[-1]["sampling"] == SamplingConfig(temperature=1.0)  # absent = 1.0, as OpenAI; -1 = no top-k
+    chat(client, temperature=0, top_p=0.9)
+    assert engine.calls[-1]["sampling"] == SamplingConfig(temperature=0.0, top_p=0.9)  # 0 = greedy
+    # fields asking for nothing are accepted: zero penalties, no tools, plain text
+    chat(client, frequency_penalty=0.0, presence_penalty=0, tools=[], tool_choice="none",
+         response_format={"type": "text"})
+    assert engine.calls[-1]["sampling"] == SamplingConfig(temperature=1.0)
 
 
 def test_stop_strings_truncate_and_cancel(client, engine):
@@ -378,6 +384,15 @@ BAD_REQUESTS = {
     "max_tokens type": (lambda h: post_chat(h, max_tokens="many"), 400, "'max_tokens'"),
     "two bad fields": (lambda h: post_chat(h, top_p=0, seed="x"), 400, "'top_p'", "'seed'"),
     "n": (lambda h: post_chat(h, n=2), 400, "n=2 is not supported"),
+    "presence_penalty": (lambda h: post_chat(h, presence_penalty=0.5), 400, "'presence_penalty'",
+                         "presence_penalty=0.5 is not supported"),
+    "frequency_penalty": (lambda h: h.post("/v1/completions", json={"prompt": "x", "frequency_penalty": -1}), 400,
+                          "'frequency_penalty'", "send 0"),
+    "tools": (lambda h: post_chat(h, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "'tools'",
+              "no tool calling"),
+    "tool_choice": (lambda h: post_chat(h, tool_choice="required"), 400, "'tool_choice'"),
+    "response_format": (lambda h: post_chat(h, response_format={"type": "json_object"}), 400, "'response_format'",
+                        "'json_object' is not supported"),
     "logprobs": (lambda h: post_chat(h, logprobs=True), 400, "logprobs"),
     "empty stop": (lambda h: post_chat(h, stop=[""]), 400, "stop strings must not be empty"),
     "max_tokens over limit": (lambda h: post_chat(h, max_tokens=LIMIT + 1), 400, f"limit of {LIMIT}"),
@@ -400,7 +415,7 @@ BAD_REQUESTS = {
     "wrong key": (lambda h: h.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401,
                   "invalid API key"),
     "body over limit": (lambda h: post_chat(h, messages=[{"role": "user", "content": "x" * BODY_LIMIT}]), 413,
-                        f"limit of {BODY_LIMIT} bytes"),
+                        f"limit of {BODY_LIMIT} bytes", "larger --max-body-mb"),
     "chunked body over limit": (lambda h: h.post("/v1/completions", content=iter([b" " * 1000] * 4),
                                                  headers={"Content-Type": "application/json"}), 413,
                                 f"limit of {BODY_LIMIT} bytes"),
@@ -413,7 +428,8 @@ def test_bad_request_is_answered_and_server_keeps_serving(case, http, client, en
     error = error_of(call(http), status, *needles)
     if case == "unknown model":
         assert error["code"] == "model_not_found" and error["param"] == "model"
-    if case in ("missing messages", "temperature"):
+    if case in ("missing messages", "temperature", "presence_penalty", "frequency_penalty", "tools",
+                "response_format"):
         assert error["param"] == case.split()[-1]
     assert_alive(client)
 

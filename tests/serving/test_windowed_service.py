@@ -177,6 +177,29 @@ def test_window_trimmed_entries(paths):
                          window_trim=False).executor.window_trim
 
 
+def test_a_trimmed_entry_serves_the_same_prompt_again(paths):
+    """A prompt that is all document (the completions API: context_len = its length) sent three times, then
+    continued: its window-trimmed entry is trimmed from length - 1 (a prompt always runs its last token), so the
+    same prompt reuses all but its last token and the continuation all of it, answering as generate does."""
+    llm = LLM(paths["gemma3"], progress=False)
+    doc = _ids(0, DOC)
+    prompts = [Prompt(doc, DOC)] * 3 + [Prompt(doc + _ids(11, 5), DOC + 5)]
+    svc = Scheduler(llm, cache_bytes=1 << 26, window_trim=True)
+    svc.start()
+    try:
+        got = []
+        for p in prompts:
+            events, done = submit(svc, p, NEW)
+            assert done.wait(120)
+            got.append((_tokens(events), events[-1].cached_tokens))
+    finally:
+        svc.shutdown()
+    assert [c for _, c in got] == [0, DOC - 1, DOC - 1, DOC]
+    assert [t for t, _ in got] == [llm.generate(p, max_new_tokens=NEW).token_ids for p in prompts]
+    first = min(svc.cache.entries.values(), key=lambda e: e.id)
+    assert first.trimmed and first.serves_from == DOC - 1 and len(first) == DOC
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_compact_local_keeps_what_follows_the_document(fp8):
     """KVCache.compact_local on a CP-like shard (shuffled positions): the local layer keeps exactly the rows

@@ -86,6 +86,15 @@ def test_one_rank_strategy_on_a_cp_group():
     assert plan.layout.cp == 1 and plan.layout.strategy == "dense"
 
 
+def test_query_rank_outside_the_group():
+    """--query-rank is checked before anything loads (a negative one would plan the query's KV on no rank)."""
+    for q in (-1, 2):
+        with pytest.raises(ValueError, match=f"--query-rank {q} is outside the CP group of 2 ranks: give 0..1"):
+            check("ring", 2, {"query_rank": q})
+    check("ring", 2, {"query_rank": 0})
+    assert "--query-rank -1 is outside" in layout_error(parse(["--cp", "2", "--query-rank", "-1"]))
+
+
 def test_unknown_strategy():
     for raise_it in (lambda: check("spiral", 1, {}), lambda: Layout(strategy="spiral"), lambda: make_strategy("spiral")):
         with pytest.raises(ValueError, match="unknown --cp-strategy 'spiral'; choose one of dense, ring"):
