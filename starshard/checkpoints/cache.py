@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4 << 20  # what the key hashes: the GGUF header of any model we run fits in it
 STAMP = "stamp.json"  # {file: [size, mtime_ns]} of a verified entry
-# First-load estimate on 2 CPU cores (dequantizing through transformers, writing float32 shards):
-# measured for Gemma 3 270M (253 MB) and Qwen2.5-Coder-1.5B Q4_K_M (1.1 GB); see convert_seconds.
-CONVERT_S_PER_MB = 0.25
-CONVERT_S_FIXED = 20.0
+# The first load's estimate (dequantizing through transformers, writing float32 shards), fitted to
+# two first loads on 2 shared CPU cores: Gemma 3 270M Q4_K_M (253 MB) ~38 s, Qwen2.5-Coder-1.5B Q4_K_M
+# (1.1 GB) ~110 s.
+CONVERT_S_PER_MB = 0.085
+CONVERT_S_FIXED = 15.0
 
 
 def cache_dir() -> Path:
@@ -64,10 +65,32 @@ def gguf_checkpoint(gguf: str | Path, *, progress: bool = True) -> Path:
 
     def build(tmp: Path) -> None:
         say(f"converting {gguf} once (~{convert_seconds(gguf.stat().st_size)} s) into {out}", progress)
+        prune(out.parent, gguf)
         with quiet_transformers(not progress):
             convert(out=tmp, gguf=gguf, dtype="float32", progress=progress)
 
     return converted_once(out, build)
+
+
+def prune(root: Path, gguf: Path) -> None:
+    """Remove the entries no load can hit again: those of `gguf` before it changed, and those whose file
+    is gone (a recreated file has another mtime, so another key). An entry another process holds
+    (building it) is left."""
+    for manifest in root.glob(f"*/{MANIFEST}"):
+        entry = manifest.parent
+        try:
+            source = Path(json.loads(manifest.read_text())["source"]["path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if source != gguf and source.exists():
+            continue
+        with open(root / (entry.name + ".lock"), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+        (root / (entry.name + ".lock")).unlink(missing_ok=True)
 
 
 def converted_once(out: Path, build: Callable[[Path], None]) -> Path:

@@ -55,6 +55,7 @@ def test_second_load_reuses_the_entry_and_a_touched_file_converts_again(gguf_fil
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: the key changes
     second = cache.gguf_checkpoint(path)
     assert second != first and len(conversions) == 2
+    assert not first.exists()  # the old entry can never be hit again: removed
 
     llm = LLM(str(path), progress=False)  # loads the entry, tokenizer included, without converting again
     assert llm.path == second and len(conversions) == 2 and llm.tokenizer is not None
