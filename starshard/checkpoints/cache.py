@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -182,14 +183,22 @@ def say(message: str, progress: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_transformers(quiet: bool):
-    """transformers' own progress bars (the GGUF reader's de-quantizing bar) off while `quiet`."""
+    """transformers' progress bars off while `quiet`: its own (loading weights) and the GGUF reader's
+    de-quantizing bar, a plain tqdm its logging settings do not reach."""
+    if not quiet:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as reader
     from transformers.utils import logging as hf_logging
 
-    was = hf_logging.is_progress_bar_enabled()
-    if quiet:
-        hf_logging.disable_progress_bar()
+    was, bar = hf_logging.is_progress_bar_enabled(), getattr(reader, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        reader.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
-        if quiet and was:
+        if was:
             hf_logging.enable_progress_bar()
+        if bar is not None:
+            reader.tqdm = bar

@@ -3,6 +3,7 @@ reuses the entry, a touched file converts again, and an entry left partial or da
 loaded (one whose files changed is checked against its checksums first). A model by name is assembled from its installed parts (sha256 checked); a missing part names
 the pip command."""
 import hashlib
+import logging
 import os
 import sys
 
@@ -40,7 +41,8 @@ def conversions(monkeypatch, tmp_path):
     return seen
 
 
-def test_second_load_reuses_the_entry_and_a_touched_file_converts_again(gguf_file, conversions, tmp_path, capsys):
+def test_second_load_reuses_the_entry_and_a_touched_file_converts_again(gguf_file, conversions, tmp_path, capsys,
+                                                                        caplog):
     hf, src = gguf_file
     path = tmp_path / "model.gguf"
     path.write_bytes(src.read_bytes())
@@ -53,8 +55,11 @@ def test_second_load_reuses_the_entry_and_a_touched_file_converts_again(gguf_fil
 
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: the key changes
-    second = cache.gguf_checkpoint(path)
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="starshard"):
+        second = cache.gguf_checkpoint(path, progress=False)  # a --json run: no bar on stderr, the notice logged
     assert second != first and len(conversions) == 2
+    assert capsys.readouterr().err == "" and f"converting {path} once" in caplog.text
     assert not first.exists()  # the old entry can never be hit again: removed
 
     llm = LLM(str(path), progress=False)  # loads the entry, tokenizer included, without converting again
