@@ -192,7 +192,7 @@ class LLM:
         if sliced:
             model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
         else:
-            # a cache entry was verified when built, and is rebuilt if touched (checkpoints/cache.py)
+            # a cache entry is hashed when built and again whenever its files change (checkpoints/cache.py)
             model = load_model(self.path, dtype=dtype, device=self.device, verify=src.kind != "default",
                                fp8_modules=quantize_linears if stored_fp8 else None, rope_scaling=rope_scaling)
         if fp8.linear:

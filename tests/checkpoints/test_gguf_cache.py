@@ -3,6 +3,7 @@ reuses the entry, a touched file converts again, and an entry left partial or da
 loaded (one whose files changed is checked against its checksums first). A model by name is assembled from its installed parts (sha256 checked); a missing part names
 the pip command."""
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -139,3 +140,21 @@ def test_parts_assemble_in_package_order_and_are_checked(tmp_path, monkeypatch):
         named.named_gguf("fake-model", progress=False)
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # nothing half-checked is kept
 
+
+
+def test_run_json_converts_once_and_builds_the_tokenizer_once(gguf_file, conversions, monkeypatch, capsys):
+    from starshard import llm as llm_module
+    from starshard.commands import infer
+
+    built = []
+    for module in (infer, llm_module):
+        real = module.load_tokenizer
+        monkeypatch.setattr(module, "load_tokenizer", lambda path, real=real: built.append(path) or real(path))
+    _, path = gguf_file
+    argv = ["--model", str(path), "--prompt", "t5 t6 t7", "--raw", "--max-new-tokens", "2", "--json"]
+    for run in (1, 2):
+        assert infer.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert len(conversions) == 1 and len(built) == run  # the second run converts nothing
+        assert json.loads(out.strip().splitlines()[-1])["generated_tokens"] == 2
+        assert "Converting and de-quantizing" not in err and "%|" not in err  # no progress bar in a --json run
