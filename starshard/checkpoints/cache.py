@@ -106,7 +106,11 @@ def converted_once(out: Path, build: Callable[[Path], None]) -> Path:
             return out
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted build left
-        build(tmp)
+        try:
+            build(tmp)
+        except BaseException:  # a refused model, an interrupt: nothing half-built stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if not is_complete(tmp):
             raise RuntimeError(f"converting into {tmp} left an incomplete checkpoint")
         stamp(tmp)  # the build hashed every tensor it wrote

@@ -8,9 +8,9 @@ it (renamed into place only once checked); `resolve_model` then converts it once
 (cache.py). A missing part names the pip command that installs it."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,30 +62,35 @@ def part_paths(model: NamedModel) -> list[Path]:
 
 
 def named_gguf(name: str, *, progress: bool = True) -> Path:
-    """The GGUF of a named model, assembled once from its installed parts into the cache dir."""
+    """The GGUF of a named model, assembled once from its installed parts into the cache dir (under a file
+    lock: ranks starting together assemble it once, and its mtime, part of the conversion's key, stays)."""
     model = MODELS[name]
     out = cache_dir() / "models" / model.gguf
     if out.is_file() and out.stat().st_size == model.size:  # only ever renamed into place after its sha256
         return out
     parts = part_paths(model)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
-    say(f"assembling {name} from {model.parts} installed parts into {out}", progress)
-    digest = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for p in parts:
-            with open(p, "rb") as src:
-                while chunk := src.read(16 << 20):
-                    digest.update(chunk)
-                    f.write(chunk)
-    size = tmp.stat().st_size
-    if size != model.size or digest.hexdigest() != model.sha256:
-        tmp.unlink()
-        raise ValueError(
-            f"{name}: the installed parts give {size:,} bytes with sha256 {digest.hexdigest()}, expected "
-            f"{model.size:,} bytes with sha256 {model.sha256}; reinstall them: "
-            f"`{model.pip_command(range(1, model.parts + 1))} --force-reinstall`")
-    tmp.replace(out)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file() and out.stat().st_size == model.size:
+            return out
+        tmp = out.with_name(out.name + ".partial")
+        say(f"assembling {name} from {model.parts} installed parts into {out}", progress)
+        digest = hashlib.sha256()
+        with open(tmp, "wb") as f:
+            for p in parts:
+                with open(p, "rb") as src:
+                    while chunk := src.read(16 << 20):
+                        digest.update(chunk)
+                        f.write(chunk)
+        size = tmp.stat().st_size
+        if size != model.size or digest.hexdigest() != model.sha256:
+            tmp.unlink()
+            raise ValueError(
+                f"{name}: the installed parts give {size:,} bytes with sha256 {digest.hexdigest()}, expected "
+                f"{model.size:,} bytes with sha256 {model.sha256}; reinstall them: "
+                f"`{model.pip_command(range(1, model.parts + 1))} --force-reinstall`")
+        tmp.replace(out)
     return out
 
 

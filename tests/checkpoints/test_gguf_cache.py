@@ -138,7 +138,8 @@ def test_parts_assemble_in_package_order_and_are_checked(tmp_path, monkeypatch):
     monkeypatch.setitem(named.MODELS, "fake-model", named.NamedModel(**{**model.__dict__, "sha256": "0" * 64}))
     with pytest.raises(ValueError, match="sha256 .* expected .* --force-reinstall"):
         named.named_gguf("fake-model", progress=False)
-    assert list((tmp_path / "cache" / "models").iterdir()) == []  # nothing half-checked is kept
+    left = [f.name for f in (tmp_path / "cache" / "models").iterdir()]
+    assert left == ["fake.gguf.lock"]  # nothing half-checked is kept
 
 
 
