@@ -2,6 +2,7 @@
 transformers computes for a config that declares it, its window FACTOR times longer; bad values and models
 whose config already sets another scaling are refused, naming the fix."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from tests.helpers.hf_models import make_hf_model
 from starshard.checkpoints.rope import parse_rope_scaling, with_rope_scaling
 from starshard.commands import infer
 from starshard.config import ModelConfig
+from starshard.engine.model import rope_inv_freq
 from starshard.llm import LLM
 
 N = 512  # the tiny models' max_position_embeddings
@@ -36,8 +38,12 @@ def test_switch_is_the_yarn_transformers_runs_for_a_declaring_config(qwen2, tmp_
         ref, plain, out = yarn_hf(ids).logits, hf(ids).logits, llm.model(ids)
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
     assert ((plain - ref).norm() / ref.norm()).item() > 1e-3  # the switch changed the model
-    # the same on the tensor-parallel path's config (each rank builds from the checked config)
-    assert with_rope_scaling(LLM(str(path), progress=False).config, "yarn:4") == cfg
+    # the path where each rank builds its own slices (random weights take it in one process) runs it too
+    sliced = LLM(random_weights="tiny", progress=False, rope_scaling="yarn:4")
+    plain = LLM(random_weights="tiny", progress=False).config
+    assert sliced.config == with_rope_scaling(plain, "yarn:4") and sliced.config.max_position_embeddings == 4 << 20
+    assert torch.equal(sliced.model.inv_freq, rope_inv_freq(sliced.config))
+    assert sliced.model.rope_scale == pytest.approx(0.1 * math.log(4) + 1)  # YaRN's attention factor
 
 
 @pytest.mark.parametrize("bad", ["yarn", "yarn:", "yarn:1", "yarn:0.5", "yarn:x", "yarn:inf", "linear:4", "4"])
