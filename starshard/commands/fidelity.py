@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.default import default_checkpoint
 from starshard.checkpoints.load import load_model
+from starshard.checkpoints.named import resolve_model
 from starshard.checkpoints.sources import random_model
 from starshard.evaluation.fidelity import (DEFAULT_TILE_ELEMENTS, APBApproximation, MaskApproximation,
                                           MInferenceApproximation, StarApproximation, measure)
@@ -268,9 +268,10 @@ def load(args):
             raise SystemExit(f"error: {e}") from None
         return (random_model(cfg, dtype=dtype, device=args.device, seed=args.weights_seed), None,
                 f"random:{args.random_weights}:seed{args.weights_seed}")
-    path = Path(args.model) if args.model is not None else default_checkpoint()
-    if not path.exists():
-        raise SystemExit(f"error: --model {path} does not exist")
+    try:
+        path = resolve_model(args.model)[0]  # a GGUF or a model by name: converted once into the cache
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     tok = load_tokenizer(path)
     if tok is None:
         raise SystemExit(f"error: {path} has no tokenizer; text inputs need one (or use --random-weights)")

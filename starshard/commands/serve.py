@@ -20,8 +20,8 @@ import sys
 import threading
 from pathlib import Path
 
-from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_arguments, add_sparse_arguments, fp8_config,
-                           layout_error, log_handler, parallel_config, sparse_config)
+from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_arguments, add_rope_scaling_argument,
+                           add_sparse_arguments, fp8_config, layout_error, log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
@@ -142,6 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
+    add_rope_scaling_argument(ap)
     rt = ap.add_argument_group("runtime")
     rt.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -231,7 +232,8 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     try:
         llm = LLM(args.model, dtype=dtype, device=device, parallel=parallel_config(args), progress=lead,
-                  random_weights=args.random_weights, sparse=sparse_config(args), fp8=fp8_config(args))
+                  random_weights=args.random_weights, sparse=sparse_config(args), fp8=fp8_config(args),
+                  rope_scaling=args.rope_scaling)
         chunk = args.prefill_chunk
         if chunk is None:
             chunk = default_prefill_chunk(llm.device, llm.parallel.cp)

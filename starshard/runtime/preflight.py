@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.named import resolve_model
+from starshard.checkpoints.rope import parse_rope_scaling, with_rope_scaling
 from starshard.checkpoints.sources import WeightSource, check_source_fp8, read_config, weight_source
 from starshard.config import ModelConfig
 from starshard.presets import preset_config
@@ -26,23 +27,28 @@ class Weights:
     is_default: bool  # the embedded default model: no path was given
     stored_fp8: bool
     random_config: ModelConfig | None = None  # random weights' shape
+    rope_scaling: str | None = None  # the user's switch (checkpoints/rope.py), e.g. "yarn:4"
 
     @cached_property
     def config(self) -> ModelConfig:
         """The model config, read on first use (a one-process load reads it with the weights instead)."""
-        return read_config(self.source, self.random_config)
+        return with_rope_scaling(read_config(self.source, self.random_config), self.rope_scaling)
 
 
 def check_weights(path: str | Path | None, *, random_weights: str | None = None, weights_seed: int = 0,
-                  fp8_linear: bool = False, progress: bool = True) -> Weights:
-    """The weights' source for LLM's `path` / `random_weights` (path None: the embedded default model,
-    converted once into the cache dir, with a progress bar if `progress`). Refuses a missing or unreadable
+                  fp8_linear: bool = False, progress: bool = True, rope_scaling: str | None = None) -> Weights:
+    """The weights' source for LLM's `path` / `random_weights` (path None: the embedded default model; it, a
+    .gguf file and a model by name are converted once into the cache dir, with a progress bar if `progress`;
+    rope_scaling: the user's RoPE switch, refused here if malformed). Refuses a missing or unreadable
     checkpoint (FileNotFoundError / ValueError), an unknown random-weights preset (ValueError, config read
     here) and an FP8 checkpoint without `fp8_linear` (CheckpointError naming the fix)."""
     if random_weights is not None and path is not None:
         raise ValueError("give either a model path or random_weights, not both")
+    if rope_scaling is not None:
+        parse_rope_scaling(rope_scaling)
     if random_weights is not None:
-        return Weights(None, weight_source(None, random_seed=weights_seed), False, False, preset_config(random_weights))
-    ckpt = Path(path) if path is not None else default_checkpoint(progress=progress)
-    src = weight_source(ckpt, is_default=path is None)
-    return Weights(ckpt, src, path is None, check_source_fp8(src, fp8_linear))
+        return Weights(None, weight_source(None, random_seed=weights_seed), False, False, preset_config(random_weights),
+                       rope_scaling)
+    ckpt, cached = resolve_model(path, progress=progress)
+    src = weight_source(ckpt, cached=cached)
+    return Weights(ckpt, src, path is None, check_source_fp8(src, fp8_linear), rope_scaling=rope_scaling)

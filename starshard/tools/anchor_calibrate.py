@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import starshard
-from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.named import resolve_model
 from starshard.evaluation.tasks import make_sample
 from starshard.kernels.anchor import (
     AnchorConfig,
@@ -242,7 +242,7 @@ def main(argv=None) -> dict:
     except ValueError as e:
         p.error(str(e))
 
-    path = Path(args.model) if args.model else default_checkpoint(progress=not args.quiet)
+    path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     tok = load_tokenizer(path)
     if tok is None:
         p.error(f"{path} has no tokenizer: the calibration runs the model on harness prompts (text)")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import starshard
-from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.named import resolve_model
 from starshard.evaluation.tasks import make_sample
 from starshard.kernels import minference as mi
 from starshard.runtime.prompt import build_prompt, load_tokenizer
@@ -318,7 +318,7 @@ def main(argv=None) -> dict:
         args.target_recall = None
 
 
-    path = Path(args.model) if args.model else default_checkpoint(progress=not args.quiet)
+    path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
     ids = sample_ids(path, args.length, args.task, args.seed)
     L = len(ids)
