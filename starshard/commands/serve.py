@@ -135,7 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "shows and removes the files. Its budget: --disk-cache-gib")
     tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
                        help="graceful shutdown (SIGTERM, SIGINT; under torchrun, SIGTERM or SIGINT to torchrun, which "
-                       "passes it to every rank) with --disk-cache-dir: every rank first writes its shard of the cache "
+                       "passes it to every rank): the server stops taking requests and gives those in flight 5 s "
+                       "(then they end with 503); with --disk-cache-dir every rank then writes its shard of the cache "
                        "entries held only on the device or in the host tier to disk, most recently used first and "
                        "within --disk-cache-gib, for at most this long, so that a restart on the same directory serves "
                        "them from disk (progress is logged); then the server exits 0. 0: write nothing down. torchrun "

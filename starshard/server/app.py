@@ -9,6 +9,7 @@ response, or server-sent events (streaming.py); errors.py shapes every failure.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -79,6 +80,7 @@ def create_app(backend: Backend, settings: ServerSettings | None = None) -> Fast
     app.state.served_model_name = settings.served_model_name or backend.model_name
     app.state.metrics = ServerMetrics(backend.stats)
     app.state.created = P.now()
+    app.state.generations = set()  # the Generations running now (streaming.py)
     install_error_handlers(app)
     app.add_middleware(RequestGate, settings=settings, metrics=app.state.metrics)
 
@@ -131,11 +133,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class _Server(uvicorn.Server):
     """uvicorn.Server that says where it listens once the socket is bound, and whose SIGINT / SIGTERM
-    only stop it: run() returns, so that the caller's graceful shutdown (the cache's write-down) runs."""
+    only stop it: run() returns, so that the caller's graceful shutdown (the cache's write-down) runs.
+    Requests in flight get `grace` seconds to finish, then end with 503 (an error event when streaming)."""
 
-    def __init__(self, config: uvicorn.Config, model: str):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float):
         super().__init__(config)
-        self.model = model
+        self.app, self.model, self.grace = app, app.state.served_model_name, grace
         self.bound_port: int | None = None
         self.stopped = False  # run() has returned: a further signal finds the caller's shutdown under way
 
@@ -144,6 +147,20 @@ class _Server(uvicorn.Server):
         if self.started:
             self.bound_port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
             print(f"serving {self.model} on http://{self.config.host}:{self.bound_port}", flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        later = asyncio.get_running_loop().call_later(self.grace, self._end_in_flight)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            later.cancel()
+
+    def _end_in_flight(self) -> None:
+        running = list(self.app.state.generations)
+        if running:
+            log.info("shutdown: %d requests still running after %g s end with 503", len(running), self.grace)
+        for gen in running:
+            gen.end("the server is shutting down")
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -192,8 +209,10 @@ def port_error(host: str, port: int) -> str | None:
 
 def make_server(app: FastAPI, settings: ServerSettings) -> _Server:
     """A uvicorn server for app, not yet running (run() blocks; tests run it in a thread)."""
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-    return _Server(config, app.state.served_model_name)
+    # uvicorn cancels what is still running a few seconds after the requests were ended (a stuck handler)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + 5)
+    return _Server(config, app, settings.shutdown_grace_s)
 
 
 def run_server(app: FastAPI, settings: ServerSettings) -> None:

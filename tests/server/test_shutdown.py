@@ -3,7 +3,8 @@ SmolLM2-135M-Instruct on CPU):
 
 - a graceful stop keeps the cache: a server with --disk-cache-dir D stopped by a real SIGTERM or SIGINT
   writes the entries it holds to D and exits 0 without a traceback, and a restart on D serves another
-  question on the same document from disk (`cached_tokens` covers the document);
+  question on the same document from disk (`cached_tokens` covers the document); a stream still running
+  when the server stops ends with an error event and [DONE];
 - the same for a torchrun cp=2 ring group stopped by SIGTERM to torchrun, which passes it to every rank. It
   restarts as the same group: a file written by one layout is not read by another yet (issue 49, item 5);
 - a --port already in use is reported before the model loads.
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -69,6 +71,22 @@ def stop(server: ServerProcess, sig: signal.Signals, timeout: float = 90) -> int
         pytest.fail(f"{server.name} still runs {timeout:g} s after {sig.name}:\n{server.stderr()[-3000:]}")
 
 
+def stream_lines(base: str, lines: list[str], started: threading.Event) -> None:
+    """A chat stream that runs for minutes (ignore_eos), its SSE data lines into `lines`; `started` once a
+    token arrived."""
+    body = {"model": MODEL, "messages": messages(OTHER_DOC, "Tell a long story."), "max_tokens": 4000,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if '"content":"' in line:
+                    started.set()
+    finally:
+        started.set()
+
+
 def kv_files(d: Path) -> set[str]:
     return {p.name for p in d.glob("*.kv")}
 
@@ -103,16 +121,24 @@ def test_sigterm_and_sigint_write_the_cache_down_for_a_restart(tmp_path):
         question = "Which animal is number 8?"
         usage = ask(base, DOC, question)
         assert usage["prompt_tokens_details"]["cached_tokens"] >= document_tokens(DOC, question) > 1000, usage
-        # SIGINT (a terminal's Ctrl-C) writes down as well: at least the new document's entry
+        # SIGINT (a terminal's Ctrl-C) writes down as well: at least the new document's entry. A stream
+        # still running is given a few seconds (server/settings.py shutdown_grace_s), then ends with an error.
         before = kv_files(disk)
         ask(base, OTHER_DOC, question)
+        lines, started = [], threading.Event()
+        client = threading.Thread(target=stream_lines, args=(base, lines, started), daemon=True)
+        client.start()
+        assert started.wait(120) and lines, lines
         rc = stop(second, signal.SIGINT)
+        client.join(30)
     finally:
         second.kill()
     err = second.stderr()
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     new = kv_files(disk) - before
     assert written(err) == len(new) >= 1, (err[-3000:], new)
+    assert not client.is_alive() and lines[-1] == "data: [DONE]", lines[-3:]
+    assert '"code":"engine_unavailable"' in lines[-2] and "the server is shutting down" in lines[-2], lines[-3:]
 
 
 def _cp2(name: str, disk: Path, logs: Path) -> ServerProcess:
