@@ -38,7 +38,7 @@ from starshard.serving.tiers import (DISK_DEFAULT_CAP, DISK_FREE_SHARE, SHUTDOWN
                                      default_disk_budget)
 from starshard.serving.warmup import RanksDisagree
 from starshard.server.app import STOP_SIGNALS, create_app, make_server, port_error
-from starshard.server.settings import API_KEY_ENV, ServerSettings
+from starshard.server.settings import API_KEY_ENV, SHUTDOWN_GRACE_S, ServerSettings
 
 log = logging.getLogger("starshard.serve")
 
@@ -135,17 +135,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "shows and removes the files. Its budget: --disk-cache-gib")
     tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
                        help="graceful shutdown (SIGTERM, SIGINT; under torchrun, SIGTERM or SIGINT to torchrun, which "
-                       "passes it to every rank): the server stops taking requests and gives those in flight 5 s "
-                       "(then they end with 503); with --disk-cache-dir every rank then writes its shard of the cache "
-                       "entries held only on the device or in the host tier to disk, most recently used first and "
-                       "within --disk-cache-gib, for at most this long, so that a restart on the same directory serves "
-                       "them from disk (progress is logged); then the server exits 0. 0: write nothing down. torchrun "
-                       "kills its workers 30 s after it passed the signal on unless started with --shutdown-timeout "
-                       "SECONDS above this (default: %(default)g)")
+                       f"passes it to every rank): the server stops taking requests and gives those in flight "
+                       f"{SHUTDOWN_GRACE_S:g} s (then they end with 503); with --disk-cache-dir every rank then "
+                       "writes its shard of the cache entries held only on the device or in the host tier to disk, "
+                       "most recently used first and within --disk-cache-gib, for at most this long, so that a restart "
+                       "on the same directory serves them from disk (progress is logged); then the server exits 0. "
+                       "0: write nothing down. torchrun kills its workers 30 s after it passed the signal on unless "
+                       "started with --shutdown-timeout SECONDS above this (default: %(default)g)")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
                        help=f"the disk tier's budget per rank: least recently used files are removed beyond it "
                        f"(default: {DISK_FREE_SHARE * 100:g}%% of the free space of --disk-cache-dir's filesystem at "
-                       f"start, split over the launch's ranks, at most {DISK_DEFAULT_CAP / GiB:g} GiB per rank; logged)")
+                       f"start, split over the launch's ranks, at most {DISK_DEFAULT_CAP / GiB:g} GiB per rank; "
+                       "logged)")
     tiers.add_argument("--disk-reload-policy", choices=POLICIES, default="auto",
                        help="when a prompt's prefix is found in the disk tier: auto (default) reloads it only while "
                        "the reload is expected to take no longer than prefilling it again, both estimated from this "
@@ -344,10 +345,11 @@ def serve_lead(service, args, cache_bytes: int) -> int:
                 if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
         if tiers.disk_dir and tiers.shutdown_write_s:
+            torchrun = "TORCHELASTIC_RUN_ID" in os.environ and tiers.shutdown_write_s > 30
             log.info("graceful shutdown writes the entries not on disk yet to %s (at most %g s, --shutdown-write-s)%s",
                      tiers.disk_dir, tiers.shutdown_write_s,
                      "; torchrun ends its ranks 30 s after it passed SIGTERM / SIGINT on, unless started with "
-                     "--shutdown-timeout" if "TORCHELASTIC_RUN_ID" in os.environ and tiers.shutdown_write_s > 30 else "")
+                     "--shutdown-timeout" if torchrun else "")
     try:
         service.start()  # returns after the warm-up
     except RanksDisagree as e:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 API_KEY_ENV = "STARSHARD_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SHUTDOWN_GRACE_S = 5.0  # SIGTERM / SIGINT: seconds the requests in flight get to finish
 
 
 def _api_key_from_env() -> str | None:
@@ -26,7 +27,7 @@ class ServerSettings:
     log_level: str = "info"
     # SIGTERM / SIGINT: requests in flight get this long to finish, then they are cut off, so that the
     # caller's shutdown (the cache's write-down) is not held up by a long stream
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S
 
     def __post_init__(self) -> None:
         if not self.host:
