@@ -9,15 +9,19 @@ Global rank 0 runs the HTTP front end and the scheduler; every rank executes the
 broadcast from rank 0. The model and the documents' KV stay resident: a request whose prompt begins
 with an already prefilled prompt (another question on the same document, a follow-up turn) runs only
 the rest (`usage.prompt_tokens_details.cached_tokens` says how many came from the cache), and
-concurrent requests on one document decode together. See README "Serving".
+concurrent requests on one document decode together. SIGTERM / SIGINT stop the server gracefully: with
+--disk-cache-dir, every rank first writes the cache entries not on disk yet (--shutdown-write-s), then the
+process exits 0. See README "Serving".
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_arguments, add_rope_scaling_argument,
@@ -30,10 +34,11 @@ from starshard.runconfig import parse_with_config
 from starshard.serving.disk_tier import DiskTierLocked
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
-from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
+from starshard.serving.tiers import (DISK_DEFAULT_CAP, DISK_FREE_SHARE, SHUTDOWN_WRITE_S, TierConfig,
+                                     default_disk_budget)
 from starshard.serving.warmup import RanksDisagree
-from starshard.server.app import create_app, make_server
-from starshard.server.settings import API_KEY_ENV, ServerSettings
+from starshard.server.app import STOP_SIGNALS, create_app, make_server, port_error
+from starshard.server.settings import API_KEY_ENV, SHUTDOWN_GRACE_S, ServerSettings
 
 log = logging.getLogger("starshard.serve")
 
@@ -53,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind; the default answers this machine only (use 0.0.0.0 to expose it, with "
                       "--api-key)")
-    http.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the bound one is printed)")
+    http.add_argument("--port", type=int, default=8000,
+                      help="TCP port (0 = any free port; the bound one is printed). A port already in use is reported "
+                      "before the model loads (exit 2)")
     http.add_argument("--api-key", default=None,
                       help=f"require 'Authorization: Bearer KEY' on every API request (default: ${API_KEY_ENV}, else "
                       "none); /health and /metrics stay open")
@@ -125,14 +132,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "leave the host tier (or the device, without one): written as files per rank, found again "
                        "after a restart; bound to the model, dtype, FP8 parts and layout, so another model reuses "
                        "nothing. A second server on the same directory refuses to start. `starshard cache list|purge` "
-                       "shows and removes the files. Needs --disk-cache-gib")
+                       "shows and removes the files. Its budget: --disk-cache-gib")
     tiers.add_argument("--shutdown-write-s", type=float, default=SHUTDOWN_WRITE_S, metavar="SECONDS",
-                       help="graceful shutdown (SIGTERM, SIGINT) with --disk-cache-dir: write the cache entries held "
-                       "only on the device or in the host tier to disk first, most recently used first and within "
-                       "--disk-cache-gib, for at most this long, so that a restart on the same directory serves them "
-                       "from disk (progress is logged); 0: write nothing down (default: %(default)g)")
+                       help="graceful shutdown (SIGTERM, SIGINT; under torchrun, SIGTERM or SIGINT to torchrun, which "
+                       f"passes it to every rank): the server stops taking requests and gives those in flight "
+                       f"{SHUTDOWN_GRACE_S:g} s (then they end with 503); with --disk-cache-dir every rank then "
+                       "writes its shard of the cache entries held only on the device or in the host tier to disk, "
+                       "most recently used first and within --disk-cache-gib, for at most this long, so that a restart "
+                       "on the same directory serves them from disk (progress is logged); then the server exits 0. "
+                       "0: write nothing down. torchrun kills its workers 30 s after it passed the signal on unless "
+                       "started with --shutdown-timeout SECONDS above this (default: %(default)g)")
     tiers.add_argument("--disk-cache-gib", type=float, default=None, metavar="GiB",
-                       help="the disk tier's budget per rank: least recently used files are removed beyond it")
+                       help=f"the disk tier's budget per rank: least recently used files are removed beyond it "
+                       f"(default: {DISK_FREE_SHARE * 100:g}%% of the free space of --disk-cache-dir's filesystem at "
+                       f"start, split over the launch's ranks, at most {DISK_DEFAULT_CAP / GiB:g} GiB per rank; "
+                       "logged)")
     tiers.add_argument("--disk-reload-policy", choices=POLICIES, default="auto",
                        help="when a prompt's prefix is found in the disk tier: auto (default) reloads it only while "
                        "the reload is expected to take no longer than prefilling it again, both estimated from this "
@@ -171,6 +185,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.cache_gib is not None and args.cache_gib <= 0:
         ap.error(f"--cache-gib must be > 0, got {args.cache_gib}")
+    args.disk_free = None  # the disk tier's default budget: the free bytes it came from
+    if args.disk_cache_dir is not None and args.disk_cache_gib is None:
+        try:
+            budget, args.disk_free = default_disk_budget(args.disk_cache_dir, read_launch_env().world_size)
+        except (ValueError, OSError) as e:
+            ap.error(str(e))
+        args.disk_cache_gib = budget / GiB  # whole MiB: exact
     try:
         args.tiers = TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
                                          args.disk_reload_policy, args.shutdown_write_s)
@@ -184,7 +205,6 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
     (planner.cache_budget: 90% of the GPU, less what is allocated (the weights), the largest step's working
     set and the decode graphs' pool), the worst rank's over the group; 2 GiB on CPU."""
     import torch
-    import torch.distributed as dist
 
     if device.type != "cuda":
         return 2 * 2**30
@@ -204,11 +224,7 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
     except ValueError as e:
         refused = e
     own = budget.bytes if budget is not None else 0
-    worst = own
-    if dist.is_available() and dist.is_initialized():  # every rank refuses alike, or takes the worst rank's budget
-        t = torch.tensor([own], dtype=torch.int64, device=device if "nccl" in str(dist.get_backend()) else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        worst = int(t.item())
+    worst = group_min(own, device)  # every rank refuses alike, or takes the worst rank's budget
     if refused is not None:
         raise refused
     if worst <= 0:
@@ -220,12 +236,43 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
     return worst
 
 
+def group_min(value: int, device) -> int:
+    """The smallest of every rank's `value` (this rank's alone in one process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device if "nccl" in str(dist.get_backend()) else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def stop_before_serving(lead: bool) -> None:
+    """Until the server takes requests, SIGINT / SIGTERM end the process at once, quietly and with 0 (the
+    cache holds nothing yet); serve_lead's server and serve_rank replace these handlers."""
+    def stop(sig, frame):
+        if lead:
+            sys.stderr.write(f"[starshard] {signal.Signals(sig).name}: stopped before serving\n")
+            sys.stderr.flush()
+        os._exit(0)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     launch = read_launch_env()
     lead = launch.rank == 0
+    if lead:
+        busy = port_error(args.host, args.port)  # before the model loads: a busy port fails in a second
+        if busy:
+            print(f"error: {busy}", file=sys.stderr)
+            return 2
+    stop_before_serving(lead)
+    import torch
+
     logging.basicConfig(level=getattr(logging, args.log_level.upper()) if lead else logging.ERROR,
                         handlers=[log_handler()])  # megatron's lines keep their own prefix
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -238,6 +285,10 @@ def main(argv=None) -> int:
         if chunk is None:
             chunk = default_prefill_chunk(llm.device, llm.parallel.cp)
         cache = int(args.cache_gib * 2**30) if args.cache_gib else default_cache_bytes(llm, args, llm.device, chunk)
+        if args.disk_free is not None:  # the default disk budget: each rank's free space may differ a little
+            args.tiers = replace(args.tiers, disk_bytes=group_min(args.tiers.disk_bytes, llm.device))
+            log.info("disk tier: %s, budget %.2f GiB per rank (of %.1f GiB free; --disk-cache-gib sets it)",
+                     args.tiers.disk_dir, args.tiers.disk_bytes / GiB, args.disk_free / GiB)
         name = args.served_model_name or (Path(args.model).name if args.model else args.random_weights
                                           or "SmolLM2-135M-Instruct")
         service = Scheduler(llm, cache_bytes=cache, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -250,15 +301,24 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     if not lead:
-        try:
-            service.serve_forever()
-        except Exception as e:
-            why = collective_failure(e, args.dist_timeout) or f"{type(e).__name__}: {e}"
-            sys.stderr.write(f"error: rank {launch.rank}: {why}\n")
-            sys.stderr.flush()
-            os._exit(1)
-        return 0
+        return serve_rank(service, args, launch.rank)
     return serve_lead(service, args, cache)
+
+
+def serve_rank(service, args, rank: int) -> int:
+    """Every rank but 0: execute rank 0's steps until it says stop. SIGINT / SIGTERM are ignored here (torchrun
+    and a terminal's Ctrl-C send them to every rank): rank 0 stops the group, after the steps that write this
+    rank's shard of the cache to disk."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        service.serve_forever()
+    except Exception as e:
+        why = collective_failure(e, args.dist_timeout) or f"{type(e).__name__}: {e}"
+        sys.stderr.write(f"error: rank {rank}: {why}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
 
 
 def serve_lead(service, args, cache_bytes: int) -> int:
@@ -287,8 +347,11 @@ def serve_lead(service, args, cache_bytes: int) -> int:
                 if tiers.disk_dir else "off")
         log.info("context cache tiers per rank: host %s, disk %s", host, disk)
         if tiers.disk_dir and tiers.shutdown_write_s:
-            log.info("graceful shutdown writes the entries not on disk yet to %s (at most %g s, --shutdown-write-s)",
-                     tiers.disk_dir, tiers.shutdown_write_s)
+            torchrun = "TORCHELASTIC_RUN_ID" in os.environ and tiers.shutdown_write_s > 30
+            log.info("graceful shutdown writes the entries not on disk yet to %s (at most %g s, --shutdown-write-s)%s",
+                     tiers.disk_dir, tiers.shutdown_write_s,
+                     "; torchrun ends its ranks 30 s after it passed SIGTERM / SIGINT on, unless started with "
+                     "--shutdown-timeout" if torchrun else "")
     try:
         service.start()  # returns after the warm-up
     except RanksDisagree as e:
@@ -296,10 +359,10 @@ def serve_lead(service, args, cache_bytes: int) -> int:
         sys.stderr.flush()
         os._exit(1)  # the other ranks stop alike; the group is not torn down
     threading.Thread(target=watch, name="starshard-health", daemon=True).start()
-    server.run()
+    server.run()  # until SIGINT / SIGTERM (its handlers stay: a second one is logged, see server/app.py) or a failure
     if failed.is_set():
         sys.stderr.write(f"error: rank 0: {service.health()}; the server is stopping\n")
         sys.stderr.flush()
         os._exit(1)  # the group is broken: tearing it down can block
-    service.shutdown()
+    service.shutdown()  # the write-down (every rank follows its steps), then the other ranks stop
     return 0

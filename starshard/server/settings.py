@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 API_KEY_ENV = "STARSHARD_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SHUTDOWN_GRACE_S = 5.0  # SIGTERM / SIGINT: seconds the requests in flight get to finish
 
 
 def _api_key_from_env() -> str | None:
@@ -24,6 +25,9 @@ class ServerSettings:
     served_model_name: str | None = None  # None = the backend's model_name
     log_prompts: bool = False  # prompts are private documents: off unless asked
     log_level: str = "info"
+    # SIGTERM / SIGINT: requests in flight get this long to finish, then they are cut off, so that the
+    # caller's shutdown (the cache's write-down) is not held up by a long stream
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -38,6 +42,8 @@ class ServerSettings:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit!r} must be a positive integer")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name is blank: give a name, or None to use the engine's")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s={self.shutdown_grace_s!r} must be >= 0 seconds")
         self.log_level = str(self.log_level).lower()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")

@@ -81,6 +81,8 @@ class Generation:
         # submit() only enqueues (QueueFull is immediate), so it is called on the loop directly.
         self.ticket = app.state.backend.submit(job.prompt, max_tokens=job.max_tokens, sampling=job.sampling,
                                                stop=job.stops, on_event=self._on_event)
+        self.running = app.state.generations  # the server ends those still running when it stops (end())
+        self.running.add(self)
 
     def _on_event(self, ev: TokenEvent) -> None:  # the backend's thread
         try:
@@ -139,7 +141,15 @@ class Generation:
         ev = self.last
         return P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
 
+    def end(self, message: str) -> None:
+        """The server is stopping (on the loop): the request ends with an error (503, or an error event when
+        streaming) after the pieces already queued, and the backend frees its slot."""
+        self.queue.put_nowait(TokenEvent(None, "", "error", prompt_tokens=0, cached_tokens=0, completion_tokens=0,
+                                         error=message, error_code="unavailable"))
+        self.ticket.cancel()
+
     def close(self) -> None:
+        self.running.discard(self)
         if self._getter is not None:
             self._getter.cancel()
         if not self.done:

@@ -13,6 +13,7 @@ APB entries are never tiered: their KV depends on the question, so they are neve
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,10 @@ log = logging.getLogger("starshard.serve")
 
 GiB = 2**30
 SHUTDOWN_WRITE_S = 120.0  # --shutdown-write-s's default
+# --disk-cache-dir without --disk-cache-gib: this share of its filesystem's free space, split over the ranks that
+# may write there, at most DISK_DEFAULT_CAP per rank (a 128K-token Llama-3.1-8B entry takes 17 GB at cp=1)
+DISK_FREE_SHARE = 0.5
+DISK_DEFAULT_CAP = 100 * GiB
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,21 @@ class TierConfig:
     @property
     def any(self) -> bool:
         return bool(self.host_bytes) or self.disk_dir is not None
+
+
+def default_disk_budget(path, ranks: int) -> tuple[int, int]:
+    """(budget per rank, free bytes) for a disk tier in `path` given no --disk-cache-gib: DISK_FREE_SHARE of the
+    free space of the filesystem that holds it (or will: the nearest existing parent), split over `ranks` (the
+    launch's ranks, which may all write there), at most DISK_DEFAULT_CAP, in whole MiB."""
+    where = Path(path).expanduser().absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    budget = min(int(free * DISK_FREE_SHARE) // max(ranks, 1), DISK_DEFAULT_CAP) // 2**20 * 2**20
+    if budget <= 0:
+        raise ValueError(f"--disk-cache-dir {path}: its filesystem has {free / 2**20:.0f} MiB free, too little for a "
+                         "disk tier; free some space, or give --disk-cache-gib")
+    return budget, free
 
 
 def server_key(llm, dtype, chunk: int, knee: int | None = None) -> CacheKey:

@@ -1,6 +1,8 @@
-"""serve's default --cache-gib on CUDA (commands/serve.py default_cache_bytes): planner.cache_budget with the
-flags' chunk, batch and extend, the worst rank's over the group. The GPU's size and the weights' bytes are
-stand-ins (no GPU here); the group is two gloo ranks."""
+"""serve's default budgets. --cache-gib on CUDA (commands/serve.py default_cache_bytes): planner.cache_budget with
+the flags' chunk, batch and extend, the worst rank's over the group. The GPU's size and the weights' bytes are
+stand-ins (no GPU here); the group is two gloo ranks. --disk-cache-gib (serving/tiers.py default_disk_budget):
+a share of the free space, split over the ranks, capped."""
+from collections import namedtuple
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,8 @@ from starshard.commands.serve import default_cache_bytes, parse_args
 from starshard.config import ParallelConfig
 from starshard.planner import GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.presets import preset_config
+from starshard.serving import tiers
+from starshard.serving.tiers import DISK_DEFAULT_CAP, DISK_FREE_SHARE, default_disk_budget
 from tests.helpers.mp_harness import run_ranks
 
 CUDA = torch.device("cuda")
@@ -80,3 +84,36 @@ def test_default_cache_bytes_worst_rank_over_the_group():
     assert fit0 == fit1 == want
     assert a.startswith("another rank has no memory left for the context cache (this rank:") and "--cache-gib" in a
     assert b.startswith("no memory is left for the context cache (--cache-gib):") and "weights 67.06 GiB" in b
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def fake_disk(monkeypatch, free: int) -> list:
+    """shutil.disk_usage as tiers sees it: `free` bytes free; -> the paths it was asked about."""
+    asked = []
+    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda p: asked.append(p) or Usage(4 * free, 3 * free, free))
+    return asked
+
+
+def test_default_disk_budget(monkeypatch, tmp_path):
+    asked = fake_disk(monkeypatch, 10 * GiB)
+    assert DISK_FREE_SHARE == 0.5 and DISK_DEFAULT_CAP == 100 * GiB
+    assert default_disk_budget(tmp_path, 1) == (5 * GiB, 10 * GiB)
+    assert default_disk_budget(tmp_path / "not" / "yet", 4) == (1280 * 2**20, 10 * GiB)  # split over 4 ranks
+    assert asked == [tmp_path, tmp_path]  # a directory still to be made: the filesystem that will hold it
+    fake_disk(monkeypatch, 3 * GiB + 12345)
+    assert default_disk_budget(tmp_path, 1)[0] == 1536 * 2**20  # whole MiB
+    fake_disk(monkeypatch, 10 * 2**40)
+    assert default_disk_budget(tmp_path, 8) == (DISK_DEFAULT_CAP, 10 * 2**40)  # 640 GiB each: capped
+    fake_disk(monkeypatch, 2**20)
+    with pytest.raises(ValueError, match=r"has 1 MiB free, too little for a disk tier; .*--disk-cache-gib"):
+        default_disk_budget(tmp_path, 2)
+
+
+def test_disk_cache_dir_alone_takes_the_default_budget(monkeypatch, tmp_path):
+    fake_disk(monkeypatch, 10 * GiB)
+    args = parse_args(["--disk-cache-dir", str(tmp_path / "kv")])
+    assert args.tiers.disk_bytes == 5 * GiB and args.disk_free == 10 * GiB
+    args = parse_args(["--disk-cache-dir", str(tmp_path / "kv"), "--disk-cache-gib", "2"])
+    assert args.tiers.disk_bytes == 2 * GiB and args.disk_free is None  # the flag wins; nothing to log

@@ -20,128 +20,20 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVE = str(ROOT / "launch" / "serve.py")
-MODEL = "SmolLM2-135M-Instruct"
+from tests.helpers.server_process import MODEL, SERVE, ServerProcess, children, environ_of, running, server_env
+
 KEY = "sk-serve-test"
 WINDOW = 8192  # SmolLM2's max_position_embeddings
 TOKENS_LIMIT = 4096  # serve.py's default --max-tokens-limit
 CACHE_GIB = 0.08  # small on purpose: ~1800 tokens of entries, so the load run has to evict
-READY_S = 240  # model load on 2 busy cores
 CLIENT_TIMEOUT = 120
-READY = re.compile(r"serving (\S+) on (http://\S+)")
 
 pytestmark = pytest.mark.slow
-
-
-# ---- server processes ----
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("STARSHARD_FAULT_INJECT", "STARSHARD_API_KEY"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for c in _children(todo.pop()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _environ(pid: int) -> dict:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            pairs = [x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x]
-    except OSError:
-        return {}
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
-class ServerProcess:
-    """One server launch (plain or under torchrun) in its own session; stdout / stderr go to files."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, logdir: Path):
-        self.name, self.cmd = name, cmd
-        self.out_path, self.err_path = logdir / f"{name}.out", logdir / f"{name}.err"
-        self._out, self._err = open(self.out_path, "w"), open(self.err_path, "w")  # noqa: SIM115 (closed in kill)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=self._out,
-                                     stderr=self._err, start_new_session=True)
-        self.base: str | None = None
-
-    def stdout(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def stderr(self) -> str:
-        return self.err_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = READY_S) -> str:
-        """The base URL once the server printed its address and /health answers; fails (with the
-        server's stderr) if it exits or takes longer than `timeout`."""
-        deadline = time.monotonic() + timeout
-        while self.base is None:
-            m = READY.search(self.stdout())
-            if m:
-                assert m.group(1) == MODEL, self.stdout()
-                self.base = m.group(2)
-                break
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode} before serving:\n{self.stderr()[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} did not print its address within {timeout:.0f} s:\n{self.stderr()[-3000:]}")
-            time.sleep(0.2)
-        r = httpx.get(f"{self.base}/health", timeout=10)
-        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
-        return self.base
-
-    def kill(self) -> None:
-        """SIGKILL the launcher's process group and every descendant (torchrun puts its workers in
-        sessions of their own), then reap, in bounded time."""
-        if self.proc.poll() is None:
-            pids = _descendants(self.proc.pid)
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        self._out.close()
-        self._err.close()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +54,7 @@ def cp_launch(logdir):
     if shutil.which("torchrun") is None:
         yield None
         return
-    server = ServerProcess("cp2", _cp_cmd(), _env(), logdir)
+    server = ServerProcess("cp2", _cp_cmd(), server_env(), logdir)
     yield server
     server.kill()
 
@@ -172,7 +64,7 @@ def single(logdir, cp_launch):
     """One single-process server: an API key, a 1 MiB body limit and a small context cache."""
     cmd = [sys.executable, SERVE, "--port", "0", "--api-key", KEY, "--max-body-mb", "1",
            "--cache-gib", str(CACHE_GIB), "--log-level", "warning"]
-    server = ServerProcess("single", cmd, _env(), logdir)
+    server = ServerProcess("single", cmd, server_env(), logdir)
     try:
         server.wait_ready()
         yield server
@@ -561,9 +453,9 @@ def test_cp2_answers_like_one_process_and_reuses_the_cache(cp_client, client, ll
 def test_cp2_killed_rank_ends_the_server(cp_server):
     """Runs last: it destroys the cp=2 server. Rank 1 is SIGKILLed while a stream is in flight: the
     stream fails, later requests fail at once, and torchrun exits non-zero naming the failure."""
-    workers = _children(cp_server.proc.pid)
-    rank1 = [pid for pid in workers if _environ(pid).get("RANK") == "1"]
-    assert len(workers) == 2 and len(rank1) == 1, (workers, [_environ(p).get("RANK") for p in workers])
+    workers = children(cp_server.proc.pid)
+    rank1 = [pid for pid in workers if environ_of(pid).get("RANK") == "1"]
+    assert len(workers) == 2 and len(rank1) == 1, (workers, [environ_of(p).get("RANK") for p in workers])
     c = openai.OpenAI(base_url=f"{cp_server.base}/v1", api_key="none", max_retries=0, timeout=30)
     outcome: dict = {}
     streaming = threading.Event()
@@ -607,6 +499,6 @@ def test_cp2_killed_rank_ends_the_server(cp_server):
     if isinstance(e.value, openai.InternalServerError):
         assert e.value.status_code == 503
     gone = time.monotonic() + 15
-    while any(_running(pid) for pid in workers) and time.monotonic() < gone:
+    while any(running(pid) for pid in workers) and time.monotonic() < gone:
         time.sleep(0.2)
-    assert not any(_running(pid) for pid in workers), "a rank outlived the server"
+    assert not any(running(pid) for pid in workers), "a rank outlived the server"

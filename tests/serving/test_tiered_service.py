@@ -123,8 +123,8 @@ def test_serve_flags(tmp_path):
     args = parse_args(["--random-weights", "tiny", "--disk-cache-dir", str(tmp_path), "--disk-cache-gib", "2",
                        "--disk-reload-policy", "always"])
     assert args.tiers.disk_reload == "always"
-    for bad in (["--disk-cache-dir", str(tmp_path)], ["--disk-cache-gib", "1"], ["--host-cache-gib", "-1"],
-                ["--disk-reload-policy", "never"]):
+    for bad in (["--disk-cache-gib", "1"], ["--disk-cache-dir", str(tmp_path), "--disk-cache-gib", "0"],
+                ["--host-cache-gib", "-1"], ["--disk-reload-policy", "never"]):
         with pytest.raises(SystemExit):
             parse_args(["--random-weights", "tiny", *bad])
 
