@@ -13,7 +13,7 @@
         --memory-limit-gb 131 --max-prompt                                        # longest prompt that fits
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         launch/infer.py --tp 8 --pp 2 ...                                         # two nodes: tp inside a node
-    sbatch --nodes 4 launch/slurm/infer.sbatch --config examples/4node-tp8-cp4.toml   # see docs/cluster.md
+    sbatch --nodes 4 launch/slurm/infer.sbatch --config examples/4node-tp8-cp4.toml   # see docs/parallelism.md
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ with an already prefilled prompt (another question on the same document, a follo
 the rest (`usage.prompt_tokens_details.cached_tokens` says how many came from the cache), and
 concurrent requests on one document decode together. SIGTERM / SIGINT stop the server gracefully: with
 --disk-cache-dir, every rank first writes the cache entries not on disk yet (--shutdown-write-s), then the
-process exits 0. See README "Serving".
+process exits 0. See docs/serving.md.
 """
 from __future__ import annotations
 
