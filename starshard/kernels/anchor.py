@@ -166,7 +166,7 @@ class AnchorRates:
 # keeping that share of the causal pairs costs the stripe kernel what the dense kernel costs.
 # The floor is checked on FLOOR_SAMPLE_GROUPS groups first because identification alone is what a
 # fallen-back call costs on top of dense: SmolLM2 (9 / 3 x d64) at 128K keys 3.80 ms per layer on one
-# H100 (docs/results.md, run 2026-11-26-gpu-anchor-grouped), x 30 layers = 0.11 s on dense's 1.41 s:
+# H100 (docs/results.md at 2f17e11, run 2026-11-26-gpu-anchor-grouped), x 30 layers = 0.11 s on dense's 1.41 s:
 # the 1.51 s (0.92x) measured with every head sent dense. 4 of the 64 groups at 128K (the longest:
 # their rows see the most keys) are 1/16 of the identification's work, 1/8 at the 64K+ minimum length.
 # The sample is counted, not listed (`count_stripes`): identified with the stripe kernel's one program
