@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from starshard.parallel.context.sharding import contiguous_positions, usp_positions, zigzag_positions
-from starshard.parallel.context.usp import usp_coords
+from starshard.parallel.context import CLASSES
+from starshard.parallel.context.sharding import zigzag_positions
 from starshard.serving.cache_key import CacheKey
 from starshard.serving.host_tier import HostKV, host_buffer, layout, own
 from starshard.strategies import get_spec
@@ -47,19 +47,6 @@ def from_runs(rs) -> np.ndarray:
     return np.concatenate([np.arange(a, b) for a, b in rs]) if rs else np.zeros(0, dtype=np.int64)
 
 
-def _first_step(strategy: str, cp: int, rank: int, end: int, options: dict) -> torch.Tensor:
-    """Positions rank holds after the strategy's own prefill of prompt[0:end] (padding included)."""
-    if strategy == "ring":
-        return zigzag_positions(end, cp, rank)
-    if strategy == "ulysses":
-        return contiguous_positions(end, cp, rank)
-    if strategy == "usp":
-        u = int(options.get("ulysses_degree", cp))
-        ring_rank, uly_rank = usp_coords(rank, u)
-        return usp_positions(end, cp // u, u, ring_rank, uly_rank)
-    raise ValueError(f"no exact sequence layout is known for --cp-strategy {strategy}")
-
-
 def prefill_positions(key: CacheKey, cp_rank: int, n: int) -> np.ndarray:
     """The positions, in stored order, that CP rank `cp_rank` of `key`'s layout keeps after prefilling an
     n-token entry in its steps (runtime/context_parallel.py: the first step the strategy's own prefill of
@@ -70,18 +57,12 @@ def prefill_positions(key: CacheKey, cp_rank: int, n: int) -> np.ndarray:
     bounds = get_spec(key.strategy).prefill_bounds(key.cp, n, n, options, key.prefill_chunk, key.prefill_knee)
     out = []
     for s, e in bounds:
-        pos = _first_step(key.strategy, key.cp, cp_rank, e, options) if s == 0 else \
+        pos = CLASSES[key.strategy].shard_positions(e, key.cp, cp_rank, options) if s == 0 else \
             zigzag_positions(e - s, key.cp, cp_rank) + s
+        if pos is None:
+            raise ValueError(f"--cp-strategy {key.strategy} has no fixed sequence layout to rebuild a shard in")
         out.append(pos[pos < e].numpy())
     return np.concatenate(out).astype(np.int64)
-
-
-def plan_rows(key: CacheKey, rank: int, n: int) -> tuple[np.ndarray, tuple[int, int]]:
-    """(positions, KV head range) global rank `rank` of `key`'s layout holds for an n-token entry."""
-    tp_rank, cp_rank = rank % key.tp, rank // key.tp % key.cp
-    if key.kv_heads is None and key.tp > 1:
-        raise ValueError("the cache key names no KV head count (cache_key(kv_heads=)): a tp rank's heads are unknown")
-    return prefill_positions(key, cp_rank, n), head_range(key.kv_heads or 0, key.tp, tp_rank) if key.tp > 1 else None
 
 
 def _raw(t: torch.Tensor | None) -> torch.Tensor | None:
