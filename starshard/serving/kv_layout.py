@@ -12,7 +12,6 @@ An exact layout's KV is dense attention's, split two ways:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -3,7 +3,6 @@ cp=2 ring / Ulysses / USP) are found by another on the same directory and rebuil
 the shard that layout's own prefill keeps; Star's, incomplete, window-trimmed (into CP) and old-format files
 are not, each with its reason logged; a block of a section is read and checked alone."""
 import logging
-import struct
 
 import numpy as np
 import pytest
