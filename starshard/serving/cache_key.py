@@ -1,5 +1,12 @@
 """What binds a stored KV shard to its producer: the model, the dtype and FP8 parts, the layout and the
-file format. A shard is reusable only by a server whose key is equal; the key's digest names the files.
+file format. The key's digest names the files; a server indexes its own key's files as its own.
+
+An exact layout's files are also found by another exact layout (`CacheKey.share_digest`: the key without
+tp, cp, the strategy and the prefill steps): one process, tp, and cp with ring, Ulysses or USP all hold
+the same keys and values, split by KV heads (tp) and by positions (cp), and every file states which heads
+and positions it holds (kv_file.py), so a reader rebuilds its own shard from the files present
+(serving/kv_layout.py). Star's entries differ from dense attention's (its anchors), so they share with no
+other layout; APB's are never cached. pp > 1 shares with nothing (a stage's files hold its layers only).
 
 The model's fingerprint is cheap at start (never a full read of the weights): the config as JSON plus
 each weight file's name, size and a few sampled blocks (the safetensors header and spread data bytes),
@@ -21,10 +28,14 @@ import numpy as np
 import torch
 
 from starshard.config import Fp8Config, ModelConfig
+from starshard.strategies import SPECS
 
 # The on-disk layout of kv_file.py; part of every key, so files of another version are another key's.
 # 2: each layer's rows, the window-trimmed layers' windows and the entry's serves_from in the header.
-FORMAT_VERSION = 2
+# 3: the writer's layout (tp / cp rank, the KV heads and positions it holds) and one digest per block of
+#    tokens of each section instead of one per section (a tail read backward is checked block by block).
+FORMAT_VERSION = 3
+LAYOUT_FIELDS = ("tp", "cp", "strategy", "options", "prefill_chunk", "prefill_knee")  # what share_digest leaves out
 
 SAMPLE_BYTES = 4096  # bytes read per sample of a weight file
 SAMPLES_PER_FILE = 16  # evenly spread over the file besides its head: catches a fine-tune with the same shapes
@@ -109,12 +120,14 @@ class CacheKey:
     prefill_chunk: int | None = None
     prefill_knee: int | None = None
     format_version: int = FORMAT_VERSION
+    kv_heads: int | None = None  # the model's KV heads (a tp rank's file names which of them it holds)
 
     def fields(self) -> dict:
         """The key as JSON-ready fields (what a file's header stores)."""
         d = dataclasses.asdict(self)
-        if d["prefill_knee"] is None:
-            del d["prefill_knee"]  # uniform steps: the key (and digest) files written before the taper carry
+        for k in ("prefill_knee", "kv_heads"):
+            if d[k] is None:
+                del d[k]  # unset: the key (and digest) of files written before the field existed
         d["fp8"] = list(self.fp8)
         d["options"] = [list(kv) for kv in self.options]
         return d
@@ -139,6 +152,36 @@ class CacheKey:
     def short(self) -> str:
         return self.digest[:16]
 
+    @property
+    def exact(self) -> bool:
+        """Its KV is dense attention's, split by heads and positions (dense, ring, Ulysses, USP)."""
+        spec = SPECS.get(self.strategy)
+        return spec is not None and spec.exact and spec.context_cache
+
+    @property
+    def share_digest(self) -> str | None:
+        """The digest every exact layout of this model, dtype and FP8 parts has in common (None: its files
+        serve this layout only: Star, APB, or pp > 1)."""
+        if not self.exact or self.pp != 1:
+            return None
+        return digest(canonical_json({k: v for k, v in self.fields().items() if k not in LAYOUT_FIELDS}))
+
+    def layout(self) -> str:
+        """The layout in words, e.g. "tp=2 cp=1 dense" or "tp=1 cp=2 ring(query_rank=1) chunk=256"."""
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        steps = f" chunk={self.prefill_chunk}" if self.prefill_chunk else ""
+        steps += f" knee={self.prefill_knee}" if self.prefill_knee else ""
+        pp = f" pp={self.pp}" if self.pp != 1 else ""
+        return f"tp={self.tp} cp={self.cp}{pp} {self.strategy}{f'({opts})' if opts else ''}{steps}"
+
+    def readers(self) -> str:
+        """Which layouts can read its files, in words (`starshard cache list`)."""
+        if self.share_digest is not None:
+            return "any exact layout (one process, any tp, cp with ring / ulysses / usp)"
+        if self.pp != 1:
+            return "this layout only (a pipeline stage's file holds its layers only)"
+        return f"this layout only ({self.strategy}'s KV is not dense attention's)"
+
     def describe(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         return (f"model {self.model[:12]} {self.dtype} fp8={','.join(self.fp8) or 'none'} tp={self.tp} cp={self.cp} "
@@ -148,7 +191,8 @@ class CacheKey:
 
 def cache_key(model: str, *, dtype: torch.dtype | str, fp8: Fp8Config | str | None = None, tp: int = 1,
               cp: int = 1, pp: int = 1, strategy: str = "dense", options: dict | None = None,
-              prefill_chunk: int | None = None, prefill_knee: int | None = None) -> CacheKey:
+              prefill_chunk: int | None = None, prefill_knee: int | None = None,
+              kv_heads: int | None = None) -> CacheKey:
     """The key of a server: `model` from model_fingerprint, `options` from `strategy.spec_options()`
     (None values dropped: unset is the strategy's default, resolved into the values it reports)."""
     opts = tuple(sorted((str(k), v) for k, v in (options or {}).items() if v is not None))
@@ -157,7 +201,7 @@ def cache_key(model: str, *, dtype: torch.dtype | str, fp8: Fp8Config | str | No
             raise ValueError(f"cache key: strategy option {k}={v!r} is not a plain value (int, float, str, bool)")
     return CacheKey(model=model, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
                     fp8=tuple(Fp8Config.parse(fp8).items()), tp=tp, cp=cp, pp=pp, strategy=strategy,
-                    options=opts, prefill_chunk=prefill_chunk, prefill_knee=prefill_knee)
+                    options=opts, prefill_chunk=prefill_chunk, prefill_knee=prefill_knee, kv_heads=kv_heads)
 
 
 def token_digest(token_ids) -> str:

@@ -6,6 +6,14 @@ request text) and each rank writes and indexes only its own, so a directory per 
 filesystem both work. An exclusive lock per rank (`rank<r>.lock`, fcntl.flock) keeps a second server
 off the same directory and rank. LRU order is the files' modification time (touched on each use), so
 it survives a restart too.
+
+Another exact layout's files (cache_key.CacheKey.share_digest: one process, tp, cp with ring / Ulysses /
+USP) are found too: at start each rank reads the headers of the other keys' files, and an entry whose
+every rank's file is present and together holds the KV heads and positions this rank needs is listed as
+`shared`. Loading one reads those files and rebuilds exactly the shard this rank's own prefill of the entry
+would have kept (serving/kv_layout.py). Shared files are another layout's: never counted in this budget,
+evicted, touched or removed here (a damaged one is only dropped from the index). Files of another format
+version are skipped with the reason logged, and left for `starshard cache purge`.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
 from starshard.serving.context_cache import longest_prefix
 from starshard.serving.host_tier import DeviceLoader, HostKV, to_device, to_host
+from starshard.serving.kv_layout import head_range, prefill_positions, reassemble
 from starshard.serving.kv_file import (
     KVFileError,
     KVFileHeader,
@@ -103,9 +112,18 @@ class DiskEntry:
     rows: int = 0  # KV rows of a layer that keeps every key
     layer_rows: tuple[tuple[int, bool], ...] = ()  # (rows, window-trimmed) of each layer
     serves_from: int = 0  # the fewest shared tokens it serves (a window-trimmed entry's document: served_prefix)
+    sources: tuple = ()  # shared: ((path, header), ...) of another layout's files this rank's shard is rebuilt from
+    positions: np.ndarray | None = None  # shared: the positions this rank's shard holds, in order
+    heads: tuple[int, int] | None = None  # shared: the KV heads [start, stop) it holds
+    layout: str = ""  # shared: the writer's layout (CacheKey.layout)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def shared(self) -> bool:
+        """Rebuilt from another exact layout's files."""
+        return bool(self.sources)
 
     def device_bytes(self, token_bytes: int) -> int:
         """Its shard's bytes once loaded on the device, as the service counted them before it went down:
@@ -153,6 +171,7 @@ class DiskTier:
         self.key = key
         self.rank = rank
         self.entries: dict[str, DiskEntry] = {}
+        self.shared: dict[str, DiskEntry] = {}  # token digest -> an entry rebuilt from another layout's files
         self._writing: dict[str, int] = {}  # names being written -> the bytes reserved for them
         self._stats = TierStats()
         self._mutex = threading.RLock()  # a writer thread may demote while the scheduler looks up
@@ -174,23 +193,38 @@ class DiskTier:
             log.warning("disk cache: could not remove %s (%s)", path.name, e)
 
     def _index(self, verify: bool) -> None:
-        foreign, mine = 0, f"-r{self.rank}.kv"
+        foreign, old, mine = 0, 0, f"-r{self.rank}.kv"
+        others: dict[tuple[str, str], dict[int, tuple[Path, KVFileHeader]]] = {}  # another key's files
         for p in sorted(self.path.iterdir()):
             tmp = TMP_RE.match(p.name)
             if tmp and tmp["name"].endswith(mine):
                 p.unlink(missing_ok=True)  # a crashed write of this rank's (we hold its lock: no writer is live)
                 continue
             m = FILE_RE.match(p.name)
-            if m is None or int(m["rank"]) != self.rank:
-                continue  # not a shard file, or another rank's: that rank indexes it
+            if m is None:
+                continue  # not a shard file
+            if m["key"] != self.key.short:
+                # Another model's, layout's or format's files may share the directory (a server restarted with
+                # other weights or --cp, or another deployment); never read as ours, left for that key and for
+                # `starshard cache purge`. Another exact layout's may be rebuilt from (_share).
+                try:
+                    h = read_header(p)
+                except KVFileError as e:
+                    if e.reason == "version" and int(m["rank"]) == self.rank:
+                        old += 1
+                        log.info("disk cache: skipped %s (%s: %s)", p.name, e.reason, e.detail)
+                    elif int(m["rank"]) == self.rank:
+                        foreign += 1
+                    continue
+                if h.share is not None and h.share == self.key.share_digest:
+                    others.setdefault((m["key"], m["tokens"]), {})[h.rank] = (p, h)
+                elif int(m["rank"]) == self.rank:
+                    foreign += 1
+                continue
+            if int(m["rank"]) != self.rank:
+                continue  # another rank's: that rank indexes it
             if p.is_symlink() or not p.is_file():
                 log.warning("disk cache: skipped %s (not a regular file)", p.name)
-                continue
-            if m["key"] != self.key.short:
-                # Another model's or layout's files may share the directory (a server restarted with other
-                # weights or --cp, or another deployment); they are left for that key and for `starshard
-                # cache purge`, never read as ours.
-                foreign += 1
                 continue
             try:
                 h = read_header(p, self.key, self.rank)
@@ -210,12 +244,78 @@ class DiskTier:
             self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime,
                                              h.length, tuple((n, i in windows) for i, n in zip(h.layer_ids, h.lengths)),
                                              h.serves_from)
+        if old:
+            log.info("disk cache %s: %d file(s) of rank %d were written in another format version (this starshard "
+                     "reads version %d): skipped, left in place (`starshard cache purge --disk-cache-dir %s --all` "
+                     "removes them)", self.path, old, self.rank, self.key.format_version, self.path)
+        for (key16, tokens16), files in others.items():
+            reason = self._share(key16, tokens16, files)
+            if reason is not None and files:
+                foreign += sum(1 for r in files if r == self.rank)
+                log.info("disk cache: the %s entry %s of another layout is not reused on rank %d: %s",
+                         next(iter(files.values()))[1].cache_key().layout(), tokens16, self.rank, reason)
         if foreign:
             log.info("disk cache %s: %d file(s) of rank %d belong to another model or layout (key differs from %s): "
                      "not reused, left in place (`starshard cache list --disk-cache-dir %s` shows them)",
                      self.path, foreign, self.rank, self.key.short, self.path)
-        log.info("disk cache %s rank %d: %d entries, %.2f GiB of %.2f GiB", self.path, self.rank, len(self.entries),
-                 self.used / 2**30, self.budget / 2**30)
+        log.info("disk cache %s rank %d: %d entries, %.2f GiB of %.2f GiB%s", self.path, self.rank, len(self.entries),
+                 self.used / 2**30, self.budget / 2**30,
+                 f"; {len(self.shared)} more rebuilt from another layout's files" if self.shared else "")
+
+    def _share(self, key16: str, tokens16: str, files: dict[int, tuple[Path, KVFileHeader]]) -> str | None:
+        """List another exact layout's entry (every rank's file, by rank) as this rank's `shared` entry when the
+        files hold what this rank needs; else why not."""
+        first = next(iter(files.values()))[1]
+        writer = first.cache_key()
+        if sorted(files) != list(range(writer.tp * writer.cp)):
+            return f"rank files {sorted(files)} of {writer.tp * writer.cp} (a write in progress, or lost)"
+        heads = [h for _, h in files.values()]
+        same = ("n_tokens", "tokens_digest", "dtype", "fp8", "windows", "serves_from", "layer_ids")
+        if any(getattr(h, f) != getattr(first, f) for h in heads for f in same) or \
+                len({(h.layout or {}).get("kv_heads") for h in heads}) != 1:
+            return "its rank files disagree (tokens, dtype, layers or heads)"
+        total, n = first.layout["kv_heads"], first.n_tokens
+        if self.key.kv_heads is not None and self.key.kv_heads != total:
+            return f"it holds {total} KV heads, this model {self.key.kv_heads}"
+        if first.windows and (self.key.cp > 1 or writer.cp > 1):
+            return "it is window-trimmed (its local layers keep only their window), and a CP layout keeps every key"
+        tp_rank, cp_rank = self.rank % self.key.tp, self.rank // self.key.tp % self.key.cp
+        try:
+            want = prefill_positions(self.key, cp_rank, n)
+            need = head_range(total, self.key.tp, tp_rank)
+        except ValueError as e:
+            return str(e)
+        chosen, covered = [], np.zeros((need[1] - need[0], n), dtype=bool)
+        for r in sorted(files):
+            p, h = files[r]
+            lo, hi = max(need[0], h.heads[0]), min(need[1], h.heads[1])
+            pos = h.positions()
+            if lo >= hi or pos.size == 0 or pos.max() >= n or not np.isin(pos, want).any():
+                continue
+            if not covered[lo - need[0]:hi - need[0]][:, pos].all():
+                chosen.append((p, h))
+                covered[lo - need[0]:hi - need[0], pos] = True
+        if not covered[:, want].all():
+            return "its files do not hold every KV head and position this rank needs"
+        if not chosen:
+            return "this rank's own prefill of it would keep no rows"
+        try:
+            ids = read_tokens(*chosen[0])
+        except KVFileError as e:
+            return f"{e.reason}: {e.detail}"
+        if token_digest(ids) != tokens16:
+            return "the token ids do not match the file names"
+        rows = len(want)
+        layer_rows = tuple((n_rows if i in dict(first.windows) else rows, i in dict(first.windows))
+                           for i, n_rows in zip(first.layer_ids, first.lengths))
+        e = DiskEntry(f"{key16}-{tokens16}-as-r{self.rank}", chosen[0][0], ids,
+                      sum(h.file_bytes for _, h in chosen), self.rank, first.entry_id, first.created,
+                      max(h.created for _, h in chosen), rows, layer_rows, first.serves_from, tuple(chosen),
+                      want, need, writer.layout())
+        old = self.shared.get(tokens16)
+        if old is None or e.nbytes < old.nbytes:  # of several layouts' copies, the one with the fewest bytes to read
+            self.shared[tokens16] = e
+        return None
 
     # -- accounting
     @property
@@ -230,11 +330,18 @@ class DiskTier:
         return self._stats
 
     def list(self) -> list[DiskEntry]:
-        """This key's entries on this rank, least recently used first."""
+        """This key's entries on this rank, least recently used first, then those rebuilt from another layout's
+        files whose tokens no own file holds."""
         with self._mutex:
-            return sorted(self.entries.values(), key=lambda e: e.last_used)
+            own = sorted(self.entries.values(), key=lambda e: e.last_used)
+            held = {e.name.split("-")[1] for e in own}
+            return own + [e for d, e in self.shared.items() if d not in held]
 
     def _remove(self, name: str) -> None:
+        shared = next((d for d, e in self.shared.items() if e.name == name), None)
+        if shared is not None:
+            del self.shared[shared]  # another layout's files: only forgotten here
+            return
         e = self.entries.pop(name, None)
         if e is not None:
             e.path.unlink(missing_ok=True)  # a load reading it keeps its open file: POSIX frees it after
@@ -274,6 +381,8 @@ class DiskTier:
             return n
 
     def _touch(self, e: DiskEntry) -> None:
+        if e.shared:
+            return  # another layout's files keep their own LRU order
         now = time.time()
         e.last_used = max(now, e.last_used + 1e-6)
         try:
@@ -393,7 +502,7 @@ class DiskTier:
         digests (file names' middle part) to consider, e.g. those every rank holds; whole: see longest_prefix."""
         ids = np.asarray(token_ids, dtype=np.int64)
         with self._mutex:
-            kept = [e for e in self.entries.values() if only is None or e.name.split("-")[1] in only]
+            kept = [e for e in self.list() if only is None or e.name.split("-")[1] in only]  # own first: they win a tie
             return longest_prefix(kept, ids, min_tokens, whole)
 
     def entry_for(self, token_ids) -> DiskEntry | None:
@@ -402,6 +511,8 @@ class DiskTier:
         ids = np.asarray(token_ids, dtype=np.int64)
         with self._mutex:
             e = self.entries.get(file_name(self.key, ids, self.rank))
+            if e is None:
+                e = self.shared.get(token_digest(ids))
             return e if e is not None and np.array_equal(e.ids, ids) else None
 
     def load_host(self, entry: DiskEntry | str, verify: bool = True, arena: PinnedArena | None = None) -> HostKV:
@@ -415,7 +526,10 @@ class DiskTier:
 
     def _read(self, entry: DiskEntry | str, verify: bool, on_layer, arena: PinnedArena | None = None) -> HostKV:
         with self._mutex:
-            e = self.entries.get(entry if isinstance(entry, str) else entry.name)
+            name = entry if isinstance(entry, str) else entry.name
+            e = self.entries.get(name) or next((s for s in self.shared.values() if s.name == name), None)
+            if e is not None and e.shared:
+                return self._rebuild(e, verify, arena)
             if e is None:
                 raise KVFileError(self.path / str(entry if isinstance(entry, str) else entry.name), "io",
                                   "not in this disk tier (evicted or never written)")
@@ -433,6 +547,30 @@ class DiskTier:
                     self._reject(e.path, err)
             raise
         return host
+
+    def _rebuild(self, e: DiskEntry, verify: bool, arena: PinnedArena | None) -> HostKV:
+        """A shared entry: its files read (digests checked) and this rank's shard rebuilt from them. A file that
+        fails drops the entry from the index (the file is another layout's: left) and raises KVFileError."""
+        parts, path = [], e.path
+        try:
+            for path, h in e.sources:
+                host, ids, _ = read_kv_host(path, verify=verify, header=h)
+                if not np.array_equal(ids, e.ids):
+                    raise KVFileError(path, "header", "the token ids changed since the file was indexed")
+                parts.append((host, h.heads))
+            try:
+                return reassemble(parts, e.positions, e.heads, arena)
+            except ValueError as err:
+                raise KVFileError(path, "layout", str(err)) from None
+        except KVFileError as err:
+            with self._mutex:
+                self.shared.pop(e.name.split("-")[1], None)
+            log.warning("disk cache: the %s entry %s cannot be rebuilt on rank %d (%s: %s); not reused", e.layout,
+                        e.name.split("-")[1], self.rank, err.reason, err.detail)
+            raise
+        finally:
+            for host, _ in parts:
+                host.release()
 
     def load(self, entry: DiskEntry | str, device, extra_capacity: int = 0, verify: bool = True,
              arena: PinnedArena | None = None) -> KVCache:

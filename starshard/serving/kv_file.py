@@ -4,16 +4,27 @@
     header   JSON: the cache key's fields and digest, rank, entry id, token count, the compute dtype, fp8,
              length, each layer's rows (`lengths`, in layer order), the window-trimmed layers' windows
              (`windows`, [layer, window] pairs) and the entry's `serves_from` (format version 2), next
-             position, the token section and every payload section (layer, part, dtype, shape, offset,
-             bytes, blake2b-128)
+             position, the token section, the writer's `layout` (format version 3: its tp and cp rank, the
+             KV heads [start, stop) of the model's `kv_heads` it holds, the key digest it shares with other
+             exact layouts, and the positions of a layer keeping every key, in stored order, as [start,
+             stop) runs), `block_tokens`, and every payload section (layer, part, dtype, shape, offset,
+             bytes, and one blake2b-128 per block of `block_tokens` rows: `blocks`)
     tokens   the token ids, int64, at a 4096-byte boundary
     payload  host_tier.HostKV's buffer as is (each layer's filled rows of pos, k, v and, for FP8, the e4m3
              bytes and their float32 scales), at a 4096-byte boundary: one large sequential read
 
-Why blake2b per section: the standard library's fastest hash with a digest wide enough (128 bits) that
-no damaged file passes by chance (crc32's 32 bits would, among millions of sections); one digest per
-section lets the reader hash sections on a thread pool (hashlib releases the GIL) while the next ones
-are still being read, so verifying costs little beyond the read itself.
+A block is rows [j * block_tokens, (j + 1) * block_tokens) of a section: one byte range per (batch, KV
+head) of k / v / scales (they are head-major: `block_ranges`), one range of pos. Its digest covers those
+ranges in order, so a reader may fetch and check any block alone (`read_block`: the tail of an entry read
+backward while its head is computed) and a whole-section read checks every block once its bytes are in.
+
+Why blake2b per block: the standard library's fastest hash with a digest wide enough (128 bits) that
+no damaged file passes by chance (crc32's 32 bits would, among millions of blocks); the reader hashes
+sections on a thread pool (hashlib releases the GIL) while the next ones are still being read, so
+verifying costs little beyond the read itself.
+
+Files of format version 2 and older are refused as "version" (the disk tier logs why and leaves them;
+`starshard cache purge` removes them).
 
 Writes are atomic: a temporary name in the same directory, written, flushed and fsynced, renamed over
 the final name, then the directory fsynced; a crash leaves the old file or none, never half of one.
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import time
@@ -49,6 +61,7 @@ from starshard.serving.host_tier import (
     to_device,
     to_host,
 )
+from starshard.serving.kv_layout import from_runs, head_range, runs
 from starshard.serving.pinned_arena import PinnedArena
 
 MAGIC = b"SSKVSHRD"
@@ -57,11 +70,13 @@ PAGE = 4096
 READ_CHUNK = 64 << 20  # bytes per read call: large and sequential
 MAX_HEADER = 64 << 20  # a header past this is damage, not a model (a few hundred bytes per layer)
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+BLOCK_TOKENS = 4096  # rows per digest: a 128K-token entry's header holds 32 per section
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class KVFileError(Exception):
-    """A file that cannot be used. reason: truncated | magic | version | header | checksum | key | rank | io."""
+    """A file that cannot be used. reason: truncated | magic | version | header | checksum | key | rank | io |
+    layout (another layout's files from which this rank's shard cannot be rebuilt)."""
 
     def __init__(self, path, reason: str, detail: str):
         self.path, self.reason, self.detail = Path(path), reason, detail
@@ -86,6 +101,37 @@ def _u8(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def _row_axis(s: Section) -> int:
+    return 0 if s.part == "pos" else 2  # pos [n]; k, v [B, H, n, D]; scales [B, H, n]
+
+
+def n_blocks(s: Section, block_tokens: int) -> int:
+    return max(1, -(-s.shape[_row_axis(s)] // block_tokens))
+
+
+def block_ranges(s: Section, j: int, block_tokens: int) -> list[tuple[int, int]]:
+    """(offset from the payload's start, bytes) of the ranges holding rows [j * block_tokens, (j + 1) *
+    block_tokens) of section `s`, in the order its digest covers them (one per leading index)."""
+    axis = _row_axis(s)
+    n = s.shape[axis]
+    lead, tail = math.prod(s.shape[:axis]), math.prod(s.shape[axis + 1:])
+    row = tail * STORE_DTYPES[s.dtype].itemsize
+    a, b = j * block_tokens, min(n, (j + 1) * block_tokens)
+    return [(s.offset + i * n * row + a * row, (b - a) * row) for i in range(lead)]
+
+
+def _hash_ranges(buf, ranges, base: int = 0) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for off, n in ranges:
+        h.update(buf[off - base:off - base + n])
+    return h.hexdigest()
+
+
+def _section_blocks(buf, s: Section, block_tokens: int) -> list[str]:
+    """Every block digest of a section whose bytes are in `buf` (the payload)."""
+    return [_hash_ranges(buf, block_ranges(s, j, block_tokens)) for j in range(n_blocks(s, block_tokens))]
+
+
 @dataclass(frozen=True)
 class KVFileHeader:
     key: dict  # CacheKey.fields()
@@ -102,11 +148,27 @@ class KVFileHeader:
     payload_offset: int
     payload_bytes: int
     sections: tuple[Section, ...]
-    section_digests: tuple[str, ...]
+    block_digests: tuple[tuple[str, ...], ...]  # per section, one per block of block_tokens rows
     created: float
     lengths: tuple[int, ...] = ()  # each layer's rows, in the sections' layer order
     windows: tuple[tuple[int, int], ...] = ()  # (layer, window) of the window-trimmed layers
     serves_from: int = 0  # the cache entry's: a trimmed entry serves only prompts sharing that many tokens
+    block_tokens: int = BLOCK_TOKENS
+    layout: dict | None = None  # tp_rank, cp_rank, heads [start, stop), kv_heads, share, positions (runs)
+
+    @property
+    def heads(self) -> tuple[int, int] | None:
+        """The KV heads [start, stop) of the model's this file holds (None: unknown, shared with no other layout)."""
+        h = (self.layout or {}).get("heads")
+        return None if h is None else (int(h[0]), int(h[1]))
+
+    @property
+    def share(self) -> str | None:
+        return (self.layout or {}).get("share")
+
+    def positions(self) -> np.ndarray:
+        """The positions a layer keeping every key holds, in stored order."""
+        return from_runs((self.layout or {}).get("positions") or [])
 
     @property
     def layer_ids(self) -> list[int]:
@@ -120,12 +182,21 @@ class KVFileHeader:
         return CacheKey.from_fields(self.key)
 
     def to_json(self) -> dict:
-        skip = ("sections", "section_digests", "tokens_offset", "payload_offset")  # offsets: derived (_offsets)
+        skip = ("sections", "block_digests", "tokens_offset", "payload_offset")  # offsets: derived (_offsets)
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["sections"] = [dict(layer=s.layer, part=s.part, dtype=s.dtype, shape=list(s.shape), offset=s.offset,
-                              nbytes=s.nbytes, digest=h) for s, h in zip(self.sections, self.section_digests)]
+                              nbytes=s.nbytes, blocks=list(h)) for s, h in zip(self.sections, self.block_digests)]
         d["lengths"], d["windows"] = list(self.lengths), [list(w) for w in self.windows]
         return d
+
+
+def _parse_layout(raw: dict) -> dict:
+    heads = raw["heads"]
+    return dict(tp_rank=int(raw["tp_rank"]), cp_rank=int(raw["cp_rank"]),
+                heads=None if heads is None else [int(heads[0]), int(heads[1])],
+                kv_heads=None if raw["kv_heads"] is None else int(raw["kv_heads"]),
+                share=None if raw["share"] is None else str(raw["share"]),
+                positions=[[int(a), int(b)] for a, b in raw["positions"]])
 
 
 def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHeader:
@@ -135,7 +206,7 @@ def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHea
     try:
         sections = tuple(Section(int(s["layer"]), str(s["part"]), str(s["dtype"]), tuple(int(x) for x in s["shape"]),
                                  int(s["offset"]), int(s["nbytes"])) for s in raw["sections"])
-        digests = tuple(str(s["digest"]) for s in raw["sections"])
+        digests = tuple(tuple(str(x) for x in s["blocks"]) for s in raw["sections"])
         tokens_offset, payload_offset = _offsets(header_len, int(raw["n_tokens"]))
         h = KVFileHeader(key=dict(raw["key"]), key_digest=str(raw["key_digest"]), rank=int(raw["rank"]),
                          entry_id=None if raw.get("entry_id") is None else int(raw["entry_id"]),
@@ -143,12 +214,17 @@ def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHea
                          tokens_digest=str(raw["tokens_digest"]), dtype=str(raw["dtype"]), fp8=bool(raw["fp8"]),
                          length=int(raw["length"]), next_position=int(raw["next_position"]),
                          payload_offset=payload_offset, payload_bytes=int(raw["payload_bytes"]),
-                         sections=sections, section_digests=digests, created=float(raw["created"]),
+                         sections=sections, block_digests=digests, created=float(raw["created"]),
                          lengths=tuple(int(n) for n in raw["lengths"]),
                          windows=tuple((int(i), int(w)) for i, w in raw["windows"]),
-                         serves_from=int(raw["serves_from"]))
+                         serves_from=int(raw["serves_from"]), block_tokens=int(raw["block_tokens"]),
+                         layout=_parse_layout(raw["layout"]))
     except (KeyError, TypeError, ValueError) as e:
         raise bad(f"missing or malformed field ({type(e).__name__}: {e})") from None
+    if h.block_tokens < 1:
+        raise bad(f"block_tokens {h.block_tokens} < 1")
+    if any(len(d) != n_blocks(s, h.block_tokens) for s, d in zip(sections, digests)):
+        raise bad("a section's block digests disagree with its rows")
     if h.dtype not in COMPUTE_DTYPES:
         raise bad(f"compute dtype {h.dtype!r} is not one of {COMPUTE_DTYPES}")
     if not sections:
@@ -163,6 +239,8 @@ def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHea
         raise bad(f"windows {list(h.windows)}: not one window >= 1 per trimmed layer of {layer_ids}")
     if any(n != h.length for i, n in zip(layer_ids, h.lengths) if i not in windows):
         raise bad(f"a layer keeping every key holds other than {h.length} rows")
+    if len(h.positions()) != h.length:
+        raise bad(f"the layout's positions name {len(h.positions())} rows, the layers keeping every key hold {h.length}")
     if not 0 <= h.serves_from <= h.n_tokens:
         raise bad(f"serves_from {h.serves_from} is not within the file's {h.n_tokens} tokens")
     first_k = next((s for s in sections if s.part == "k"), None)
@@ -235,22 +313,39 @@ def read_tokens(path, header: KVFileHeader) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
+def shard_layout(host: HostKV, key: CacheKey, rank: int) -> dict:
+    """The header's `layout` of `rank`'s shard under `key`: its tp / cp rank, the KV heads it holds (unknown
+    when the key names no KV head count and tp > 1 with one head a rank: split or replicated, it cannot
+    tell; such a file is shared with no other layout), the share digest and its positions."""
+    tp_rank, cp_rank = rank % key.tp, rank // key.tp % key.cp
+    local = host.shape()[1]
+    total = key.kv_heads or (local * key.tp if key.tp == 1 or local > 1 else None)
+    heads = None if total is None else list(head_range(total, key.tp, tp_rank))
+    if heads is not None and heads[1] - heads[0] != local:
+        raise ValueError(f"write_kv_file: the shard holds {local} KV heads, tp rank {tp_rank} of {total} holds "
+                         f"{heads[1] - heads[0]}")
+    full = [i for i in host.layer_ids if i not in host.windows] or host.layer_ids
+    return dict(tp_rank=tp_rank, cp_rank=cp_rank, heads=heads, kv_heads=total,
+                share=key.share_digest if heads is not None else None, positions=runs(host.layer(full[0]).pos.numpy()))
+
+
 def _header_bytes(host: HostKV, n_tokens: int, tokens_digest: str, digests, key: CacheKey, rank: int,
                   entry_id: int | None) -> bytes:
     # The offsets follow from the header's length (the reader derives them the same way: _offsets).
     h = KVFileHeader(key=key.fields(), key_digest=key.digest, rank=int(rank), entry_id=entry_id, n_tokens=n_tokens,
                      tokens_offset=0, tokens_digest=tokens_digest, dtype=str(host.dtype).removeprefix("torch."),
                      fp8=host.fp8, length=host.length, next_position=host.next_position, payload_offset=0,
-                     payload_bytes=host.nbytes, sections=host.sections, section_digests=tuple(digests),
+                     payload_bytes=host.nbytes, sections=host.sections, block_digests=tuple(map(tuple, digests)),
                      created=int(time.time()),  # whole seconds: a fixed width, so file_bytes is exact
                      lengths=tuple(host.rows(i) for i in host.layer_ids), windows=tuple(sorted(host.windows.items())),
-                     serves_from=host.serves_from)
+                     serves_from=host.serves_from, block_tokens=BLOCK_TOKENS, layout=shard_layout(host, key, rank))
     return json.dumps(h.to_json()).encode()
 
 
 def file_bytes(host: HostKV, n_tokens: int, key: CacheKey, rank: int, entry_id: int | None = None) -> int:
     """The size write_kv_file gives this shard (what a budget must make room for before writing)."""
-    hdr = _header_bytes(host, n_tokens, "0" * 32, ["0" * 32] * len(host.sections), key, rank, entry_id)
+    blanks = [["0" * 32] * n_blocks(s, BLOCK_TOKENS) for s in host.sections]
+    hdr = _header_bytes(host, n_tokens, "0" * 32, blanks, key, rank, entry_id)
     return _offsets(len(hdr), n_tokens)[1] + host.nbytes
 
 
@@ -262,7 +357,7 @@ def write_kv_file(path, kv: KVCache | HostKV, token_ids, key: CacheKey, rank: in
     tokens = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8"))
     buf = _u8(host.buffer)
     with ThreadPoolExecutor(HASH_THREADS) as pool:
-        digests = list(pool.map(lambda s: _hash(buf[s.offset:s.offset + s.nbytes]), host.sections))
+        digests = list(pool.map(lambda s: _section_blocks(buf, s, BLOCK_TOKENS), host.sections))
     tokens_bytes = tokens.tobytes()
     hdr = _header_bytes(host, len(tokens), _hash(tokens_bytes), digests, key, rank, entry_id)
     tokens_offset, payload_offset = _offsets(len(hdr), len(tokens))
@@ -285,6 +380,34 @@ def write_kv_file(path, kv: KVCache | HostKV, token_ids, key: CacheKey, rank: in
         raise
     fsync_dir(path.parent)
     return payload_offset + host.nbytes
+
+
+def read_block(path, header: KVFileHeader, section: int, j: int) -> torch.Tensor:
+    """Rows [j * block_tokens, ...) of section `section` (an index into header.sections) alone, checked
+    against that block's digest: [B, H, rows, D] of k / v, [B, H, rows] of a scale, [rows] of pos, in the
+    section's store dtype. A few ranges read (one per batch row and KV head), never the whole section."""
+    s = header.sections[section]
+    if not 0 <= j < n_blocks(s, header.block_tokens):
+        raise IndexError(f"block {j} of a {n_blocks(s, header.block_tokens)}-block section")
+    ranges = block_ranges(s, j, header.block_tokens)
+    out = bytearray(sum(n for _, n in ranges))
+    view, at = memoryview(out), 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            for off, n in ranges:
+                got = os.preadv(f.fileno(), [view[at:at + n]], header.payload_offset + off) if n else 0
+                if got < n:
+                    raise KVFileError(path, "truncated", f"layer {s.layer} {s.part} block {j} is cut short")
+                at += n
+    except OSError as e:
+        raise KVFileError(path, "io", str(e)) from None
+    if hashlib.blake2b(out, digest_size=16).hexdigest() != header.block_digests[section][j]:
+        raise KVFileError(path, "checksum", f"layer {s.layer} {s.part} block {j}: the digest does not match")
+    axis = _row_axis(s)
+    rows = min(s.shape[axis], (j + 1) * header.block_tokens) - j * header.block_tokens
+    shape = s.shape[:axis] + (rows,) + s.shape[axis + 1:]
+    return torch.frombuffer(out, dtype=torch.uint8).view(STORE_DTYPES[s.dtype]).view(shape) if out else \
+        torch.empty(shape, dtype=STORE_DTYPES[s.dtype])
 
 
 def fsync_dir(path) -> None:
@@ -312,7 +435,7 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
     host = own(HostKV(host_buffer(h.payload_bytes, arena), h.sections, getattr(torch, h.dtype), h.fp8, h.length,
                       h.next_position, dict(h.windows), h.serves_from), arena)
     buf = _u8(host.buffer)
-    pending, futures, done = list(zip(h.sections, h.section_digests)), [], 0
+    pending, futures, done = list(zip(h.sections, h.block_digests)), [], 0
     layer_end = {}
     for s in h.sections:
         layer_end[s.layer] = max(layer_end.get(s.layer, 0), s.offset + s.nbytes)
@@ -327,13 +450,15 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
                 done += n
                 while verify and pending and pending[0][0].offset + pending[0][0].nbytes <= done:
                     s, want = pending.pop(0)
-                    futures.append((s, want, pool.submit(_hash, buf[s.offset:s.offset + s.nbytes])))
+                    futures.append((s, want, pool.submit(_section_blocks, buf, s, h.block_tokens)))
                 while on_layer is not None and layers and layers[0][1] <= done:
                     on_layer(host, layers.pop(0)[0])
             for s, want, fut in futures:
-                if fut.result() != want:
+                got = fut.result()
+                if list(got) != list(want):
+                    j = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
                     raise KVFileError(path, "checksum",
-                                      f"layer {s.layer} {s.part}: the payload's digest does not match")
+                                      f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
     except OSError as e:
         raise KVFileError(path, "io", str(e)) from None
     return host, tokens, h

@@ -98,7 +98,7 @@ def server_key(llm, dtype, chunk: int, knee: int | None = None) -> CacheKey:
                      strategy="dense" if strategy is None else strategy.name,
                      options={} if strategy is None else strategy.spec_options(),
                      prefill_chunk=(chunk or None) if cp > 1 else None,
-                     prefill_knee=knee if cp > 1 and chunk else None)
+                     prefill_knee=knee if cp > 1 and chunk else None, kv_heads=llm.config.num_kv_heads)
 
 
 class Tiers:

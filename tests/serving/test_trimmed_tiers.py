@@ -151,7 +151,7 @@ def _version_1(path) -> None:
 def test_old_format_files_are_skipped_with_a_reason(tmp_path, caplog):
     """A version-1 file under this key's name is refused at start (reason "version", removed); one under a
     version-1 key's name belongs to another key: left in place, never read."""
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     key, ids = key_for(), np.arange(30)
     old_key = CacheKey.from_fields({**key.fields(), "format_version": 1})
     d = tmp_path / "d"
@@ -173,7 +173,8 @@ def test_a_damaged_trimmed_header_is_refused(tmp_path):
     """The header's lengths must agree with the sections, and serves_from lie within the tokens."""
     key, ids = key_for(), np.arange(30)
     host = to_host(trimmed_kv(False), serves_from=9)
-    raw = kv_file._header_bytes(host, len(ids), "0" * 32, ["0" * 32] * len(host.sections), key, 0, None)
+    blanks = [["0" * 32] * kv_file.n_blocks(s, kv_file.BLOCK_TOKENS) for s in host.sections]
+    raw = kv_file._header_bytes(host, len(ids), "0" * 32, blanks, key, 0, None)
     size = kv_file._offsets(len(raw), len(ids))[1] + host.nbytes
     assert kv_file._parse_header(tmp_path / "x.kv", json.loads(raw), size, len(raw)).serves_from == 9
     for field, bad, why in (("lengths", [6, 1, 12, 12], "disagree with the layout"),

@@ -114,6 +114,13 @@ class ContextStrategy:
         """Called before each prefill with the chat template head's length in tokens (APB places
         the embedded query after it)."""
 
+    @classmethod
+    def shard_positions(cls, prompt_len: int, cp: int, rank: int, options: dict) -> torch.Tensor | None:
+        """The positions (padding included) CP rank `rank` of `cp` holds after this strategy's own prefill of
+        a prompt_len-token prompt, where they follow from these alone (an exact strategy's sequence layout:
+        serving/kv_layout.py rebuilds a rank's shard from another layout's files by it); None: no such layout."""
+        return None
+
     # -- required
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         raise NotImplementedError

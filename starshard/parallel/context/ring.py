@@ -379,6 +379,10 @@ class RingAttention(ContextStrategy):
 
     name = "ring"
 
+    @classmethod
+    def shard_positions(cls, prompt_len: int, cp: int, rank: int, options: dict) -> torch.Tensor:
+        return zigzag_positions(prompt_len, cp, rank)
+
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         shard = zigzag_shard(prompt_len, self.cp, self.rank)
         last = prompt_len - 1

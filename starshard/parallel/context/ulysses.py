@@ -176,6 +176,10 @@ class UlyssesAttention(ContextStrategy):
 
     name = "ulysses"
 
+    @classmethod
+    def shard_positions(cls, prompt_len: int, cp: int, rank: int, options: dict) -> torch.Tensor:
+        return contiguous_shard(prompt_len, cp, rank).positions
+
     def segments(self, prompt_len: int, context_len: int) -> list[Segment]:
         shard = contiguous_shard(prompt_len, self.cp, self.rank)
         n = shard.positions.numel()

@@ -128,6 +128,12 @@ class UspAttention(ContextStrategy):
     def spec_options(self) -> dict:
         return super().spec_options() | dict(ulysses_degree=self.u)
 
+    @classmethod
+    def shard_positions(cls, prompt_len: int, cp: int, rank: int, options: dict) -> torch.Tensor:
+        u = options.get("ulysses_degree", cp)  # from_options' default: the whole CP group
+        ring_rank, uly_rank = usp_coords(rank, u)
+        return usp_shard(prompt_len, cp // u, u, ring_rank, uly_rank).positions
+
     def _shard(self, prompt_len: int, cp_rank: int):
         ring_rank, uly_rank = usp_coords(cp_rank, self.u)
         return usp_shard(prompt_len, self.rd, self.u, ring_rank, uly_rank)
