@@ -154,6 +154,13 @@ class StarshardAsHF:
         _, _, i, *rest = name.split(".")
         part, kind = ".".join(rest[:-1]), rest[-1]
         o = f"layers.{i}."
+        # an MoE layer, as hf.moe_layer asks for it: the router, and the experts stacked as starshard stores them
+        # (w13 [E, 2F, H] gate rows then up rows, w2 [E, H, F]: transformers' gate_up_proj / down_proj)
+        stacked = {"experts.gate_up_proj": "feed_forward.experts.w13", "experts.down_proj": "feed_forward.experts.w2"}
+        if ".".join(rest[-2:]) in stacked:
+            return o + stacked[".".join(rest[-2:])], None, 0
+        if part in ("mlp.gate", "block_sparse_moe.gate"):
+            return f"{o}feed_forward.router.{kind}", None, 0
         q, kv, f = c.q_size, c.kv_size, c.intermediate_size
         table = {
             "input_layernorm": ("attention_norm", None), "post_attention_layernorm": ("ffn_norm", None),
@@ -172,7 +179,10 @@ class StarshardAsHF:
         return f"{o}{ours}.{kind}", rows, 0
 
     def has(self, name: str) -> bool:
-        return self._where(name)[0] in self.handles
+        try:
+            return self._where(name)[0] in self.handles
+        except KeyError:  # a name with no starshard counterpart (another family's MoE layout)
+            return False
 
     def get(self, name: str) -> torch.Tensor:
         key, rows, _ = self._where(name)
