@@ -27,6 +27,7 @@ import torch.distributed as dist
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
 from starshard.serving.context_cache import longest_prefix
+from starshard.serving.disk_read import DEFAULT_READERS, check_readers
 from starshard.serving.host_tier import DeviceLoader, HostKV, to_device, to_host
 from starshard.serving.kv_file import (
     KVFileError,
@@ -143,9 +144,13 @@ class DiskTier:
     verify_on_start: also check every payload's digests while indexing (a full read of the directory);
     off, start reads headers and token ids only (seconds for terabytes) and a damaged payload is caught
     when it is loaded: `load` then removes the file and raises KVFileError, and the caller re-prefills.
+    readers: parallel sequential readers per file (disk_read.py; --disk-readers; 1: one in order).
     """
 
-    def __init__(self, path, budget_bytes: int, key: CacheKey, rank: int, verify_on_start: bool = False):
+    def __init__(self, path, budget_bytes: int, key: CacheKey, rank: int, verify_on_start: bool = False,
+                 readers: int = DEFAULT_READERS):
+        self.readers = check_readers(readers)  # parallel sequential readers per file read (disk_read.py)
+        self.read_limit: float | None = None  # bytes/s: bench serve --disk-read-throttle's pacing, never serve's
         if budget_bytes <= 0:
             raise ValueError(f"the disk cache budget must be > 0 bytes (--disk-cache-gib), got {budget_bytes}")
         self.path = make_private_dir(path)
@@ -198,7 +203,7 @@ class DiskTier:
                 if token_digest(ids) != m["tokens"]:
                     raise KVFileError(p, "header", "the token ids do not match the file's name")
                 if verify:
-                    read_kv_host(p, self.key, self.rank, verify=True, header=h)
+                    read_kv_host(p, self.key, self.rank, verify=True, header=h, readers=self.readers)
             except KVFileError as e:
                 self._reject(p, e)
                 continue
@@ -421,7 +426,8 @@ class DiskTier:
                                   "not in this disk tier (evicted or never written)")
             self._touch(e)
         try:
-            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer, arena=arena)
+            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer, arena=arena,
+                                        readers=self.readers, rate=self.read_limit)
             if not np.array_equal(ids, e.ids):
                 raise KVFileError(e.path, "header", "the token ids changed since the file was indexed")
         except KVFileError as err:
