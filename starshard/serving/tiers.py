@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
 from starshard.serving.disk_read import DEFAULT_READERS, check_readers
+from starshard.serving.disk_staging import DISK_STAGING_BYTES
 from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
 from starshard.serving.disk_writer import DiskWriter
 from starshard.serving.host_tier import HostTier
@@ -129,7 +131,8 @@ class Tiers:
         rank = dist.get_rank() if dist.is_initialized() else 0
         mine, err = {}, None
         try:
-            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank, readers=config.disk_readers)
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank, readers=config.disk_readers,
+                                 staging_bytes=DISK_STAGING_BYTES if torch.cuda.is_available() else 0)
             mine = {digest_of(e): e.device_bytes(self.token_bytes) for e in self.disk.list()}
         except (DiskTierLocked, OSError) as e:
             err = e

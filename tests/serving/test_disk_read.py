@@ -8,6 +8,7 @@ import pytest
 
 from starshard.serving import disk_read
 from starshard.serving.disk_read import ShortRead, read_file
+from starshard.serving.disk_staging import StagingArea, read_kv_staged, windows
 from starshard.serving.disk_tier import DiskTier
 from starshard.serving.kv_file import KVFileError, read_header, read_kv_host, write_kv_file
 from tests.helpers.kv_shards import assert_kv_equal, key_for, make_kv
@@ -129,3 +130,44 @@ def test_a_paced_disk_tier_reloads_no_faster_than_its_limit(tmp_path):
         t0 = time.monotonic()
         assert_kv_equal(kv, t.load(e, "cpu"))
         assert time.monotonic() - t0 >= 0.27
+
+
+# ---------------------------------------------------------------------------- the pinned staging slots
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_staged_reload_reuses_small_slots_bit_exact(tmp_path, monkeypatch, fp8):
+    monkeypatch.setattr(disk_read, "CHUNK", 4096)
+    kv, key = make_kv(length=301, layers=tuple(range(7)), fp8=fp8), key_for(fp8=fp8)
+    path = tmp_path / "a.kv"
+    write_kv_file(path, kv, np.arange(301), key, 0)
+    h = read_header(path)
+    layer = h.payload_bytes // 7
+    staging = StagingArea(2 * (2 * layer + 4096), pin=False)  # CPU: plain memory; two layers a slot, 4 windows
+    plan = windows(h, staging.slot_bytes)
+    assert len(plan) >= 4 and [i for *_, ls in plan for i in ls] == list(range(7))
+    assert plan[0][0] == 0 and plan[-1][1] == h.payload_bytes and all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    for readers in (1, 4):
+        back, tokens = read_kv_staged(path, "cpu", staging, key, 0, extra_capacity=3, readers=readers)
+        assert_kv_equal(kv, back) and np.array_equal(tokens, np.arange(301))
+        assert all(layer.capacity == 301 + 3 for layer in back.layers.values())
+    assert read_kv_staged(path, "cpu", StagingArea(layer, pin=False), key, 0) is None  # a layer > a slot: not staged
+
+
+def test_a_staged_reload_reports_damage(tmp_path):
+    kv, key = make_kv(length=200, layers=tuple(range(5))), key_for()
+    path = tmp_path / "a.kv"
+    write_kv_file(path, kv, np.arange(200), key, 0)
+    h = read_header(path)
+    staging = StagingArea(2 * (h.payload_bytes // 5 + 4096), pin=False)  # one layer a slot
+    raw = bytearray(path.read_bytes())
+    s = h.sections[-2]  # the last layer's k: its window reuses a slot of an earlier one
+    raw[h.payload_offset + s.offset + 5] ^= 8
+    path.write_bytes(bytes(raw))
+    read_kv_staged(path, "cpu", staging, key, 0, verify=False)
+    with pytest.raises(KVFileError) as err:
+        read_kv_staged(path, "cpu", staging, key, 0)
+    assert err.value.reason == "checksum" and "layer 4 k" in str(err.value)
+    with open(path, "r+b") as f:
+        f.truncate(h.payload_offset + h.payload_bytes - 100)
+    with pytest.raises(KVFileError) as err:
+        read_kv_staged(path, "cpu", staging, key, 0)
+    assert err.value.reason == "truncated"
