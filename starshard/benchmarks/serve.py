@@ -13,8 +13,10 @@ every rank) with demote_<tier>_longest_step_s (the longest step meanwhile: a wri
 loop, so only the device -> host copy stalls the streams) and demote_<tier>_blocked_steps (that step took
 >= 1 s, scheduler.SLOW_STEP_S), ttft_host_s, and ttft_disk_cold_s with the entry's files
 dropped from the page cache (posix_fadvise DONTNEED; rank 0 drops every rank's files of the node),
-beside the disk's sequential read rate over those same files and disk_bound_s = their bytes / that
-rate. --reuse-only, a later run on the same --disk-cache-dir and --seed, asks only questions on the
+beside the disk's read rate over those same files (the best of 1, 4 and 8 parallel sequential readers
+per file; each count's rate in disk.readers_gbps) and disk_bound_s = their bytes / that rate.
+--disk-read-throttle F (benchmark-only) then paces the disk tier's reads to F x that rate, a slower disk's
+stand-in (disk_bound_throttled_s). --reuse-only, a later run on the same --disk-cache-dir and --seed, asks only questions on the
 documents the earlier run left there (the restart check: cached_tokens >= the document's tokens).
 Graceful shutdown writes the entries not on disk yet down to it (--shutdown-write-s; 0: only entries
 already on disk outlive a run).
@@ -67,6 +69,7 @@ from starshard.llm import LLM
 from starshard.parallel.topology import read_launch_env
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cache_key import token_digest
+from starshard.serving.disk_read import DEFAULT_READERS
 from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
 from starshard.serving.step_clock import StepClock, idle_summary
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
@@ -129,8 +132,18 @@ def add_arguments(p) -> None:
                        "the document's cache entry down to each of these tiers in turn (Scheduler.demote, as an "
                        "eviction would) and time a new question on it: ttft_host_s (promoted from pinned host "
                        "memory) and ttft_disk_cold_s (its files dropped from the page cache first, with the disk's "
-                       "sequential read rate over the same files and disk_bound_s = their bytes / that rate), each "
+                       "read rate over the same files (the best of 1, 4 and 8 parallel sequential readers) and disk_bound_s = their bytes / that rate), each "
                        "over ttft_uncached_s; the tiers' budgets must hold the longest document's shard")
+    tiers.add_argument("--disk-readers", type=int, default=DEFAULT_READERS, metavar="N",
+                       help="threads reading one disk cache file in parallel (serve's flag; 1: one sequential reader; "
+                       "default: %(default)s). disk_bound_s is the best of 1, 4 and 8 readers whatever this is")
+    tiers.add_argument("--disk-read-throttle", type=float, default=None, metavar="F",
+                       help="BENCHMARK-ONLY (serve has no such flag): after measuring the disk's read rate over a "
+                       "document's files, pace the disk tier's reads (sleeps) to F x that rate before its question "
+                       "(--tiers disk, or --reuse-only: measured first there too), e.g. 0.25 for a disk 4x slower "
+                       "than this one; reports disk_read_limit_gbps and disk_bound_throttled_s. Over several ranks "
+                       "only rank 0's reads are paced, to its share of F x the rate (a promotion waits for every "
+                       "rank). Default: unpaced")
     tiers.add_argument("--reuse-only", action="store_true",
                        help="document scenario, the restart check: only ask one new question on each --lengths "
                        "document that an earlier run with the same --seed made on this --disk-cache-dir (its files "
@@ -202,7 +215,7 @@ def tier_error(args) -> str | None:
     """What is wrong with the tier flags (None: nothing)."""
     try:
         TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
-                            shutdown_write_s=args.shutdown_write_s)
+                            shutdown_write_s=args.shutdown_write_s, disk_readers=args.disk_readers)
     except ValueError as e:
         return str(e)
     if (args.tiers or args.reuse_only) and args.scenario != "document":
@@ -213,6 +226,11 @@ def tier_error(args) -> str | None:
         return f"{'--reuse-only' if args.reuse_only else '--tiers disk'} needs --disk-cache-dir and --disk-cache-gib"
     if args.reuse_only and args.tiers:
         return "--reuse-only only asks questions on documents already on disk: drop --tiers"
+    if args.disk_read_throttle is not None:
+        if not args.disk_read_throttle > 0:
+            return f"--disk-read-throttle must be > 0 (a fraction of the measured read rate), got {args.disk_read_throttle}"
+        if "disk" not in args.tiers and not args.reuse_only:
+            return "--disk-read-throttle paces disk reloads: it needs --tiers disk or --reuse-only"
     return None
 
 
@@ -340,7 +358,7 @@ def run(args) -> None:
         for c in row["concurrency"]:
             c["speedup_vs_first"] = c["decode_tokens_per_second"] / one
         for tier in args.tiers:
-            row.update(tier_follow_up(svc, tier, doc, question, row["ttft_uncached_s"]))
+            row.update(tier_follow_up(svc, tier, doc, question, row["ttft_uncached_s"], args.disk_read_throttle))
         if args.tiers:
             row["targets"] = tier_targets(row)
             row["tier_stats"] = svc.stats()["tiers"]
@@ -353,7 +371,8 @@ def run(args) -> None:
     for n in [1, 1] + [max(args.concurrency)]:
         for d, _ in [ask(warm, 2) for _ in range(n)]:
             wait(d)
-    measure_one = (lambda L: reuse_row(svc, L, document(L), question)) if args.reuse_only else measure
+    measure_one = (lambda L: reuse_row(svc, L, document(L), question, args.disk_read_throttle)) if args.reuse_only \
+        else measure
     try:
         rows = [measure_one(L) for L in args.lengths]
         stats = svc.stats()
@@ -394,10 +413,10 @@ def check_tier_room(args, svc) -> None:
           f"per rank; each document is pushed to {', '.join(args.tiers)} by Scheduler.demote", file=sys.stderr)
 
 
-def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float) -> dict:
+def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float, throttle: float | None = None) -> dict:
     """Push `doc`'s entry down to `tier` (Scheduler.demote), then time a new question on it: promoted
     back from the host tier, or read cold from the disk tier (its files dropped from the page cache,
-    after the disk's sequential read rate was measured on them)."""
+    after the disk's read rate was measured on them; `throttle`: its reads paced to that fraction of it)."""
     svc.longest_step_s = 0.0
     t0 = time.perf_counter()
     shard = svc.demote(doc, tier)  # returns once the move is complete (a disk write: committed on every rank)
@@ -415,7 +434,13 @@ def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float) ->
             print(f"warning: reading {disk['where']['dir']} cold was not slower than from the page cache "
                   f"({disk['disk_read_gbps']:.2f} vs {disk['page_cache_read_gbps']:.2f} GB/s): the drop may not have "
                   "taken, or the files are on tmpfs", file=sys.stderr)
-    ttft, cached = question(doc)
+        if throttle is not None:
+            out |= serve_tiers.throttle(svc.tiers.disk, disk, throttle)
+    try:
+        ttft, cached = question(doc)
+    finally:
+        if svc.tiers.disk is not None:
+            svc.tiers.disk.read_limit = None
     out |= {f"ttft_{name}_s": ttft, f"{name}_over_uncached": ttft / uncached, f"{name}_cached_tokens": cached}
     if tier == "disk":
         out["disk_cold_over_bound"] = ttft / out["disk_bound_s"]
@@ -439,9 +464,10 @@ def tier_targets(row: dict) -> dict:
     return out
 
 
-def reuse_row(svc, L: int, doc: list[int], question) -> dict:
+def reuse_row(svc, L: int, doc: list[int], question, throttle: float | None = None) -> dict:
     """--reuse-only: a question on a document an earlier run on this --disk-cache-dir (same --seed) made,
-    its files dropped from the page cache first (a cold read, as after a reboot)."""
+    its files dropped from the page cache first (a cold read, as after a reboot); `throttle`: the disk's
+    read rate measured on them first, the reads paced to that fraction of it."""
     row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc)}
     files = []
     try:
@@ -450,7 +476,13 @@ def reuse_row(svc, L: int, doc: list[int], question) -> dict:
     except ValueError:
         pass
     row["files"] = [str(p) for p in files]
-    ttft, cached = question(doc)
+    if throttle is not None and files:
+        row["disk"] = serve_tiers.read_rate(files)  # leaves them dropped
+        row |= serve_tiers.throttle(svc.tiers.disk, row["disk"], throttle)
+    try:
+        ttft, cached = question(doc)
+    finally:
+        svc.tiers.disk.read_limit = None
     row |= {"ttft_reuse_s": ttft, "cached_tokens": cached, "reused": cached >= len(doc)}
     if not row["reused"]:
         print(f"warning: --reuse-only: the {L}-token document reused {cached} of its {len(doc)} tokens (no file of "
@@ -484,7 +516,8 @@ def start_scheduler(args, **limits):
     options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
                    # disk_reload "always": the scenario measures each tier's reload, slower than a prefill or not
                    tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
-                                             disk_reload="always", shutdown_write_s=args.shutdown_write_s), **limits)
+                                             disk_reload="always", shutdown_write_s=args.shutdown_write_s,
+                                             disk_readers=args.disk_readers), **limits)
     chunk = args.prefill_chunk if args.prefill_chunk is not None else default_prefill_chunk(llm.device, parallel.cp)
     options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee,
                    warmup=args.warmup, warmup_tokens=args.warmup_tokens)

@@ -1,6 +1,8 @@
 """The disk side of `bench serve --tiers`: a cache entry's files on every rank, dropping them from the
 page cache (a cold read without root: posix_fadvise DONTNEED on files already written back, as the disk
-tier's fsynced writes are), the disk's sequential read rate over those files, and where they live."""
+tier's fsynced writes are), the disk's read rate over those files (the best of 1, 4 and 8 parallel
+sequential readers per file), where they live, and pacing the disk tier's reads to a fraction of that
+rate (--disk-read-throttle, benchmark-only)."""
 from __future__ import annotations
 
 import os
@@ -8,9 +10,10 @@ import threading
 import time
 from pathlib import Path
 
+from starshard.serving.disk_read import read_file
 from starshard.serving.disk_tier import file_name
 
-READ_BLOCK = 64 << 20  # plain large sequential reads
+READER_COUNTS = (1, 4, 8)  # disk_bound: the best of these many parallel sequential readers per file
 
 
 def entry_files(tier, ids, world: int, timeout: float = 600.0) -> list[Path]:
@@ -39,17 +42,18 @@ def drop_cached(paths) -> None:
             os.close(fd)
 
 
-def read_all(paths) -> tuple[int, float]:
-    """(bytes, seconds) of reading every file through once, one thread per file, all at once (as the
-    ranks' promotions read them)."""
+def read_all(paths, readers: int = 1) -> tuple[int, float]:
+    """(bytes, seconds) of reading every file through once, all files at once (as the ranks' promotions read
+    them), each by `readers` parallel sequential readers (serving/disk_read.py, as the disk tier reads)."""
     sizes = [0] * len(paths)
+    errors = []
 
     def read(i, p):
-        buf = bytearray(max(1, min(READ_BLOCK, p.stat().st_size)))
-        view = memoryview(buf)
-        with open(p, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                sizes[i] += n
+        try:
+            for done in read_file(p, 0, p.stat().st_size, None, readers):  # into scratch buffers: a rate only
+                sizes[i] = done
+        except (OSError, EOFError) as e:  # a file removed or cut meanwhile: its bytes read so far count
+            errors.append(e)
 
     threads = [threading.Thread(target=read, args=(i, p)) for i, p in enumerate(paths)]
     t0 = time.perf_counter()
@@ -57,20 +61,41 @@ def read_all(paths) -> tuple[int, float]:
         t.start()
     for t in threads:
         t.join()
-    return sum(sizes), time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"reading the entry's files failed: {errors[0]}")
+    return sum(sizes), seconds
 
 
-def read_rate(paths) -> dict:
-    """The disk's sequential read rate over `paths`, cold (dropped from the page cache first), and the
-    page cache's (read again, warm) beside it: a cold rate close to the warm one means the drop did not
-    take (tmpfs, or a filesystem that ignores fadvise). The files are dropped again afterwards."""
+def read_rate(paths, reader_counts=READER_COUNTS) -> dict:
+    """The disk's sequential read rate over `paths`: the best of 1, 4 and 8 parallel sequential readers per
+    file, each cold (dropped from the page cache first; every count's rate in `readers_gbps`), and the page
+    cache's (read again, warm, with the best count) beside it: a cold rate close to the warm one means the
+    drop did not take (tmpfs, or a filesystem that ignores fadvise). The files are dropped again afterwards."""
+    rates, n = {}, 0
+    for count in reader_counts:
+        drop_cached(paths)
+        n, cold = read_all(paths, count)
+        rates[count] = (n / cold / 1e9, cold)
+    best = max(rates, key=lambda c: rates[c][0])
+    _, warm = read_all(paths, best)
     drop_cached(paths)
-    n, cold = read_all(paths)
-    _, warm = read_all(paths)
-    drop_cached(paths)
+    gbps, cold = rates[best]
     return {"files": [str(p) for p in paths], "file_bytes": [p.stat().st_size for p in paths], "bytes": n,
-            "cold_read_s": cold, "disk_read_gbps": n / cold / 1e9, "page_cache_read_gbps": n / warm / 1e9,
+            "readers_gbps": {str(c): r for c, (r, _) in rates.items()}, "best_readers": best,
+            "cold_read_s": cold, "disk_read_gbps": gbps, "page_cache_read_gbps": n / warm / 1e9,
             "drop_took": cold > 1.5 * warm, "where": mount_of(paths[0].parent)}
+
+
+def throttle(tier, disk: dict, factor: float) -> dict:
+    """Pace `tier`'s reads (this rank's) so that the entry's files read at `factor` x the measured rate `disk`
+    (read_rate): this rank's file gets its share of factor x rate, so it takes as long as all the files at that
+    rate would. Benchmark-only (a slower disk, or a faster one up to the rate measured). Other ranks' tiers
+    are not paced: with factor <= 1 they finish first, and a promotion waits for every rank."""
+    share = disk["file_bytes"][0] / disk["bytes"]
+    tier.read_limit = factor * disk["disk_read_gbps"] * 1e9 * share
+    return {"disk_read_throttle": factor, "disk_read_limit_gbps": tier.read_limit / 1e9,
+            "disk_bound_throttled_s": disk["bytes"] / (factor * disk["disk_read_gbps"] * 1e9)}
 
 
 def mount_of(path) -> dict:

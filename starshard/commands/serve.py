@@ -31,6 +31,7 @@ from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
 from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.runconfig import parse_with_config
+from starshard.serving.disk_read import DEFAULT_READERS
 from starshard.serving.disk_tier import DiskTierLocked
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
@@ -153,6 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "server's measured reloads (seconds per byte) and prefills (seconds per FLOP); the first reload "
                        "is always tried. A skipped file stays. always: reload every disk hit (a fast disk, or to "
                        "measure it)")
+    tiers.add_argument("--disk-readers", type=int, default=DEFAULT_READERS, metavar="N",
+                       help="threads reading one disk cache file in parallel, each a run of large sequential reads "
+                       "in file order (a drive serves several at once: NVMe or a network filesystem reads faster); "
+                       "1: one sequential reader (default: %(default)s)")
     add_layout_arguments(ap)
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -194,7 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.disk_cache_gib = budget / GiB  # whole MiB: exact
     try:
         args.tiers = TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
-                                         args.disk_reload_policy, args.shutdown_write_s)
+                                         args.disk_reload_policy, args.shutdown_write_s, args.disk_readers)
     except ValueError as e:
         ap.error(str(e))
     return args

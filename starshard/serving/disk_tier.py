@@ -35,6 +35,8 @@ import torch.distributed as dist
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey, token_digest
 from starshard.serving.context_cache import longest_prefix
+from starshard.serving.disk_read import DEFAULT_READERS, check_readers
+from starshard.serving.disk_staging import StagingArea, read_kv_staged
 from starshard.serving.host_tier import DeviceLoader, HostKV, to_device, to_host
 from starshard.serving.kv_layout import head_range, prefill_positions, reassemble
 from starshard.serving.kv_file import (
@@ -161,9 +163,17 @@ class DiskTier:
     verify_on_start: also check every payload's digests while indexing (a full read of the directory);
     off, start reads headers and token ids only (seconds for terabytes) and a damaged payload is caught
     when it is loaded: `load` then removes the file and raises KVFileError, and the caller re-prefills.
+    readers: parallel sequential readers per file (disk_read.py; --disk-readers; 1: one in order).
+    staging_bytes: a pinned staging area for reloads to a CUDA device without a host arena range (0: none).
     """
 
-    def __init__(self, path, budget_bytes: int, key: CacheKey, rank: int, verify_on_start: bool = False):
+    def __init__(self, path, budget_bytes: int, key: CacheKey, rank: int, verify_on_start: bool = False,
+                 readers: int = DEFAULT_READERS, staging_bytes: int = 0):
+        self.readers = check_readers(readers)  # parallel sequential readers per file read (disk_read.py)
+        self.read_limit: float | None = None  # bytes/s: bench serve --disk-read-throttle's pacing, never serve's
+        # pinned slots that reloads to a CUDA device stream through when no host arena range takes the file
+        # (disk_staging.py); page-locked here, once, not on the first reload after a restart
+        self.staging = StagingArea(staging_bytes) if staging_bytes else None
         if budget_bytes <= 0:
             raise ValueError(f"the disk cache budget must be > 0 bytes (--disk-cache-gib), got {budget_bytes}")
         self.path = make_private_dir(path)
@@ -232,7 +242,7 @@ class DiskTier:
                 if token_digest(ids) != m["tokens"]:
                     raise KVFileError(p, "header", "the token ids do not match the file's name")
                 if verify:
-                    read_kv_host(p, self.key, self.rank, verify=True, header=h)
+                    read_kv_host(p, self.key, self.rank, verify=True, header=h, readers=self.readers)
             except KVFileError as e:
                 self._reject(p, e)
                 continue
@@ -524,7 +534,8 @@ class DiskTier:
         self._stats.observe_reload(time.perf_counter() - t0)
         return host
 
-    def _read(self, entry: DiskEntry | str, verify: bool, on_layer, arena: PinnedArena | None = None) -> HostKV:
+    def _read(self, entry: DiskEntry | str, verify: bool, on_layer, arena: PinnedArena | None = None, read=None):
+        """read_kv_host's HostKV of the entry's file (or read(path) -> (result, token ids)); errors: see load_host."""
         with self._mutex:
             name = entry if isinstance(entry, str) else entry.name
             e = self.entries.get(name) or next((s for s in self.shared.values() if s.name == name), None)
@@ -535,7 +546,13 @@ class DiskTier:
                                   "not in this disk tier (evicted or never written)")
             self._touch(e)
         try:
-            host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer, arena=arena)
+            if read is not None:
+                host, ids = read(e.path)
+                if host is None:
+                    return None  # not read that way (e.g. a layer larger than a staging slot): the caller reads it
+            else:
+                host, ids, _ = read_kv_host(e.path, self.key, self.rank, verify, on_layer=on_layer, arena=arena,
+                                            readers=self.readers, rate=self.read_limit)
             if not np.array_equal(ids, e.ids):
                 raise KVFileError(e.path, "header", "the token ids changed since the file was indexed")
         except KVFileError as err:
@@ -577,8 +594,16 @@ class DiskTier:
         """Promote a file straight to `device`: a KVCache of exactly its rows plus `extra_capacity`, copies
         done; each layer's host -> device copy starts as soon as its bytes are read. The bytes pass through a
         range of the host tier's pinned `arena` when it has room (freed once the copies are done), else a
-        pageable buffer. Raises KVFileError as load_host."""
+        pageable buffer, or, to a CUDA device, this tier's pinned staging slots. Raises KVFileError as load_host."""
         t0, loader = time.perf_counter(), []
+        if self._staged(entry, device, arena):
+            def staged(path):
+                return read_kv_staged(path, device, self.staging, self.key, self.rank, extra_capacity, verify,
+                                      self.readers, self.read_limit) or (None, None)
+            kv = self._read(entry, verify, None, read=staged)
+            if kv is not None:
+                self._stats.observe_reload(time.perf_counter() - t0)
+                return kv
 
         def start(host, i):
             if not loader:
@@ -591,11 +616,22 @@ class DiskTier:
         self._stats.observe_reload(time.perf_counter() - t0)
         return load.kv
 
+    def _staged(self, entry: DiskEntry | str, device, arena: PinnedArena | None) -> bool:
+        """Whether a load to `device` streams through the staging slots: a CUDA device, and no host arena
+        range for the whole file (none, or too full)."""
+        if self.staging is None or torch.device(device).type != "cuda":
+            return False
+        e = self.entries.get(entry if isinstance(entry, str) else entry.name)
+        return arena is None or e is None or arena.largest_free() < e.nbytes
+
     def close(self) -> None:
         """Release the rank's lock (also released when the process exits)."""
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
     def __enter__(self):
         return self

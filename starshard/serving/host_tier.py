@@ -308,8 +308,11 @@ class DeviceLoader:
         self.events: dict[int, torch.cuda.Event] = {}
         self.started = time.perf_counter()
 
-    def copy_layer(self, i: int) -> None:
-        host, layer, n = self.host, self.kv.layers[i], self.host.rows(i)
+    def copy_layer(self, i: int, src: HostKV | None = None) -> None:
+        """Copy layer i from the shard's buffer, or from `src` (another HostKV holding layer i's sections, e.g.
+        a reused staging window: disk_staging.py; its _copies get this copy's event)."""
+        host = src if src is not None else self.host
+        layer, n = self.kv.layers[i], host.rows(i)
         dst = _layer_parts(StoredKV(layer.k[:, :, :n], layer.v[:, :, :n], layer.pos[:n],
                                     *((layer.k_scale[:, :, :n], layer.v_scale[:, :, :n]) if host.fp8 else (None, None))))
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():

@@ -49,6 +49,7 @@ import torch
 
 from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import FORMAT_VERSION, CacheKey
+from starshard.serving.disk_read import DEFAULT_READERS, ShortRead, read_file
 from starshard.serving.host_tier import (
     PARTS,
     STORE_DTYPES,
@@ -422,9 +423,11 @@ def fsync_dir(path) -> None:
 def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, verify: bool = True,
                  header: KVFileHeader | None = None,
                  on_layer: Callable[[HostKV, int], None] | None = None,
-                 arena: PinnedArena | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
+                 arena: PinnedArena | None = None, readers: int = DEFAULT_READERS,
+                 rate: float | None = None) -> tuple[HostKV, np.ndarray, KVFileHeader]:
     """Read a shard into a host buffer (a range of the host tier's pinned `arena` when it has room, else
-    pageable: host_tier.host_buffer) by large sequential reads, each section's digest checked
+    pageable: host_tier.host_buffer) by `readers` parallel sequential readers (disk_read.py; `rate`: paced to
+    at most that many bytes/s, a benchmark's slow disk), each section's digest checked
     on a thread pool as soon as its bytes are in (verify=False skips them). (HostKV, token ids, header).
     on_layer(host, i) is called as soon as layer i's bytes are in, before the digests are known (to start
     its copy to the device: host_tier.DeviceLoader); a digest that fails raises after it, and the caller
@@ -435,19 +438,14 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
     host = own(HostKV(host_buffer(h.payload_bytes, arena), h.sections, getattr(torch, h.dtype), h.fp8, h.length,
                       h.next_position, dict(h.windows), h.serves_from), arena)
     buf = _u8(host.buffer)
-    pending, futures, done = list(zip(h.sections, h.block_digests)), [], 0
+    pending, futures = list(zip(h.sections, h.block_digests)), []
     layer_end = {}
     for s in h.sections:
         layer_end[s.layer] = max(layer_end.get(s.layer, 0), s.offset + s.nbytes)
     layers = list(layer_end.items())
     try:
-        with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(HASH_THREADS) as pool:
-            f.seek(h.payload_offset)
-            while done < h.payload_bytes:
-                n = f.readinto(buf[done:done + READ_CHUNK])
-                if not n:
-                    raise KVFileError(path, "truncated", f"the payload ends after {done} of {h.payload_bytes} bytes")
-                done += n
+        with ThreadPoolExecutor(HASH_THREADS) as pool:
+            for done in read_file(path, h.payload_offset, h.payload_bytes, buf, readers, rate=rate):
                 while verify and pending and pending[0][0].offset + pending[0][0].nbytes <= done:
                     s, want = pending.pop(0)
                     futures.append((s, want, pool.submit(_section_blocks, buf, s, h.block_tokens)))
@@ -459,6 +457,8 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
                     j = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
                     raise KVFileError(path, "checksum",
                                       f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
+    except ShortRead as e:
+        raise KVFileError(path, "truncated", f"the payload ends after {e.done} of {h.payload_bytes} bytes") from None
     except OSError as e:
         raise KVFileError(path, "io", str(e)) from None
     return host, tokens, h

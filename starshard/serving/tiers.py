@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from starshard.serving.cache_key import CacheKey, cache_key, model_fingerprint
+from starshard.serving.disk_read import DEFAULT_READERS, check_readers
+from starshard.serving.disk_staging import DISK_STAGING_BYTES
 from starshard.serving.disk_tier import DiskEntry, DiskTier, DiskTierLocked
 from starshard.serving.disk_writer import DiskWriter
 from starshard.serving.host_tier import HostTier
@@ -46,10 +49,13 @@ class TierConfig:
     disk_bytes: int = 0
     disk_reload: str = "auto"  # when a disk hit is promoted (serving/reload_policy.py): "auto" or "always"
     shutdown_write_s: float = SHUTDOWN_WRITE_S  # graceful shutdown: seconds to write entries down to disk (0: skip)
+    disk_readers: int = DEFAULT_READERS  # parallel sequential readers per file read (serving/disk_read.py)
 
     @classmethod
     def from_gib(cls, host_gib: float = 0.0, disk_dir=None, disk_gib: float | None = None,
-                 disk_reload: str = "auto", shutdown_write_s: float = None) -> "TierConfig":
+                 disk_reload: str = "auto", shutdown_write_s: float = None,
+                 disk_readers: int = DEFAULT_READERS) -> "TierConfig":
+        check_readers(disk_readers)
         shutdown_write_s = SHUTDOWN_WRITE_S if shutdown_write_s is None else shutdown_write_s
         if shutdown_write_s < 0:
             raise ValueError(f"--shutdown-write-s must be >= 0 seconds (0: write nothing down), got {shutdown_write_s}")
@@ -62,7 +68,8 @@ class TierConfig:
         if disk_dir is not None and (disk_gib is None or disk_gib <= 0):
             raise ValueError(f"--disk-cache-dir needs --disk-cache-gib > 0 (the disk tier's budget per rank), "
                              f"got {disk_gib}")
-        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB), disk_reload, shutdown_write_s)
+        return cls(int(host_gib * GiB), disk_dir, int((disk_gib or 0) * GiB), disk_reload, shutdown_write_s,
+                   disk_readers)
 
     @property
     def any(self) -> bool:
@@ -124,7 +131,8 @@ class Tiers:
         rank = dist.get_rank() if dist.is_initialized() else 0
         mine, err = {}, None
         try:
-            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank)
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, key, rank, readers=config.disk_readers,
+                                 staging_bytes=DISK_STAGING_BYTES if torch.cuda.is_available() else 0)
             mine = {digest_of(e): e.device_bytes(self.token_bytes) for e in self.disk.list()}
         except (DiskTierLocked, OSError) as e:
             err = e

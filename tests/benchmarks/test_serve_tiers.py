@@ -31,7 +31,8 @@ def bench(tmp_path, name, *argv):
 
 def test_tiers_then_reuse_after_a_restart(tmp_path):
     disk = ["--disk-cache-dir", str(tmp_path / "kv"), "--disk-cache-gib", "0.02"]
-    r = bench(tmp_path, "tiers", "--host-cache-gib", "0.01", *disk, "--tiers", "host,disk", "--seed", "3")
+    r = bench(tmp_path, "tiers", "--host-cache-gib", "0.01", *disk, "--tiers", "host,disk", "--seed", "3",
+              "--disk-readers", "2", "--disk-read-throttle", "0.5")
     assert [row["length"] for row in r["results"]] == [96, 160]
     for i, row in enumerate(r["results"]):
         n = row["document_tokens"]
@@ -45,6 +46,11 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
         assert d["file_bytes"] == [files[0].stat().st_size] and d["bytes"] == sum(d["file_bytes"])
         assert d["file_bytes"][0] > row["shard_bytes_per_rank"][0] > 0  # the shard, a header and its token ids
         assert row["disk_bound_s"] == pytest.approx(d["bytes"] / (d["disk_read_gbps"] * 1e9))
+        assert set(d["readers_gbps"]) == {"1", "4", "8"}  # the bound: the best of 1, 4 and 8 readers per file
+        assert d["disk_read_gbps"] == max(d["readers_gbps"].values()) == d["readers_gbps"][str(d["best_readers"])]
+        assert row["disk_read_throttle"] == 0.5  # paced to half the measured rate (one rank: all of it)
+        assert row["disk_read_limit_gbps"] == pytest.approx(0.5 * d["disk_read_gbps"])
+        assert row["disk_bound_throttled_s"] == pytest.approx(2 * row["disk_bound_s"])
         assert row["disk_cold_over_bound"] == pytest.approx(row["ttft_disk_cold_s"] / row["disk_bound_s"])
         assert d["where"]["mount_point"] is not None and d["where"]["fstype"]
         assert set(row["targets"]) == {"host_within_10pct_of_prefill", "disk_within_35pct_of_prefill_or_1.3x_read"}
@@ -53,11 +59,12 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
         assert on_disk["demotions"] == on_disk["promotions"] == i + 1
     assert r["engine_stats"]["reload_failures_total"] == 0
 
-    again = bench(tmp_path, "reuse", *disk, "--reuse-only", "--seed", "3")
+    again = bench(tmp_path, "reuse", *disk, "--reuse-only", "--seed", "3", "--disk-read-throttle", "0.25")
     for first, row in zip(r["results"], again["results"]):
         assert row["document_digest"] == first["document_digest"]  # the warm-up's draws do not shift documents
         assert row["reused"] and row["cached_tokens"] >= row["document_tokens"]
-        assert row["files"] == first["disk"]["files"]
+        assert row["files"] == first["disk"]["files"] == row["disk"]["files"]  # measured before the paced reload
+        assert row["disk_read_limit_gbps"] == pytest.approx(0.25 * row["disk"]["disk_read_gbps"])
     other = bench(tmp_path, "other", *disk, "--reuse-only", "--seed", "4")
     assert all(not row["reused"] and row["cached_tokens"] == 0 for row in other["results"])
 
@@ -67,6 +74,10 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
     (["--tiers", "disk", "--host-cache-gib", "1"], "--tiers disk needs --disk-cache-dir"),
     (["--reuse-only"], "--reuse-only needs --disk-cache-dir"),
     (["--tiers", "host,tape"], "--tiers takes host and/or disk"),
+    (["--disk-read-throttle", "0.5"], "--disk-read-throttle paces disk reloads: it needs --tiers disk"),
+    (["--tiers", "disk", "--disk-cache-dir", "kv", "--disk-cache-gib", "1", "--disk-read-throttle", "0"],
+     "--disk-read-throttle must be > 0"),
+    (["--disk-readers", "0"], "--disk-readers must be an integer from 1"),
 ])
 def test_tier_flags_are_checked(argv, why, capsys):
     with pytest.raises(SystemExit):

@@ -122,9 +122,10 @@ def test_serve_flags(tmp_path):
     assert parse_args(["--random-weights", "tiny"]).tiers == TierConfig()
     args = parse_args(["--random-weights", "tiny", "--disk-cache-dir", str(tmp_path), "--disk-cache-gib", "2",
                        "--disk-reload-policy", "always"])
-    assert args.tiers.disk_reload == "always"
+    assert args.tiers.disk_reload == "always" and args.tiers.disk_readers == 4
+    assert parse_args(["--random-weights", "tiny", "--disk-readers", "8"]).tiers.disk_readers == 8
     for bad in (["--disk-cache-gib", "1"], ["--disk-cache-dir", str(tmp_path), "--disk-cache-gib", "0"],
-                ["--host-cache-gib", "-1"], ["--disk-reload-policy", "never"]):
+                ["--host-cache-gib", "-1"], ["--disk-reload-policy", "never"], ["--disk-readers", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["--random-weights", "tiny", *bad])
 
