@@ -1,7 +1,13 @@
 """Qwen2.5-Coder-1.5B-Instruct by name (its 22 PyPI parts, assembled and converted once into the cache)
 against transformers reading the same GGUF, float32 on both sides on the CPU: the logits of a ~1K-token
 chat prompt (max |delta| / max |logit| <= 1e-3) and 16 greedy tokens. Skipped where the parts are not
-installed (CI does not install them: ~1.1 GB). Two float32 1.5B models take ~14 GiB: run it alone."""
+installed (CI does not install them: ~1.1 GB). Two float32 1.5B models take ~14 GiB and ~4 minutes on 2 cores:
+it runs only when asked, alone:
+
+    STARSHARD_QWEN_PARITY=1 python -m pytest -q -p no:xdist -s tests/checkpoints/test_qwen_coder.py
+"""
+import os
+
 import pytest
 import torch
 
@@ -11,6 +17,8 @@ from starshard.llm import LLM
 pytestmark = pytest.mark.slow
 NAME = "qwen2.5-coder-1.5b-instruct"
 
+if os.environ.get("STARSHARD_QWEN_PARITY") != "1":  # the suite's workers would share 24 GiB with it
+    pytest.skip("the Qwen2.5-Coder parity test runs alone: set STARSHARD_QWEN_PARITY=1", allow_module_level=True)
 try:
     part_paths(MODELS[NAME])
 except FileNotFoundError as e:
