@@ -1,6 +1,6 @@
 # One call (one GPU), side by side: the service's whole vs default-chunked prefill on three document lengths drawn
 # now in [96K, 120K] with serve's default warm-up (the GPU's idle time between steps; 16 questions' decode against
-# the device's step time), then bench prefill at the first length (the engine's whole prefill). Cut from run_d.sh
+# the device's step time), then bench prefill at the first length (the engine's whole prefill). Cut from run_c.sh
 # to fit the device time that was left.
 . bench/results/2026-12-06-step-loop/prelude.sh
 LENS=$(python3 -c "import random; print(','.join(str(x) for x in sorted(random.sample(range(98304, 122881), 3))))")
