@@ -101,17 +101,14 @@ def back_to_back(fn, device: torch.device, calls: int, warmup: int = 2) -> dict:
             "idle_between_s_sum": sum(idle)}
 
 
-def copy_read_rate(device: torch.device, gib: float = 4.0, repeats: int = 5) -> float | None:
-    """Bytes per second one large device-to-device copy reads (the best of `repeats`): the read rate a
-    bytes-bound kernel can hope for on this card, measured beside the kernels it judges. None off CUDA."""
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
+    """Bytes per second of a device-to-device copy (each byte read once and written once); None off CUDA."""
     if device.type != "cuda":
         return None
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = min(timed(lambda: dst.copy_(src), device, repeats, warmup=1))
-    del src, dst
-    return n / best
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    t = statistics.median(timed(lambda: y.copy_(x), device, 5, warmup=2))
+    return 2 * nbytes / t  # x and y are freed with this frame
 
 
 def _captured(fn, calls: int, warmup: int, copies: int | None) -> torch.cuda.CUDAGraph:

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from starshard.benchmarks.common import DTYPES, header, ints, median, nominal_hbm_bandwidth, timed, write
+from starshard.benchmarks.common import (DTYPES, copy_bandwidth, header, ints, median, nominal_hbm_bandwidth, timed,
+                                        write)
 from starshard.benchmarks.prefill import prefill_flops
 from starshard.checkpoints.sources import RandomSource
 from starshard.config import Fp8Config, SamplingConfig
@@ -86,16 +87,6 @@ def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:
-    """Bytes per second of a device-to-device copy (each byte read once and written once)."""
-    if device.type != "cuda":
-        return None
-    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    t = median(timed(lambda: y.copy_(x), device, 5, warmup=2))
-    return 2 * nbytes / t  # x and y are freed with this frame
 
 
 def decode_bytes(cfg, context: int, dtype_bytes: int, fp8: Fp8Config | None = None) -> dict:

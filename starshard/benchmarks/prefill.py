@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from starshard.benchmarks.common import (add_common_arguments, back_to_back, copy_read_rate, header, median,
+from starshard.benchmarks.common import (add_common_arguments, back_to_back, copy_bandwidth, header, median,
                                         nominal_hbm_bandwidth, timed, write)
 from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
 from starshard.checkpoints.rope import with_rope_scaling
@@ -153,7 +153,7 @@ def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, l
 def decode_bound(model, cache, device, step_seconds: float) -> dict:
     """A decode step's bytes bound: this rank's weights (the embedding table aside: one row is read) and
     its KV as stored (FP8: e4m3 bytes and their scales), over the card's nominal bandwidth and over the
-    read rate of one large copy measured now."""
+    read rate of one large copy measured now (half its read-and-write bandwidth)."""
     embed, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     skip = {id(p) for p in embed.parameters()} if embed is not None else set()
     skip -= {id(p) for p in head.parameters()} if head is not None else set()  # tied: the head reads it all
@@ -164,7 +164,8 @@ def decode_bound(model, cache, device, step_seconds: float) -> dict:
         s = layer.stored()
         kv += sum(t.numel() * t.element_size() for t in (s.k, s.v, s.k_scale, s.v_scale) if t is not None)
     out = {"weight_bytes": weights, "kv_bytes": kv}
-    nominal, rate = nominal_hbm_bandwidth(device), copy_read_rate(device)
+    nominal, copy = nominal_hbm_bandwidth(device), copy_bandwidth(device)
+    rate = copy / 2 if copy else None
     if nominal:
         out |= {"bytes_bound_s": (weights + kv) / nominal, "step_over_bound": step_seconds / ((weights + kv) / nominal)}
     if rate:
