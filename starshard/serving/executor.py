@@ -25,7 +25,7 @@ from starshard.serving.disk_writer import FAILED as WRITE_FAILED
 from starshard.serving.disk_writer import QUEUED, WRITTEN
 from starshard.serving.host_tier import to_host
 from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
-from starshard.serving.step_clock import StepClock, step_kind
+from starshard.serving.step_clock import StepClock, mark, seconds_between, step_kind
 from starshard.serving.tiers import Tiers
 
 log = logging.getLogger("starshard.serve")
@@ -664,19 +664,14 @@ class Executor:
     def _mark(self):
         """Now on this rank's compute stream: a CUDA event (a middle chunk's kernels still run when its step
         returns, and a decode step between chunks waits for them), else the host clock."""
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self.device.type == "cuda")
 
     @staticmethod
     def _seconds(spans: list) -> float:
         """The summed seconds of (start, end) marks, once the stream has passed the last end."""
         if spans and not isinstance(spans[-1][1], float):
             spans[-1][1].synchronize()
-            return sum(a.elapsed_time(b) for a, b in spans) / 1e3
-        return sum(b - a for a, b in spans)
+        return sum(seconds_between(a, b) for a, b in spans)
 
     def _chunk_prepare(self, op: PrefillChunk):
         rows = -(-(op.end - op.start) // self.cp)  # this step's rows per rank

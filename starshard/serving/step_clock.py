@@ -17,6 +17,20 @@ _LETTERS = {Prefill: "P", PrefillChunk: "P", Extend: "E", Decode: "D", Demote: "
             Finish: "F", Abort: "F"}
 
 
+def mark(cuda: bool):
+    """Now on the current stream: a CUDA event (readable once the stream has passed it), else the host clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(a, b) -> float:
+    """Seconds from mark `a` to mark `b` (CUDA: once the stream has passed `b`)."""
+    return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+
+
 @dataclass
 class StepTime:
     kind: str  # the step's operations, one letter each (serving/ops.py): "P" a prefill or chunk, "D" a decode ...
@@ -33,19 +47,12 @@ class StepClock:
         self._open = None
         self._last_end = None  # the end mark of the last step drained: the next one's idle is measured from it
 
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def begin(self, kind: str) -> None:
-        self._open = (kind, self._mark())
+        self._open = (kind, mark(self.cuda))
 
     def end(self) -> None:
         if self._open is not None:
-            self._marks.append((*self._open, self._mark()))
+            self._marks.append((*self._open, mark(self.cuda)))
             self._open = None
 
     def drain(self) -> list[StepTime]:
@@ -56,12 +63,10 @@ class StepClock:
             return []
         if self.cuda:
             marks[-1][2].synchronize()
-            seconds = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
-        else:
-            seconds = lambda a, b: b - a  # noqa: E731
         out, prev = [], self._last_end
         for kind, start, end in marks:
-            out.append(StepTime(kind, seconds(start, end), None if prev is None else max(0.0, seconds(prev, start))))
+            idle = None if prev is None else max(0.0, seconds_between(prev, start))
+            out.append(StepTime(kind, seconds_between(start, end), idle))
             prev = end
         self._last_end = prev
         return out
