@@ -336,6 +336,11 @@ if triton is not None:
 _FP8_OPTIONS = {"even": True, "tma": False, "config": (128, 4, 3)}
 
 
+# Splits the merge reads per round: one value for every split count (a variant per count would compile, seconds,
+# when a new batch or length first meets it, inside a stream's inter-token gap).
+_MERGE_SPLITS = 64
+
+
 def _num_splits(device: torch.device, programs_per_split: int, Lk: int, fp8: bool = False) -> int:
     """As many splits as fit _PROGRAMS_PER_SM programs per multiprocessor (fp8: an e4m3 cache) in one
     round, no chunk under _MIN_CHUNK keys."""
@@ -457,7 +462,7 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
         o_part, l_part, out, lse,
         *out.stride(),
         Hq, Lq, num_splits,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=min(64, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=_MERGE_SPLITS,
         num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part), **sink,
     )
     return out, lse

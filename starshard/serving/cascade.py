@@ -22,7 +22,7 @@ import torch
 
 from starshard.engine.kv_cache import KVCache
 from starshard.kernels.attention import attention
-from starshard.kernels.common import to_device
+from starshard.kernels.common import DECODE_MAX_ROWS, to_device
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.merge import merge_partials
 
@@ -134,7 +134,10 @@ class CascadeAttention:
                 continue
             s = kv.stored()  # an FP8 entry stays e4m3 (dequantized by attention where its kernel cannot read it)
             if window is None:
-                blocks = [(rows, last[:, None].expand(len(g.rows), L), s.pos, any(p < g.full for p in g.prefix))]
+                # Decode-sized blocks are always masked by position (a no-op where every row shares the whole
+                # entry): one split-KV kernel variant serves every batch, so a new batch compiles nothing.
+                causal = len(g.rows) * L <= DECODE_MAX_ROWS or any(p < g.full for p in g.prefix)
+                blocks = [(rows, last[:, None].expand(len(g.rows), L), s.pos, causal)]
             else:
                 blocks = [(r, pos[r], s.pos if m is None else torch.where(s.pos < m, s.pos, _NO_KEY), True)
                           for r, m in parts]
@@ -176,10 +179,18 @@ class CascadeGraph:
     groups and own-KV pool are fixed, the tokens and positions are copied into static buffers, and
     each row's next own-KV slot is read on the device. `capture=False` runs the same step eagerly
     through the same buffers (what the CPU tests check). Every rank of a CP group captures and
-    replays together (the lse merge's all-reduces are inside)."""
+    replays together (the lse merge's all-reduces are inside).
 
-    def __init__(self, model, cascade: CascadeAttention, batch: int, device, capture: bool = True):
-        self.model, self.cascade, self.capture = model, cascade, capture
+    The capture only records: no device sync and no emptied allocator cache (torch.cuda.graph does
+    both), so it runs while the device still works through the steps queued before it. `warm` False
+    first runs the step once off the capture stream (lazy initialisations outside the capture: the
+    process's first capture); that run writes the own-KV slot which the replay then writes again with
+    the same values."""
+
+    _stream: torch.cuda.Stream | None = None  # one capture stream per process, reused
+
+    def __init__(self, model, cascade: CascadeAttention, batch: int, device, capture: bool = True, warm: bool = False):
+        self.model, self.cascade, self.capture, self.warm = model, cascade, capture, warm
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.graph, self.logits = None, None
@@ -190,16 +201,20 @@ class CascadeGraph:
         if not self.capture:
             self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
         elif self.graph is None:
-            # Warm-up off the capture stream runs the step for real (Triton compiles); the capture
-            # records it; the replay runs it again, writing the same own-KV slots with the same values.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            if CascadeGraph._stream is None:
+                CascadeGraph._stream = torch.cuda.Stream()
+            side, main = CascadeGraph._stream, torch.cuda.current_stream()
+            side.wait_stream(main)  # the static buffers' copies above, and every step before
             with torch.cuda.stream(side):
-                _forward(self.model, self.tok, self.pos, self.cascade)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
+                if not self.warm:
+                    _forward(self.model, self.tok, self.pos, self.cascade)
+                self.graph = torch.cuda.CUDAGraph()
+                self.graph.capture_begin()
+                try:
+                    self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
+                finally:
+                    self.graph.capture_end()
+            main.wait_stream(side)
             self.graph.replay()
         else:
             self.graph.replay()

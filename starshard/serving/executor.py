@@ -192,11 +192,11 @@ class Executor:
         # Length-dependent RoPE (dynamic NTK, longrope) at the window's length for every request: cached
         # entries and batched rows then share one rotation.
         self.model.set_rope_length(None)
-        # A decode step replays a CUDA graph once the batch has kept its rows for one step (a join or a
+        # A decode step replays the CUDA graph of the batch's rows, captured at their first step (a join or a
         # leave changes the graph's shapes); every rank decides alike from the same operations.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graph: CascadeGraph | None = None
-        self._steady = 0  # decode steps since the rows last changed
+        self._captured = False  # a capture ran in this process: later ones need no eager run first
         self.clock: StepClock | None = None  # benchmarks: each step's device time and the idle time between steps
         # The host one step ahead: a decode step's tokens stay on the device, the next decode takes them as its
         # inputs there, and they are read at the end of the next step, once its work is queued (the device never
@@ -587,7 +587,7 @@ class Executor:
         if pool is not None:
             for b, r in enumerate(rows):
                 r.pool, r.pool_row = pool, b
-        self._graph, self._steady = None, 0
+        self._graph = None
 
     def _new_row(self, op: Prefill | Extend, entry: CacheEntry, prefix: int, pool: OwnKV | None, first: int,
                  gen) -> Row:
@@ -851,7 +851,7 @@ class Executor:
             rid = next((f.rid for f in self.faults if f.error is e), None)
             victim = next((r for r in self.rows if r.rid == rid), self.rows[-1])
             log.error("request %d: decode failed: %s: %s", victim.rid, type(e).__name__, e)
-            self._graph, self._steady = None, 0
+            self._graph = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._finish([victim.rid])
@@ -863,13 +863,15 @@ class Executor:
         rows = self.rows
         toks = self._decode_inputs(rows)
         pos = to_device([[r.next_pos] for r in rows], self.device)
-        if self._graph is None and self.cuda_graphs and self._steady >= 1 and len(rows) <= DECODE_MAX_ROWS:
-            self._graph = CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device)
+        if self._graph is None and self.cuda_graphs and len(rows) <= DECODE_MAX_ROWS:
+            # Captured at a batch's first step: recording costs the host about what an eager step does, and
+            # with the host one step ahead it overlaps the device's work on the steps before.
+            self._graph = CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device, warm=self._captured)
+            self._captured = True
         if self._graph is not None:  # the rows kept since the capture: replay
             logits = self._graph.step(toks, pos)
         else:
             logits = run_cascade(self.model, toks, pos, self._batch_cascade())
-        self._steady += 1
         tokens = self._sample_on_device(logits, [(r.sampling, r.gen) for r in rows])
         for r in rows:
             r.next_pos, r.remaining = r.next_pos + 1, r.remaining - 1

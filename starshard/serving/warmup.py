@@ -12,8 +12,9 @@ layer of each distinct kind (`cut_layers`): a synthetic workload through the exe
              of partition.prefill_steps runs once (a later document's steps are a prefix of these, but for its
              last, truncated one)
     batch    the document's request decodes, then follow-up extends join one at a time, up to max_batch rows;
-             each batch size decodes eagerly, then from a captured CUDA graph (up to DECODE_MAX_ROWS); then
-             k follow-ups join in one forward beside the document's row, for k = 2..max_batch - 1
+             each batch size captures its CUDA graph and replays it (up to DECODE_MAX_ROWS); then k follow-ups
+             join in one forward beside the document's row, for k = 2..max_batch - 1. A follow-up shares the
+             document but not its question, as a service's follow-ups do (rows that see part of an entry)
 
 Then everything is freed and the model, cache and executor are as they were. Every rank of the group runs the
 identical sequence (the operations' collectives inside); the ranks first compare what they will run, and
@@ -134,10 +135,10 @@ class Plan:
             if b > 1:
                 rid = _RID - b + 1
                 question = [(13 * b + 5 * j) % vocab for j in range(QUESTION)]
-                self.steps.append([Extend(rid=rid, ids=self.ids + question, max_tokens=self.max_tokens,
-                                          sampling=sampling, entry=_ENTRY, prefix=L)])
+                self.steps.append([Extend(rid=rid, ids=self.ids[:context] + question, max_tokens=self.max_tokens,
+                                          sampling=sampling, entry=_ENTRY, prefix=context)])
                 self.rids.append(rid)
-            self.steps += [[Decode()], [Decode()]]  # eager, then captured (graphs capture on a steady batch)
+            self.steps += [[Decode()], [Decode()]]  # captured, then replayed
         # Follow-ups that wait together join in one forward (Executor._extend_together): each such group size
         # compiles its own kernels, seconds in a stream's gap on first use (4 x H200: 2.5-3.1 s for three).
         # Beside the document's row, k extends join at once for k = 2..batch - 1, decode a step and leave.
@@ -147,8 +148,8 @@ class Plan:
             for k in range(2, self.batch):
                 rids = [_RID - self.batch - k * self.batch - j for j in range(k)]
                 question = [(17 * k + 3 * j) % vocab for j in range(QUESTION)]
-                self.steps.append([Extend(rid=rid, ids=self.ids + question, max_tokens=self.max_tokens,
-                                          sampling=sampling, entry=_ENTRY, prefix=L) for rid in rids])
+                self.steps.append([Extend(rid=rid, ids=self.ids[:context] + question, max_tokens=self.max_tokens,
+                                          sampling=sampling, entry=_ENTRY, prefix=context) for rid in rids])
                 self.steps += [[Decode()], [Finish(rids)]]
 
     def fingerprint(self, keep_ids: list[int]) -> list[int]:
@@ -209,7 +210,7 @@ def _restore(svc, clock: int) -> None:
     """Drop what the warm-up built on this rank (no collectives: also after a failure on some ranks)."""
     ex, cache = svc.executor, svc.cache
     ex.rows, ex.pool, ex.filling = [], None, {}
-    ex._graph, ex._steady, ex._issued = None, 0, None
+    ex._graph, ex._issued = None, None
     ex.lost.discard(_ENTRY)
     for e in [e for e in cache.entries.values() if e.id < 0]:
         cache.entries.pop(e.id)

@@ -1,6 +1,6 @@
 # sourced by each call of this run: the device's environment, the carried wheels, the parent commit's tree
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-[ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -d /tmp/site/opentelemetry ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 NEW="env PYTHONPATH=/tmp/site:$PWD python3"
 BASE="env PYTHONPATH=/tmp/site:$PWD/.base python3"  # .base: `git archive 2f17e11 starshard launch` (the parent commit)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
