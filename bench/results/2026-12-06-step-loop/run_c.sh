@@ -1,4 +1,4 @@
-# One call (one GPU), side by side: the service's whole vs default-chunked prefill on three document lengths drawn
+# Code 86dceff, measured in h100-a/. One call (one GPU), side by side: the service's whole vs default-chunked prefill on three document lengths drawn
 # now in [96K, 180K] with serve's default warm-up (GPU idle time between steps, 16 questions' decode against the
 # device's step time); bench prefill at the first length (the engine's whole prefill) and at 128K (decode against its
 # bytes bound); the parent commit (.base) on the same host: its decode at 128K and its service's warm-up and chunks.
