@@ -42,7 +42,8 @@ _ENGINE_METRICS = {
                             "Disk hits served from both ends: the head prefilled while the tail was read "
                             "(--disk-reload-policy split)", "counter"),
     "tail_failures_total": ("starshard_context_cache_tail_failures",
-                            "Split reloads whose tail could not be read on some rank: the rest was computed", "counter"),
+                            "Split reloads whose tail could not be read on some rank: the rest was computed",
+                            "counter"),
 }
 
 # stats()["tiers"][tier] key -> (metric name, help, kind), labelled by tier (device, host, disk)

@@ -855,8 +855,11 @@ class Scheduler:
                 alone = self.holdings(req.prompt, req.max_tokens, m)
                 if max(a + b for a, b in zip(need, alone)) <= self.cache.budget:
                     return "split", (lower, cut), m
-            req.reload_skipped = (tier == "disk" and self._extends(len(req.ids), m)
-                                  and (cut == len(lower.ids) if cut is not None else not self._reload_pays(req, lower, m)))
+            if cut is not None:  # planned: 0 reloads whole, P prefills (a cut inside that did not fit: as below)
+                req.reload_skipped = cut == len(lower.ids)
+            else:
+                req.reload_skipped = (tier == "disk" and self._extends(len(req.ids), m)
+                                      and not self._reload_pays(req, lower, m))
             if req.reload_skipped:  # a miss on disk: the host tier's entry, if any, else a prefill
                 tier, lower, m = self.tiers.peek(req.ids, disk=False)
             if lower is not None and self._extends(len(req.ids), m):
@@ -1008,9 +1011,11 @@ class Scheduler:
         """Where to cut disk entry `lower` (P tokens) between a computed head and a read tail (a chunk bound
         >= `done`, the head computed so far; `read_s`: seconds the tail read has run), or None where the policy
         decides as "auto": another mode, no chunks, nothing measured yet, a window-trimmed file (its local
-        layers keep only their window), or a Star entry whose context this server did not record."""
+        layers keep only their window), an entry rebuilt from another layout's files (no one file holds its
+        tail), or a Star entry whose context this server did not record."""
         policy = self.reload_policy
-        if policy is None or policy.mode != "split" or not self.prefill_chunk or lower.serves_from:
+        if policy is None or policy.mode != "split" or not self.prefill_chunk or lower.serves_from \
+                or getattr(lower, "shared", False):
             return None
         ids = lower.ids
         ctx = self._context_of(ids) if context_len is None else context_len

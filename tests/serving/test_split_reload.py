@@ -93,13 +93,10 @@ def _service(llm, tmp_path, cut):
     return svc
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return LLM(random_weights="tiny", progress=False)
-
-
-def test_split_reload_is_a_pure_reload_and_a_damaged_tail_is_computed(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp8", [None, "kv"])  # FP8: e4m3 rows and scales grafted as stored
+def test_split_reload_is_a_pure_reload_and_a_damaged_tail_is_computed(fp8, tmp_path, monkeypatch):
     monkeypatch.setattr(kv_file, "BLOCK_TOKENS", 16)  # several blocks per file: the tail is read block by block
+    tiny = LLM(random_weights="tiny", progress=False, fp8=fp8)
     (d1, d2), q1, q2 = _docs(11)
     want = tiny.generate(d1 + q2, max_new_tokens=STEPS).token_ids
     svc = _service(tiny, tmp_path, cut=32)
@@ -142,3 +139,105 @@ def test_split_reload_is_a_pure_reload_and_a_damaged_tail_is_computed(tiny, tmp_
         assert svc.health() is None
     finally:
         svc.shutdown()
+
+
+# -- cp=2 (gloo): ring and Star, each rank grafting its own file's tail
+def _same(a, b) -> bool:
+    try:
+        assert_kv_equal(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+def _checked(svc) -> list:
+    """On every rank: once a split entry is complete, whether it equals a pure reload of the file (read then;
+    kept as the reference for an entry completed by computing the rest, its file dropped)."""
+    checks, refs, run = [], {}, svc.executor.run
+
+    def recorded(ops):
+        out = run(ops)
+        for op in ops:
+            done = isinstance(op, JoinTail) or isinstance(op, PrefillChunk) and op.fill and op.last
+            e = svc.cache.entries.get(op.entry) if done else None
+            if e is None or e.filling:
+                continue
+            key = tuple(e.ids)
+            found = svc.tiers.disk.entry_for(e.ids)
+            if key not in refs and found is not None:
+                refs[key] = svc.tiers.disk.load(found, "cpu")
+            checks.append((type(op).__name__, _same(e.kv, refs[key])))
+        return out
+    svc.executor.run = recorded
+    return checks
+
+
+def _cp2_rank(rank, world, directory, strategy):
+    from starshard.config import ParallelConfig
+    from starshard.serving.disk_tier import file_name
+
+    kv_file.BLOCK_TOKENS = 16  # several blocks per file
+    llm = LLM(random_weights="tiny", progress=False, parallel=ParallelConfig(cp=world, cp_strategy=strategy))
+    (d1, d2), q1, q2 = _docs(12)
+    probe = Scheduler(llm, cache_bytes=1 << 30)
+    budget = int(1.5 * max(probe.holdings(Prompt(list(range(1, 90)), 83), STEPS)))
+    svc = Scheduler(llm, cache_bytes=budget, max_batch=4, prefill_chunk=CHUNK,
+                    tiers=TierConfig(disk_dir=directory, disk_bytes=1 << 30, disk_reload="always", shutdown_write_s=0))
+    checks = _checked(svc)
+    if rank != 0:
+        svc.serve_forever()
+        return dict(checks=checks)
+    policy = svc.reload_policy
+    policy.split = lambda cuts, *a, **k: max(c for c in cuts if c <= 32) if cuts[0] <= 32 else cuts[0]
+    out = {}
+    svc.start()
+    try:
+        _ask(svc, d1 + q1, len(d1))
+        _ask(svc, d2 + q1, len(d2))  # d1 -> disk, each rank its shard
+        settle_writes(svc)
+        out["reload"] = _ask(svc, d1 + q2, len(d1))  # "always": a pure reload
+        _ask(svc, d2 + q2, len(d2))  # d1 -> disk again
+        settle_writes(svc)
+        policy.mode = "split"
+        ops = _recording(svc)
+        out["split"] = _ask(svc, d1 + q2, len(d1))
+        out["cuts"] = [(type(op).__name__, op.cut) for op in ops if isinstance(op, (ReadTail, JoinTail))]
+        policy.mode = "always"
+        _ask(svc, d2 + q2, len(d2))  # d1 -> disk again
+        settle_writes(svc)
+        path = svc.tiers.disk.path / file_name(svc.tiers.disk.key, d1 + q1, 1)  # rank 1's file: a tail block
+        h = read_header(path)
+        raw = bytearray(path.read_bytes())
+        k = next(i for i, s in enumerate(h.sections) if s.part == "v")
+        off, _ = kv_file.block_ranges(h.sections[k], kv_file.n_blocks(h.sections[k], 16) - 1, 16)[0]
+        raw[h.payload_offset + off] ^= 4
+        path.write_bytes(bytes(raw))
+        policy.mode = "split"
+        out["damaged"] = _ask(svc, d1 + q2, len(d1))
+        out["counters"] = svc.counters["split_reloads_total"], svc.counters["tail_failures_total"]
+        out["files"] = sorted(p.name.split("-r")[1] for p in svc.tiers.disk.path.glob("*.kv")
+                              if file_name(svc.tiers.disk.key, d1 + q1, 0).split("-r")[0] in p.name)
+        out["health"] = svc.health()
+    finally:
+        svc.shutdown()
+    return dict(out, checks=checks)
+
+
+def _cp2_both(rank, world, directory):
+    from pathlib import Path
+    return {s: _cp2_rank(rank, world, str(Path(directory) / s), s) for s in ("ring", "star")}
+
+
+def test_cp2_ring_and_star_split_reloads_equal_pure_reloads(tmp_path):
+    from tests.helpers.mp_harness import run_ranks
+
+    r0, r1 = run_ranks(_cp2_both, 2, str(tmp_path))
+    for strategy in ("ring", "star"):
+        lead = r0[strategy]
+        tokens, m = lead["reload"]
+        assert lead["split"] == (tokens, m - 32) and lead["damaged"] == (tokens, 0), strategy
+        assert lead["cuts"] == [("ReadTail", 32), ("JoinTail", 32)], strategy
+        assert lead["counters"] == (2, 1) and lead["health"] is None, strategy
+        assert lead["files"] == [], strategy  # the damaged tail's file dropped on both ranks
+        for r in (r0, r1):  # each rank: the grafted entry, then the one completed by computing, equal the reload
+            assert r[strategy]["checks"] == [("JoinTail", True), ("PrefillChunk", True)], (strategy, r[strategy])
