@@ -607,7 +607,7 @@ class Executor:
             ok = False
         if all(v[0] == 0 for v in self._vote(0 if ok else FAILED, 0)):
             self._filled(op.entry)
-            if self.on_timing is not None:
+            if self.on_timing is not None and tail.nbytes:  # this rank read something: a rate
                 self.on_timing(op, tail.seconds)
             return
         if first is not None:  # grafted here, failed elsewhere: back to the head alone

@@ -1007,7 +1007,8 @@ class Scheduler:
         """The slowest rank's FLOPs of prefilling a prompt's first c tokens (0 for none)."""
         return self._flops(c, min(context_len, c)) if c else 0.0
 
-    def _split_cut(self, lower, done: int = 0, read_s: float = 0.0, context_len: int | None = None) -> int | None:
+    def _split_cut(self, lower, done: int = 0, read_s: float = 0.0, context_len: int | None = None,
+                   nbytes: int | None = None) -> int | None:
         """Where to cut disk entry `lower` (P tokens) between a computed head and a read tail (a chunk bound
         >= `done`, the head computed so far; `read_s`: seconds the tail read has run), or None where the policy
         decides as "auto": another mode, no chunks, nothing measured yet, a window-trimmed file (its local
@@ -1029,7 +1030,7 @@ class Scheduler:
         keep = [k for k, f in enumerate(flops) if f is not None and base is not None]
         if not keep:
             return None
-        total = sum(self.tiers.disk_bytes[token_digest(ids)])
+        total = sum(self.tiers.disk_bytes[token_digest(ids)]) if nbytes is None else nbytes
         return policy.split([cuts[k] for k in keep], [flops[k] - base for k in keep],
                             [total * (P - cuts[k]) / P for k in keep], read_s)
 
@@ -1065,7 +1066,7 @@ class Scheduler:
         done = req.bounds[req.step - 1][1]
         retarget = []
         if s.cut < P:
-            cut = self._split_cut(_Lower(s.ids), done, time.monotonic() - s.began, s.context_len)
+            cut = self._split_cut(_Lower(s.ids), done, time.monotonic() - s.began, s.context_len, s.nbytes)
             if cut is not None and cut != s.cut:
                 s.cut = cut
                 retarget = [ReadTail(req.entry, s.ids, cut)]  # P: the reader stops, the rest is computed
