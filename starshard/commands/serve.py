@@ -153,7 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "the reload is expected to take no longer than prefilling it again, both estimated from this "
                        "server's measured reloads (seconds per byte) and prefills (seconds per FLOP); the first reload "
                        "is always tried. A skipped file stays. always: reload every disk hit (a fast disk, or to "
-                       "measure it)")
+                       "measure it). split: serve a hit from both ends, prefilling its first chunks (--prefill-chunk's "
+                       "steps) while its last rows are read from the file backward, cut where both are expected to "
+                       "finish together by the same two rates, re-planned after each chunk; a tail that cannot be "
+                       "read is computed. Decided as auto before both rates are measured, without --prefill-chunk, "
+                       "for window-trimmed files and for a Star file prefilled before a restart")
     tiers.add_argument("--disk-readers", type=int, default=DEFAULT_READERS, metavar="N",
                        help="threads reading one disk cache file in parallel, each a run of large sequential reads "
                        "in file order (a drive serves several at once: NVMe or a network filesystem reads faster); "

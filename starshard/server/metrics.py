@@ -38,6 +38,12 @@ _ENGINE_METRICS = {
     "reload_failures_total": ("starshard_context_cache_reload_failures",
                               "Promotions that failed on some rank (a missing or damaged file): prefilled instead",
                               "counter"),
+    "split_reloads_total": ("starshard_context_cache_split_reloads",
+                            "Disk hits served from both ends: the head prefilled while the tail was read "
+                            "(--disk-reload-policy split)", "counter"),
+    "tail_failures_total": ("starshard_context_cache_tail_failures",
+                            "Split reloads whose tail could not be read on some rank: the rest was computed",
+                            "counter"),
 }
 
 # stats()["tiers"][tier] key -> (metric name, help, kind), labelled by tier (device, host, disk)

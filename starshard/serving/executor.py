@@ -24,8 +24,23 @@ from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes, 
 from starshard.serving.disk_writer import FAILED as WRITE_FAILED
 from starshard.serving.disk_writer import QUEUED, WRITTEN
 from starshard.serving.host_tier import to_host
-from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
+from starshard.serving.kv_file import read_header
+from starshard.serving.ops import (
+    Abort,
+    Decode,
+    Demote,
+    Evict,
+    Extend,
+    Finish,
+    JoinTail,
+    Op,
+    Prefill,
+    PrefillChunk,
+    Promote,
+    ReadTail,
+)
 from starshard.serving.step_clock import StepClock, mark, seconds_between, step_kind
+from starshard.serving.tail_read import TailRead, graft
 from starshard.serving.tiers import Tiers
 
 log = logging.getLogger("starshard.serve")
@@ -35,6 +50,8 @@ INSUFFICIENT_MEMORY, REJECTED, FAILED = 1, 2, 3
 CODE_NAMES = {INSUFFICIENT_MEMORY: "insufficient_memory", REJECTED: "rejected", FAILED: "failed"}
 # An extend whose entry could not be promoted on every rank: the scheduler prefills the request instead.
 RELOAD_FAILED = "reload_failed"
+# A split reload's tail could not be read on every rank (JoinTail): the scheduler computes the rest of the entry.
+TAIL_FAILED = "tail_failed"
 MEMORY_MARGIN = 1.05  # the pre-check wants this much more free memory than a step's estimate
 
 
@@ -181,6 +198,8 @@ class Executor:
         self.sampler = runner.sample if isinstance(runner, ContextParallelRunner) else getattr(runner, "sampler", sample)
         self.rows: list[Row] = []
         self.filling: dict[int, _Admission] = {}  # entry id -> a document whose prefill runs chunk by chunk
+        # entry id -> its split reload's tail being read (ReadTail), or why it could not start
+        self.tails: dict[int, TailRead | BaseException] = {}
         self.pool: OwnKV | None = None  # the batch's own KV, rebuilt when rows join or leave
         attn = self.model.layers[0].attention
         self.kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
@@ -356,6 +375,8 @@ class Executor:
                         t0 = time.perf_counter()  # up to the vote: the slowest rank's load
                         if self._promote(op) and self.on_timing is not None:
                             self.on_timing(op, time.perf_counter() - t0)
+                    case Extend() if op.rid in failures:  # its split reload's tail failed in this step
+                        pass
                     case Extend() | list() if self._lost(op, failures):
                         pass
                     case Finish():
@@ -367,6 +388,10 @@ class Executor:
                             self.on_timing(op, self._seconds([(start, self._mark())]))
                     case PrefillChunk():
                         self._prefill_chunk(op, tokens, failures)
+                    case ReadTail():
+                        self._read_tail(op)
+                    case JoinTail():
+                        self._join_tail(op, failures)
                     case Abort():
                         self._abort(op.entry)
                     case Extend():
@@ -538,6 +563,62 @@ class Executor:
                                   serves_from=serves_from))
         return True
 
+    # -- a split reload (--disk-reload-policy split): the head computed, the tail read meanwhile
+    def _read_tail(self, op: ReadTail) -> None:
+        """Start (or retarget) this rank's read of its file's rows at positions >= op.cut; a read that cannot
+        start is kept as its error, for JoinTail's vote."""
+        tail = self.tails.get(op.entry)
+        try:
+            if isinstance(tail, TailRead):
+                tail.retarget(op.cut)
+                return
+            if tail is not None:
+                return
+            disk = self.tiers.disk
+            found = disk.entry_for(op.ids)
+            if found is None:
+                raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(op.ids)} tokens")
+            if found.shared:
+                raise ValueError("its shard is rebuilt from another layout's files, not read from one file")
+            self.tails[op.entry] = TailRead(found.path, read_header(found.path, disk.key, disk.rank), op.cut)
+        except Exception as e:  # noqa: BLE001 (contained: JoinTail votes)
+            self.tails[op.entry] = e
+
+    def _join_tail(self, op: JoinTail, failures) -> None:
+        """Graft this rank's tail after the computed head, then one vote (JoinTail). A file whose tail failed on
+        any rank is dropped on every rank, as a failed promotion's (_promote)."""
+        st, tail = self.filling.get(op.entry), self.tails.pop(op.entry, None)
+        first = None  # set once grafted
+        try:
+            if st is None:
+                raise RuntimeError(f"cache entry {op.entry} is not being filled here")
+            if not isinstance(tail, TailRead):
+                raise tail if isinstance(tail, BaseException) else RuntimeError("no tail read was started")
+            at, rows = tail.rows(op.cut)
+            graft(st.kv, at, rows, tail.positions[:at], tail.header.next_position)
+            first = at
+            if kv_bytes(st.kv) > st.rank_bytes[self.cp_rank]:
+                raise RuntimeError(f"the grafted shard holds {kv_bytes(st.kv)} bytes, more than the "
+                                   f"{st.rank_bytes[self.cp_rank]} the scheduler counts")
+            ok = True
+        except Exception as e:  # noqa: BLE001 (contained: every rank decides by the vote)
+            log.warning("cache entry %d: reading its tail (positions >= %d) from disk failed on rank %d: %s: %s",
+                        op.entry, op.cut, self.rank, type(e).__name__, e)
+            ok = False
+        if all(v[0] == 0 for v in self._vote(0 if ok else FAILED, 0)):
+            self._filled(op.entry)
+            if self.on_timing is not None and tail.nbytes:  # this rank read something: a rate
+                self.on_timing(op, tail.seconds)
+            return
+        if first is not None:  # grafted here, failed elsewhere: back to the head alone
+            for layer in st.kv.layers.values():
+                layer.length, layer.head = first, first % layer.capacity
+        found = self.tiers.disk.entry_for(st.entry.ids) if st is not None else None
+        if found is not None and not found.shared:
+            self.tiers.disk.remove(found.name)
+        failures[op.rid] = Failure(TAIL_FAILED, f"cache entry {op.entry}'s tail could not be read on every rank; "
+                                                "the rest is computed")
+
     def _lost(self, op: Extend | list, failures) -> bool:
         """An extend of an entry whose promotion failed fails with RELOAD_FAILED (the scheduler prefills it)."""
         ops = op if isinstance(op, list) else [op]
@@ -649,17 +730,30 @@ class Executor:
             return
         if start is not None:
             st.marks.append((start, self._mark()))
+            if op.fill:  # a split reload re-plans after each step: its own time
+                self.on_timing(op, self._seconds(st.marks[-1:]))
         if op.start == 0:
             self.cache.add(st.entry)
             self.cache.acquire(st.entry)  # held by its request: neither evicted nor reused while it fills
             self.filling[op.entry] = st
-        if op.last:
+        if op.last and op.fill:  # complete: the request extends it next (its own hold)
+            self._filled(op.entry)
+        elif op.last:
             del self.filling[op.entry]
             st.entry.filling = False
             self._set_rows(self.rows + [st.row], st.pool)
             tokens[op.rid] = st.token
             if self.on_timing is not None:
                 self.on_timing(op, self._seconds(st.marks))
+
+    def _filled(self, entry_id: int) -> None:
+        """A split reload's entry holds all its rows: reusable, no longer held by the fill."""
+        st = self.filling.pop(entry_id)
+        st.entry.filling = False
+        self.cache.release(st.entry)
+        tail = self.tails.pop(entry_id, None)  # a read a re-plan stopped (the rest was computed)
+        if isinstance(tail, TailRead):
+            tail.cancel()
 
     def _mark(self):
         """Now on this rank's compute stream: a CUDA event (a middle chunk's kernels still run when its step
@@ -701,6 +795,8 @@ class Executor:
                                f"{st.rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
         st.token = int(tok)
         self._trim(st.entry, op.context_len)
+        if op.fill:
+            return st
         own = self._empty_pool() if self.is_query_rank else None
         L = op.prompt_len
         st.row = Row(op.rid, st.entry, L, L, st.token, op.max_tokens - 1, op.sampling, st.gen, own, 0)
@@ -739,6 +835,9 @@ class Executor:
 
     def _abort(self, entry_id: int) -> None:
         """Drop a filling entry on this rank (its prefill was cancelled, timed out or failed)."""
+        tail = self.tails.pop(entry_id, None)
+        if isinstance(tail, TailRead):
+            tail.cancel()
         if self.filling.pop(entry_id, None) is None:
             return
         self.cache.entries.pop(entry_id, None)

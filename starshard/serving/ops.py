@@ -90,10 +90,37 @@ class PrefillChunk:
     sampling: SamplingConfig
     context_len: int
     head_len: int
+    # A split reload's entry (ReadTail): its steps fill the entry only; the last one (a read that failed, the
+    # rest computed) samples nothing and adds no row: the entry becomes reusable and the request extends it.
+    fill: bool = False
 
     @property
     def last(self) -> bool:
         return self.end == self.prompt_len
+
+
+@dataclass(frozen=True)
+class ReadTail:
+    """--disk-reload-policy split: every rank reads its own disk file of exactly `ids` from the end backward,
+    down to the rows at positions >= `cut` (serving/tail_read.py), on a thread, while PrefillChunk(fill=True)
+    steps compute the head [0, cut) into cache entry `entry`. Sent again with another cut: a re-plan."""
+
+    entry: int
+    ids: list[int]
+    cut: int
+
+
+@dataclass(frozen=True)
+class JoinTail:
+    """The head of `entry` is computed up to `cut`: each rank waits for its tail read and copies those rows
+    after the head's, then one vote. Every rank read its tail: the entry is complete and reusable. Else
+    the request `rid` fails this step with code "tail_failed" (an Extend after it is skipped), the entry stays
+    filling with its head, and the scheduler computes the rest."""
+
+    rid: int
+    entry: int
+    cut: int
+    nbytes: int = 0  # the tail's bytes over every rank's shards (rank 0's reload rate learns from its read)
 
 
 @dataclass(frozen=True)
@@ -122,4 +149,4 @@ class Decode:
     """One token for every running request, in one forward."""
 
 
-Op = Evict | Demote | Promote | Finish | Prefill | PrefillChunk | Abort | Extend | Decode
+Op = Evict | Demote | Promote | Finish | Prefill | PrefillChunk | ReadTail | JoinTail | Abort | Extend | Decode

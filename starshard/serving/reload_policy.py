@@ -13,12 +13,19 @@ expects takes no longer than `margin` x the prefill it expects, both from what t
 each an exponential moving average. Before a kind is measured the reload is tried (optimistic): the first
 reload measures the disk. A skipped entry's file stays: a longer prompt on it, or a faster disk after a
 restart, may still use it. The host tier is not asked (its reloads are ~30x faster than a prefill).
+
+"split" (issue 49, Cake-style load and compute at once) serves a disk hit of P tokens from both ends: the
+head [0, cut) is prefilled chunk by chunk (the service's prefill_bounds of the entry) while the tail's rows
+[cut, P) are read from the file backward (serving/tail_read.py); `plan_cut` picks the chunk bound where
+both are expected to finish together, from the same two rates, and the scheduler re-plans after every head
+chunk as they drift. Before both rates are measured it decides as "auto" (cut 0: a whole reload; cut P: a
+prefill). Without chunks (--prefill-chunk 0) the only bounds are 0 and P: it is "auto".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("auto", "always")
+POLICIES = ("auto", "always", "split")
 EMA_WEIGHT = 0.5  # the newest measurement's weight: a disk's rate drifts (page cache, other readers)
 
 
@@ -43,6 +50,17 @@ def reload_pays(reload_s: float | None, prefill_s: float | None, margin: float =
     return reload_s is None or prefill_s is None or reload_s <= margin * prefill_s
 
 
+def plan_cut(cuts: list[int], compute_s: list[float], read_s: list[float]) -> int:
+    """The cut among `cuts` (ascending chunk bounds: the head computed so far first, P last) that minimizes
+    max(compute_s[k], read_s[k]): seconds to compute the head up to cuts[k] and to read the tail from
+    cuts[k] on, both from now. Ties: the less total work, then the earlier cut (less compute)."""
+    if not cuts or not len(cuts) == len(compute_s) == len(read_s):
+        raise ValueError(f"plan_cut needs one compute and one read estimate per cut, got {len(cuts)} cuts, "
+                         f"{len(compute_s)} and {len(read_s)} estimates")
+    best = min(range(len(cuts)), key=lambda k: (max(compute_s[k], read_s[k]), compute_s[k] + read_s[k], cuts[k]))
+    return cuts[best]
+
+
 @dataclass(frozen=True)
 class Verdict:
     promote: bool
@@ -52,7 +70,8 @@ class Verdict:
 
 class DiskReloadPolicy:
     """Rank 0's estimates and decisions. mode "always": every disk hit is promoted (the measurements are
-    still kept); margin: reload while the expected reload <= margin x the expected prefill."""
+    still kept); "split": a hit is split between a computed head and a read tail (split); margin: reload
+    while the expected reload <= margin x the expected prefill."""
 
     def __init__(self, mode: str = "auto", margin: float = 1.0):
         if mode not in POLICIES:
@@ -75,3 +94,17 @@ class DiskReloadPolicy:
         reload_s, prefill_s = self.reload.estimate(nbytes), self.prefill.estimate(flops)
         promote = self.mode == "always" or reload_pays(reload_s, prefill_s, self.margin)
         return Verdict(promote, reload_s, prefill_s)
+
+    def split(self, cuts: list[int], head_flops: list[float | None], tail_bytes: list[float],
+              read_s: float = 0.0) -> int | None:
+        """Mode "split": the cut (plan_cut) of an entry whose head is computed up to cuts[0] and whose tail is
+        read from the end: head_flops[k] the FLOPs of computing [cuts[0], cuts[k]), tail_bytes[k] the bytes
+        (every rank's shards) of rows [cuts[k], P); `read_s` seconds the read has run already. None: another
+        mode, a rate not measured yet or a FLOP model that does not apply (the caller decides as "auto")."""
+        if self.mode != "split" or self.reload.per_unit is None or self.prefill.per_unit is None:
+            return None
+        if any(f is None for f in head_flops):
+            return None
+        compute = [self.prefill.per_unit * f for f in head_flops]
+        read = [max(0.0, self.reload.per_unit * b - read_s) for b in tail_bytes]
+        return plan_cut(cuts, compute, read)

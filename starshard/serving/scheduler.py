@@ -24,7 +24,10 @@ the ranks' KV shards, cache entries and batch stay identical in shape:
              servable, until then. Graceful shutdown writes the entries not on disk yet (--shutdown-write-s)
     promote  a prompt whose prefix a lower tier's entry holds (the same rule as extend) brings that entry
              back to the device (each rank its shard; all or none), then extends it; from disk only while
-             the reload is expected to be faster than a prefill (serving/reload_policy.py)
+             the reload is expected to be faster than a prefill (serving/reload_policy.py). With
+             --disk-reload-policy split a disk hit is served from both ends: its head prefilled in chunk
+             steps (PrefillChunk fill) while every rank reads its file's tail backward (ReadTail), grafted
+             where they meet (JoinTail); a tail that fails on any rank is computed instead
 
 The HTTP front end (starshard/server, written against its `Backend` protocol) talks to `Scheduler`
 only: submit(), cancel through the ticket, health(), stats(). Token events are delivered from the
@@ -50,8 +53,21 @@ from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt, build_chat_prompt, build_prompt
 from starshard.serving.cache_key import token_digest
 from starshard.serving.context_cache import ContextCache, common_prefix, trim_start
-from starshard.serving.executor import RELOAD_FAILED, Executor
-from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Op, Prefill, PrefillChunk, Promote
+from starshard.serving.executor import RELOAD_FAILED, TAIL_FAILED, Executor
+from starshard.serving.ops import (
+    Abort,
+    Decode,
+    Demote,
+    Evict,
+    Extend,
+    Finish,
+    JoinTail,
+    Op,
+    Prefill,
+    PrefillChunk,
+    Promote,
+    ReadTail,
+)
 from starshard.serving.reload_policy import DiskReloadPolicy
 from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.serving.warmup import RanksDisagree, warm_up
@@ -63,6 +79,7 @@ log = logging.getLogger("starshard.serve")
 IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the other ranks never time out
 WRITE_TICK_S = 0.1  # while disk writes are open: how often an idle rank 0 sends an empty step that settles them
 SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran
+GREEDY = SamplingConfig(temperature=0.0)  # a split reload's fill steps: their token is never used
 
 
 def default_prefill_chunk(device: torch.device, cp: int) -> int:
@@ -115,6 +132,21 @@ class Request:
     entry: int = 0  # the entry its chunked prefill fills
     kind: tuple | None = None  # (the cache's entries it was classified against, Scheduler._classify's answer)
     reload_skipped: bool = False  # classified past a disk entry whose reload is expected slower than a prefill
+    split: "_Split | None" = None  # a split reload that fills the entry this request then extends
+
+
+@dataclass
+class _Split:
+    """A disk hit served from both ends (--disk-reload-policy split): the disk entry's `ids` (P tokens) are
+    prefilled in Request.bounds up to `cut` while every rank reads the rest from its file; the request then
+    extends the entry's first `m` tokens. cut == P: the rest is computed (a re-plan, or a failed tail)."""
+
+    ids: list[int]
+    m: int
+    cut: int
+    context_len: int  # the entry's document part (its prefill layout: Star's blocks)
+    nbytes: int  # the entry's bytes over every rank's shards
+    began: float = field(default_factory=time.monotonic)  # the tail read's start
 
 
 @dataclass
@@ -128,6 +160,14 @@ class _Move:
     rank_bytes: list[int] = field(default_factory=list)
     write: int | None = None  # to disk: the entry whose background write answers it once settled
     drop: int | None = None  # a host entry whose copy a step drops once its file is committed (then answered)
+
+
+@dataclass
+class _Lower:
+    """A disk entry as _split_cut reads it: its token ids, never window-trimmed (a split's re-plan)."""
+
+    ids: list[int]
+    serves_from: int = 0
 
 
 class Ticket:
@@ -236,6 +276,9 @@ class Scheduler:
             self.reload_policy = DiskReloadPolicy(tiers.disk_reload)
             self._skip_logged: set[str] = set()  # disk entries whose skip was logged (once each)
             self._flops = functools.lru_cache(maxsize=256)(self._prefill_flops)  # a long ring prompt's: ~0.1 s
+            # token digest -> context_len of the documents this server prefilled: a split reload lays a Star
+            # entry's head out as its prefill did (the exact strategies' layouts do not depend on it)
+            self._contexts: dict[str, int] = {}
             if self.rank == 0:
                 self.executor.on_timing = self._observe
                 self.tiers.writer.on_written = self._wake_to_settle
@@ -251,7 +294,8 @@ class Scheduler:
         self._error: str | None = None
         self._stop = False
         self.counters = dict(prefill_tokens_total=0, decode_tokens_total=0, cached_tokens_total=0, requests_total=0,
-                             prefill_chunks_total=0, cancelled_total=0, timeouts_total=0, reload_failures_total=0)
+                             prefill_chunks_total=0, cancelled_total=0, timeouts_total=0, reload_failures_total=0,
+                             split_reloads_total=0, tail_failures_total=0)
         self.errors: dict[str, int] = {}  # failed requests by error code
         self._thread: threading.Thread | None = None
         self._moves: list[_Move] = []  # demote() requests waiting for a step
@@ -802,8 +846,20 @@ class Scheduler:
             return "short", entry, m
         if self.tiers is not None:
             tier, lower, m = self.tiers.peek(req.ids)
-            req.reload_skipped = (tier == "disk" and self._extends(len(req.ids), m)
-                                  and not self._reload_pays(req, lower, m))
+            p = self._prefilling
+            if tier == "disk" and p is not None and p.split is not None and np.array_equal(p.split.ids, lower.ids):
+                return "parked", None, 0  # its split reload is under way
+            cut = self._split_cut(lower) if tier == "disk" and self._extends(len(req.ids), m) else None
+            if cut is not None and 0 < cut < len(lower.ids):
+                need = self._promoted_bytes(tier, lower)
+                alone = self.holdings(req.prompt, req.max_tokens, m)
+                if max(a + b for a, b in zip(need, alone)) <= self.cache.budget:
+                    return "split", (lower, cut), m
+            if cut is not None:  # planned: 0 reloads whole, P prefills (a cut inside that did not fit: as below)
+                req.reload_skipped = cut == len(lower.ids)
+            else:
+                req.reload_skipped = (tier == "disk" and self._extends(len(req.ids), m)
+                                      and not self._reload_pays(req, lower, m))
             if req.reload_skipped:  # a miss on disk: the host tier's entry, if any, else a prefill
                 tier, lower, m = self.tiers.peek(req.ids, disk=False)
             if lower is not None and self._extends(len(req.ids), m):
@@ -908,10 +964,20 @@ class Scheduler:
             return None
 
     def _observe(self, op: Op, seconds: float) -> None:
-        """The executor's time of a completed promotion or prefill (rank 0): the disk reload policy's rates."""
+        """The executor's time of a completed promotion or prefill, or of a split reload's fill step or tail
+        read (rank 0): the disk reload policy's rates."""
         match op:
             case Promote(source="disk"):
                 self.reload_policy.observe_reload(seconds, sum(op.rank_bytes))
+            case JoinTail():
+                self.reload_policy.observe_reload(seconds, op.nbytes)
+            case PrefillChunk(fill=True):
+                flops = self._head_flops(op.end, op.context_len)
+                if flops is not None and op.start:
+                    before = self._head_flops(op.start, op.context_len)
+                    flops = None if before is None else flops - before
+                if flops:
+                    self.reload_policy.observe_prefill(seconds, flops)
             case Prefill() | PrefillChunk():
                 flops = self._flops(len(op.ids) if isinstance(op, Prefill) else op.prompt_len, op.context_len)
                 if flops:
@@ -928,6 +994,125 @@ class Scheduler:
         self.tiers.disk.get(req.ids, only=self.tiers.disk_bytes)
         return Promote(entry=self.cache.next_id(), source="disk", ids=lower.ids.tolist(),
                        rank_bytes=self._promoted_bytes(tier, lower))
+
+    # -- a split reload (--disk-reload-policy split; reload_policy.py): the head computed while the tail is read
+    def _context_of(self, ids) -> int | None:
+        """The context_len a disk entry of `ids` was prefilled with, where its layout depends on it (Star: what
+        this server recorded; None after a restart), else len(ids) (the exact strategies ignore it)."""
+        if not getattr(self.executor.strategy, "query_phase", False):
+            return len(ids)
+        return self._contexts.get(token_digest(ids))
+
+    def _head_flops(self, c: int, context_len: int) -> float | None:
+        """The slowest rank's FLOPs of prefilling a prompt's first c tokens (0 for none)."""
+        return self._flops(c, min(context_len, c)) if c else 0.0
+
+    def _split_cut(self, lower, done: int = 0, read_s: float = 0.0, context_len: int | None = None,
+                   nbytes: int | None = None) -> int | None:
+        """Where to cut disk entry `lower` (P tokens) between a computed head and a read tail (a chunk bound
+        >= `done`, the head computed so far; `read_s`: seconds the tail read has run), or None where the policy
+        decides as "auto": another mode, no chunks, nothing measured yet, a window-trimmed file (its local
+        layers keep only their window), an entry rebuilt from another layout's files (no one file holds its
+        tail), or a Star entry whose context this server did not record."""
+        policy = self.reload_policy
+        if policy is None or policy.mode != "split" or not self.prefill_chunk or lower.serves_from \
+                or getattr(lower, "shared", False):
+            return None
+        ids = lower.ids
+        ctx = self._context_of(ids) if context_len is None else context_len
+        if ctx is None:
+            return None
+        P = len(ids)
+        cuts = [done] + [e for _, e in self.llm.runner.prefill_bounds(P, ctx, self.prefill_chunk, self.prefill_knee)
+                         if e > done]
+        base = self._head_flops(done, ctx)
+        flops = [self._head_flops(c, ctx) for c in cuts]
+        keep = [k for k, f in enumerate(flops) if f is not None and base is not None]
+        if not keep:
+            return None
+        total = sum(self.tiers.disk_bytes[token_digest(ids)]) if nbytes is None else nbytes
+        return policy.split([cuts[k] for k in keep], [flops[k] - base for k in keep],
+                            [total * (P - cuts[k]) / P for k in keep], read_s)
+
+    def _split_start(self, req: Request, lower, cut: int, m: int):
+        """The first step of a split reload (a thunk), once the entry and the request's own part fit: the tail
+        read starts on every rank and the head's first chunk runs."""
+        need = self.holdings(req.prompt, req.max_tokens, m, running=self.executor.pool_rows())
+        need = [a + b for a, b in zip(need, self._promoted_bytes("disk", lower))]
+        victims = self.cache.plan_room(need)
+        if victims is None:
+            return None
+
+        def start():
+            self.cache.lookup(req.ids)  # counted once per admitted request
+            self.tiers.disk.get(req.ids, only=self.tiers.disk_bytes)  # a disk hit: counted, touched
+            ids = lower.ids.tolist()
+            ctx = self._context_of(ids)
+            entry = self.cache.next_id()
+            ops = self._make_room(victims)
+            self._waiting.remove(req)
+            req.bounds = self.llm.runner.prefill_bounds(len(ids), ctx, self.prefill_chunk, self.prefill_knee)
+            req.step, req.entry = 0, entry
+            req.split = _Split(ids, m, cut, ctx, sum(self.tiers.disk_bytes[token_digest(ids)]))
+            self._prefilling = req
+            self.counters["split_reloads_total"] += 1
+            return ops + [ReadTail(entry, ids, cut), self._fill_op(req)]
+        return start
+
+    def _next_fill(self, req: Request):
+        """A split reload's next step: its next head chunk (re-planned by the rates measured meanwhile), or,
+        the head done, the tail's graft and the request's extend, or the last computed chunk and the extend."""
+        s, P = req.split, len(req.split.ids)
+        done = req.bounds[req.step - 1][1]
+        retarget = []
+        if s.cut < P:
+            cut = self._split_cut(_Lower(s.ids), done, time.monotonic() - s.began, s.context_len, s.nbytes)
+            if cut is not None and cut != s.cut:
+                s.cut = cut
+                retarget = [ReadTail(req.entry, s.ids, cut)]  # P: the reader stops, the rest is computed
+        if done < s.cut and req.bounds[req.step][1] < P:
+            return lambda: retarget + [self._fill_op(req)]
+        if len(self._running) >= self.max_batch:  # it joins the batch with its extend
+            return None
+        victims = self.cache.plan_room(self.holdings(req.prompt, req.max_tokens, s.m,
+                                                     running=self.executor.pool_rows()))
+        if victims is None:
+            return None
+
+        def finish():
+            ops = retarget + self._make_room(victims)
+            if done == s.cut:
+                ops.append(JoinTail(req.rid, req.entry, s.cut, s.nbytes * (P - s.cut) // P))
+                req.cached = max(0, s.m - s.cut)
+            else:
+                ops.append(self._fill_op(req))  # the last chunk: the entry complete
+                req.cached = 0
+            self._prefilling = None
+            req.running = True
+            self._running[req.rid] = req
+            return ops + [Extend(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling,
+                                 entry=req.entry, prefix=s.m)]
+        return finish
+
+    def _fill_op(self, req: Request) -> PrefillChunk:
+        start, end = req.bounds[req.step]
+        req.step += 1
+        s = req.split
+        return PrefillChunk(rid=req.rid, entry=req.entry, start=start, end=end, chunk=self.prefill_chunk,
+                            knee=self.prefill_knee, prompt_len=len(s.ids), ids=s.ids if start == 0 else None,
+                            max_tokens=1, sampling=GREEDY, context_len=s.context_len, head_len=0, fill=True)
+
+    def _compute_rest(self, rid: int) -> None:
+        """A split reload's tail failed on some rank (its file dropped): the head stays, the rest is computed."""
+        req = self._running.pop(rid, None)
+        if req is None:
+            return
+        self.counters["tail_failures_total"] += 1
+        log.warning("request %d: its cached document's tail could not be read on every rank; computing the rest", rid)
+        req.running, req.cached = False, 0
+        req.split.cut = len(req.split.ids)
+        self._prefilling = req
+        self._tier_version += 1
 
     def _make_room(self, victims: list[int], promoting: int | None = None) -> list[Op]:
         """The ops that free the device's `victims` (least recently used first): each moves one tier down,
@@ -1011,9 +1196,12 @@ class Scheduler:
         p = self._prefilling
         if p is not None:
             return self._next_chunk(p)
-        req = next((r for r in self._waiting if self._classify(r)[0] == "doc"), None)
+        req = next((r for r in self._waiting if self._classify(r)[0] in ("doc", "split")), None)
         if req is None:
             return None
+        kind, split, m = self._classify(req)
+        if kind == "split":
+            return self._split_start(req, *split, m)
         L, chunk = len(req.ids), self.prefill_chunk
         bounds = [(0, L)] if not chunk else self.llm.runner.prefill_bounds(L, req.prompt.context_len, chunk,
                                                                             self.prefill_knee)
@@ -1028,6 +1216,8 @@ class Scheduler:
         def start():
             if self.reuse:
                 self.cache.lookup(req.ids)  # counted once per admitted request
+            if self.reload_policy is not None:
+                self._contexts[token_digest(req.ids)] = req.prompt.context_len
             if req.reload_skipped:
                 self.reload_policy.skipped += 1
             entry = self.cache.next_id()
@@ -1044,6 +1234,8 @@ class Scheduler:
         return start
 
     def _next_chunk(self, req: Request):
+        if req.split is not None:
+            return self._next_fill(req)
         if req.step == len(req.bounds) - 1:  # the last chunk joins the batch: a slot and the pool's room
             if len(self._running) >= self.max_batch:
                 return None
@@ -1081,6 +1273,9 @@ class Scheduler:
             for rid, failure in (failures or {}).items():  # rolled back on every rank: nothing to finish
                 if failure.code == RELOAD_FAILED:
                     self._requeue(rid)
+                    continue
+                if failure.code == TAIL_FAILED:
+                    self._compute_rest(rid)
                     continue
                 req = self._running.pop(rid, None)
                 if req is None and self._prefilling is not None and self._prefilling.rid == rid:

@@ -11,10 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
-from starshard.serving.ops import Abort, Decode, Demote, Evict, Extend, Finish, Prefill, PrefillChunk, Promote
+from starshard.serving.ops import (
+    Abort,
+    Decode,
+    Demote,
+    Evict,
+    Extend,
+    Finish,
+    JoinTail,
+    Prefill,
+    PrefillChunk,
+    Promote,
+    ReadTail,
+)
 
-_LETTERS = {Prefill: "P", PrefillChunk: "P", Extend: "E", Decode: "D", Demote: "M", Promote: "M", Evict: "F",
-            Finish: "F", Abort: "F"}
+_LETTERS = {Prefill: "P", PrefillChunk: "P", Extend: "E", Decode: "D", Demote: "M", Promote: "M", ReadTail: "M",
+            JoinTail: "M", Evict: "F", Finish: "F", Abort: "F"}
 
 
 def mark(cuda: bool):
