@@ -107,6 +107,7 @@ class _Admission:
     row: "Row | None" = None
     pool: OwnKV | None = None  # the batch's pool with the new row
     marks: list = field(default_factory=list)  # a timed chunked prefill's (start, end) per chunk (Executor._mark)
+    untimed: tuple | None = None  # a split reload's last fill step and its marks, timed once the next is queued
 
 
 @dataclass
@@ -730,8 +731,10 @@ class Executor:
             return
         if start is not None:
             st.marks.append((start, self._mark()))
-            if op.fill:  # a split reload re-plans after each step: its own time
-                self.on_timing(op, self._seconds(st.marks[-1:]))
+            if op.fill:  # a split reload re-plans after each step, by the step before's time: no host wait
+                if st.untimed is not None:
+                    self.on_timing(st.untimed[0], self._seconds([st.untimed[1]]))
+                st.untimed = (op, st.marks[-1])
         if op.start == 0:
             self.cache.add(st.entry)
             self.cache.acquire(st.entry)  # held by its request: neither evicted nor reused while it fills

@@ -80,6 +80,7 @@ IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the ot
 WRITE_TICK_S = 0.1  # while disk writes are open: how often an idle rank 0 sends an empty step that settles them
 SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran
 GREEDY = SamplingConfig(temperature=0.0)  # a split reload's fill steps: their token is never used
+CONTEXTS_KEPT = 4096  # documents whose context_len a split reload of a Star entry may need (Scheduler._contexts)
 
 
 def default_prefill_chunk(device: torch.device, cp: int) -> int:
@@ -1218,6 +1219,8 @@ class Scheduler:
                 self.cache.lookup(req.ids)  # counted once per admitted request
             if self.reload_policy is not None:
                 self._contexts[token_digest(req.ids)] = req.prompt.context_len
+                if len(self._contexts) > CONTEXTS_KEPT:  # the oldest first
+                    self._contexts.pop(next(iter(self._contexts)))
             if req.reload_skipped:
                 self.reload_policy.skipped += 1
             entry = self.cache.next_id()
