@@ -70,6 +70,7 @@ from starshard.parallel.topology import read_launch_env
 from starshard.runtime.prompt import Prompt
 from starshard.serving.cache_key import token_digest
 from starshard.serving.disk_read import DEFAULT_READERS
+from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
 from starshard.serving.step_clock import StepClock, idle_summary
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
@@ -144,6 +145,11 @@ def add_arguments(p) -> None:
                        "than this one; reports disk_read_limit_gbps and disk_bound_throttled_s. Over several ranks "
                        "only rank 0's reads are paced, to its share of F x the rate (a promotion waits for every "
                        "rank). Default: unpaced")
+    tiers.add_argument("--disk-reload-policy", choices=POLICIES, default="always",
+                       help="serve's flag: always (this benchmark's default: each tier's reload is measured, slower "
+                       "than a prefill or not), auto (reload where expected faster than a prefill) or split (a disk "
+                       "hit's head prefilled while its tail is read; serving/reload_policy.py). The rates a run "
+                       "measures stay in --disk-cache-dir for the next (a --reuse-only run starts planned)")
     tiers.add_argument("--reuse-only", action="store_true",
                        help="document scenario, the restart check: only ask one new question on each --lengths "
                        "document that an earlier run with the same --seed made on this --disk-cache-dir (its files "
@@ -514,9 +520,9 @@ def start_scheduler(args, **limits):
     llm = LLM(args.model, dtype=dtype, device=str(device), random_weights=args.random_weights, progress=False,
               parallel=parallel, fp8=fp8_config(args))
     options = dict(cache_bytes=int(args.cache_gib * 2**30), cuda_graphs=not args.no_cuda_graphs,
-                   # disk_reload "always": the scenario measures each tier's reload, slower than a prefill or not
                    tiers=TierConfig.from_gib(args.host_cache_gib, args.disk_cache_dir, args.disk_cache_gib,
-                                             disk_reload="always", shutdown_write_s=args.shutdown_write_s,
+                                             disk_reload=args.disk_reload_policy,
+                                             shutdown_write_s=args.shutdown_write_s,
                                              disk_readers=args.disk_readers), **limits)
     chunk = args.prefill_chunk if args.prefill_chunk is not None else default_prefill_chunk(llm.device, parallel.cp)
     options.update(prefill_chunk=chunk, prefill_taper=args.prefill_taper, prefill_knee_tokens=args.prefill_knee,

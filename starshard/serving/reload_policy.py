@@ -20,10 +20,21 @@ head [0, cut) is prefilled chunk by chunk (the service's prefill_bounds of the e
 both are expected to finish together, from the same two rates, and the scheduler re-plans after every head
 chunk as they drift. Before both rates are measured it decides as "auto" (cut 0: a whole reload; cut P: a
 prefill). Without chunks (--prefill-chunk 0) the only bounds are 0 and P: it is "auto".
+
+The two rates outlive the server: rank 0 keeps them in the disk directory (RATES_FILE, one record per
+(cache key, device)) after each reload and at shutdown, and a server started on that directory begins with
+them, so the first disk hit after a restart is planned, not guessed.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("starshard.serve")
+RATES_FILE = "reload-rates.json"
 
 POLICIES = ("auto", "always", "split")
 EMA_WEIGHT = 0.5  # the newest measurement's weight: a disk's rate drifts (page cache, other readers)
@@ -108,3 +119,43 @@ class DiskReloadPolicy:
         compute = [self.prefill.per_unit * f for f in head_flops]
         read = [max(0.0, self.reload.per_unit * b - read_s) for b in tail_bytes]
         return plan_cut(cuts, compute, read)
+
+    # -- the rates across restarts (the disk directory's RATES_FILE)
+    def load(self, directory, where: str) -> bool:
+        """Start from the rates a server of this cache key on this device (`where`) saved in `directory`
+        -> whether there were any. A damaged file is ignored, with a warning."""
+        path = Path(directory) / RATES_FILE
+        try:
+            saved = json.loads(path.read_text()).get(where)
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("disk cache: ignoring %s (%s: %s); the reload rates are measured again", path,
+                        type(e).__name__, e)
+            return False
+        if not isinstance(saved, dict):
+            return False
+        for rate, name in ((self.reload, "reload_s_per_byte"), (self.prefill, "prefill_s_per_flop")):
+            value = saved.get(name)
+            if isinstance(value, (int, float)) and value > 0:
+                rate.per_unit = float(value)
+        return self.reload.per_unit is not None or self.prefill.per_unit is not None
+
+    def save(self, directory, where: str) -> None:
+        """Keep the measured rates in `directory` under `where` (beside other keys' and devices'), replacing
+        the file atomically; nothing measured: nothing written."""
+        if self.reload.per_unit is None and self.prefill.per_unit is None:
+            return
+        path = Path(directory) / RATES_FILE
+        try:
+            records = json.loads(path.read_text())
+            records = records if isinstance(records, dict) else {}
+        except (OSError, ValueError):
+            records = {}
+        records[where] = {"reload_s_per_byte": self.reload.per_unit, "prefill_s_per_flop": self.prefill.per_unit}
+        tmp = path.with_name(f".{RATES_FILE}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(records, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("disk cache: could not save the reload rates to %s: %s", path, e)

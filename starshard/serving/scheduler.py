@@ -83,6 +83,10 @@ GREEDY = SamplingConfig(temperature=0.0)  # a split reload's fill steps: their t
 CONTEXTS_KEPT = 4096  # documents whose context_len a split reload of a Star entry may need (Scheduler._contexts)
 
 
+def _per(rate: float | None, scale: float) -> str:
+    return "unmeasured" if rate is None else f"{rate * scale:.3g}"
+
+
 def default_prefill_chunk(device: torch.device, cp: int) -> int:
     """The prefill chunk the service runs unless told: 4096 rows per CP rank on CUDA, the whole prompt on CPU.
     4096: the smallest uniform chunk within 10% of a whole prefill (an 8B model at 128K on one H200: 1.09x;
@@ -283,6 +287,13 @@ class Scheduler:
             if self.rank == 0:
                 self.executor.on_timing = self._observe
                 self.tiers.writer.on_written = self._wake_to_settle
+                # the rates this key measured on this device before a restart (reload_policy.RATES_FILE)
+                device = llm.device
+                self._rates_at = f"{key.digest}/{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+                if self.reload_policy.load(self.tiers.disk.path, self._rates_at):
+                    log.info("disk cache: the reload rates of the last run on %s (reload %s s/GB, prefill %s s/PFLOP)",
+                             self.tiers.disk.path, _per(self.reload_policy.reload.per_unit, 1e9),
+                             _per(self.reload_policy.prefill.per_unit, 1e15))
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
@@ -607,6 +618,8 @@ class Scheduler:
 
     def _close_tiers(self) -> None:
         if self.tiers is not None:
+            if self.reload_policy is not None and self.rank == 0:
+                self.reload_policy.save(self.tiers.disk.path, self._rates_at)  # for the next server here
             self.tiers.close()  # the disk tier's lock: a new server may take the directory
 
     def serve_forever(self) -> None:
@@ -970,8 +983,10 @@ class Scheduler:
         match op:
             case Promote(source="disk"):
                 self.reload_policy.observe_reload(seconds, sum(op.rank_bytes))
+                self.reload_policy.save(self.tiers.disk.path, self._rates_at)
             case JoinTail():
                 self.reload_policy.observe_reload(seconds, op.nbytes)
+                self.reload_policy.save(self.tiers.disk.path, self._rates_at)
             case PrefillChunk(fill=True):
                 flops = self._head_flops(op.end, op.context_len)
                 if flops is not None and op.start:

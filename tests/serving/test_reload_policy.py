@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from starshard.serving.reload_policy import DiskReloadPolicy, Rate, reload_pays
+from starshard.serving.reload_policy import RATES_FILE, DiskReloadPolicy, Rate, reload_pays
 from starshard.serving.tiers import TierConfig
 
 
@@ -57,3 +57,29 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="--disk-reload-policy"):
         TierConfig.from_gib(0, "/tmp/x", 1, disk_reload="sometimes")
     assert TierConfig.from_gib(0, "/tmp/x", 1, disk_reload="always").disk_reload == "always"
+
+
+def test_rates_outlive_the_server_per_key_and_device(tmp_path, caplog):
+    p = DiskReloadPolicy("split")
+    p.save(tmp_path, "key/gpu")
+    assert not (tmp_path / RATES_FILE).exists()  # nothing measured: nothing written
+    p.observe_reload(2.0, 10**9)
+    p.observe_prefill(3.0, 1e12)
+    p.save(tmp_path, "key/gpu")
+    other = DiskReloadPolicy()
+    other.observe_reload(9.0, 10**9)
+    other.save(tmp_path, "key/other-gpu")  # beside it, not over it
+    again = DiskReloadPolicy("split")
+    assert again.load(tmp_path, "key/gpu")
+    assert again.reload.per_unit == pytest.approx(2e-9) and again.prefill.per_unit == pytest.approx(3e-12)
+    elsewhere = DiskReloadPolicy()
+    assert elsewhere.load(tmp_path, "key/other-gpu") and elsewhere.prefill.per_unit is None
+    assert elsewhere.reload.per_unit == pytest.approx(9e-9)
+    assert not DiskReloadPolicy().load(tmp_path, "another-key/gpu")
+    (tmp_path / RATES_FILE).write_text("{not json")
+    fresh = DiskReloadPolicy()
+    assert not fresh.load(tmp_path, "key/gpu") and fresh.reload.per_unit is None  # damaged: measured again
+    assert "ignoring" in caplog.text
+    fresh.observe_reload(1.0, 10**9)
+    fresh.save(tmp_path, "key/gpu")  # replaces the damaged file
+    assert DiskReloadPolicy().load(tmp_path, "key/gpu")

@@ -142,7 +142,9 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
     (d1, d2), (q1, q2, q3) = _docs(seed=6)
     budget, _ = _budget(tiny, len(d1) + len(q1))
     want = {name: _solo(tiny, ids) for name, ids in (("d1q2", d1 + q2), ("d1q3", d1 + q3), ("d2q2", d2 + q2))}
-    tiers = TierConfig(disk_dir=tmp_path / "kv", disk_bytes=1 << 30)
+    # "always": after the restart the policy starts from the saved rates, and on a CPU this tiny model's prefill
+    # beats the reload (test_disk_reload_slower_than_prefill_is_skipped covers that choice)
+    tiers = TierConfig(disk_dir=tmp_path / "kv", disk_bytes=1 << 30, disk_reload="always")
     svc = _service(tiny, tiers, budget)
     try:
         _ask(svc, d1 + q1, len(d1))
@@ -154,12 +156,16 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
         assert tokens == want["d1q2"] and cached == len(d1)
         assert svc.counters["prefill_chunks_total"] == 2
         key = svc.tiers.disk.key
+        rates = svc.reload_policy.reload.per_unit, svc.reload_policy.prefill.per_unit
+        assert None not in rates  # a promotion and the prefills measured
     finally:
         svc.shutdown()
     assert oct((tmp_path / "kv").stat().st_mode & 0o777) == "0o700"
     svc = _service(tiny, tiers, budget)  # the restart: the directory is indexed, both documents found
     try:
         assert len(svc.tiers.disk.entries) == 2 and not svc.cache.entries
+        # it starts from the rates the last server measured here (its first disk hit is planned, not guessed)
+        assert (svc.reload_policy.reload.per_unit, svc.reload_policy.prefill.per_unit) == rates
         with svc._lock:  # two follow-ups arrive together: one promotion, then both extend the entry
             runs = [_submit(svc, d1 + q, len(d1)) for q in (q3, q2)]
         results = [_result(*run) for run in runs]
