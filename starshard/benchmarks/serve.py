@@ -150,6 +150,10 @@ def add_arguments(p) -> None:
                        "than a prefill or not), auto (reload where expected faster than a prefill) or split (a disk "
                        "hit's head prefilled while its tail is read; serving/reload_policy.py). The rates a run "
                        "measures stay in --disk-cache-dir for the next (a --reuse-only run starts planned)")
+    tiers.add_argument("--page-cache", choices=("cold", "warm"), default="cold",
+                       help="--reuse-only: the documents' files dropped from the page cache before the question "
+                       "(cold, default: as after a reboot) or read through once first (warm: as right after the "
+                       "server that wrote them, a fast disk's stand-in); reports page_cache and the warm read rate")
     tiers.add_argument("--reuse-only", action="store_true",
                        help="document scenario, the restart check: only ask one new question on each --lengths "
                        "document that an earlier run with the same --seed made on this --disk-cache-dir (its files "
@@ -232,6 +236,10 @@ def tier_error(args) -> str | None:
         return f"{'--reuse-only' if args.reuse_only else '--tiers disk'} needs --disk-cache-dir and --disk-cache-gib"
     if args.reuse_only and args.tiers:
         return "--reuse-only only asks questions on documents already on disk: drop --tiers"
+    if args.page_cache == "warm" and not args.reuse_only:
+        return "--page-cache warm belongs to --reuse-only (--tiers disk always reads cold)"
+    if args.page_cache == "warm" and args.disk_read_throttle is not None:
+        return "--page-cache warm and --disk-read-throttle: pick one (a throttle paces a cold read)"
     if args.disk_read_throttle is not None:
         if not args.disk_read_throttle > 0:
             return f"--disk-read-throttle must be > 0 (a fraction of the measured read rate), got {args.disk_read_throttle}"
@@ -377,7 +385,8 @@ def run(args) -> None:
     for n in [1, 1] + [max(args.concurrency)]:
         for d, _ in [ask(warm, 2) for _ in range(n)]:
             wait(d)
-    measure_one = (lambda L: reuse_row(svc, L, document(L), question, args.disk_read_throttle)) if args.reuse_only \
+    measure_one = (lambda L: reuse_row(svc, L, document(L), question, args.disk_read_throttle,
+                                       args.page_cache == "warm")) if args.reuse_only \
         else measure
     try:
         rows = [measure_one(L) for L in args.lengths]
@@ -470,26 +479,35 @@ def tier_targets(row: dict) -> dict:
     return out
 
 
-def reuse_row(svc, L: int, doc: list[int], question, throttle: float | None = None) -> dict:
+def reuse_row(svc, L: int, doc: list[int], question, throttle: float | None = None, warm: bool = False) -> dict:
     """--reuse-only: a question on a document an earlier run on this --disk-cache-dir (same --seed) made,
-    its files dropped from the page cache first (a cold read, as after a reboot); `throttle`: the disk's
-    read rate measured on them first, the reads paced to that fraction of it."""
-    row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc)}
+    its files dropped from the page cache first (a cold read, as after a reboot), or read through once first
+    (`warm`); `throttle`: the disk's read rate measured on them first, the reads paced to that fraction of it."""
+    row = {"length": L, "document_tokens": len(doc), "document_digest": token_digest(doc),
+           "page_cache": "warm" if warm else "cold"}
     files = []
     try:
         files = serve_tiers.entry_files(svc.tiers.disk, doc, world(), timeout=0)
         serve_tiers.drop_cached(files)
+        if warm and files:
+            serve_tiers.read_all(files)  # into the page cache
+            nbytes, seconds = serve_tiers.read_all(files, DEFAULT_READERS)
+            row["page_cache_read_gbps"] = nbytes / seconds / 1e9 if seconds > 0 else None
     except ValueError:
         pass
     row["files"] = [str(p) for p in files]
     if throttle is not None and files:
         row["disk"] = serve_tiers.read_rate(files)  # leaves them dropped
         row |= serve_tiers.throttle(svc.tiers.disk, row["disk"], throttle)
+    splits = svc.counters["split_reloads_total"]
     try:
         ttft, cached = question(doc)
     finally:
         svc.tiers.disk.read_limit = None
-    row |= {"ttft_reuse_s": ttft, "cached_tokens": cached, "reused": cached >= len(doc)}
+    # --disk-reload-policy split: the head was computed, cached_tokens counts the tokens read from the file
+    split = svc.counters["split_reloads_total"] > splits
+    row |= {"ttft_reuse_s": ttft, "cached_tokens": cached, "split": split,
+            "reused": cached >= len(doc) or (split and cached > 0)}
     if not row["reused"]:
         print(f"warning: --reuse-only: the {L}-token document reused {cached} of its {len(doc)} tokens (no file of "
               "it in --disk-cache-dir from a run with this --seed and --lengths?)", file=sys.stderr)

@@ -65,6 +65,9 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
         assert row["reused"] and row["cached_tokens"] >= row["document_tokens"]
         assert row["files"] == first["disk"]["files"] == row["disk"]["files"]  # measured before the paced reload
         assert row["disk_read_limit_gbps"] == pytest.approx(0.25 * row["disk"]["disk_read_gbps"])
+    warm = bench(tmp_path, "warm", *disk, "--reuse-only", "--seed", "3", "--page-cache", "warm")
+    for row in warm["results"]:  # read through once first: from the page cache
+        assert row["reused"] and not row["split"] and row["page_cache"] == "warm" and row["page_cache_read_gbps"] > 0
     other = bench(tmp_path, "other", *disk, "--reuse-only", "--seed", "4")
     assert all(not row["reused"] and row["cached_tokens"] == 0 for row in other["results"])
 
@@ -78,6 +81,7 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
     (["--tiers", "disk", "--disk-cache-dir", "kv", "--disk-cache-gib", "1", "--disk-read-throttle", "0"],
      "--disk-read-throttle must be > 0"),
     (["--disk-readers", "0"], "--disk-readers must be an integer from 1"),
+    (["--page-cache", "warm"], "--page-cache warm belongs to --reuse-only"),
 ])
 def test_tier_flags_are_checked(argv, why, capsys):
     with pytest.raises(SystemExit):
