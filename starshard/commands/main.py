@@ -109,4 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     entry point and leaves through exit_process, as launch/*.py do (parallel/exit.py says why)."""
     if argv is not None:
         return dispatch(list(argv))
-    exit_process(dispatch(sys.argv[1:]))
+    try:
+        code = dispatch(sys.argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C before a command handles it (loading torch, a model): no traceback
+        print("starshard: interrupted", file=sys.stderr)
+        code = 130
+    exit_process(code)

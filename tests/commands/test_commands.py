@@ -41,6 +41,17 @@ def test_help_and_version_load_no_command():
     assert all(f"\n  {name} " in "\n".join(help_lines) for name in COMMANDS)
 
 
+def test_ctrl_c_while_a_command_loads_exits_130_without_a_traceback(tmp_path):
+    """Ctrl-C before a command takes over its signals (importing torch, loading a model) ends the process quietly."""
+    (tmp_path / "interrupted_command.py").write_text("def main(argv):\n    raise KeyboardInterrupt\n")
+    code = ("import sys; from starshard.commands import main as m; "
+            "m.COMMANDS['x'] = m.Command('interrupted_command', 'raises KeyboardInterrupt'); "
+            f"sys.path.insert(0, {str(tmp_path)!r}); sys.argv = ['starshard', 'x']; m.main()")
+    p = sh("-c", code)
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr and "interrupted" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_each_command_shows_its_full_help(name, capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # bench sets a default
