@@ -40,7 +40,7 @@ from starshard.serving.ops import (
     ReadTail,
 )
 from starshard.serving.step_clock import StepClock, mark, seconds_between, step_kind
-from starshard.serving.tail_read import TailRead, graft
+from starshard.serving.tail_read import TailRead
 from starshard.serving.tiers import Tiers
 
 log = logging.getLogger("starshard.serve")
@@ -581,7 +581,9 @@ class Executor:
                 raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(op.ids)} tokens")
             if found.shared:
                 raise ValueError("its shard is rebuilt from another layout's files, not read from one file")
-            self.tails[op.entry] = TailRead(found.path, read_header(found.path, disk.key, disk.rank), op.cut)
+            # reading starts once the head's first chunk allocated the entry (_prefill_chunk attaches it)
+            self.tails[op.entry] = TailRead(found.path, read_header(found.path, disk.key, disk.rank), op.cut,
+                                            disk.readers)
         except Exception as e:  # noqa: BLE001 (contained: JoinTail votes)
             self.tails[op.entry] = e
 
@@ -590,13 +592,14 @@ class Executor:
         any rank is dropped on every rank, as a failed promotion's (_promote)."""
         st, tail = self.filling.get(op.entry), self.tails.pop(op.entry, None)
         first = None  # set once grafted
+        before = st.kv.next_position if st is not None else None
         try:
             if st is None:
                 raise RuntimeError(f"cache entry {op.entry} is not being filled here")
             if not isinstance(tail, TailRead):
                 raise tail if isinstance(tail, BaseException) else RuntimeError("no tail read was started")
-            at, rows = tail.rows(op.cut)
-            graft(st.kv, at, rows, tail.positions[:at], tail.header.next_position)
+            at = tail.join(op.cut)  # its rows copied into the entry meanwhile; the compute stream waits for them
+            tail.complete(st.kv, at)
             first = at
             if kv_bytes(st.kv) > st.rank_bytes[self.cp_rank]:
                 raise RuntimeError(f"the grafted shard holds {kv_bytes(st.kv)} bytes, more than the "
@@ -611,9 +614,12 @@ class Executor:
             if self.on_timing is not None and tail.nbytes:  # this rank read something: a rate
                 self.on_timing(op, tail.seconds)
             return
+        if isinstance(tail, TailRead):
+            tail.abandon()  # the rest is computed into rows its copies may still be writing
         if first is not None:  # grafted here, failed elsewhere: back to the head alone
             for layer in st.kv.layers.values():
                 layer.length, layer.head = first, first % layer.capacity
+            st.kv.next_position = before
         found = self.tiers.disk.entry_for(st.entry.ids) if st is not None else None
         if found is not None and not found.shared:
             self.tiers.disk.remove(found.name)
@@ -739,6 +745,12 @@ class Executor:
             self.cache.add(st.entry)
             self.cache.acquire(st.entry)  # held by its request: neither evicted nor reused while it fills
             self.filling[op.entry] = st
+            tail = self.tails.get(op.entry)
+            if op.fill and isinstance(tail, TailRead):  # its rows go straight into the entry while the head runs
+                try:
+                    tail.attach(st.kv)
+                except Exception as e:  # noqa: BLE001 (JoinTail votes on it)
+                    self.tails[op.entry] = e
         if op.last and op.fill:  # complete: the request extends it next (its own hold)
             self._filled(op.entry)
         elif op.last:
@@ -756,7 +768,7 @@ class Executor:
         self.cache.release(st.entry)
         tail = self.tails.pop(entry_id, None)  # a read a re-plan stopped (the rest was computed)
         if isinstance(tail, TailRead):
-            tail.cancel()
+            tail.abandon()
 
     def _mark(self):
         """Now on this rank's compute stream: a CUDA event (a middle chunk's kernels still run when its step
@@ -840,7 +852,7 @@ class Executor:
         """Drop a filling entry on this rank (its prefill was cancelled, timed out or failed)."""
         tail = self.tails.pop(entry_id, None)
         if isinstance(tail, TailRead):
-            tail.cancel()
+            tail.abandon()
         if self.filling.pop(entry_id, None) is None:
             return
         self.cache.entries.pop(entry_id, None)

@@ -383,16 +383,27 @@ def write_kv_file(path, kv: KVCache | HostKV, token_ids, key: CacheKey, rank: in
     return payload_offset + host.nbytes
 
 
-def read_block(path, header: KVFileHeader, section: int, j: int) -> torch.Tensor:
+def block_bytes(s: Section, j: int, block_tokens: int) -> int:
+    """The bytes of block j of section `s` (what read_block reads)."""
+    return sum(n for _, n in block_ranges(s, j, block_tokens))
+
+
+def read_block(path, header: KVFileHeader, section: int, j: int, into: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [j * block_tokens, ...) of section `section` (an index into header.sections) alone, checked
     against that block's digest: [B, H, rows, D] of k / v, [B, H, rows] of a scale, [rows] of pos, in the
-    section's store dtype. A few ranges read (one per batch row and KV head), never the whole section."""
+    section's store dtype. A few ranges read (one per batch row and KV head), never the whole section.
+    `into`: a uint8 CPU tensor of at least block_bytes (pinned memory, say) the block is read into and
+    returned as a view of; default: new pageable memory."""
     s = header.sections[section]
     if not 0 <= j < n_blocks(s, header.block_tokens):
         raise IndexError(f"block {j} of a {n_blocks(s, header.block_tokens)}-block section")
     ranges = block_ranges(s, j, header.block_tokens)
-    out = bytearray(sum(n for _, n in ranges))
-    view, at = memoryview(out), 0
+    size = sum(n for _, n in ranges)
+    if into is not None and (into.dtype != torch.uint8 or into.device.type != "cpu" or into.numel() < size
+                             or not into.is_contiguous()):
+        raise ValueError(f"read_block: `into` must be a contiguous uint8 CPU tensor of >= {size} bytes")
+    out = bytearray(size) if into is None else into[:size].numpy()
+    view, at = memoryview(out).cast("B"), 0
     try:
         with open(path, "rb", buffering=0) as f:
             for off, n in ranges:
@@ -407,8 +418,10 @@ def read_block(path, header: KVFileHeader, section: int, j: int) -> torch.Tensor
     axis = _row_axis(s)
     rows = min(s.shape[axis], (j + 1) * header.block_tokens) - j * header.block_tokens
     shape = s.shape[:axis] + (rows,) + s.shape[axis + 1:]
-    return torch.frombuffer(out, dtype=torch.uint8).view(STORE_DTYPES[s.dtype]).view(shape) if out else \
-        torch.empty(shape, dtype=STORE_DTYPES[s.dtype])
+    if not size:
+        return torch.empty(shape, dtype=STORE_DTYPES[s.dtype])
+    raw = torch.frombuffer(out, dtype=torch.uint8) if into is None else into[:size]
+    return raw.view(STORE_DTYPES[s.dtype]).view(shape)
 
 
 def fsync_dir(path) -> None:
