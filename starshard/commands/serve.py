@@ -157,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "steps) while its last rows are read from the file backward, cut where both are expected to "
                        "finish together by the same two rates, re-planned after each chunk; a tail that cannot be "
                        "read is computed. Decided as auto before both rates are measured, without --prefill-chunk, "
-                       "for window-trimmed files and for a Star file prefilled before a restart")
+                       "for window-trimmed files and for Star files that do not record their document's length "
+                       "(written by an earlier starshard)")
     tiers.add_argument("--disk-readers", type=int, default=DEFAULT_READERS, metavar="N",
                        help="threads reading one disk cache file in parallel, each a run of large sequential reads "
                        "in file order (a drive serves several at once: NVMe or a network filesystem reads faster); "

@@ -40,6 +40,7 @@ class CacheEntry:
     rank_bytes: list[int] | None = None  # each CP rank's shard in bytes (None: nbytes on one rank)
     filling: bool = False  # its prefill still runs chunk by chunk: not reusable yet (its request holds it)
     serves_from: int = 0  # the fewest shared tokens it serves (0: any; window-trimmed: its document's, served_prefix)
+    context_len: int | None = None  # its prompt's document part (Star's layout depends on it; None: unknown)
 
     def __len__(self) -> int:
         return len(self.ids)

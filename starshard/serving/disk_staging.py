@@ -75,7 +75,7 @@ def _window_host(header: KVFileHeader, slot: torch.Tensor, start: int, end: int,
     moved = {Section(s.layer, s.part, s.dtype, s.shape, s.offset - start, s.nbytes): want
              for s, want in zip(header.sections, header.block_digests) if s.layer in keep}
     host = HostKV(slot[:end - start], tuple(moved), getattr(torch, header.dtype), header.fp8, header.length,
-                  header.next_position, dict(header.windows), header.serves_from)
+                  header.next_position, dict(header.windows), header.serves_from, context_len=header.context_len)
     return host, moved
 
 
@@ -91,7 +91,8 @@ def read_kv_staged(path, device, staging: StagingArea, key: CacheKey | None = No
         return None
     tokens = read_tokens(path, h)
     meta = HostKV(torch.empty(h.payload_bytes, dtype=torch.uint8, device="meta"), h.sections,
-                  getattr(torch, h.dtype), h.fp8, h.length, h.next_position, dict(h.windows), h.serves_from)
+                  getattr(torch, h.dtype), h.fp8, h.length, h.next_position, dict(h.windows), h.serves_from,
+                  context_len=h.context_len)
     loader = DeviceLoader(meta, device, extra_capacity)
     events: list[list] = [[], []]  # per slot: the copies out of the window it holds
     hashes: list[list] = [[], []]  # per slot: (section, digest, future) of the window's sections

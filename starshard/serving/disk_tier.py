@@ -118,6 +118,7 @@ class DiskEntry:
     positions: np.ndarray | None = None  # shared: the positions this rank's shard holds, in order
     heads: tuple[int, int] | None = None  # shared: the KV heads [start, stop) it holds
     layout: str = ""  # shared: the writer's layout (CacheKey.layout)
+    context_len: int | None = None  # the entry's document part (its file's header; None: not recorded)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -253,7 +254,7 @@ class DiskTier:
             windows = dict(h.windows)
             self.entries[p.name] = DiskEntry(p.name, p, ids, st.st_size, self.rank, h.entry_id, h.created, st.st_mtime,
                                              h.length, tuple((n, i in windows) for i, n in zip(h.layer_ids, h.lengths)),
-                                             h.serves_from)
+                                             h.serves_from, context_len=h.context_len)
         if old:
             log.info("disk cache %s: %d file(s) of rank %d were written in another format version (this starshard "
                      "reads version %d): skipped, left in place (`starshard cache purge --disk-cache-dir %s --all` "
@@ -321,7 +322,7 @@ class DiskTier:
         e = DiskEntry(f"{key16}-{tokens16}-as-r{self.rank}", chosen[0][0], ids,
                       sum(h.file_bytes for _, h in chosen), self.rank, first.entry_id, first.created,
                       max(h.created for _, h in chosen), rows, layer_rows, first.serves_from, tuple(chosen),
-                      want, need, writer.layout())
+                      want, need, writer.layout(), context_len=first.context_len)
         old = self.shared.get(tokens16)
         if old is None or e.nbytes < old.nbytes:  # of several layouts' copies, the one with the fewest bytes to read
             self.shared[tokens16] = e
@@ -470,7 +471,7 @@ class DiskTier:
             host = job.host
             e = DiskEntry(job.name, job.path, job.ids, job.size, self.rank, job.entry_id, time.time(), mtime,
                           host.length, tuple((host.rows(i), i in host.windows) for i in host.layer_ids),
-                          host.serves_from)
+                          host.serves_from, context_len=host.context_len)
             self.entries[job.name] = e
             self._stats.demotions += 1
             self._stats.write_bytes += job.size

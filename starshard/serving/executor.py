@@ -457,13 +457,13 @@ class Executor:
             if e is not None:  # from the device
                 self.cache.evict([op.entry])
                 if op.to == "host":
-                    host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from)
+                    host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from, context_len=e.context_len)
                     host.synchronize()  # the device memory is free (for this step's allocation) once copied
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
                     on_disk = tiers.disk is not None and tiers.disk.entry_for(e.ids) is not None
                     tiers.host.entries[e.id].written = on_disk  # dropping it later loses nothing
                 else:  # staged in a free range of the host tier's pinned arena if any (a fast copy), else pageable
-                    host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from)
+                    host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from, context_len=e.context_len)
                     host.synchronize()
                     tiers.writer.submit(e.id, e.ids, host, staged=True)
                 return
@@ -519,13 +519,13 @@ class Executor:
         """Load this rank's shard back to the device, then one vote: the entry becomes reusable only when
         every rank has its shard; otherwise no rank keeps it and the lower tier's copy is dropped on every
         rank (a disk load that failed removed its file already), so the request is prefilled instead."""
-        tiers, kv, ids, serves_from = self.tiers, None, None, 0
+        tiers, kv, ids, serves_from, context_len = self.tiers, None, None, 0, None
         src = op.entry if op.copy_of is None else op.copy_of
         try:
             self._check_memory(op.rank_bytes[self.cp_rank])
             if op.source == "host":
                 he = tiers.host.get(src)
-                ids, serves_from = he.ids, he.serves_from
+                ids, serves_from, context_len = he.ids, he.serves_from, he.kv.context_len
                 load = tiers.host.load(src, self.device)
                 load.synchronize()
                 kv = load.kv
@@ -535,6 +535,7 @@ class Executor:
                 if found is None:
                     raise FileNotFoundError(f"rank {self.rank} holds no disk cache file of these {len(ids)} tokens")
                 kv, serves_from = tiers.disk.load(found, self.device, arena=tiers.arena), found.serves_from
+                context_len = found.context_len
             if kv_bytes(kv) > op.rank_bytes[self.cp_rank]:
                 raise RuntimeError(f"the reloaded shard holds {kv_bytes(kv)} bytes, more than the "
                                    f"{op.rank_bytes[self.cp_rank]} the scheduler counts")
@@ -561,7 +562,7 @@ class Executor:
                 he.kv.release()
         # a window-trimmed entry comes back serving only what it served before (served_prefix)
         self.cache.add(CacheEntry(op.entry, ids, kv, max(op.rank_bytes), rank_bytes=list(op.rank_bytes),
-                                  serves_from=serves_from))
+                                  serves_from=serves_from, context_len=context_len))
         return True
 
     # -- a split reload (--disk-reload-policy split): the head computed, the tail read meanwhile
@@ -709,7 +710,7 @@ class Executor:
             raise RuntimeError(f"CP rank {self.cp_rank}'s entry holds {kv_bytes(st.kv)} bytes, more than the "
                                f"{rank_bytes[self.cp_rank]} the scheduler counts (StrategySpec.rank_rows)")
         st.entry = CacheEntry(op.entry, np.asarray(ids, dtype=np.int64), st.kv, max(rank_bytes), pinned=op.pinned,
-                              rank_bytes=rank_bytes)
+                              rank_bytes=rank_bytes, context_len=op.context_len)
         self._trim(st.entry, op.context_len)
         own = self._empty_pool() if self.is_query_rank else None
         st.row = self._new_row(op, st.entry, len(ids), own, st.token, st.gen)
@@ -796,7 +797,7 @@ class Executor:
         self._check_memory(need)
         kv = self.runner.new_cache(L, L, op.context_len, op.chunk, op.knee)  # exactly this rank's shard, chunked layout
         entry = CacheEntry(op.entry, np.asarray(op.ids, dtype=np.int64), kv, max(rank_bytes), rank_bytes=rank_bytes,
-                           filling=True)
+                           filling=True, context_len=op.context_len)
         return _Admission(op, kv=kv, rank_bytes=rank_bytes, entry=entry, gen=self._gen(op.sampling.seed),
                           prompt=Prompt(list(op.ids), op.context_len, op.head_len)), need
 

@@ -127,6 +127,7 @@ class HostKV:
     next_position: int
     windows: dict[int, int] = field(default_factory=dict)  # {layer: window} of the window-trimmed layers
     serves_from: int = 0  # its cache entry's (CacheEntry.serves_from): the fewest shared tokens it serves
+    context_len: int | None = None  # its cache entry's (CacheEntry.context_len), to a file and back
     ready: torch.cuda.Event | None = None  # recorded after the device -> host copy (None: already done)
     _source: KVCache | None = field(default=None, repr=False)  # kept alive until the copy is done
     _copies: list = field(default_factory=list, repr=False)  # events of copies that use the buffer (CUDA)
@@ -199,7 +200,7 @@ def _in_order(layer: LayerKV) -> StoredKV:
 
 
 def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedArena | None = None,
-            serves_from: int = 0) -> HostKV:
+            serves_from: int = 0, context_len: int | None = None) -> HostKV:
     """Copy a KV shard's filled rows into one host buffer (a range of `arena` when it has room, else
     pageable). CUDA: asynchronous on `stream` (default: a new side stream) after the work already queued
     on the current stream; the returned HostKV's `ready` event says when. CPU: a plain copy, done on return.
@@ -221,7 +222,7 @@ def to_host(kv: KVCache, stream: torch.cuda.Stream | None = None, arena: PinnedA
     ready = torch.cuda.Event() if cuda else None  # recorded below; whoever frees the buffer waits on it
     windows = {i: layer.window for i, layer in kv.layers.items() if layer.trimmed}
     host = own(HostKV(host_buffer(nbytes, arena), sections, first.dtype, first.fp8, n, kv.next_position,
-                      windows, serves_from, _copies=[ready] if cuda else []), arena)
+                      windows, serves_from, context_len=context_len, _copies=[ready] if cuda else []), arena)
     ends = [s.offset + s.nbytes for s in sections]
     for end, nxt in zip(ends, [s.offset for s in sections[1:]] + [nbytes]):
         host.buffer[end:nxt].zero_()  # the gaps between sections: never stale process memory in a file

@@ -156,6 +156,7 @@ class KVFileHeader:
     serves_from: int = 0  # the cache entry's: a trimmed entry serves only prompts sharing that many tokens
     block_tokens: int = BLOCK_TOKENS
     layout: dict | None = None  # tp_rank, cp_rank, heads [start, stop), kv_heads, share, positions (runs)
+    context_len: int | None = None  # the entry's document part (a split reload of a Star file lays its head out by it)
 
     @property
     def heads(self) -> tuple[int, int] | None:
@@ -219,7 +220,8 @@ def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHea
                          lengths=tuple(int(n) for n in raw["lengths"]),
                          windows=tuple((int(i), int(w)) for i, w in raw["windows"]),
                          serves_from=int(raw["serves_from"]), block_tokens=int(raw["block_tokens"]),
-                         layout=_parse_layout(raw["layout"]))
+                         layout=_parse_layout(raw["layout"]),
+                         context_len=None if raw.get("context_len") is None else int(raw["context_len"]))
     except (KeyError, TypeError, ValueError) as e:
         raise bad(f"missing or malformed field ({type(e).__name__}: {e})") from None
     if h.block_tokens < 1:
@@ -244,6 +246,8 @@ def _parse_header(path, raw: dict, file_size: int, header_len: int) -> KVFileHea
         raise bad(f"the layout's positions name {len(h.positions())} rows, the layers keeping every key hold {h.length}")
     if not 0 <= h.serves_from <= h.n_tokens:
         raise bad(f"serves_from {h.serves_from} is not within the file's {h.n_tokens} tokens")
+    if h.context_len is not None and not 1 <= h.context_len <= h.n_tokens:
+        raise bad(f"context_len {h.context_len} is not within the file's {h.n_tokens} tokens")
     first_k = next((s for s in sections if s.part == "k"), None)
     if first_k is None or len(first_k.shape) != 4:
         raise bad("no 4-d k section")
@@ -339,7 +343,8 @@ def _header_bytes(host: HostKV, n_tokens: int, tokens_digest: str, digests, key:
                      payload_bytes=host.nbytes, sections=host.sections, block_digests=tuple(map(tuple, digests)),
                      created=int(time.time()),  # whole seconds: a fixed width, so file_bytes is exact
                      lengths=tuple(host.rows(i) for i in host.layer_ids), windows=tuple(sorted(host.windows.items())),
-                     serves_from=host.serves_from, block_tokens=BLOCK_TOKENS, layout=shard_layout(host, key, rank))
+                     serves_from=host.serves_from, block_tokens=BLOCK_TOKENS, layout=shard_layout(host, key, rank),
+                     context_len=host.context_len)
     return json.dumps(h.to_json()).encode()
 
 
@@ -449,7 +454,7 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
     h = header or read_header(path, key, rank)
     tokens = read_tokens(path, h)
     host = own(HostKV(host_buffer(h.payload_bytes, arena), h.sections, getattr(torch, h.dtype), h.fp8, h.length,
-                      h.next_position, dict(h.windows), h.serves_from), arena)
+                      h.next_position, dict(h.windows), h.serves_from, context_len=h.context_len), arena)
     buf = _u8(host.buffer)
     pending, futures = list(zip(h.sections, h.block_digests)), []
     layer_end = {}

@@ -87,7 +87,8 @@ def reassemble(parts: list[tuple[HostKV, tuple[int, int]]], positions: np.ndarra
     sections, nbytes = layout(first.layer_ids, b, h1 - h0, d, {i: len(p) for i, p in want.items()}, first.dtype,
                               first.fp8)
     out = own(HostKV(host_buffer(nbytes, arena), sections, first.dtype, first.fp8, len(positions),
-                     max(host.next_position for host, _ in parts), dict(first.windows), first.serves_from), arena)
+                     max(host.next_position for host, _ in parts), dict(first.windows), first.serves_from,
+                     context_len=first.context_len), arena)
     out.buffer.zero_()  # the gaps between sections: never stale memory in a file written from it
     for i, pos in want.items():
         dst = {s.part: _raw(out.tensor(s)) for s in sections if s.layer == i}

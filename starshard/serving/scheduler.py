@@ -80,7 +80,6 @@ IDLE_TICK_S = 1.0  # rank 0 sends an empty step this often while idle, so the ot
 WRITE_TICK_S = 0.1  # while disk writes are open: how often an idle rank 0 sends an empty step that settles them
 SLOW_STEP_S = 1.0  # a step this long (a stall for every stream) is logged, with what it ran
 GREEDY = SamplingConfig(temperature=0.0)  # a split reload's fill steps: their token is never used
-CONTEXTS_KEPT = 4096  # documents whose context_len a split reload of a Star entry may need (Scheduler._contexts)
 
 
 def _per(rate: float | None, scale: float) -> str:
@@ -281,9 +280,6 @@ class Scheduler:
             self.reload_policy = DiskReloadPolicy(tiers.disk_reload)
             self._skip_logged: set[str] = set()  # disk entries whose skip was logged (once each)
             self._flops = functools.lru_cache(maxsize=256)(self._prefill_flops)  # a long ring prompt's: ~0.1 s
-            # token digest -> context_len of the documents this server prefilled: a split reload lays a Star
-            # entry's head out as its prefill did (the exact strategies' layouts do not depend on it)
-            self._contexts: dict[str, int] = {}
             if self.rank == 0:
                 self.executor.on_timing = self._observe
                 self.tiers.writer.on_written = self._wake_to_settle
@@ -1012,12 +1008,12 @@ class Scheduler:
                        rank_bytes=self._promoted_bytes(tier, lower))
 
     # -- a split reload (--disk-reload-policy split; reload_policy.py): the head computed while the tail is read
-    def _context_of(self, ids) -> int | None:
-        """The context_len a disk entry of `ids` was prefilled with, where its layout depends on it (Star: what
-        this server recorded; None after a restart), else len(ids) (the exact strategies ignore it)."""
+    def _context_of(self, lower) -> int | None:
+        """The context_len disk entry `lower` was prefilled with, where its layout depends on it (Star: its file
+        records it; None in a file written before it did), else its length (the exact strategies ignore it)."""
         if not getattr(self.executor.strategy, "query_phase", False):
-            return len(ids)
-        return self._contexts.get(token_digest(ids))
+            return len(lower.ids)
+        return getattr(lower, "context_len", None)
 
     def _head_flops(self, c: int, context_len: int) -> float | None:
         """The slowest rank's FLOPs of prefilling a prompt's first c tokens (0 for none)."""
@@ -1035,7 +1031,7 @@ class Scheduler:
                 or getattr(lower, "shared", False):
             return None
         ids = lower.ids
-        ctx = self._context_of(ids) if context_len is None else context_len
+        ctx = self._context_of(lower) if context_len is None else context_len
         if ctx is None:
             return None
         P = len(ids)
@@ -1063,7 +1059,7 @@ class Scheduler:
             self.cache.lookup(req.ids)  # counted once per admitted request
             self.tiers.disk.get(req.ids, only=self.tiers.disk_bytes)  # a disk hit: counted, touched
             ids = lower.ids.tolist()
-            ctx = self._context_of(ids)
+            ctx = self._context_of(lower)
             entry = self.cache.next_id()
             ops = self._make_room(victims)
             self._waiting.remove(req)
@@ -1232,10 +1228,6 @@ class Scheduler:
         def start():
             if self.reuse:
                 self.cache.lookup(req.ids)  # counted once per admitted request
-            if self.reload_policy is not None:
-                self._contexts[token_digest(req.ids)] = req.prompt.context_len
-                if len(self._contexts) > CONTEXTS_KEPT:  # the oldest first
-                    self._contexts.pop(next(iter(self._contexts)))
             if req.reload_skipped:
                 self.reload_policy.skipped += 1
             entry = self.cache.next_id()

@@ -51,6 +51,19 @@ def test_host_copy_writes_the_same_bytes(tmp_path):
     assert a[ha.tokens_offset:] == b[hb.tokens_offset:]
 
 
+def test_the_document_length_travels_to_the_file_and_back(tmp_path):
+    """A split reload lays a Star file's head out by its document's length: the header keeps it (and reads
+    None from a file that does not record it); a value outside the file's tokens is refused on reading."""
+    kv, key = make_kv(length=11), key_for()
+    write_kv_file(tmp_path / "a.kv", to_host(kv, context_len=9), np.arange(11), key, 0)
+    write_kv_file(tmp_path / "b.kv", kv, np.arange(11), key, 0)
+    assert read_header(tmp_path / "a.kv").context_len == 9 and read_header(tmp_path / "b.kv").context_len is None
+    assert kv_file.read_kv_host(tmp_path / "a.kv")[0].context_len == 9
+    write_kv_file(tmp_path / "c.kv", to_host(kv, context_len=12), np.arange(11), key, 0)
+    with pytest.raises(KVFileError, match="context_len 12 is not within"):
+        read_header(tmp_path / "c.kv")
+
+
 def damaged(tmp_path, how):
     kv, key = make_kv(length=11), key_for()
     path = tmp_path / "x.kv"

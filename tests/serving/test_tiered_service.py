@@ -166,6 +166,7 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
         assert len(svc.tiers.disk.entries) == 2 and not svc.cache.entries
         # it starts from the rates the last server measured here (its first disk hit is planned, not guessed)
         assert (svc.reload_policy.reload.per_unit, svc.reload_policy.prefill.per_unit) == rates
+        assert {e.context_len for e in svc.tiers.disk.entries.values()} == {len(d1)}  # the files recorded it
         with svc._lock:  # two follow-ups arrive together: one promotion, then both extend the entry
             runs = [_submit(svc, d1 + q, len(d1)) for q in (q3, q2)]
         results = [_result(*run) for run in runs]
