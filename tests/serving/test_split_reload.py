@@ -4,10 +4,14 @@ bit-identical to a pure reload of the file (whose rows a chunked prefill with th
 answer the same; a damaged tail block falls back to computing the rest, with the same answer."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from starshard import LLM
+from starshard.config import SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving import kv_file
 from starshard.serving.kv_file import read_header
@@ -137,6 +141,49 @@ def test_split_reload_is_a_pure_reload_and_a_damaged_tail_is_computed(fp8, tmp_p
         assert_kv_equal(entry.kv, reload)  # the rest computed: the same rows the file held
         assert svc.counters["tail_failures_total"] == 1 and disk.entry_for(d1 + q1) is None  # the file dropped
         assert svc.health() is None
+    finally:
+        svc.shutdown()
+
+
+def test_a_split_reload_cancelled_mid_head_frees_everything_and_keeps_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_file, "BLOCK_TOKENS", 16)
+    tiny = LLM(random_weights="tiny", progress=False)
+    (d1, d2), q1, q2 = _docs(14)
+    want = tiny.generate(d1 + q2, max_new_tokens=STEPS).token_ids
+    svc = _service(tiny, tmp_path, cut=64)  # two head chunks
+    ex = svc.executor
+    try:
+        _ask(svc, d1 + q1, len(d1))
+        _ask(svc, d2 + q1, len(d2))  # d1 -> disk
+        settle_writes(svc)
+        before = svc.cache.used(0)
+        run, box = ex.run, {}
+
+        def cancel_after_the_first_fill(ops):
+            out = run(ops)
+            if any(isinstance(op, PrefillChunk) and op.fill and op.start == 0 for op in ops):
+                box["filling"] = dict(ex.filling), dict(ex.tails)
+                box["ticket"].cancel()
+            return out
+        ex.run = cancel_after_the_first_fill
+        events, done = [], threading.Event()
+        box["ticket"] = svc.submit(Prompt(d1 + q2, len(d1)), max_tokens=STEPS, sampling=SamplingConfig(),
+                                   on_event=lambda ev: (events.append(ev), ev.finish_reason and done.set()))
+        assert done.wait(60) and events[-1].finish_reason == "cancelled"
+        ex.run = run
+        filling, tails = box["filling"]
+        assert list(filling) and list(tails)  # it was cancelled while the head computed and the tail was read
+        for _ in range(500):  # the cancel is answered first, its Abort runs in that step
+            if not ex.filling:
+                break
+            time.sleep(0.01)
+        # everything it held is freed (the room it made stays made: d2 went to disk)
+        held = sum(e.bytes_on(0) for e in svc.cache.entries.values())
+        assert not ex.filling and not ex.tails and svc.cache.used(0) == held <= before
+        assert all(list(e.ids) != d1 + q1 for e in svc.cache.entries.values())
+        assert svc.tiers.disk.entry_for(d1 + q1) is not None and svc.health() is None  # the file stays
+        tokens, cached = _ask(svc, d1 + q2, len(d1))  # split again, to the end
+        assert tokens == want and cached > 0 and svc.counters["split_reloads_total"] == 2
     finally:
         svc.shutdown()
 
