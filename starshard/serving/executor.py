@@ -982,9 +982,9 @@ class Executor:
             # Captured at a batch's first step: recording costs the host about what an eager step does, and
             # with the host one step ahead it overlaps the device's work on the steps before.
             self._graph = CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device, warm=self._captured)
-            self._captured = True
         if self._graph is not None:  # the rows kept since the capture: replay
             logits = self._graph.step(toks, pos)
+            self._captured = True  # a capture succeeded: the lazy initialisations are done
         else:
             logits = run_cascade(self.model, toks, pos, self._batch_cascade())
         tokens = self._sample_on_device(logits, [(r.sampling, r.gen) for r in rows])
