@@ -209,7 +209,8 @@ class CascadeGraph:
                 if not self.warm:
                     _forward(self.model, self.tok, self.pos, self.cascade)
                 self.graph = torch.cuda.CUDAGraph()
-                self.graph.capture_begin()
+                # thread_local: the disk tier's threads (writes, a split reload's tail copies) may call CUDA meanwhile
+                self.graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
                 finally:
