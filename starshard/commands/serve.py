@@ -151,8 +151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     tiers.add_argument("--disk-reload-policy", choices=POLICIES, default="auto",
                        help="when a prompt's prefix is found in the disk tier: auto (default) reloads it only while "
                        "the reload is expected to take no longer than prefilling it again, both estimated from this "
-                       "server's measured reloads (seconds per byte) and prefills (seconds per FLOP); the first reload "
-                       "is always tried. A skipped file stays. always: reload every disk hit (a fast disk, or to "
+                       "server's measured reloads (seconds per byte) and prefills (seconds per FLOP), kept in "
+                       "--disk-cache-dir across restarts; a reload is tried while the disk is unmeasured. A skipped "
+                       "file stays. always: reload every disk hit (a fast disk, or to "
                        "measure it). split: serve a hit from both ends, prefilling its first chunks (--prefill-chunk's "
                        "steps) while its last rows are read from the file backward, cut where both are expected to "
                        "finish together by the same two rates, re-planned after each chunk; a tail that cannot be "
