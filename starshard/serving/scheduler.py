@@ -166,14 +166,6 @@ class _Move:
     drop: int | None = None  # a host entry whose copy a step drops once its file is committed (then answered)
 
 
-@dataclass
-class _Lower:
-    """A disk entry as _split_cut reads it: its token ids, never window-trimmed (a split's re-plan)."""
-
-    ids: list[int]
-    serves_from: int = 0
-
-
 class Ticket:
     def __init__(self, scheduler: "Scheduler", rid: int):
         self._scheduler, self.rid = scheduler, rid
@@ -1019,21 +1011,24 @@ class Scheduler:
         """The slowest rank's FLOPs of prefilling a prompt's first c tokens (0 for none)."""
         return self._flops(c, min(context_len, c)) if c else 0.0
 
-    def _split_cut(self, lower, done: int = 0, read_s: float = 0.0, context_len: int | None = None,
-                   nbytes: int | None = None) -> int | None:
-        """Where to cut disk entry `lower` (P tokens) between a computed head and a read tail (a chunk bound
-        >= `done`, the head computed so far; `read_s`: seconds the tail read has run), or None where the policy
-        decides as "auto": another mode, no chunks, nothing measured yet, a window-trimmed file (its local
+    def _split_cut(self, lower) -> int | None:
+        """Where to cut disk entry `lower` between a computed head and a read tail (_plan_cut), or None where the
+        policy decides as "auto": another mode, no chunks, nothing measured yet, a window-trimmed file (its local
         layers keep only their window), an entry rebuilt from another layout's files (no one file holds its
-        tail), or a Star entry whose context this server did not record."""
+        tail), or a Star file that does not record its document's length."""
         policy = self.reload_policy
         if policy is None or policy.mode != "split" or not self.prefill_chunk or lower.serves_from \
                 or getattr(lower, "shared", False):
             return None
-        ids = lower.ids
-        ctx = self._context_of(lower) if context_len is None else context_len
+        ctx = self._context_of(lower)
         if ctx is None:
             return None
+        return self._plan_cut(lower.ids, ctx, sum(self.tiers.disk_bytes[token_digest(lower.ids)]))
+
+    def _plan_cut(self, ids, ctx: int, nbytes: int, done: int = 0, read_s: float = 0.0) -> int | None:
+        """The chunk bound >= `done` (the head computed so far) where computing the head of an entry of `ids`
+        (document part `ctx`, `nbytes` over every rank's shards) and reading the rest are expected to finish
+        together, `read_s` seconds into the read (reload_policy.split); None: a rate or FLOP model missing."""
         P = len(ids)
         cuts = [done] + [e for _, e in self.llm.runner.prefill_bounds(P, ctx, self.prefill_chunk, self.prefill_knee)
                          if e > done]
@@ -1042,9 +1037,8 @@ class Scheduler:
         keep = [k for k, f in enumerate(flops) if f is not None and base is not None]
         if not keep:
             return None
-        total = sum(self.tiers.disk_bytes[token_digest(ids)]) if nbytes is None else nbytes
-        return policy.split([cuts[k] for k in keep], [flops[k] - base for k in keep],
-                            [total * (P - cuts[k]) / P for k in keep], read_s)
+        return self.reload_policy.split([cuts[k] for k in keep], [flops[k] - base for k in keep],
+                                        [nbytes * (P - cuts[k]) / P for k in keep], read_s)
 
     def _split_start(self, req: Request, lower, cut: int, m: int):
         """The first step of a split reload (a thunk), once the entry and the request's own part fit: the tail
@@ -1078,7 +1072,7 @@ class Scheduler:
         done = req.bounds[req.step - 1][1]
         retarget = []
         if s.cut < P:
-            cut = self._split_cut(_Lower(s.ids), done, time.monotonic() - s.began, s.context_len, s.nbytes)
+            cut = self._plan_cut(s.ids, s.context_len, s.nbytes, done, time.monotonic() - s.began)
             if cut is not None and cut != s.cut:
                 s.cut = cut
                 retarget = [ReadTail(req.entry, s.ids, cut)]  # P: the reader stops, the rest is computed
