@@ -66,7 +66,7 @@ class Pacer:
             return start, self._next
 
 
-def _sleep_until(t: float) -> None:
+def sleep_until(t: float) -> None:
     while (left := t - time.monotonic()) > 0:
         time.sleep(left)
 
@@ -149,13 +149,13 @@ def read_range(fd: int, offset: int, length: int, into: memoryview | None = None
         n = min(chunk, length - start)
         if pacer is not None:
             t0, t1 = pacer.slot(n)
-            _sleep_until(t0)
+            sleep_until(t0)
         i = 0 if into is not None else reader
         got = _read_chunk(fd, direct, views[i], bases[i], start if into is not None else 0, offset + start, n)
         if got < n:
             raise ShortRead(start + got, length)
         if pacer is not None:
-            _sleep_until(t1)
+            sleep_until(t1)
 
     if readers == 1:  # in this thread, in order
         for k in range(n_chunks):

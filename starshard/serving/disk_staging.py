@@ -7,7 +7,7 @@ tier owns two pinned slots (DISK_STAGING_BYTES in all, page-locked once at start
 streams the file through them: a window of whole layers is read into one slot (disk_read.py's parallel
 readers), each layer's asynchronous copy to the device starts as soon as its bytes are in, and the next
 window is read into the other slot meanwhile. A slot is reused only once the copies out of it have
-passed their events and its sections' digests are checked (digests as read_kv_host: per section, on a
+passed their events and its sections' digests are checked (digests as read_kv_host: per block, on a
 thread pool). A shard with a layer larger than a slot is not staged (the caller reads it as before).
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from starshard.engine.kv_cache import KVCache
 from starshard.serving.cache_key import CacheKey
 from starshard.serving.disk_read import DEFAULT_READERS, ShortRead, read_file
 from starshard.serving.host_tier import DeviceLoader, HostKV, Section
-from starshard.serving.kv_file import (HASH_THREADS, KVFileError, KVFileHeader, _section_blocks, read_header,
-                                      read_tokens)
+from starshard.serving.kv_file import (HASH_THREADS, KVFileError, KVFileHeader, check_digests, read_header,
+                                      read_tokens, submit_digests)
 from starshard.serving.pinned_arena import PinnedArena
 
 DISK_STAGING_BYTES = 2 << 30  # two 1 GiB slots: a 128K-token Llama-3.1-8B layer (512 MiB at cp=1) fits one
@@ -101,12 +101,8 @@ def read_kv_staged(path, device, staging: StagingArea, key: CacheKey | None = No
         """The slot's copies done and digests checked: it may be overwritten."""
         for ev in events[slot]:
             ev.synchronize()
-        for s, want, fut in hashes[slot]:
-            got = list(fut.result())
-            if got != list(want):
-                j = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
-                raise KVFileError(path, "checksum",
-                                  f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
+        for s, want, futs in hashes[slot]:
+            check_digests(path, s, want, futs)
         events[slot], hashes[slot] = [], []
 
     with staging.lock, ThreadPoolExecutor(HASH_THREADS) as pool:
@@ -122,7 +118,7 @@ def read_kv_staged(path, device, staging: StagingArea, key: CacheKey | None = No
                     while pending and ends[pending[0]] <= done:
                         i = pending.pop(0)
                         if verify:
-                            hashes[slot] += [(s, wants[s], pool.submit(_section_blocks, buf, s, h.block_tokens))
+                            hashes[slot] += [(s, wants[s], submit_digests(pool, buf, s, h.block_tokens))
                                               for s in host.sections if s.layer == i]
                         loader.copy_layer(i, host)  # asynchronous from pinned memory: overlaps the rest of the read
                         if i in loader.events:

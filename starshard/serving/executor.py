@@ -584,7 +584,7 @@ class Executor:
                 raise ValueError("its shard is rebuilt from another layout's files, not read from one file")
             # reading starts once the head's first chunk allocated the entry (_prefill_chunk attaches it)
             self.tails[op.entry] = TailRead(found.path, read_header(found.path, disk.key, disk.rank), op.cut,
-                                            disk.readers)
+                                            disk.readers, rate=disk.read_limit)
         except Exception as e:  # noqa: BLE001 (contained: JoinTail votes)
             self.tails[op.entry] = e
 

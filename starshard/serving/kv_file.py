@@ -20,7 +20,7 @@ backward while its head is computed) and a whole-section read checks every block
 
 Why blake2b per block: the standard library's fastest hash with a digest wide enough (128 bits) that
 no damaged file passes by chance (crc32's 32 bits would, among millions of blocks); the reader hashes
-sections on a thread pool (hashlib releases the GIL) while the next ones are still being read, so
+blocks on a thread pool (hashlib releases the GIL) while the next ones are still being read, so
 verifying costs little beyond the read itself.
 
 Files of format version 2 and older are refused as "version" (the disk tier logs why and leaves them;
@@ -131,6 +131,20 @@ def _hash_ranges(buf, ranges, base: int = 0) -> str:
 def _section_blocks(buf, s: Section, block_tokens: int) -> list[str]:
     """Every block digest of a section whose bytes are in `buf` (the payload)."""
     return [_hash_ranges(buf, block_ranges(s, j, block_tokens)) for j in range(n_blocks(s, block_tokens))]
+
+
+def submit_digests(pool, buf, s: Section, block_tokens: int) -> list:
+    """One hashing task per block of section `s` (its bytes in `buf`): a section is a layer's whole k or v, so
+    a pool given sections alone hashes as few of them at once as a window holds (two per layer), slower
+    than the disk reads."""
+    return [pool.submit(_hash_ranges, buf, block_ranges(s, j, block_tokens)) for j in range(n_blocks(s, block_tokens))]
+
+
+def check_digests(path, s: Section, want, futures) -> None:
+    """Raise KVFileError(checksum) naming the first block of `s` whose digest (a submit_digests task) is not `want`'s."""
+    for j, (fut, w) in enumerate(zip(futures, want, strict=True)):
+        if fut.result() != w:
+            raise KVFileError(path, "checksum", f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
 
 
 @dataclass(frozen=True)
@@ -466,15 +480,11 @@ def read_kv_host(path, key: CacheKey | None = None, rank: int | None = None, ver
             for done in read_file(path, h.payload_offset, h.payload_bytes, buf, readers, rate=rate):
                 while verify and pending and pending[0][0].offset + pending[0][0].nbytes <= done:
                     s, want = pending.pop(0)
-                    futures.append((s, want, pool.submit(_section_blocks, buf, s, h.block_tokens)))
+                    futures.append((s, want, submit_digests(pool, buf, s, h.block_tokens)))
                 while on_layer is not None and layers and layers[0][1] <= done:
                     on_layer(host, layers.pop(0)[0])
-            for s, want, fut in futures:
-                got = fut.result()
-                if list(got) != list(want):
-                    j = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
-                    raise KVFileError(path, "checksum",
-                                      f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
+            for s, want, futs in futures:
+                check_digests(path, s, want, futs)
     except ShortRead as e:
         raise KVFileError(path, "truncated", f"the payload ends after {e.done} of {h.payload_bytes} bytes") from None
     except OSError as e:

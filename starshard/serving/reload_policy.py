@@ -18,8 +18,9 @@ restart, may still use it. The host tier is not asked (its reloads are ~30x fast
 head [0, cut) is prefilled chunk by chunk (the service's prefill_bounds of the entry) while the tail's rows
 [cut, P) are read from the file backward (serving/tail_read.py); `plan_cut` picks the chunk bound where
 both are expected to finish together, from the same two rates, and the scheduler re-plans after every head
-chunk as they drift. Before both rates are measured it decides as "auto" (cut 0: a whole reload; cut P: a
-prefill). Without chunks (--prefill-chunk 0) the only bounds are 0 and P: it is "auto".
+chunk, with the read's own rate once it has read a block (a warm page cache reads ~10x the disk's rate).
+Before both rates are measured it decides as "auto" (cut 0: a whole reload; cut P: a prefill). Without
+chunks (--prefill-chunk 0) the only bounds are 0 and P: it is "auto".
 
 The two rates outlive the server: rank 0 keeps them in the disk directory (RATES_FILE, one record per
 (cache key, device)) after each reload and at shutdown, and a server started on that directory begins with
@@ -107,17 +108,23 @@ class DiskReloadPolicy:
         return Verdict(promote, reload_s, prefill_s)
 
     def split(self, cuts: list[int], head_flops: list[float | None], tail_bytes: list[float],
-              read_s: float = 0.0) -> int | None:
+              read_s: float = 0.0, live: tuple[float, float] | None = None) -> int | None:
         """Mode "split": the cut (plan_cut) of an entry whose head is computed up to cuts[0] and whose tail is
         read from the end: head_flops[k] the FLOPs of computing [cuts[0], cuts[k]), tail_bytes[k] the bytes
-        (every rank's shards) of rows [cuts[k], P); `read_s` seconds the read has run already. None: another
-        mode, a rate not measured yet or a FLOP model that does not apply (the caller decides as "auto")."""
-        if self.mode != "split" or self.reload.per_unit is None or self.prefill.per_unit is None:
+        (every rank's shards) of rows [cuts[k], P); `read_s` seconds the read has run already. `live`: the
+        read's own (seconds per byte, bytes read) so far, which replace the saved rate and the elapsed time
+        (this read may come from a warm page cache, or a disk slower today). None: another mode, a rate not
+        measured yet or a FLOP model that does not apply (the caller decides as "auto")."""
+        if self.mode != "split" or self.prefill.per_unit is None or (self.reload.per_unit is None and live is None):
             return None
         if any(f is None for f in head_flops):
             return None
         compute = [self.prefill.per_unit * f for f in head_flops]
-        read = [max(0.0, self.reload.per_unit * b - read_s) for b in tail_bytes]
+        if live is not None:
+            per_byte, done = live
+            read = [per_byte * max(0.0, b - done) for b in tail_bytes]
+        else:
+            read = [max(0.0, self.reload.per_unit * b - read_s) for b in tail_bytes]
         return plan_cut(cuts, compute, read)
 
     # -- the rates across restarts (the disk directory's RATES_FILE)

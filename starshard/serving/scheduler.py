@@ -70,6 +70,7 @@ from starshard.serving.ops import (
 )
 from starshard.serving.reload_policy import DiskReloadPolicy
 from starshard.serving.tiers import TierConfig, Tiers, server_key
+from starshard.serving.tail_read import TailRead
 from starshard.serving.warmup import RanksDisagree, warm_up
 from starshard.strategies import get_spec
 from starshard.strategies.flops import prefill_knee
@@ -1025,7 +1026,8 @@ class Scheduler:
             return None
         return self._plan_cut(lower.ids, ctx, sum(self.tiers.disk_bytes[token_digest(lower.ids)]))
 
-    def _plan_cut(self, ids, ctx: int, nbytes: int, done: int = 0, read_s: float = 0.0) -> int | None:
+    def _plan_cut(self, ids, ctx: int, nbytes: int, done: int = 0, read_s: float = 0.0,
+                  live: tuple[float, float] | None = None) -> int | None:
         """The chunk bound >= `done` (the head computed so far) where computing the head of an entry of `ids`
         (document part `ctx`, `nbytes` over every rank's shards) and reading the rest are expected to finish
         together, `read_s` seconds into the read (reload_policy.split); None: a rate or FLOP model missing."""
@@ -1038,7 +1040,7 @@ class Scheduler:
         if not keep:
             return None
         return self.reload_policy.split([cuts[k] for k in keep], [flops[k] - base for k in keep],
-                                        [nbytes * (P - cuts[k]) / P for k in keep], read_s)
+                                        [nbytes * (P - cuts[k]) / P for k in keep], read_s, live)
 
     def _split_start(self, req: Request, lower, cut: int, m: int):
         """The first step of a split reload (a thunk), once the entry and the request's own part fit: the tail
@@ -1072,7 +1074,8 @@ class Scheduler:
         done = req.bounds[req.step - 1][1]
         retarget = []
         if s.cut < P:
-            cut = self._plan_cut(s.ids, s.context_len, s.nbytes, done, time.monotonic() - s.began)
+            cut = self._plan_cut(s.ids, s.context_len, s.nbytes, done, time.monotonic() - s.began,
+                                 self._tail_progress(req))
             if cut is not None and cut != s.cut:
                 s.cut = cut
                 retarget = [ReadTail(req.entry, s.ids, cut)]  # P: the reader stops, the rest is computed
@@ -1099,6 +1102,18 @@ class Scheduler:
             return ops + [Extend(rid=req.rid, ids=req.prompt.ids, max_tokens=req.max_tokens, sampling=req.sampling,
                                  entry=req.entry, prefix=s.m)]
         return finish
+
+    def _tail_progress(self, req: Request) -> tuple[float, float] | None:
+        """Rank 0's tail read so far as (seconds per byte, bytes read) over every rank's shards, once it has read a
+        block: the ranks read their shards at once, so rank 0's share of the entry's bytes scales both."""
+        tail = self.executor.tails.get(req.entry)
+        if not isinstance(tail, TailRead):
+            return None
+        nbytes, seconds = tail.progress()
+        if nbytes <= 0:
+            return None
+        share = tail.header.payload_bytes / req.split.nbytes
+        return seconds / nbytes * share, nbytes / share
 
     def _fill_op(self, req: Request) -> PrefillChunk:
         start, end = req.bounds[req.step]

@@ -3,14 +3,15 @@ as it arrives (issue 49, --disk-reload-policy split: a disk hit served from both
 
 While the service prefills an entry's head [0, cut) in its chunk steps, `TailRead` reads the file's rows at
 positions >= cut from the last block backward (kv_file.read_block: each block's digest checked alone, the
-block's sections read by `readers` threads at once) and copies each block's rows into the same rows of the
-entry's KVCache, whose capacity the head's first chunk allocated: on a GPU from a ring of pinned slots on a
-copy stream of its own, so reading and copying overlap the head's compute; `join` makes the compute stream
-wait for the copies and `complete` sets the layers' lengths. The rows at positions >= cut are a suffix of every
+block's sections read by `readers` x READS_PER_READER threads at once, the next block's queued behind) and
+copies each block's rows into the same rows of the entry's KVCache, whose capacity the head's first chunk
+allocated: on a GPU from a ring of pinned slots on a copy stream of its own, so reading and copying overlap
+the head's compute; `join` makes the compute stream wait for the copies and `complete` sets the layers' lengths. The rows at positions >= cut are a suffix of every
 rank's stored rows: the file keeps a prefill's rows in step order and a step's rows lie in its own [start,
 end) (the layout, kv_layout.prefill_positions), so the head's steps [0, cut) store exactly the rows before
 them, in the same order; `complete` checks that the head's positions equal the file's first rows'. A re-plan
-that moves the cut later leaves rows already copied to be computed again over them.
+that moves the cut later leaves rows already copied to be computed again over them; one that moves it earlier
+reads the rows between (a block already read, again).
 
 A window-trimmed file (its local layers keep only their window) is refused: its local layers lack the rows a
 computed head would meet (such an entry is reloaded whole). FP8 files are copied as stored (e4m3 and scales).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,10 +28,15 @@ import numpy as np
 import torch
 
 from starshard.engine.kv_cache import KVCache
-from starshard.serving.disk_read import DEFAULT_READERS
-from starshard.serving.kv_file import KVFileHeader, _row_axis, block_bytes, n_blocks, read_block
+from starshard.serving.disk_read import DEFAULT_READERS, Pacer, sleep_until
+from starshard.serving.kv_file import KVFileHeader, _row_axis, block_bytes, read_block
 
-SLOTS_PER_READER = 4  # pinned slots of one section-block each, per reader: reads wait only on old copies
+# A block of one section is a few ranges of about 1 MB (one per KV head): a disk serves them at its rate only
+# with many in flight, so each --disk-readers reader stands for READS_PER_READER block reads at once, and the
+# next BLOCKS_AHEAD blocks are queued before the oldest is done (no pause between blocks). Pinned slots: two
+# per read in flight, so reads wait only on old copies.
+READS_PER_READER = 4
+BLOCKS_AHEAD = 2
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -66,17 +73,20 @@ class TailRead:
     """Rows at positions >= `cut` of the shard file at `path` (checked `header`). `attach(kv)` starts reading
     them into `kv` from the last block backward; `retarget(cut)` moves the cut (a re-plan); `join(cut)` waits for
     them; `complete(kv, first)` makes them the entry's. A damaged or short block raises in `join`
-    (kv_file.KVFileError)."""
+    (kv_file.KVFileError). `rate` (bytes/s): paced as disk_read's readers (a benchmark's slower disk)."""
 
-    def __init__(self, path, header: KVFileHeader, cut: int, readers: int = DEFAULT_READERS):
+    def __init__(self, path, header: KVFileHeader, cut: int, readers: int = DEFAULT_READERS,
+                 rate: float | None = None):
         if header.windows:
             raise ValueError("the file is window-trimmed (its local layers keep only their window): reloaded whole")
         self.path, self.header, self.readers = Path(path), header, readers
+        self._pacer = Pacer(rate) if rate else None  # bench serve --disk-read-throttle's slower disk
         self.positions = header.positions()
         self.n = header.length
         self.bt = header.block_tokens
         self.seconds, self.nbytes = 0.0, 0  # reading time and bytes (the reload rate)
-        self._next = n_blocks(header.sections[0], self.bt) - 1 if self.n else -1  # the next block to read
+        self._since: float | None = None  # when the running reader thread started
+        self._covered = self.n  # rows [_covered, n) are read and their copies queued (a suffix of the rows)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._cancelled = False
@@ -112,34 +122,52 @@ class TailRead:
         with self._cond:
             self._start()
 
-    def _stop(self) -> int:
-        return self.first // self.bt if self.first < self.n else self._next + 1
+    def _wanted(self) -> bool:
+        return self._covered > self.first
 
     def _start(self) -> None:
         """A reader thread, unless one runs or nothing is left above the cut (under the caller's lock)."""
         if self._kv is None or (self._thread is not None and self._thread.is_alive()):
             return
-        if self.error is None and not self._cancelled and self._next >= self._stop():
+        if self.error is None and not self._cancelled and self._wanted():
             self._thread = threading.Thread(target=self._run, name="starshard-tail-read", daemon=True)
             self._thread.start()
 
+    def progress(self) -> tuple[int, float]:
+        """(bytes read so far, seconds spent reading them), live: a re-plan's measured rate."""
+        with self._cond:
+            return self.nbytes, self.seconds + (time.perf_counter() - self._since if self._since else 0.0)
+
     def _run(self) -> None:
-        t0 = time.perf_counter()
+        with self._cond:
+            t0 = self._since = time.perf_counter()
+        threads = self.readers * READS_PER_READER
         try:
             sections = range(len(self.header.sections))
             if self._stream is not None and self._slots is None:  # pinned once, off the step loop
                 size = max(block_bytes(s, 0, self.bt) for s in self.header.sections)
-                self._slots = _Slots(SLOTS_PER_READER * self.readers, size)
-            with ThreadPoolExecutor(self.readers) as pool:
+                self._slots = _Slots(2 * threads, size)
+            with ThreadPoolExecutor(threads) as pool:
+                flight: deque[tuple[int, int, list]] = deque()  # (block, first row, reads) queued, newest last
                 while True:
                     with self._cond:
-                        if self._cancelled or self._next < self._stop():
+                        if self._cancelled:
                             return
-                        j, first = self._next, self.first
-                    for nbytes in pool.map(lambda k: self._move(k, j, first), sections):
-                        self.nbytes += nbytes
+                        j = flight[-1][0] - 1 if flight else (self._covered - 1) // self.bt
+                        while len(flight) < BLOCKS_AHEAD and self._wanted() and j >= max(0, self.first // self.bt):
+                            first = self.first
+                            flight.append((j, first, [pool.submit(self._move, k, j, first) for k in sections]))
+                            j -= 1
+                    if not flight:
+                        return
+                    j, first, futures = flight.popleft()
+                    nbytes = sum(f.result() for f in futures)
                     with self._cond:
-                        self._next = j - 1
+                        self.nbytes += nbytes
+                        # Blocks end in order, each below the last; a block read before the cut moved earlier
+                        # may leave a gap above it: _covered stays, and the block at the gap is read again.
+                        if self._covered <= min((j + 1) * self.bt, self.n):
+                            self._covered = min(self._covered, max(first, j * self.bt))
                         self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 (handed to join())
             with self._cond:
@@ -147,13 +175,19 @@ class TailRead:
         finally:
             with self._cond:
                 self.seconds += time.perf_counter() - t0
+                self._since = None
                 self._cond.notify_all()
 
     def _move(self, k: int, j: int, first: int) -> int:
         """Read block j of section k and copy its rows from stored row `first` on into the entry -> bytes read."""
         s = self.header.sections[k]
         slot = self._slots.take() if self._slots is not None else None
+        if self._pacer is not None:
+            t0, t1 = self._pacer.slot(block_bytes(s, j, self.bt))
+            sleep_until(t0)
         block = read_block(self.path, self.header, k, j, slot)
+        if self._pacer is not None:
+            sleep_until(t1)
         lo, hi = max(first, j * self.bt), min((j + 1) * self.bt, self.n)
         if hi > lo:
             axis = _row_axis(s)
@@ -195,7 +229,7 @@ class TailRead:
             raise RuntimeError("the tail read never started (no entry was attached)")
         self.retarget(cut)
         with self._cond:
-            while self.error is None and self._next >= self._stop():
+            while self.error is None and self._wanted():
                 if self._thread is None or not self._thread.is_alive():
                     self._start()
                 self._cond.wait(0.1)

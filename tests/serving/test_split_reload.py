@@ -40,6 +40,46 @@ def test_plan_cut_meets_where_both_finish():
         plan_cut(cuts, linear, tail[:-1])
 
 
+@pytest.mark.parametrize("cuts", [(40, 35), (40, 70, 9), (100, 0)])
+def test_a_tail_read_covers_every_row_above_the_cut_wherever_it_moves(cuts, tmp_path, monkeypatch):
+    """Blocks of 16 rows: a cut moved earlier inside a block already read (40 -> 35: block 2 again), later
+    (40 -> 70: rows left to the head) and back, and to the start: the rows above the last cut equal the
+    file's; the head's rows (below it) are left alone."""
+    import torch
+
+    from starshard.serving.cache_key import cache_key
+    from starshard.serving.host_tier import HostKV, layout
+    from starshard.serving.tail_read import TailRead
+
+    monkeypatch.setattr(kv_file, "BLOCK_TOKENS", 16)
+    n, key = 100, cache_key("tail-probe", dtype=torch.float32)
+    sections, nbytes = layout(range(3), 1, 2, 8, n, torch.float32, False)
+    host = HostKV(torch.randint(0, 255, (nbytes,), dtype=torch.uint8), sections, torch.float32, False, n, n)
+    for sec in sections:
+        if sec.part == "pos":
+            host.buffer[sec.offset:sec.offset + sec.nbytes].view(torch.int64).copy_(torch.arange(n))
+        else:  # finite floats
+            host.buffer[sec.offset:sec.offset + sec.nbytes].view(torch.float32).copy_(torch.randn(sec.nbytes // 4))
+    path = tmp_path / "x.kv"
+    kv_file.write_kv_file(path, host, list(range(n)), key, 0)
+    want, _ = kv_file.read_kv_file(path, "cpu", key, 0)
+    got, _ = kv_file.read_kv_file(path, "cpu", key, 0)
+    last = cuts[-1]
+    for layer in got.layers.values():  # the head [0, last) as computed; nothing above it yet
+        layer.k[:, :, last:].zero_()
+        layer.v[:, :, last:].zero_()
+        layer.length = last
+    rate = 4 * nbytes  # paced (a benchmark's slower disk): the whole file would take 0.25 s
+    tail = TailRead(path, read_header(path, key, 0), cuts[0], rate=rate)
+    tail.attach(got)
+    for cut in cuts:
+        first = tail.join(cut)
+    assert first == last and tail.error is None
+    assert tail.seconds >= 0.9 * tail.nbytes / rate
+    tail.complete(got, first)
+    assert_kv_equal(got, want)
+
+
 def test_policy_split_uses_the_rates_and_replans_as_they_drift():
     policy = DiskReloadPolicy("split")
     cuts, flops, nbytes = [0, 32, 64, 96, 128], [0, 1e9, 2e9, 3e9, 4e9], [4e6, 3e6, 2e6, 1e6, 0]
@@ -54,6 +94,12 @@ def test_policy_split_uses_the_rates_and_replans_as_they_drift():
     head, tail = [0, 1e9, 2e9, 3e9], [3e6, 2e6, 1e6, 0]
     assert policy.split(cuts[1:], head, tail) == 64
     assert policy.split(cuts[1:], head, tail, read_s=0.5) == 32  # the read ran 0.5 s already: join now
+    # the read's own rate replaces the saved one: a warm page cache (40x) reads it all; a slow disk (4x) computes more
+    assert policy.split(cuts[1:], head, tail, live=(2.5e-8, 0.0)) == 32
+    assert policy.split(cuts[1:], head, tail, read_s=9.0, live=(1e-6, 1e6)) == 96
+    fresh = DiskReloadPolicy("split")
+    fresh.observe_prefill(2.0, 4e9)
+    assert fresh.split(cuts[1:], head, tail) is None and fresh.split(cuts[1:], head, tail, live=(2.5e-8, 0.0)) == 32
     assert DiskReloadPolicy("auto").split(cuts, flops, nbytes) is None
     with pytest.raises(ValueError, match="auto, always, split"):
         DiskReloadPolicy("sometimes")

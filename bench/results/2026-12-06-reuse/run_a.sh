@@ -1,4 +1,4 @@
-# Issue 49's targets in one call (one GPU; not run yet): a 128K document prefilled, pushed to the host and disk
+# Issue 49's targets in one call (one GPU; run 2026-12-06 at 9c2e9e3: h100-a): a 128K document prefilled, pushed to the host and disk
 # tiers (--disk-reload-policy always: host follow-up, cold disk reload, the disk's read bound), then new
 # processes on the same directory (restarts) asking about it: split with and without a host tier, throttled to
 # 0.25x and 1x the measured read rate, from a warm page cache, and a pure reload; bench prefill's whole prefill
