@@ -33,6 +33,7 @@ from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Worklo
 from starshard.runconfig import parse_with_config
 from starshard.serving.disk_read import DEFAULT_READERS
 from starshard.serving.disk_tier import DiskTierLocked
+from starshard.serving.executor import TABLE_STORE_BYTES
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import Scheduler, default_prefill_chunk
 from starshard.serving.tiers import (DISK_DEFAULT_CAP, DISK_FREE_SHARE, SHUTDOWN_WRITE_S, TierConfig,
@@ -79,14 +80,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "evicted least-recently-used. Default on CUDA: what the memory plan leaves on the worst rank, "
                      "logged at start: 90%% of the GPU, less the weights, the largest step's working set (one "
                      "--prefill-chunk chunk, split over --cp; a whole window-long prompt when unchunked; an extend of "
-                     "up to --max-extend tokens; a decode step of --max-batch rows) and 0.5 GiB for the decode CUDA "
-                     "graphs (none with --no-cuda-graphs); on CPU 2 GiB")
+                     "up to --max-extend tokens; a decode step of --max-batch rows) and 1.5 GiB for the decode CUDA "
+                     "graphs (their memory pools and the kept graphs' own-KV stores; none with --no-cuda-graphs); "
+                     "on CPU 2 GiB")
     eng.add_argument("--max-batch", type=int, default=16, help="requests decoding together (one forward per step)")
     eng.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting beyond the batch; more are answered 429")
     eng.add_argument("--no-cuda-graphs", action="store_true",
-                     help="run every batched decode step eagerly (default on CUDA: once the batch keeps its rows for a "
-                     "step, later steps replay a captured CUDA graph until a request joins or leaves)")
+                     help="run every batched decode step eagerly (default on CUDA: a batch on one document replays "
+                     "the CUDA graph kept for its size, rebound when a request joins or leaves; other batches capture "
+                     "one at their first step and replay it until a request joins or leaves)")
     eng.add_argument("--max-extend", type=int, default=4096,
                      help="a prompt that shares a cached prefix runs only the rest when the rest is at most this many "
                      "tokens and no longer than the shared part; otherwise the whole prompt is prefilled and cached")
@@ -231,7 +234,9 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
     try:
         budget = cache_budget(cfg, layout, work, total_bytes=torch.cuda.get_device_properties(device).total_memory,
                               weights_bytes=torch.cuda.memory_allocated(device), max_batch=args.max_batch,
-                              max_extend=args.max_extend, graphs_bytes=0 if args.no_cuda_graphs else GRAPH_POOL_BYTES)
+                              max_extend=args.max_extend,
+                              # the graphs' pools, and the own-KV stores of the kept decode graphs (executor.py)
+                              graphs_bytes=0 if args.no_cuda_graphs else GRAPH_POOL_BYTES + TABLE_STORE_BYTES)
     except ValueError as e:
         refused = e
     own = budget.bytes if budget is not None else 0

@@ -89,9 +89,14 @@ if triton is not None:
         USE_PDL: tl.constexpr = False,
         # window / softcap (last: callers that pass arguments by position keep working)
         KRANGE=None, window=0, cap_in=1.0, cap_out=1.0, s_krb=0,
-        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
+        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+        KVT=None, TABLE: tl.constexpr = False):
         pdl_trigger(USE_PDL)
         pdl_wait(USE_PDL)  # kernels/pdl.py: nothing of the kernels ahead is read before this
+        if TABLE:  # K, V, KPOS are anchors: the cache's element offsets from them are read on the device
+            K = K + tl.load(KVT)
+            V = V + tl.load(KVT + 1)
+            KPOS = KPOS + tl.load(KVT + 2)
         split = tl.program_id(0)
         if HAS_LK:  # valid keys read on the device (CUDA-graph decode: the cache length changes per replay)
             Lk = tl.load(LK_PTR)
@@ -352,7 +357,8 @@ def _num_splits(device: torch.device, programs_per_split: int, Lk: int, fp8: boo
 def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None,
                      length: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, options: dict | None = None, window: int | None = None,
-                     softcap: float | None = None, sinks: torch.Tensor | None = None):
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     table: torch.Tensor | None = None):
     """q [B, Hq, Lq, D] (Lq small), k, v [B, Hkv, Lk, D]; positions [L] or [B, L].
     `use_triton` defaults to CUDA inputs (set it to run the kernel under TRITON_INTERPRET on CPU);
     `config` = (BLOCK_N, num_warps, num_stages) overrides the defaults (tuning).
@@ -364,10 +370,17 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     registers; the torch path dequantizes first.
     `options`: overrides of _FP8_OPTIONS (the e4m3 path's kernel choice, tuning).
     `window`, `softcap`, `sinks`: the attention.py contract; the e4m3 cache takes them through the
-    general kernel (the unmasked "even" one has none of them)."""
+    general kernel (the unmasked "even" one has none of them).
+    `table`: int64 [4] on q's device, (k, v, k_pos element offsets, valid keys), all read by the kernel: the
+    keys are those of a cache elsewhere, of k, v, k_pos's dtypes and strides (k, v, k_pos: anchors, one
+    row suffices), so one captured CUDA graph serves any cache of that layout (the service's decode graphs,
+    serving/cascade.py TableCascade). Kernel only, B = 1, causal; no window, e4m3 cache or sinks."""
     check_shapes(q, k, v)
     check_extras(q, causal, window, softcap, sinks, "decode_attention")
     use_triton = q.device.type == "cuda" if use_triton is None else use_triton
+    if table is not None:
+        return _decode_table(q, k, v, q_pos, k_pos, table, scale, num_splits, use_triton, config, causal, window,
+                             softcap, sinks, k_scale)
     if length is not None and not use_triton:
         n = int(length.reshape(-1)[0])
         k, v = k[:, :, :n], v[:, :, :n]
@@ -466,3 +479,72 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
         num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part), **sink,
     )
     return out, lse
+
+
+def _decode_table(q, k, v, q_pos, k_pos, table, scale, num_splits, use_triton, config, causal, window, softcap, sinks,
+                  k_scale):
+    """decode_attention's `table` path: the general kernel with its K, V, KPOS offset on the device."""
+    for bad, what in ((not use_triton or triton is None, "the Triton kernel"), (not causal, "causal=True"),
+                      (window is not None, "no window"), (sinks is not None, "no sinks"),
+                      (k_scale is not None, "no e4m3 cache"), (q.shape[0] != 1, "one batch row (B = 1)")):
+        if bad:
+            raise ValueError(f"decode_attention: a `table` needs {what}")
+    if table.dtype != torch.int64 or table.shape != (4,) or table.device != q.device or not table.is_contiguous():
+        raise ValueError(f"decode_attention: `table` must be a contiguous int64 [4] on {q.device}")
+    if k_pos.dtype != torch.int64 or k_pos.device != q.device or k_pos.reshape(-1).stride(0) != 1:
+        raise ValueError("decode_attention: with a `table`, k_pos must be an int64 anchor row on q's device")
+    check_kernel_inputs(q, k, v, "decode_attention")
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    qp = as_positions(q_pos, B, Lq, "q_pos", q.device)
+    G = Hq // Hkv
+    rows = G * Lq
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    row_blocks = -(-rows // block_m)
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n, warps, stages = config or ((64, 4, 3) if block_d <= 128 else (32, 4, 2))
+    # the cache's length is known on the device only: as many splits as fill the GPU once (chunk: on the device)
+    num_splits = num_splits or _num_splits(q.device, B * Hkv * row_blocks, 1 << 40)
+    o_part = torch.empty(B, Hq, Lq, num_splits, D, dtype=torch.float32, device=q.device)
+    l_part = torch.empty(B, Hq, Lq, num_splits, dtype=torch.float32, device=q.device)
+    extras = {}
+    if softcap is not None:
+        extras.update(cap_in=scale / float(softcap), cap_out=float(softcap) * LOG2E, SOFTCAP=True)
+    _decode_split_kernel[(num_splits, row_blocks, B * Hkv)](
+        q, k, v, o_part, l_part, qp, k_pos, table[3:], o_part, o_part,
+        scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(),
+        0, 0, 0, 0,
+        Hkv, G, Lq, Lk, block_n, num_splits,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=True, IEEE=q.dtype == torch.float32, HAS_LK=True, FP8=False,
+        num_warps=warps, num_stages=stages, **pdl_launch(q), KVT=table, TABLE=True, **extras,
+    )
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
+    _decode_merge_kernel[(B * Hq * Lq,)](
+        o_part, l_part, out, lse,
+        *out.stride(),
+        Hq, Lq, num_splits,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=_MERGE_SPLITS,
+        num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part),
+    )
+    return out, lse
+
+
+def table_row(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, length: int, anchors) -> list[int]:
+    """decode_attention's `table` for the cache k, v [1, Hkv, cap, D], k_pos [cap] (its first `length` keys)
+    against `anchors` (k, v, k_pos as passed with it): ValueError where the layouts differ (the captured
+    kernel would read the cache with the anchors' strides)."""
+    ak, av, ap = anchors
+    for t, a, name in ((k, ak, "k"), (v, av, "v"), (k_pos, ap, "k_pos")):
+        if t.dtype != a.dtype or t.device != a.device:
+            raise ValueError(f"table_row: {name} is {t.dtype} on {t.device}, its anchor {a.dtype} on {a.device}")
+    if k.stride()[1:] != ak.stride()[1:] or v.stride()[1:] != av.stride()[1:] or k.shape[1] != ak.shape[1] \
+            or k.shape[3] != ak.shape[3] or k_pos.reshape(-1).stride(0) != 1:
+        raise ValueError(f"table_row: the cache's strides {k.stride()} / {v.stride()} differ from the anchors' "
+                         f"{ak.stride()} / {av.stride()}")
+    size = k.element_size()
+    return [(k.data_ptr() - ak.data_ptr()) // size, (v.data_ptr() - av.data_ptr()) // size,
+            (k_pos.data_ptr() - ap.data_ptr()) // 8, int(length)]

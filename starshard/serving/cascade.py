@@ -23,6 +23,7 @@ import torch
 from starshard.engine.kv_cache import KVCache
 from starshard.kernels.attention import attention
 from starshard.kernels.common import DECODE_MAX_ROWS, to_device
+from starshard.kernels.decode import decode_attention, table_row
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.merge import merge_partials
 
@@ -34,11 +35,23 @@ class OwnKV:
     first lengths[b] slots are filled. Kept in the compute dtype also with an FP8 KV cache: it holds a
     question and the generated tokens, a few hundred entries per request."""
 
-    def __init__(self, layer_ids, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device):
+    def __init__(self, layer_ids, batch: int, n_kv_heads: int, head_dim: int, capacity: int, dtype, device,
+                 within: "OwnKV | None" = None):
+        """`within`: a pool of this capacity and at least `batch` rows whose first rows this one's tensors view
+        (the table graphs of one capacity share one store: one batch runs at a time)."""
         self.layer_ids = list(layer_ids)
-        self.k = {i: torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for i in layer_ids}
-        self.v = {i: torch.zeros_like(self.k[i]) for i in layer_ids}
-        self.pos = {i: torch.full((batch, capacity), _NO_KEY, dtype=torch.long, device=device) for i in layer_ids}
+        if within is not None:
+            if within.capacity != capacity or within.batch < batch or within.layer_ids != self.layer_ids:
+                raise ValueError(f"a pool of {batch} x {capacity} cannot view one of {within.batch} x "
+                                 f"{within.capacity}")
+            self.k = {i: within.k[i][:batch] for i in layer_ids}
+            self.v = {i: within.v[i][:batch] for i in layer_ids}
+            self.pos = {i: within.pos[i][:batch] for i in layer_ids}
+        else:
+            self.k = {i: torch.zeros(batch, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+                      for i in layer_ids}
+            self.v = {i: torch.zeros_like(self.k[i]) for i in layer_ids}
+            self.pos = {i: torch.full((batch, capacity), _NO_KEY, dtype=torch.long, device=device) for i in layer_ids}
         self.lengths = [0] * batch
         self._lengths = torch.zeros(batch, dtype=torch.long, device=device)  # the same, read by captured steps
         self._rows = torch.arange(batch, device=device)
@@ -158,7 +171,85 @@ class CascadeAttention:
         return out
 
 
-def _forward(model, tokens: torch.Tensor, positions: torch.Tensor, cascade: CascadeAttention) -> torch.Tensor:
+class TableCascade:
+    """CascadeAttention for a batch whose rows all attend one cache entry, with everything a step reads fixed in
+    place: the entry is named through a device table (kernels/decode.py `table`: its k, v, positions and
+    length per layer), each row's prefix sits in a device buffer, and the own-KV pool is this object's. So one
+    CUDA graph of a batch size and pool capacity serves every entry and every composition of that shape:
+    `bind` rewrites the table, the prefixes and the pool (a few copies) where CascadeGraph would capture anew
+    (~30 ms of host time with the device idle). Token-major 16-bit entries and global layers only
+    (`bind` raises ValueError otherwise). The own pool views the first `batch` rows of `store` (shared by the
+    graphs of one capacity); None: no own pool (a CP rank other than the query rank). `use_triton`:
+    decode_attention's (tests run the kernel under TRITON_INTERPRET on CPU)."""
+
+    def __init__(self, layer_ids, batch: int, n_kv_heads: int, head_dim: int, store: OwnKV | None, dtype, device,
+                 group=None, use_triton: bool | None = None):
+        self.layer_ids, self.batch, self.group, self.use_triton = list(layer_ids), batch, group, use_triton
+        self.own = None if store is None else OwnKV(layer_ids, batch, n_kv_heads, head_dim, store.capacity, dtype,
+                                                     device, within=store)
+        self.table = torch.zeros(len(self.layer_ids), 4, dtype=torch.long, device=device)
+        self._index = {i: j for j, i in enumerate(self.layer_ids)}
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # each row's prefix - 1
+        row = torch.zeros(1, 1, n_kv_heads, head_dim, dtype=dtype, device=device).permute(0, 2, 1, 3)
+        self.anchors = (row, row, torch.zeros(1, dtype=torch.long, device=device))  # one token-major row
+
+    def bind(self, kv: KVCache, prefixes: list[int], pool: OwnKV | None) -> None:
+        """Make the next steps attend entry `kv` (row b sharing its first prefixes[b] tokens) and own pool `pool`
+        (copied into this one). Raises ValueError, changing nothing, where the entry or pool does not fit."""
+        if len(prefixes) != self.batch:
+            raise ValueError(f"{len(prefixes)} rows for a graph of {self.batch}")
+        rows = []
+        for i in self.layer_ids:
+            layer = kv.layer(i)
+            if layer.fp8 or layer.trimmed:
+                raise ValueError(f"layer {i}: an e4m3 or window-trimmed entry is read through its own kernels")
+            s = layer.stored()
+            rows.append(table_row(s.k, s.v, s.pos, layer.length, self.anchors))
+        if (pool is None) != (self.own is None) or (pool is not None and (
+                pool.batch != self.batch or pool.capacity > self.own.capacity)):
+            raise ValueError("the own-KV pool does not fit this graph's")
+        up = functools.partial(to_device, device=self.table.device)
+        self.table.copy_(up(rows))
+        self.last.copy_(up([m - 1 for m in prefixes]))
+        if pool is not None and pool is not self.own:
+            n = pool.capacity
+            for i in self.layer_ids:
+                for src, dst in ((pool.k[i], self.own.k[i]), (pool.v[i], self.own.v[i]),
+                                 (pool.pos[i], self.own.pos[i])):
+                    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+                        src = src.clone()  # another graph's view of the same store
+                    dst.narrow(2 if dst.dim() == 4 else 1, 0, n).copy_(src)  # k, v [B, Hkv, cap, D]; pos [B, cap]
+                self.own.pos[i][:, n:].fill_(_NO_KEY)
+            self.own.lengths = list(pool.lengths)
+            self.own._lengths.copy_(pool._lengths)
+
+    def hook(self, layer: int):
+        return functools.partial(self.attend, layer)
+
+    def attend(self, layer: int, q, k, v, pos, cache=None, sparse=None, *, window=None, softcap=None, scale=None,
+               **other):
+        if other or window is not None:
+            raise ValueError(f"TableCascade: layer {layer} has {', '.join(sorted(other)) or 'a window'}: "
+                             "run the batch through CascadeAttention")
+        B, Hq, L, D = q.shape
+        qg = q.transpose(0, 1).reshape(1, Hq, B * L, D)  # rows as one query block
+        o, ls = decode_attention(qg, *self.anchors[:2], q_pos=self.last[:, None].expand(B, L).reshape(1, -1),
+                                 k_pos=self.anchors[2], causal=True, scale=scale, softcap=softcap,
+                                 table=self.table[self._index[layer]], use_triton=self.use_triton)
+        out = o.reshape(Hq, B, L, D).transpose(0, 1)
+        lse = ls.reshape(Hq, B, L).transpose(0, 1)
+        if self.own is not None:
+            self.own.append(layer, k, v, pos)
+            o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer],
+                             causal=True, softcap=softcap, scale=scale)
+            out, lse = merge_partials(out, lse, o, s)
+        if self.group is not None:
+            out, lse = merge_over_group(out, lse, self.group)
+        return out
+
+
+def _forward(model, tokens: torch.Tensor, positions: torch.Tensor,
+             cascade: CascadeAttention | TableCascade) -> torch.Tensor:
     with model.attention_hooks([cascade.hook(i) for i in model.layer_ids]):
         logits = model(tokens, positions=positions, cache=None, last_only=True)
     return logits[:, -1]
@@ -189,7 +280,8 @@ class CascadeGraph:
 
     _stream: torch.cuda.Stream | None = None  # one capture stream per process, reused
 
-    def __init__(self, model, cascade: CascadeAttention, batch: int, device, capture: bool = True, warm: bool = False):
+    def __init__(self, model, cascade: CascadeAttention | TableCascade, batch: int, device, capture: bool = True,
+                 warm: bool = False):
         self.model, self.cascade, self.capture, self.warm = model, cascade, capture, warm
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -208,14 +300,16 @@ class CascadeGraph:
             with torch.cuda.stream(side):
                 if not self.warm:
                     _forward(self.model, self.tok, self.pos, self.cascade)
-                self.graph = torch.cuda.CUDAGraph()
+                graph = torch.cuda.CUDAGraph()  # its own memory pool: a pool shared by graphs that are released
+                # and captured again trips torch 2.11's allocator (use_count > 0 INTERNAL ASSERT)
                 # thread_local: the disk tier's threads (writes, a split reload's tail copies) may call CUDA meanwhile
-                self.graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self.logits = _forward(self.model, self.tok, self.pos, self.cascade)
                 finally:
-                    self.graph.capture_end()
+                    graph.capture_end()
             main.wait_stream(side)
+            self.graph = graph  # only a capture that succeeded is replayed
             self.graph.replay()
         else:
             self.graph.replay()

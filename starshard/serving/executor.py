@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 from starshard.config import SamplingConfig
+from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
 from starshard.kernels.common import DECODE_MAX_ROWS, to_device
 from starshard.planner import Layout, Workload, plan_memory
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.prompt import Prompt
-from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, run_cascade
+from starshard.serving.cascade import CascadeAttention, CascadeGraph, OwnKV, SharedGroup, TableCascade, run_cascade
 from starshard.serving.context_cache import CacheEntry, ContextCache, kv_bytes, trim_start
 from starshard.serving.disk_writer import FAILED as WRITE_FAILED
 from starshard.serving.disk_writer import QUEUED, WRITTEN
@@ -53,6 +54,12 @@ RELOAD_FAILED = "reload_failed"
 # A split reload's tail could not be read on every rank (JoinTail): the scheduler computes the rest of the entry.
 TAIL_FAILED = "tail_failed"
 MEMORY_MARGIN = 1.05  # the pre-check wants this much more free memory than a step's estimate
+# Table graphs (cascade.TableCascade): one CUDA graph per (batch size, own-KV capacity bucket), bound anew when the
+# batch changes. Buckets are powers of two from TABLE_MIN_CAPACITY; each keeps one own-KV store of
+# DECODE_MAX_ROWS rows that its graphs view, and the stores kept stay within TABLE_STORE_BYTES (least recently
+# used bucket dropped first; a bucket whose store alone is larger is captured per batch, as before).
+TABLE_MIN_CAPACITY = 128
+TABLE_STORE_BYTES = 1 << 30
 
 
 class InsufficientMemory(Exception):
@@ -156,6 +163,15 @@ class Row:
 
 
 @dataclass
+class _Bucket:
+    """The table graphs of one own-KV capacity: their shared store (query rank; None elsewhere) and the graph of
+    each batch size."""
+
+    store: OwnKV | None
+    graphs: dict[int, CascadeGraph] = field(default_factory=dict)
+
+
+@dataclass
 class _Issued:
     """A decode step issued to the device and not read yet: its rows in batch order and their sampled
     tokens [B], on the device (every rank of the CP group holds them)."""
@@ -217,6 +233,10 @@ class Executor:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graph: CascadeGraph | None = None
         self._captured = False  # a capture ran in this process: later ones need no eager run first
+        # A batch on one entry replays the kept graph of its shape instead (_table_graph): 16-bit KV, global layers.
+        self.table_graphs = self.cuda_graphs and not self.kv_fp8 and all(
+            self.model.config.layer_window(i) is None for i in self.model.layer_ids)
+        self._tables: dict[int, _Bucket] = {}  # capacity bucket -> its graphs, least recently used first
         self.clock: StepClock | None = None  # benchmarks: each step's device time and the idle time between steps
         # The host one step ahead: a decode step's tokens stay on the device, the next decode takes them as its
         # inputs there, and they are read at the end of the next step, once its work is queued (the device never
@@ -979,9 +999,13 @@ class Executor:
         toks = self._decode_inputs(rows)
         pos = to_device([[r.next_pos] for r in rows], self.device)
         if self._graph is None and self.cuda_graphs and len(rows) <= DECODE_MAX_ROWS:
-            # Captured at a batch's first step: recording costs the host about what an eager step does, and
-            # with the host one step ahead it overlaps the device's work on the steps before.
-            self._graph = CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device, warm=self._captured)
+            graph = self._table_graph(rows)
+            if graph is not None and self.pool is not None:
+                self._set_rows(rows, graph.cascade.own)  # the rows' own KV now lives in the graph's pool
+            # Otherwise captured at a batch's first step: recording costs the host about what an eager step does,
+            # and with the host one step ahead it overlaps the device's work on the steps before.
+            self._graph = graph or CascadeGraph(self.model, self._batch_cascade(), len(rows), self.device,
+                                                warm=self._captured)
         if self._graph is not None:  # the rows kept since the capture: replay
             logits = self._graph.step(toks, pos)
             self._captured = True  # a capture succeeded: the lazy initialisations are done
@@ -994,6 +1018,76 @@ class Executor:
         if self.trace is not None:
             self.trace.append(("issue", self._decodes))
         self._issued = _Issued(list(rows), tokens, self._decodes)
+
+    def _table_graph(self, rows: list[Row]) -> CascadeGraph | None:
+        """The kept graph of this batch's shape bound to its entry, prefixes and own KV, or None where it does not
+        qualify (rows on several entries, FP8 KV, windowed layers, a store over TABLE_STORE_BYTES). Decided from
+        what every rank holds alike (the rows, the settings), so the ranks of a group capture together."""
+        if not self.table_graphs or len({r.entry.id for r in rows}) != 1:
+            return None
+        held = self.pool_rows()
+        cap = max(n for n, _ in held) + max(left for _, left in held) + 1  # as OwnKV.gather sizes the pool
+        bucket = max(TABLE_MIN_CAPACITY, 1 << (cap - 1).bit_length())
+        graph = self._kept_graph(len(rows), bucket)
+        if graph is not None:
+            try:
+                graph.cascade.bind(rows[0].entry.kv, [r.prefix for r in rows], self.pool)
+            except ValueError as e:  # nothing bound: this batch captures its own graph
+                log.warning("decode graph of %d rows: %s; captured for this batch", len(rows), e)
+                return None
+        return graph
+
+    def _kept_graph(self, batch: int, bucket: int) -> CascadeGraph | None:
+        """The table graph of `batch` rows and own-KV capacity `bucket` (made on first use; captured at its
+        first step), or None where the bucket's store is over TABLE_STORE_BYTES."""
+        store_bytes = DECODE_MAX_ROWS * bucket * self.own_token_bytes()
+        if store_bytes > TABLE_STORE_BYTES:
+            return None
+        b = self._tables.pop(bucket, None)
+        if b is None:
+            while self._tables and store_bytes + sum(DECODE_MAX_ROWS * c * self.own_token_bytes()
+                                                     for c in self._tables) > TABLE_STORE_BYTES:
+                self._tables.pop(next(iter(self._tables)))
+            store = None
+            if self.is_query_rank:
+                store = OwnKV(self.model.layer_ids, DECODE_MAX_ROWS, self.kv_heads, self.head_dim, bucket, self.dtype,
+                              self.device)
+            b = _Bucket(store)
+        self._tables[bucket] = b  # the most recently used last
+        if batch not in b.graphs:
+            cascade = TableCascade(self.model.layer_ids, batch, self.kv_heads, self.head_dim, b.store, self.dtype,
+                                   self.device, self.group)
+            b.graphs[batch] = CascadeGraph(self.model, cascade, batch, self.device, warm=self._captured)
+        return b.graphs[batch]
+
+    def prepare_tables(self, max_rows: int) -> int:
+        """Capture the table graphs of 1..max_rows rows (at most DECODE_MAX_ROWS) at the smallest capacity on
+        an empty entry (the warm-up, on the whole model): a short question's first batch of each size then
+        replays, with nothing to capture -> graphs captured. Every rank at once (the steps' collectives)."""
+        if not self.table_graphs:
+            return 0
+        empty = KVCache(self.model.layer_ids, 1, self.kv_heads, self.head_dim, 1, self.dtype, self.device)
+        n = 0
+        try:
+            for batch in range(1, min(max_rows, DECODE_MAX_ROWS) + 1):
+                graph = self._kept_graph(batch, TABLE_MIN_CAPACITY)
+                if graph is None or graph.graph is not None:
+                    continue
+                pool = None
+                if self.is_query_rank:
+                    pool = OwnKV(self.model.layer_ids, batch, self.kv_heads, self.head_dim, 1, self.dtype, self.device)
+                graph.cascade.bind(empty, [1] * batch, pool)
+                zeros = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+                graph.step(zeros, zeros)  # captured, replayed once over nothing
+                self._captured = True
+                n += 1
+        except Exception as e:  # noqa: BLE001 (the batches are captured one by one instead, as before)
+            log.warning("decode graphs that serve any entry are off: capturing one failed (%s: %s); each batch "
+                        "captures its own", type(e).__name__, e)
+            self.table_graphs = False
+            self._tables.clear()
+            return 0
+        return n
 
     def _finish(self, rids: list[int]) -> None:
         gone = set(rids)

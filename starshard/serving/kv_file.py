@@ -141,10 +141,11 @@ def submit_digests(pool, buf, s: Section, block_tokens: int) -> list:
 
 
 def check_digests(path, s: Section, want, futures) -> None:
-    """Raise KVFileError(checksum) naming the first block of `s` whose digest (a submit_digests task) is not `want`'s."""
+    """Raise KVFileError(checksum) naming the first block of `s` whose digest (a submit_digests task) differs."""
     for j, (fut, w) in enumerate(zip(futures, want, strict=True)):
         if fut.result() != w:
-            raise KVFileError(path, "checksum", f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
+            raise KVFileError(path, "checksum",
+                              f"layer {s.layer} {s.part} block {j}: the payload's digest does not match")
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ positions >= cut from the last block backward (kv_file.read_block: each block's 
 block's sections read by `readers` x READS_PER_READER threads at once, the next block's queued behind) and
 copies each block's rows into the same rows of the entry's KVCache, whose capacity the head's first chunk
 allocated: on a GPU from a ring of pinned slots on a copy stream of its own, so reading and copying overlap
-the head's compute; `join` makes the compute stream wait for the copies and `complete` sets the layers' lengths. The rows at positions >= cut are a suffix of every
-rank's stored rows: the file keeps a prefill's rows in step order and a step's rows lie in its own [start,
-end) (the layout, kv_layout.prefill_positions), so the head's steps [0, cut) store exactly the rows before
-them, in the same order; `complete` checks that the head's positions equal the file's first rows'. A re-plan
+the head's compute; `join` makes the compute stream wait for the copies and `complete` sets the layers'
+lengths. The rows at positions >= cut are a suffix of every rank's stored rows: the file keeps a prefill's
+rows in step order and a step's rows lie in its own [start, end) (the layout, kv_layout.prefill_positions),
+so the head's steps [0, cut) store exactly the rows before them, in the same order; `complete` checks that the head's positions equal the file's first rows'. A re-plan
 that moves the cut later leaves rows already copied to be computed again over them; one that moves it earlier
 reads the rows between (a block already read, again).
 

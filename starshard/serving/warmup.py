@@ -16,9 +16,11 @@ layer of each distinct kind (`cut_layers`): a synthetic workload through the exe
              join in one forward beside the document's row, for k = 2..max_batch - 1. A follow-up shares the
              document but not its question, as a service's follow-ups do (rows that see part of an entry)
 
-Then everything is freed and the model, cache and executor are as they were. Every rank of the group runs the
-identical sequence (the operations' collectives inside); the ranks first compare what they will run, and
-refuse to start when they disagree. A warm-up that fails is logged; the server then serves cold.
+Then everything is freed and the model, cache and executor are as they were, but for the decode graphs that
+serve any entry (Executor.prepare_tables: one per batch size at the smallest own-KV capacity, captured on the
+whole model, ~30 ms each, kept). Every rank of the group runs the identical sequence (the operations'
+collectives inside); the ranks first compare what they will run, and refuse to start when they disagree. A
+warm-up that fails is logged; the server then serves cold.
 
 cuDNN keeps its SDPA plans per thread: the warm-up runs on the thread that runs the service's steps
 (Scheduler._loop on rank 0, serve_forever elsewhere).
@@ -187,8 +189,12 @@ def warm_up(svc, max_len: int | None = None) -> float:
         ex.on_timing = on_timing
     if failure is not None:
         raise WarmupFailed(f"{failure.code}: {failure.message}")
+    tables = ex.prepare_tables(plan.batch)  # the whole model's, kept: the first batch of each size replays
+    if tables and ex.device.type == "cuda":
+        torch.cuda.synchronize(ex.device)
     seconds = time.perf_counter() - t0
-    log.info("warm-up: %d prefill steps, batch sizes 1..%d, %.1f s", plan.prefill_steps, plan.batch, seconds)
+    log.info("warm-up: %d prefill steps, batch sizes 1..%d, %d decode graphs kept, %.1f s", plan.prefill_steps,
+             plan.batch, tables, seconds)
     return seconds
 
 
@@ -211,6 +217,7 @@ def _restore(svc, clock: int) -> None:
     ex, cache = svc.executor, svc.cache
     ex.rows, ex.pool, ex.filling = [], None, {}
     ex._graph, ex._issued = None, None
+    ex._tables.clear()  # the cut model's
     ex.lost.discard(_ENTRY)
     for e in [e for e in cache.entries.values() if e.id < 0]:
         cache.entries.pop(e.id)

@@ -11,6 +11,7 @@ import torch
 from starshard.commands.serve import default_cache_bytes, parse_args
 from starshard.config import ParallelConfig
 from starshard.planner import GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
+from starshard.serving.executor import TABLE_STORE_BYTES
 from starshard.presets import preset_config
 from starshard.serving import tiers
 from starshard.serving.tiers import DISK_DEFAULT_CAP, DISK_FREE_SHARE, default_disk_budget
@@ -46,13 +47,13 @@ def test_default_cache_bytes_one_rank(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="starshard.serve"):
         got = default_cache_bytes(llm, args, CUDA, 4096)
     want = cache_budget(llm.config, Layout(), Workload(W, W, 0, 4096), total_bytes=total, weights_bytes=weights,
-                        max_batch=8, max_extend=1024)
+                        max_batch=8, max_extend=1024, graphs_bytes=GRAPH_POOL_BYTES + TABLE_STORE_BYTES)
     assert got == want.bytes > 50 * GiB
     assert f"context cache budget {want.describe()}" in caplog.text
-    assert "step 0.53 GiB (one 4096-token chunk) - graphs 0.50 GiB" in caplog.text
-    # no CUDA graphs: no pool kept for them
+    assert "step 0.53 GiB (one 4096-token chunk) - graphs 1.50 GiB" in caplog.text
+    # no CUDA graphs: no pool or store kept for them
     assert default_cache_bytes(llm, serve_args(["--max-batch", "8", "--max-extend", "1024", "--no-cuda-graphs"],
-                                               4096), CUDA, 4096) == got + GRAPH_POOL_BYTES
+                                               4096), CUDA, 4096) == got + GRAPH_POOL_BYTES + TABLE_STORE_BYTES
     # no chunk (0 or unset): a window-long prefill, which a 1M window leaves no room for
     for chunk in (0, None):
         with pytest.raises(ValueError, match=r"--cache-gib.*a whole 1048576-token prompt.*--prefill-chunk"):
@@ -79,7 +80,8 @@ def test_default_cache_bytes_worst_rank_over_the_group():
     llm = fake_llm(ParallelConfig(cp=2, cp_strategy="ring"))
     W = llm.config.max_position_embeddings
     want = cache_budget(llm.config, Layout(cp=2, strategy="ring"), Workload(W, W, 0, 8192), total_bytes=80 * 10**9,
-                        weights_bytes=18 * 10**9, max_batch=16, max_extend=4096).bytes
+                        weights_bytes=18 * 10**9, max_batch=16, max_extend=4096,
+                        graphs_bytes=GRAPH_POOL_BYTES + TABLE_STORE_BYTES).bytes
     (fit0, a), (fit1, b) = run_ranks(_group_rank, 2, [[16 * 10**9, 18 * 10**9], [16 * 10**9, 72 * 10**9]])
     assert fit0 == fit1 == want
     assert a.startswith("another rank has no memory left for the context cache (this rank:") and "--cache-gib" in a

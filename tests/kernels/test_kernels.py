@@ -279,6 +279,56 @@ def test_decode_length_on_device_ignores_the_rest(use_triton):
         assert_close(out, lse, q, k[:, :, :n], v[:, :, :n], torch.tensor([n - 1]), kp[:n], causal=False, expect_empty=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_through_a_table_reads_whichever_cache_it_names(dtype):
+    """table= (the service's decode graphs): k, v, k_pos are one-row anchors of the token-major layout; the
+    kernel reads the cache whose offsets and length the table holds. Two caches of other lengths, named in
+    turn through the same anchors and q, equal attention over each (GQA, rows at different positions)."""
+    hq, hkv, d, lq = 8, 2, 64, 3
+    gen = torch.Generator().manual_seed(21)
+
+    def token_major(n):  # [1, n, Hkv, D] memory handed out as [1, Hkv, n, D] (engine/kv_cache.py)
+        return torch.randn(1, n, hkv, d, generator=gen).to(dtype).permute(0, 2, 1, 3)
+
+    anchors = (token_major(1), token_major(1), torch.zeros(1, dtype=torch.long))
+    q = torch.randn(1, hq, lq, d, generator=gen).to(dtype)
+    for n, length, qp in ((300, 300, torch.tensor([299, 150, 7])), (777, 701, torch.tensor([700, 700, 3]))):
+        k, v, kp = token_major(n), token_major(n), torch.arange(n) * 2 // 2
+        table = torch.tensor(dk.table_row(k, v, kp, length, anchors))
+        out, lse = decode_attention(q, *anchors[:2], q_pos=qp, k_pos=anchors[2], use_triton=True, num_splits=5,
+                                    config=(32, 4, 1), table=table)
+        assert_close(out, lse, q, k[:, :, :length], v[:, :, :length], qp, kp[:length], expect_empty=0)
+    with pytest.raises(ValueError, match="strides"):  # a head-major cache: the kernel would misread it
+        dk.table_row(torch.zeros(1, hkv, 9, d, dtype=dtype), torch.zeros(1, hkv, 9, d, dtype=dtype),
+                     torch.arange(9), 9, anchors)
+    with pytest.raises(ValueError, match="no window"):
+        decode_attention(q, *anchors[:2], q_pos=qp, k_pos=anchors[2], use_triton=True, table=table, window=4)
+
+
+_TABLE_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from starshard.kernels import decode
+fn = decode._decode_split_kernel
+sig = {n: "i32" for n in fn.arg_names}
+sig.update(Q="*bf16", K="*bf16", V="*bf16", OP="*fp32", LP="*fp32", QPOS="*i64", KPOS="*i64", LK_PTR="*i64",
+           KS="*fp32", VS="*fp32", qk_scale="fp32", KVT="*i64")
+consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, CAUSAL=True, IEEE=False, HAS_LK=True, FP8=False,
+              USE_PDL=False, WINDOW=False, SOFTCAP=False, TABLE=True, KRANGE=None, window=0, cap_in=1.0, cap_out=1.0,
+              s_krb=0)
+sig.update({n: "constexpr" for n in consts})
+triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+               options={"num_warps": 4, "num_stages": 3})
+print("compiled")
+"""
+
+
+def test_decode_table_kernel_compiles_for_sm90(tmp_path):
+    """The table variant (the service's decode graphs) builds for sm_90a: its K, V, KPOS offset on the device."""
+    assert_compiles_for_sm90(_TABLE_COMPILE, tmp_path)
+
+
 def test_block_ranges_against_brute_force():
     gen = torch.Generator().manual_seed(9)
     bm, bn = 8, 4
