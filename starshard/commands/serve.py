@@ -159,8 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "file stays. always: reload every disk hit (a fast disk, or to "
                        "measure it). split: serve a hit from both ends, prefilling its first chunks (--prefill-chunk's "
                        "steps) while its last rows are read from the file backward, cut where both are expected to "
-                       "finish together by the same two rates, re-planned after each chunk; a tail that cannot be "
-                       "read is computed. Decided as auto before both rates are measured, without --prefill-chunk, "
+                       "finish together by the same two rates (probed at start when none were saved), re-planned "
+                       "after each chunk with the read's own rate; a tail that cannot be read is computed. Decided as "
+                       "auto while a rate is missing (no file to probe), without --prefill-chunk, "
                        "for window-trimmed files and for Star files that do not record their document's length "
                        "(written by an earlier starshard)")
     tiers.add_argument("--disk-readers", type=int, default=DEFAULT_READERS, metavar="N",

@@ -24,21 +24,30 @@ chunks (--prefill-chunk 0) the only bounds are 0 and P: it is "auto".
 
 The two rates outlive the server: rank 0 keeps them in the disk directory (RATES_FILE, one record per
 (cache key, device)) after each reload and at shutdown, and a server started on that directory begins with
-them, so the first disk hit after a restart is planned, not guessed.
+them, so the first disk hit after a restart is planned, not guessed. A "split" server that finds none probes
+at start instead (`probe_read`: a cold read of up to PROBE_BYTES of the largest file; `probe_prefill`: a
+GEMM's rate on the device, over PREFILL_OF_GEMM), each then averaged with the real measurements (EMA).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from starshard.serving.disk_read import read_file
 
 log = logging.getLogger("starshard.serve")
 RATES_FILE = "reload-rates.json"
 
 POLICIES = ("auto", "always", "split")
 EMA_WEIGHT = 0.5  # the newest measurement's weight: a disk's rate drifts (page cache, other readers)
+PROBE_BYTES = 256 << 20  # the start-up read probe: past a disk's caches, a fraction of a second
+# A long prefill's FLOPs run at about this share of the GEMM rate (attention is slower: Llama-3.1-8B at 134,827
+# tokens on an H100, 0.72); a prior until the first prefill is measured.
+PREFILL_OF_GEMM = 0.7
 
 
 @dataclass
@@ -166,3 +175,60 @@ class DiskReloadPolicy:
             os.replace(tmp, path)
         except OSError as e:
             log.warning("disk cache: could not save the reload rates to %s: %s", path, e)
+
+
+def probe_read(files, readers: int) -> float | None:
+    """Seconds per byte of a cold read (its pages dropped from the page cache first) of up to PROBE_BYTES from the
+    start of the largest of `files`, by `readers` parallel readers; None without a readable file."""
+    sizes = []
+    for f in files:
+        try:
+            sizes.append((Path(f).stat().st_size, Path(f)))
+        except OSError:
+            continue
+    if not sizes:
+        return None
+    size, path = max(sizes)
+    n = min(size, PROBE_BYTES)
+    if n <= 0:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        t0 = time.perf_counter()
+        for _ in read_file(path, 0, n, None, readers):
+            pass
+        return (time.perf_counter() - t0) / n
+    except (OSError, EOFError) as e:
+        log.warning("disk cache: the start-up read probe of %s failed (%s); the first disk hit decides as auto", path, e)
+        return None
+
+
+def probe_prefill(device, dtype) -> float:
+    """Seconds per FLOP a prefill is expected to take before one ran on this server: a square GEMM's rate in
+    `dtype` on `device` (CUDA events), over PREFILL_OF_GEMM."""
+    import torch
+
+    n = 4096 if device.type == "cuda" else 512
+    dtype = dtype if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # lazy initialisations
+    reps = 8
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            a @ b
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        seconds = time.perf_counter() - t0
+    return seconds / (reps * 2 * n**3) / PREFILL_OF_GEMM

@@ -68,7 +68,7 @@ from starshard.serving.ops import (
     Promote,
     ReadTail,
 )
-from starshard.serving.reload_policy import DiskReloadPolicy
+from starshard.serving.reload_policy import DiskReloadPolicy, probe_prefill, probe_read
 from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.serving.tail_read import TailRead
 from starshard.serving.warmup import RanksDisagree, warm_up
@@ -283,6 +283,8 @@ class Scheduler:
                     log.info("disk cache: the reload rates of the last run on %s (reload %s s/GB, prefill %s s/PFLOP)",
                              self.tiers.disk.path, _per(self.reload_policy.reload.per_unit, 1e9),
                              _per(self.reload_policy.prefill.per_unit, 1e15))
+                if self.reload_policy.mode == "split":
+                    self._probe_rates(device)
         self._lock = threading.Condition()
         self._waiting: list[Request] = []
         self._running: dict[int, Request] = {}
@@ -1011,6 +1013,20 @@ class Scheduler:
     def _head_flops(self, c: int, context_len: int) -> float | None:
         """The slowest rank's FLOPs of prefilling a prompt's first c tokens (0 for none)."""
         return self._flops(c, min(context_len, c)) if c else 0.0
+
+    def _probe_rates(self, device) -> None:
+        """--disk-reload-policy split without saved rates: probe the missing ones now, so that the first disk hit
+        is split too (reload_policy.probe_read / probe_prefill)."""
+        policy, disk = self.reload_policy, self.tiers.disk
+        probed = []
+        if policy.reload.per_unit is None:
+            policy.reload.per_unit = probe_read(sorted(disk.path.glob("*.kv")), disk.readers)
+            probed.append(f"reload {_per(policy.reload.per_unit, 1e9)} s/GB")
+        if policy.prefill.per_unit is None:
+            policy.prefill.per_unit = probe_prefill(device, self.executor.dtype)
+            probed.append(f"prefill {_per(policy.prefill.per_unit, 1e15)} s/PFLOP")
+        if probed:
+            log.info("disk cache: no saved reload rates in %s; probed %s", disk.path, ", ".join(probed))
 
     def _split_cut(self, lower) -> int | None:
         """Where to cut disk entry `lower` between a computed head and a read tail (_plan_cut), or None where the

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from starshard import LLM
 from starshard.config import SamplingConfig
@@ -45,8 +46,6 @@ def test_a_tail_read_covers_every_row_above_the_cut_wherever_it_moves(cuts, tmp_
     """Blocks of 16 rows: a cut moved earlier inside a block already read (40 -> 35: block 2 again), later
     (40 -> 70: rows left to the head) and back, and to the start: the rows above the last cut equal the
     file's; the head's rows (below it) are left alone."""
-    import torch
-
     from starshard.serving.cache_key import cache_key
     from starshard.serving.host_tier import HostKV, layout
     from starshard.serving.tail_read import TailRead
@@ -143,6 +142,38 @@ def _service(llm, tmp_path, cut):
     return svc
 
 
+def test_a_split_server_without_saved_rates_probes_them_at_start(tmp_path, caplog):
+    """No reload-rates.json (a copied directory, a first start): a split server probes both rates at start (a
+    cold read of the largest file, a GEMM) instead of reloading its first disk hit whole."""
+    from starshard.serving.reload_policy import RATES_FILE, probe_prefill, probe_read
+
+    tiny = LLM(random_weights="tiny", progress=False)
+    (d1, d2), q1, q2 = _docs(14)
+    svc = _service(tiny, tmp_path, cut=32)
+    try:
+        assert svc.reload_policy.reload.per_unit is None  # nothing on disk to probe yet
+        _ask(svc, d1 + q1, len(d1))
+        _ask(svc, d2 + q1, len(d2))  # d1 -> disk
+        settle_writes(svc)
+    finally:
+        svc.shutdown()
+    (tmp_path / RATES_FILE).unlink()
+    files = sorted(tmp_path.glob("*.kv"))
+    assert files and probe_read(files, 2) > 0 and probe_read([tmp_path / "none.kv"], 2) is None
+    assert probe_prefill(tiny.device, torch.float32) > 0
+    with caplog.at_level("INFO", logger="starshard.serve"):
+        again = Scheduler(tiny, cache_bytes=1 << 26, max_batch=4, prefill_chunk=CHUNK,
+                          tiers=TierConfig(disk_dir=tmp_path, disk_bytes=1 << 30, disk_reload="split"))
+    try:
+        policy = again.reload_policy
+        assert policy.reload.per_unit > 0 and policy.prefill.per_unit > 0
+        assert "no saved reload rates" in caplog.text and "probed reload" in caplog.text
+        cuts, flops, nbytes = [0, 32, 64], [0.0, 1e6, 2e6], [2e6, 1e6, 0.0]
+        assert policy.split(cuts, flops, nbytes) in cuts  # planned, not decided as "auto"
+    finally:
+        again.shutdown()
+
+
 @pytest.mark.parametrize("fp8", [None, "kv"])  # FP8: e4m3 rows and scales grafted as stored
 def test_split_reload_is_a_pure_reload_and_a_damaged_tail_is_computed(fp8, tmp_path, monkeypatch):
     monkeypatch.setattr(kv_file, "BLOCK_TOKENS", 16)  # several blocks per file: the tail is read block by block
@@ -234,7 +265,7 @@ def test_a_split_reload_cancelled_mid_head_frees_everything_and_keeps_the_file(t
         svc.shutdown()
 
 
-# -- cp=2 (gloo): ring and Star, each rank grafting its own file's tail
+# -- cp=2 (gloo): ring, Ulysses, USP and Star, each rank grafting its own file's tail
 def _same(a, b) -> bool:
     try:
         assert_kv_equal(a, b)
@@ -316,16 +347,19 @@ def _cp2_rank(rank, world, directory, strategy):
     return dict(out, checks=checks)
 
 
+CP2_STRATEGIES = ("ring", "ulysses", "usp", "star")
+
+
 def _cp2_both(rank, world, directory):
     from pathlib import Path
-    return {s: _cp2_rank(rank, world, str(Path(directory) / s), s) for s in ("ring", "star")}
+    return {s: _cp2_rank(rank, world, str(Path(directory) / s), s) for s in CP2_STRATEGIES}
 
 
-def test_cp2_ring_and_star_split_reloads_equal_pure_reloads(tmp_path):
+def test_cp2_split_reloads_equal_pure_reloads_for_each_exact_strategy_and_star(tmp_path):
     from tests.helpers.mp_harness import run_ranks
 
     r0, r1 = run_ranks(_cp2_both, 2, str(tmp_path))
-    for strategy in ("ring", "star"):
+    for strategy in CP2_STRATEGIES:
         lead = r0[strategy]
         tokens, m = lead["reload"]
         assert lead["split"] == (tokens, m - 32) and lead["damaged"] == (tokens, 0), strategy

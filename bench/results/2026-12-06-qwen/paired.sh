@@ -1,0 +1,31 @@
+# Issue 48's paired accuracy on Qwen2.5-Coder-1.5B-Instruct (after stage.sh: the model converted in /tmp/sscache),
+# one GPU, bf16, completion form: a single needle (niah_essay), 3 distractor needles (multikey) and a 4-step
+# variable chain (variable_tracking) at 16,384 and 30,720 tokens, 5 depths x SEEDS seeds (default 30: 150 per
+# task and length), seed 0, so that runs of later sessions pair with these sample for sample.
+#   RUNS: which runs, in order (default "dense star4 apb4"; then "minference anchor fp8_lkv fp8_attn star4_a"
+#   and the sparse defaults "minference_d anchor_d"); each stops starting samples at its share of BUDGET.
+# Keeps each run's summary.json and per-sample results (compressed) under $OUT, then compares what is there with
+# dense (`launch/eval.py --compare`): paired share of dense's right answers, McNemar p, the losses classified.
+. bench/results/2026-12-06-step-loop/prelude.sh
+export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
+SEEDS=${SEEDS:-30}; BUDGET=${BUDGET:-540}; RUNS=${RUNS:-"dense star4 apb4"}
+E="--model qwen2.5-coder-1.5b-instruct --tasks niah_essay,multikey,variable_tracking --lengths 16384,30720 \
+ --num-depths 5 --samples-per-cell $SEEDS --format completion --max-new-tokens 24 --no-progress --sample-workers 8"
+SP="--sparse-min-length 0 --sparse-no-fallback"
+declare -A FLAGS=(
+  [dense]="" [star4]="--cp-strategy star --num-blocks 4" [apb4]="--cp-strategy apb --apb-hosts 4"
+  [minference]="--sparse minference $SP" [anchor]="--sparse anchor $SP" [minference_d]="--sparse minference"
+  [anchor_d]="--sparse anchor" [fp8_lkv]="--fp8 linear,kv" [fp8_attn]="--fp8 attention"
+  [star4_a]="--cp-strategy star --num-blocks 4 --anchor-size ${ANCHOR:-4096}")
+n=$(echo $RUNS | wc -w); share=$(( (BUDGET - $(( $(date +%s) - S ))) / n ))
+for r in $RUNS; do
+  lim=$(( share < 60 ? 60 : share ))
+  timeout -k 10 $lim python3 launch/eval.py $E --time-limit $((lim - 30)) --strategy-name $r --out /tmp/ev/$r \
+    ${FLAGS[$r]} > $OUT/log_$r.txt 2>&1; t $r
+  [ -f /tmp/ev/$r/summary.json ] && cp /tmp/ev/$r/summary.json $OUT/summary_$r.json && \
+    gzip -c /tmp/ev/$r/samples.jsonl > $OUT/samples_$r.jsonl.gz
+done
+R=""; for r in $RUNS; do [ -f /tmp/ev/$r/summary.json ] && R="$R /tmp/ev/$r"; done
+python3 launch/eval.py --compare $R --out $OUT > /dev/null 2> $OUT/log_compare.txt; t compare
+cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt
+cat $OUT/compare.md 2>/dev/null; grep -h "Traceback\|Error" $OUT/all.log | head -10
