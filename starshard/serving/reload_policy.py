@@ -203,7 +203,8 @@ def probe_read(files, readers: int) -> float | None:
             pass
         return (time.perf_counter() - t0) / n
     except (OSError, EOFError) as e:
-        log.warning("disk cache: the start-up read probe of %s failed (%s); the first disk hit decides as auto", path, e)
+        log.warning("disk cache: the start-up read probe of %s failed (%s); the first disk hit decides as auto",
+                    path, e)
         return None
 
 

@@ -69,8 +69,8 @@ from starshard.serving.ops import (
     ReadTail,
 )
 from starshard.serving.reload_policy import DiskReloadPolicy, probe_prefill, probe_read
-from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.serving.tail_read import TailRead
+from starshard.serving.tiers import TierConfig, Tiers, server_key
 from starshard.serving.warmup import RanksDisagree, warm_up
 from starshard.strategies import get_spec
 from starshard.strategies.flops import prefill_knee

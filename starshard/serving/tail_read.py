@@ -9,9 +9,10 @@ allocated: on a GPU from a ring of pinned slots on a copy stream of its own, so 
 the head's compute; `join` makes the compute stream wait for the copies and `complete` sets the layers'
 lengths. The rows at positions >= cut are a suffix of every rank's stored rows: the file keeps a prefill's
 rows in step order and a step's rows lie in its own [start, end) (the layout, kv_layout.prefill_positions),
-so the head's steps [0, cut) store exactly the rows before them, in the same order; `complete` checks that the head's positions equal the file's first rows'. A re-plan
-that moves the cut later leaves rows already copied to be computed again over them; one that moves it earlier
-reads the rows between (a block already read, again).
+so the head's steps [0, cut) store exactly the rows before them, in the same order; `complete` checks that
+the head's positions equal the file's first rows'. A re-plan that moves the cut later leaves rows already
+copied to be computed again over them; one that moves it earlier reads the rows between (a block already
+read, again).
 
 A window-trimmed file (its local layers keep only their window) is refused: its local layers lack the rows a
 computed head would meet (such an entry is reloaded whole). FP8 files are copied as stored (e4m3 and scales).
