@@ -60,6 +60,10 @@ MEMORY_MARGIN = 1.05  # the pre-check wants this much more free memory than a st
 # used bucket dropped first; a bucket whose store alone is larger is captured per batch, as before).
 TABLE_MIN_CAPACITY = 128
 TABLE_STORE_BYTES = 1 << 30
+# The warm-up checks one kept graph against the per-batch path on a random entry of this many rows (relative
+# error of the logits, max |delta| / max |logit|: bf16 steps that merge partials in another order differ ~1e-2).
+TABLE_CHECK_ROWS = 300
+TABLE_CHECK_TOL = 0.05
 
 
 class InsufficientMemory(Exception):
@@ -1063,7 +1067,9 @@ class Executor:
     def prepare_tables(self, max_rows: int) -> int:
         """Capture the table graphs of 1..max_rows rows (at most DECODE_MAX_ROWS) at the smallest capacity on
         an empty entry (the warm-up, on the whole model): a short question's first batch of each size then
-        replays, with nothing to capture -> graphs captured. Every rank at once (the steps' collectives)."""
+        replays, with nothing to capture -> graphs captured. Then one is checked against the per-batch path
+        (_check_tables); a failed capture or check turns the kept graphs off, logged. Every rank at once (the
+        steps' collectives)."""
         if not self.table_graphs:
             return 0
         empty = KVCache(self.model.layer_ids, 1, self.kv_heads, self.head_dim, 1, self.dtype, self.device)
@@ -1081,13 +1087,40 @@ class Executor:
                 graph.step(zeros, zeros)  # captured, replayed once over nothing
                 self._captured = True
                 n += 1
+            off = self._check_tables()
         except Exception as e:  # noqa: BLE001 (the batches are captured one by one instead, as before)
-            log.warning("decode graphs that serve any entry are off: capturing one failed (%s: %s); each batch "
-                        "captures its own", type(e).__name__, e)
+            off = f"capturing one failed ({type(e).__name__}: {e})"
+        if off:
+            log.warning("decode graphs that serve any entry are off: %s; each batch captures its own", off)
             self.table_graphs = False
             self._tables.clear()
             return 0
         return n
+
+    def _check_tables(self) -> str | None:
+        """One kept graph's step against the per-batch path on a random entry of TABLE_CHECK_ROWS rows, once per
+        process (the table's offsets read on this device): None when the logits agree, else why not."""
+        graph = self._kept_graph(1, TABLE_MIN_CAPACITY)
+        if graph is None:
+            return None
+        g = torch.Generator(device=self.device).manual_seed(0)
+        n = TABLE_CHECK_ROWS
+        entry = KVCache(self.model.layer_ids, 1, self.kv_heads, self.head_dim, n, self.dtype, self.device)
+        pos = torch.arange(n, device=self.device)
+        for i in self.model.layer_ids:
+            k, v = (torch.randn(1, self.kv_heads, n, self.head_dim, generator=g, device=self.device, dtype=self.dtype)
+                    for _ in range(2))
+            entry.layer(i).append(k, v, pos)
+        pools = [OwnKV(self.model.layer_ids, 1, self.kv_heads, self.head_dim, 2, self.dtype, self.device)
+                 if self.is_query_rank else None for _ in range(2)]
+        tok = torch.full((1, 1), 1, dtype=torch.long, device=self.device)
+        at = torch.full((1, 1), n, dtype=torch.long, device=self.device)
+        graph.cascade.bind(entry, [n], pools[0])
+        got = graph.step(tok, at).float().clone()
+        want = run_cascade(self.model, tok, at, CascadeAttention([SharedGroup(entry, [0], [n], n)], pools[1],
+                                                                  self.group, self.device)).float()
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+        return None if err <= TABLE_CHECK_TOL else f"a kept graph's logits differ from the per-batch path's by {err:.3g}"
 
     def _finish(self, rids: list[int]) -> None:
         gone = set(rids)

@@ -152,3 +152,26 @@ def test_a_capture_that_fails_in_the_warm_up_turns_the_kept_graphs_off(monkeypat
     ex.cuda_graphs = ex.table_graphs = True
     assert ex.prepare_tables(2) == 0
     assert not ex.table_graphs and ex._tables == {} and "capture failed" in caplog.text
+
+
+def test_the_warm_up_checks_a_kept_graph_against_the_per_batch_path(monkeypatch, caplog):
+    """prepare_tables compares one kept graph's logits with CascadeAttention's on a random entry: within the
+    tolerance the graphs stay; beyond it (here a tolerance nothing meets) they are turned off, logged."""
+    from starshard.serving import executor as executor_mod
+    from starshard.serving.scheduler import Scheduler
+
+    class Eager(CascadeGraph):
+        def __init__(self, model, cascade, batch, device, capture=True, warm=False):
+            super().__init__(model, cascade, batch, device, capture=False, warm=warm)
+
+    monkeypatch.setattr(executor_mod, "CascadeGraph", Eager)
+    monkeypatch.setattr(executor_mod, "TableCascade", lambda *a, **k: TableCascade(*a, **k, use_triton=True))
+    monkeypatch.setattr(executor_mod, "TABLE_CHECK_ROWS", 40)
+    llm = LLM(random_weights="tiny", progress=False, device="cpu", dtype=torch.float32)
+    ex = Scheduler(llm, cache_bytes=1 << 26, max_batch=2).executor
+    ex.cuda_graphs = ex.table_graphs = True
+    assert ex.prepare_tables(2) == 2 and ex.table_graphs and ex._check_tables() is None
+    monkeypatch.setattr(executor_mod, "TABLE_CHECK_TOL", -1.0)
+    ex._tables.clear()
+    assert ex.prepare_tables(2) == 0 and not ex.table_graphs and ex._tables == {}
+    assert "logits differ from the per-batch path's" in caplog.text
