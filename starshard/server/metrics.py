@@ -41,6 +41,9 @@ _ENGINE_METRICS = {
     "split_reloads_total": ("starshard_context_cache_split_reloads",
                             "Disk hits served from both ends: the head prefilled while the tail was read "
                             "(--disk-reload-policy split)", "counter"),
+    "decode_graphs_kept": ("starshard_decode_graphs_kept",
+                           "Decode CUDA graphs kept across batches on one document (0: off, e.g. turned off by the "
+                           "warm-up's check)", "gauge"),
     "tail_failures_total": ("starshard_context_cache_tail_failures",
                             "Split reloads whose tail could not be read on some rank: the rest was computed",
                             "counter"),

@@ -1064,6 +1064,10 @@ class Executor:
             b.graphs[batch] = CascadeGraph(self.model, cascade, batch, self.device, warm=self._captured)
         return b.graphs[batch]
 
+    def kept_graphs(self) -> int:
+        """Decode graphs kept across batches (0: off, or none made yet); read from other threads (a snapshot)."""
+        return sum(len(b.graphs) for b in list(self._tables.values())) if self.table_graphs else 0
+
     def prepare_tables(self, max_rows: int) -> int:
         """Capture the table graphs of 1..max_rows rows (at most DECODE_MAX_ROWS) at the smallest capacity on
         an empty entry (the warm-up, on the whole model): a short question's first batch of each size then

@@ -355,7 +355,7 @@ class Scheduler:
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
                         cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors),
                         slow_steps=list(self.slow_steps), tiers=self._tier_stats(), warmup_s=self.warmup_s,
-                        **self.counters)
+                        decode_graphs_kept=self.executor.kept_graphs(), **self.counters)
 
     def _tier_stats(self) -> dict:
         """Per tier (device, and host / disk when configured): bytes and entries held now, hits, and for the

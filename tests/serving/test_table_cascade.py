@@ -130,7 +130,7 @@ def test_the_service_binds_kept_graphs_to_each_batch_on_one_entry(monkeypatch):
                 assert done.wait(300)
                 answers.append((doc + q, 4 + j, [e.token_id for e in events if e.token_id is not None]))
                 assert events[-1].cached_tokens >= doc_len
-        assert own_graphs == [] and list(ex._tables) == [16]
+        assert own_graphs == [] and list(ex._tables) == [16] and svc.stats()["decode_graphs_kept"] == 4
         assert all(g.cascade.table.abs().sum() > 0 for g in ex._tables[16].graphs.values())  # each bound since
     finally:
         svc.shutdown()
@@ -173,5 +173,5 @@ def test_the_warm_up_checks_a_kept_graph_against_the_per_batch_path(monkeypatch,
     assert ex.prepare_tables(2) == 2 and ex.table_graphs and ex._check_tables() is None
     monkeypatch.setattr(executor_mod, "TABLE_CHECK_TOL", -1.0)
     ex._tables.clear()
-    assert ex.prepare_tables(2) == 0 and not ex.table_graphs and ex._tables == {}
+    assert ex.prepare_tables(2) == 0 and not ex.table_graphs and ex._tables == {} and ex.kept_graphs() == 0
     assert "logits differ from the per-batch path's" in caplog.text
