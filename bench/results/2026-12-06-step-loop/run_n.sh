@@ -20,3 +20,11 @@ done
 cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt
 grep -h "Traceback\|Error\|warm-up:" $OUT/all.log | head -12
 python3 bench/results/2026-12-06-step-loop/summary.py $OUT 2>&1 | grep -v "^ *prefill" | head -30
+python3 -c "
+import json, sys
+for n in ('serve_chunk', 'warmup_new', 'warmup_base'):
+    try:
+        d = json.load(open('$OUT/' + n + '.json'))
+    except OSError:
+        continue
+    print(n, 'warmup_s', d.get('warmup_s'), 'decode graphs kept', d.get('engine_stats', {}).get('decode_graphs_kept'))"
