@@ -466,6 +466,13 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
             CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, HAS_LK=length is not None, FP8=fp8,
             num_warps=warps, num_stages=stages, **pdl_launch(q), **extras,
         )
+    return _merge_splits(q, o_part, l_part, block_d, sinks)
+
+
+def _merge_splits(q, o_part, l_part, block_d: int, sinks=None):
+    """The splits' partials o_part [B, Hq, Lq, n, D], l_part [B, Hq, Lq, n] merged by lse (the sink once) -> (out
+    in q's dtype and layout, lse)."""
+    B, Hq, Lq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     sink = {}
@@ -474,7 +481,7 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     _decode_merge_kernel[(B * Hq * Lq,)](
         o_part, l_part, out, lse,
         *out.stride(),
-        Hq, Lq, num_splits,
+        Hq, Lq, o_part.shape[3],
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=_MERGE_SPLITS,
         num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part), **sink,
     )
@@ -521,16 +528,7 @@ def _decode_table(q, k, v, q_pos, k_pos, table, scale, num_splits, use_triton, c
         CAUSAL=True, IEEE=q.dtype == torch.float32, HAS_LK=True, FP8=False,
         num_warps=warps, num_stages=stages, **pdl_launch(q), KVT=table, TABLE=True, **extras,
     )
-    out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
-    _decode_merge_kernel[(B * Hq * Lq,)](
-        o_part, l_part, out, lse,
-        *out.stride(),
-        Hq, Lq, num_splits,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=_MERGE_SPLITS,
-        num_warps=4 if block_d >= 128 else 2, **pdl_launch(o_part),
-    )
-    return out, lse
+    return _merge_splits(q, o_part, l_part, block_d)
 
 
 def table_row(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, length: int, anchors) -> list[int]:

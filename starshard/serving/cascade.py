@@ -96,6 +96,18 @@ class OwnKV:
         return out
 
 
+def _with_own(layer: int, q, k, v, pos, out, lse, own: OwnKV | None, group, **extras) -> torch.Tensor:
+    """A step's attention once the shared partial (out, lse) is in: the rows' new k, v appended to their own pool
+    and attended there (the query rank), merged by lse, then over the CP group -> out."""
+    if own is not None:
+        own.append(layer, k, v, pos)
+        o, s = attention(q, own.k[layer], own.v[layer], q_pos=pos, k_pos=own.pos[layer], causal=True, **extras)
+        out, lse = merge_partials(out, lse, o, s)
+    if group is not None:
+        out, lse = merge_over_group(out, lse, group)
+    return out
+
+
 @dataclass
 class SharedGroup:
     """Rows of the batch that attend one cache entry: `kv` its KV (this rank's shard), `prefix[j]`
@@ -161,14 +173,7 @@ class CascadeAttention:
                                   k_scale=s.k_scale, v_scale=s.v_scale, window=window, **extras)
                 out[r] = o.reshape(Hq, n, L, D).transpose(0, 1).to(out.dtype)
                 lse[r] = ls.reshape(Hq, n, L).transpose(0, 1)
-        if self.own is not None:
-            self.own.append(layer, k, v, pos)
-            o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer], causal=True,
-                             window=window, **extras)
-            out, lse = merge_partials(out, lse, o, s)
-        if self.group is not None:
-            out, lse = merge_over_group(out, lse, self.group)
-        return out
+        return _with_own(layer, q, k, v, pos, out, lse, self.own, self.group, window=window, **extras)
 
 
 class TableCascade:
@@ -238,14 +243,7 @@ class TableCascade:
                                  table=self.table[self._index[layer]], use_triton=self.use_triton)
         out = o.reshape(Hq, B, L, D).transpose(0, 1)
         lse = ls.reshape(Hq, B, L).transpose(0, 1)
-        if self.own is not None:
-            self.own.append(layer, k, v, pos)
-            o, s = attention(q, self.own.k[layer], self.own.v[layer], q_pos=pos, k_pos=self.own.pos[layer],
-                             causal=True, softcap=softcap, scale=scale)
-            out, lse = merge_partials(out, lse, o, s)
-        if self.group is not None:
-            out, lse = merge_over_group(out, lse, self.group)
-        return out
+        return _with_own(layer, q, k, v, pos, out, lse, self.own, self.group, softcap=softcap, scale=scale)
 
 
 def _forward(model, tokens: torch.Tensor, positions: torch.Tensor,

@@ -277,13 +277,17 @@ class Executor:
         """(own tokens held, tokens it may still generate) of each running row: the pool's shape."""
         return [(r.next_pos - r.prefix, r.remaining) for r in self.rows]
 
+    @staticmethod
+    def pool_capacity(rows: list[tuple[int, int]]) -> int:
+        """The own-KV pool's rows of capacity for rows of (own tokens, remaining), as OwnKV.gather sizes it (with
+        _gather_pool's one extra): every row gets room for the longest own part plus the most remaining."""
+        return max(max(own for own, _ in rows) + max([left for _, left in rows] + [0]) + 1, 1)
+
     def pool_bytes(self, rows: list[tuple[int, int]]) -> int:
-        """The own-KV pool the query rank holds for rows of (own tokens, remaining), padded as
-        OwnKV.gather pads: every row gets room for the longest own part plus the most remaining."""
+        """The own-KV pool the query rank holds for rows of (own tokens, remaining) (pool_capacity)."""
         if not rows:
             return 0
-        cap = max(max(own for own, _ in rows) + max([left for _, left in rows] + [0]) + 1, 1)
-        return len(rows) * cap * self.own_token_bytes()
+        return len(rows) * self.pool_capacity(rows) * self.own_token_bytes()
 
     # -- failure containment (every rank takes the same decision: votes over the control group)
     def free_bytes(self) -> int | None:
@@ -1029,8 +1033,7 @@ class Executor:
         what every rank holds alike (the rows, the settings), so the ranks of a group capture together."""
         if not self.table_graphs or len({r.entry.id for r in rows}) != 1:
             return None
-        held = self.pool_rows()
-        cap = max(n for n, _ in held) + max(left for _, left in held) + 1  # as OwnKV.gather sizes the pool
+        cap = self.pool_capacity(self.pool_rows())
         bucket = max(TABLE_MIN_CAPACITY, 1 << (cap - 1).bit_length())
         graph = self._kept_graph(len(rows), bucket)
         if graph is not None:

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from starshard.serving.disk_read import read_file
 
 log = logging.getLogger("starshard.serve")
@@ -211,8 +213,6 @@ def probe_read(files, readers: int) -> float | None:
 def probe_prefill(device, dtype) -> float:
     """Seconds per FLOP a prefill is expected to take before one ran on this server: a square GEMM's rate in
     `dtype` on `device` (CUDA events), over PREFILL_OF_GEMM."""
-    import torch
-
     n = 4096 if device.type == "cuda" else 512
     dtype = dtype if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
