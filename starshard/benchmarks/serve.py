@@ -326,6 +326,8 @@ def run(args) -> None:
 
     try:
         check_tier_room(args, svc)
+        if not args.reuse_only:
+            check_uncached(svc, {L: document(L) for L in args.lengths})
     except ValueError as e:
         svc.shutdown()
         raise SystemExit(f"error: {e}") from None
@@ -426,6 +428,24 @@ def check_tier_room(args, svc) -> None:
     print(f"tiers: the {L}-token document's shard {shard / gib:.2f} GiB per rank; device budget "
           f"{svc.cache.budget / gib:.2f} GiB, host {args.host_cache_gib:g} GiB, disk {args.disk_cache_gib or 0:g} GiB "
           f"per rank; each document is pushed to {', '.join(args.tiers)} by Scheduler.demote", file=sys.stderr)
+
+
+UNCACHED_SHARED_TOKENS = 256  # a prefix this long (or half the document) is an earlier run's, never chance
+
+
+def check_uncached(svc, docs: dict[int, list[int]]) -> None:
+    """Refuse (ValueError, before the first prefill) documents the disk tier already holds (an earlier run's
+    files with the same --seed): their first question would reuse them, and ttft_uncached_s time no prefill."""
+    disk = svc.tiers.disk if svc.tiers is not None else None
+    if disk is None:
+        return
+    held = {L: disk.peek(doc, min_tokens=min(UNCACHED_SHARED_TOKENS, len(doc) // 2))[1] for L, doc in docs.items()}
+    held = {L: n for L, n in held.items() if n}
+    if held:
+        what = ", ".join(f"{n} tokens of the {L}-token document" for L, n in held.items())
+        raise ValueError(f"--disk-cache-dir {disk.path} already holds {what} (an earlier run with this --seed): the "
+                         "first question would reuse them, not prefill; use an empty directory or another --seed, or "
+                         "--reuse-only to time the reuse")
 
 
 def tier_follow_up(svc, tier: str, doc: list[int], question, uncached: float, throttle: float | None = None) -> dict:

@@ -213,7 +213,8 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
         total += sc
         metrics = dict(getattr(out, "metrics", None) or {})
         rows.append({"task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed, "metric": s.metric,
-                     "question": s.question, "answers": s.answers, "needle_spans": s.needle_spans,
+                     "question": s.question, "answers": s.answers, "distractors": s.distractors,
+                     "needle_spans": s.needle_spans,
                      "target_tokens": s.target_tokens, "prompt_tokens": metrics.get("prompt_tokens"),
                      "output": out.text, "found": found(s.answers, out.text), "score": sc, "metrics": metrics})
         bar.set_postfix(acc=f"{100 * total / len(rows):.0f}%")

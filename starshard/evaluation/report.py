@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+from starshard.evaluation import tasks
+from starshard.evaluation.scoring import found
 
 PLOT_HINT = "matplotlib is not installed, so no heat map was drawn (pip install matplotlib)"
 
@@ -135,15 +139,82 @@ def _right(row: dict) -> bool:
     return row["score"] >= 1.0
 
 
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact McNemar test, two-sided: how likely a split of the b + c discordant samples at least this uneven
+    is if either run were as likely to be the right one (binomial, 1/2). Exact: a cell's few discordant samples
+    are where the chi-square approximation is off."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n)
+
+
+# Why a strategy missed an answer the reference got (loss_class), in the order the tables show them.
+LOSS_CLASSES = ("absent", "distractor", "wrong value", "format", "partial")
+# A number, its thousands possibly split by a separator ("1,600,074", "1600 074"); a UUID with or without
+# dashes; a variable name (five capitals).
+_NUMBER = re.compile(r"\d+(?:[ ,.'\u2009\u202f]\d{3}(?!\d))*")
+_UUID = re.compile(r"[0-9a-f]{8}(?:[-\s]?[0-9a-f]{4}){3}[-\s]?[0-9a-f]{12}", re.I)
+_NAME = re.compile(r"\b[A-Z]{5}\b")
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", s.lower())
+
+
+def _candidates(row: dict) -> set[str]:
+    """The output's answer-like tokens, normalised: tokens shaped like the expected answers (numbers within
+    two digits of their length, UUIDs, variable names, the task's value words)."""
+    answers, out = row.get("answers") or [], row.get("output") or ""
+    if not answers:
+        return set()
+    a = answers[0]
+    if a.isdigit():
+        return {t for t in map(_norm, _NUMBER.findall(out)) if abs(len(t) - len(a)) <= 2}
+    if _UUID.fullmatch(a):
+        return set(map(_norm, _UUID.findall(out)))
+    if _NAME.fullmatch(a):
+        return set(map(_norm, _NAME.findall(out)))
+    vocab = set(tasks._CWE_WORDS if row["task"] == "common_words" else tasks._VALUE_WORDS)
+    vocab |= {_norm(x) for x in answers + (row.get("distractors") or [])}
+    return {w for w in re.findall(r"[a-z]+", out.lower()) if w in vocab}
+
+
+def loss_class(row: dict) -> str:
+    """Why this row is not right (LOSS_CLASSES): every answer there once separators are dropped ("format": the
+    scorer missed them), some of several ("partial"), no answer-like token at all ("absent"), another needle's
+    value ("distractor": only rows that record `distractors`), else some other value ("wrong value")."""
+    answers, cands = row.get("answers") or [], _candidates(row)
+    hits = [raw or _norm(a) in cands for a, raw in zip(answers, found(answers, row.get("output") or ""))]
+    if hits and all(hits):
+        return "format"
+    if any(hits):
+        return "partial"
+    if not cands:
+        return "absent"
+    if cands & {_norm(d) for d in row.get("distractors") or []}:
+        return "distractor"
+    return "wrong value"
+
+
 def kept_stats(ref_rows: list[dict], rows: list[dict]) -> dict:
     """Sample by sample against the reference: of the `of` samples it answers right, `right` are right
-    here too (`kept` = right / of, None when of = 0); `gained`: right here where the reference missed."""
-    mine = {_key(r): _right(r) for r in rows}
+    here too (`kept` = right / of, None when of = 0); `gained`: right here where the reference missed.
+    `b` / `c` the discordant samples (reference right and this wrong / the reverse), `mcnemar_p` whether
+    they differ by more than chance, `losses` the b samples by loss_class."""
+    mine = {_key(r): r for r in rows}
     ref_right = [_key(r) for r in ref_rows if _right(r)]
     ref_wrong = [_key(r) for r in ref_rows if not _right(r)]
-    right = sum(mine[k] for k in ref_right)
+    right = sum(_right(mine[k]) for k in ref_right)
+    gained = sum(_right(mine[k]) for k in ref_wrong)
+    losses = dict.fromkeys(LOSS_CLASSES, 0)
+    for k in ref_right:
+        if not _right(mine[k]):
+            losses[loss_class(mine[k])] += 1
+    b = len(ref_right) - right
     return {"n": len(ref_rows), "of": len(ref_right), "right": right,
-            "kept": right / len(ref_right) if ref_right else None, "gained": sum(mine[k] for k in ref_wrong)}
+            "kept": right / len(ref_right) if ref_right else None, "gained": gained,
+            "b": b, "c": gained, "mcnemar_p": mcnemar_p(b, gained), "losses": losses}
 
 
 def _cells(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -196,9 +267,10 @@ def compare_summary(run_dirs: list[Path], base: str = "dense") -> dict:
 def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
     """Markdown: each strategy's accuracy and its ratio to the base run (the one named `base`, else
     the first), per task and per length; then, sample by sample, the share of the samples the base
-    answers right that each strategy answers right too, per task and length; then the median prefill
-    seconds per length where the runs recorded them. Paired: only samples present in every run count,
-    so every strategy is scored on the same prompts."""
+    answers right that each strategy answers right too, per task and length, with the exact McNemar p; then
+    those losses by class (loss_class) per length; then the median prefill seconds per length where the runs
+    recorded them. Paired: only samples present in every run count, so every strategy is scored on the same
+    prompts."""
     p = pair_runs(run_dirs, base)
     ref, kept, others = p.ref, p.kept, p.others
 
@@ -220,9 +292,11 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
         ref_cells = _cells(kept[ref.name])
         cells = {o.name: _cells(kept[o.name]) for o in others}
         lines = [f"Paired on {ref.name}: of the samples {ref.name} answers right, the share each strategy answers "
-                 f"right too (right / {ref.name}-right); +N: right where {ref.name} missed.", "",
-                 f"| task | length | n | {ref.name} | " + " | ".join(f"{o.name} | kept" for o in others) + " |",
-                 "|---|---|---:|---:|" + "---:|---:|" * len(others)]
+                 f"right too (right / {ref.name}-right); +N: right where {ref.name} missed; p: exact McNemar test "
+                 f"(two-sided) of those two counts, small when the strategy differs from {ref.name} beyond chance.",
+                 "",
+                 f"| task | length | n | {ref.name} | " + " | ".join(f"{o.name} | kept | p" for o in others) + " |",
+                 "|---|---|---:|---:|" + "---:|---:|---:|" * len(others)]
         for task, L in _cell_order(ref_cells):
             rows = ref_cells[(task, L)]
             row = [task if task != "all" else "**all tasks**", L, str(len(rows)), _pct(_mean([x["score"] for x in rows]))]
@@ -230,8 +304,28 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
                 st = kept_stats(rows, cells[o.name][(task, L)])
                 k = "–" if st["kept"] is None else f"{100 * st['kept']:.1f} ({st['right']}/{st['of']})"
                 row += [_pct(_mean([x["score"] for x in cells[o.name][(task, L)]])),
-                        k + (f" +{st['gained']}" if st["gained"] else "")]
+                        k + (f" +{st['gained']}" if st["gained"] else ""), f"{st['mcnemar_p']:.2g}"]
             lines.append("| " + " | ".join(row) + " |")
+        return lines
+
+    def loss_table() -> list[str]:
+        ref_cells = _cells(kept[ref.name])
+        lengths = sorted({L for _, L in ref_cells if L != "all"}, key=int) + ["all"]
+        lines = [f"Losses ({ref.name} right, strategy wrong), classified. absent: no answer-like token in the "
+                 "output; distractor: another needle's value; wrong value: some other answer-like token; format: "
+                 "every answer there once separators are dropped (1,600,074), which the scorer does not do; partial: "
+                 "some of several answers. distractor needs rows that record `distractors`: without them such an "
+                 "answer counts as wrong value."]
+        if not any("distractors" in r for o in others for r in kept[o.name]):
+            lines[0] += " These runs record none."
+        lines += ["", "| strategy | length | losses | " + " | ".join(LOSS_CLASSES) + " |",
+                  "|---|---|---:|" + "---:|" * len(LOSS_CLASSES)]
+        for o in others:
+            cells = _cells(kept[o.name])
+            for L in lengths:
+                st = kept_stats(ref_cells[("all", L)], cells[("all", L)])
+                counts = " | ".join(str(st["losses"][c]) for c in LOSS_CLASSES)
+                lines.append(f"| {o.name} | {L} | {st['b']} | {counts} |")
         return lines
 
     def speed_table() -> list[str]:
@@ -256,7 +350,7 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
     note = f"Accuracy % on the {len(p.common)} samples common to all runs; ratio = strategy / {ref.name}."
     if dropped:
         note += " Left out (not in every run): " + ", ".join(f"{n}: {k}" for n, k in dropped.items()) + "."
-    paired = [""] + kept_table() if others else []
+    paired = [""] + kept_table() + [""] + loss_table() if others else []
     return "\n".join([note, ""] + table("task", "task") + [""] + table("length", "length") + paired + speed_table())
 
 

@@ -80,6 +80,7 @@ class Sample:
     answer_prefix: str = ""  # completion cue ("The pass key is"); completion-format prompts end with it
     needle_spans: list[tuple[int, int]] = field(default_factory=list)  # char spans in context; [0] is the target
     target_tokens: int = 0  # what context + question + cue were sized to: length - reserve
+    distractors: list[str] = field(default_factory=list)  # the other needles' values: a wrong answer may be one
 
     @property
     def needle_span(self) -> tuple[int, int] | None:
@@ -100,6 +101,7 @@ class _Parts:
     metric: str
     answer_prefix: str
     filler: Callable[[random.Random, int], str]  # (rng, unit index) -> one filler unit with its trailing space
+    distractors: list[str] = field(default_factory=list)  # values of the needles not asked for, if any
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ def _multikey(rng, depth):
     keys, vals = _distinct(rng, _key, 4), _distinct(rng, _number, 4)
     needles = [f"The secret number assigned to {k} is {v}." for k, v in zip(keys, vals)]
     return _Parts(needles, _spread(depth, 4), f"What is the secret number assigned to {keys[0]}?", [vals[0]], "all",
-                  f"The secret number assigned to {keys[0]} is", essay_unit)
+                  f"The secret number assigned to {keys[0]} is", essay_unit, vals[1:])
 
 
 def _multivalue(rng, depth):
@@ -211,7 +213,7 @@ def _multiquery(rng, depth):
     needles = [f"The secret number assigned to {k} is {v}." for k, v in zip(keys, vals)]
     return _Parts(needles, _spread(depth, 4),
                   f"What are the secret numbers assigned to {keys[0]} and to {keys[1]}?", vals[:2], "all",
-                  f"The secret numbers assigned to {keys[0]} and to {keys[1]} are", essay_unit)
+                  f"The secret numbers assigned to {keys[0]} and to {keys[1]} are", essay_unit, vals[2:])
 
 
 def _variable_tracking(rng, depth):
@@ -342,7 +344,7 @@ def make_sample(task: str, tok: Tokenizer, length: int, depth: float | None, see
     fixed = count_tokens(tok, parts.question) + count_tokens(tok, parts.answer_prefix) + 2  # + separators
     context, spans = _fit(tok, budget, fixed, parts, rng)
     return Sample(task, length, depth, seed, context, parts.question, parts.answers, parts.metric,
-                  parts.answer_prefix, spans, budget)
+                  parts.answer_prefix, spans, budget, parts.distractors)
 
 
 def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0,

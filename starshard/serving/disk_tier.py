@@ -148,7 +148,7 @@ class PendingWrite:
     path: Path
     ids: np.ndarray
     entry_id: int | None
-    host: HostKV
+    host: HostKV | None  # None: the caller found these tokens' file listed (DiskTier.holds) and copied nothing
     need: int = 0  # the bytes reserved
     reserved: bool = False
     done: bool = False  # write() returned (or nothing to write)
@@ -415,11 +415,12 @@ class DiskTier:
             return None
         return self.commit(job)
 
-    def reserve(self, entry_id: int | None, token_ids, host: HostKV) -> "PendingWrite":
+    def reserve(self, entry_id: int | None, token_ids, host: HostKV | None) -> "PendingWrite":
         """Make room for a shard's file (LRU files evicted, its bytes counted in `used` from now) without
         writing it; `write` (any thread) writes it, then `commit` lists it or `abandon` removes it. A job
         whose tokens are already on disk is done at once (commit touches that file); one that cannot be
-        kept (larger than the budget, or these tokens being written already) carries its `error`."""
+        kept (larger than the budget, or these tokens being written already, or no `host` copy to write a
+        file gone meanwhile from) carries its `error`."""
         ids = np.asarray(token_ids, dtype=np.int64)
         name = file_name(self.key, ids, self.rank)
         job = PendingWrite(name, self.path / name, ids, entry_id, host)
@@ -430,6 +431,9 @@ class DiskTier:
                 return job
             if name in self._writing:  # another job writes these very bytes: this one has nothing to do
                 job.done = True
+                return job
+            if host is None:  # listed when the caller looked (holds), gone since: nothing to write it from
+                job.error = "its file left the disk tier meanwhile, and the shard was not copied to write it again"
                 return job
             job.need = file_bytes(host, len(ids), self.key, self.rank, entry_id)
             if not self._fit(job.need, keep=name):
@@ -515,6 +519,13 @@ class DiskTier:
         with self._mutex:
             kept = [e for e in self.list() if only is None or e.name.split("-")[1] in only]  # own first: they win a tie
             return longest_prefix(kept, ids, min_tokens, whole)
+
+    def holds(self, token_ids) -> bool:
+        """Whether this rank's own file of exactly these tokens is listed: a demotion then writes nothing."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        with self._mutex:
+            e = self.entries.get(file_name(self.key, ids, self.rank))
+            return e is not None and np.array_equal(e.ids, ids)
 
     def entry_for(self, token_ids) -> DiskEntry | None:
         """This rank's file of exactly these tokens (what rank 0 found by prefix with `get`, sent to every rank

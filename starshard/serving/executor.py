@@ -490,6 +490,8 @@ class Executor:
                     tiers.host.hold(e.id, e.ids, host, e.rank_bytes)
                     on_disk = tiers.disk is not None and tiers.disk.entry_for(e.ids) is not None
                     tiers.host.entries[e.id].written = on_disk  # dropping it later loses nothing
+                elif tiers.disk.holds(e.ids):  # promoted from this very file: nothing to copy (a pageable copy
+                    tiers.writer.submit(e.id, e.ids, None, staged=False)  # of a 128K shard stalls the loop ~10 s)
                 else:  # staged in a free range of the host tier's pinned arena if any (a fast copy), else pageable
                     host = to_host(e.kv, arena=tiers.arena, serves_from=e.serves_from, context_len=e.context_len)
                     host.synchronize()

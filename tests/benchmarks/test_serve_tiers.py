@@ -70,6 +70,8 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
         assert row["reused"] and not row["split"] and row["page_cache"] == "warm" and row["page_cache_read_gbps"] > 0
     other = bench(tmp_path, "other", *disk, "--reuse-only", "--seed", "4")
     assert all(not row["reused"] and row["cached_tokens"] == 0 for row in other["results"])
+    with pytest.raises(SystemExit, match="already holds 87 tokens of the 96-token document.*--reuse-only"):
+        bench(tmp_path, "again", *disk, "--tiers", "disk", "--seed", "3")  # its first question would be no prefill
 
 
 @pytest.mark.parametrize("argv, why", [

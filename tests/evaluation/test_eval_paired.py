@@ -2,6 +2,7 @@
 force, threaded sample making, and the paired comparison (`--compare`: of the samples dense answers
 right, the share a strategy answers right too) on hand-made run directories. No model: word and
 character tokenizers."""
+import hashlib
 import importlib.util
 import json
 import random
@@ -45,6 +46,7 @@ def test_multikey_has_four_needles_and_asks_one(depth):
         assert s.context.count(f"assigned to {k} is {v}.") == 1
     # The asked needle starts at the stated depth; the distractors lie on the roomier side of it.
     assert abs(s.needle_spans[0][0] / len(s.context) - depth) <= 0.02
+    assert s.distractors == values[1:]  # the needles not asked for, so a report can tell their values apart
     assert s == make_sample("multikey", Words(), 2000, depth, seed=11)  # deterministic from the seed
     assert score(s.answers, s.metric, f" {values[0]}.") == 1.0  # a distractor's number scores 0
     assert all(score(s.answers, s.metric, f" {v}.") == 0.0 for v in values[1:])
@@ -64,6 +66,35 @@ def test_fit_finds_the_largest_unit_count_that_fits(tok, task, budget):
         best += 1
     assert all(size(n) > budget for n in range(best + 1, best + 4))
     assert context == tasks._build(units[:best], parts.needles, parts.depths)[0]
+
+
+# sha256 (first 16 hex) of two samples' prompts and answers per task, made before samples recorded their
+# distractors: recording them must leave every prompt as it was, so later runs pair with earlier ones.
+PROMPT_HASHES = {
+    "passkey": "d936b775f2dd4902",
+    "niah_number": "827ae57ea63d3118",
+    "niah_uuid": "41b65326d140733b",
+    "niah_word": "9bd74932cc2eeedb",
+    "niah_essay": "e7046b809f714343",
+    "multikey": "98c0642fcc482864",
+    "multivalue": "5dfede8edb88db8e",
+    "multiquery": "1983da019f63028d",
+    "variable_tracking": "9d32cfd669c002ef",
+    "common_words": "af42482739138ba9",
+}
+
+
+@pytest.mark.parametrize("task", list(tasks.TASKS))
+def test_prompts_unchanged_by_recording_distractors(task):
+    h = hashlib.sha256()
+    for length, depth, seed in ((600, 0.3, 0), (1500, 0.9, 4)):
+        s = make_sample(task, Words(), length, depth, seed, reserve=20)
+        h.update(json.dumps([s.context, s.question, s.answers, s.answer_prefix, s.needle_spans]).encode())
+        needles = [s.context[a:b] for a, b in s.needle_spans]
+        for d in s.distractors:  # each one in a needle, and not an answer
+            assert d not in s.answers and any(d in n for n in needles[1:])
+    assert h.hexdigest()[:16] == PROMPT_HASHES[task]
+    assert bool(s.distractors) == (task in ("multikey", "multiquery"))  # the tasks with needles not asked for
 
 
 def test_threaded_samples_are_the_serial_ones():
@@ -100,11 +131,16 @@ def test_paired_kept_share_per_task_and_length(tmp_path, capsys):
     summary = report.compare_summary([st, d, ap])
     assert summary["reference"] == "dense" and summary["samples"] == 20
     ps = summary["runs"]["star"]["paired"]
-    assert ps["multikey"]["30720"] == {"n": 5, "of": 3, "right": 2, "kept": pytest.approx(2 / 3), "gained": 1}
-    assert ps["niah_essay"]["16384"] == {"n": 5, "of": 5, "right": 4, "kept": 0.8, "gained": 0}
+    no_losses = dict.fromkeys(report.LOSS_CLASSES, 0)
+    assert ps["multikey"]["30720"] == {"n": 5, "of": 3, "right": 2, "kept": pytest.approx(2 / 3), "gained": 1,
+                                       "b": 1, "c": 1, "mcnemar_p": 1.0, "losses": {**no_losses, "absent": 1}}
+    assert ps["niah_essay"]["16384"] == {"n": 5, "of": 5, "right": 4, "kept": 0.8, "gained": 0, "b": 1, "c": 0,
+                                         "mcnemar_p": 1.0, "losses": {**no_losses, "absent": 1}}
     assert ps["multikey"]["16384"]["kept"] == 1.0
-    assert ps["all"]["30720"] == {"n": 10, "of": 8, "right": 7, "kept": 7 / 8, "gained": 1}
-    assert ps["all"]["all"] == {"n": 20, "of": 18, "right": 16, "kept": 16 / 18, "gained": 1}
+    assert ps["all"]["30720"] == {"n": 10, "of": 8, "right": 7, "kept": 7 / 8, "gained": 1, "b": 1, "c": 1,
+                                  "mcnemar_p": 1.0, "losses": {**no_losses, "absent": 1}}
+    assert ps["all"]["all"] == {"n": 20, "of": 18, "right": 16, "kept": 16 / 18, "gained": 1, "b": 2, "c": 1,
+                                "mcnemar_p": 1.0, "losses": {**no_losses, "absent": 2}}  # no outputs: absent
     assert summary["runs"]["apb"]["paired"]["all"]["all"]["kept"] == 1.0
     assert summary["runs"]["apb"]["paired"]["multikey"]["30720"]["gained"] == 2
     assert "paired" not in summary["runs"]["dense"] or summary["runs"]["dense"]["paired"] == {}
@@ -117,9 +153,10 @@ def test_paired_kept_share_per_task_and_length(tmp_path, capsys):
     assert summary["runs"]["apb"]["prefill_seconds"]["30720"] is None
 
     table = report.compare_table([st, d, ap])
-    assert "| multikey | 30720 | 5 | 60 | 60 | 66.7 (2/3) +1 | 100 | 100.0 (3/3) +2 |" in table
-    assert "| niah_essay | 16384 | 5 | 100 | 90 | 80.0 (4/5) | 100 | 100.0 (5/5) |" in table
-    assert "| **all tasks** | all | 20 | 90 | 88 | 88.9 (16/18) +1 | 100 | 100.0 (18/18) +2 |" in table
+    assert "| multikey | 30720 | 5 | 60 | 60 | 66.7 (2/3) +1 | 1 | 100 | 100.0 (3/3) +2 | 0.5 |" in table
+    assert "| niah_essay | 16384 | 5 | 100 | 90 | 80.0 (4/5) | 1 | 100 | 100.0 (5/5) | 1 |" in table
+    assert "| **all tasks** | all | 20 | 90 | 88 | 88.9 (16/18) +1 | 1 | 100 | 100.0 (18/18) +2 | 0.5 |" in table
+    assert "| star | all | 2 | 2 | 0 | 0 | 0 | 0 |" in table and "| apb | 16384 | 0 | 0 | 0 | 0 | 0 | 0 |" in table
     assert "| 16384 | 0.164 | 0.082 | 0.50 | – | – |" in table
 
     spec = importlib.util.spec_from_file_location("eval_cli_paired", ROOT / "starshard" / "commands" / "eval.py")
@@ -169,3 +206,80 @@ def test_time_limit_writes_what_ran_seed_by_seed(tmp_path):
         {"niah_essay", "multikey"}
     with pytest.raises(SystemExit):
         cli.parse_args(common + ["--out", "x", "--time-limit", "-1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired significance and the losses' classes
+
+
+@pytest.mark.parametrize("b,c,p", [(5, 0, 0.0625), (10, 2, 0.03857421875), (0, 0, 1.0), (1, 0, 1.0), (3, 3, 1.0),
+                                   (30, 0, 2 / 2 ** 30), (20, 5, 2 * (1 + 25 + 300 + 2300 + 12650 + 53130) / 2 ** 25)])
+def test_mcnemar_exact_p(b, c, p):
+    assert report.mcnemar_p(b, c) == pytest.approx(p, rel=1e-12)
+    assert report.mcnemar_p(c, b) == report.mcnemar_p(b, c)
+
+
+def _loss(task, answers, output, **extra):
+    row = {"task": task, "answers": answers, "output": output, **extra}
+    assert score(answers, "all", output) < 1.0  # a loss: the scorer did not find every answer
+    return report.loss_class(row)
+
+
+def test_loss_classes():
+    mk = ["1600074"]
+    assert _loss("multikey", mk, " I could not find it.") == "absent"
+    assert _loss("multikey", mk, "") == "absent"
+    assert _loss("multikey", mk, " 3. It is often said") == "absent"  # too short to be a 7-digit value
+    assert _loss("multikey", mk, " 2530531.", distractors=["7038352", "2530531", "1111111"]) == "distractor"
+    assert _loss("multikey", mk, " 2530531.") == "wrong value"  # an old row: distractors unknown
+    assert _loss("multikey", mk, " 2530531.", distractors=["7038352"]) == "wrong value"
+    assert _loss("niah_essay", mk, " 160074.") == "wrong value"  # a digit lost
+    assert _loss("multikey", mk, " 1,600,074.") == "format"
+    assert _loss("multikey", mk, " 1600 074. Nobody") == "format"
+    assert _loss("multikey", mk, " 1 600 074") == "format"
+    uid = ["0b6f5d8e-3c2a-4f1b-9a7e-5d4c3b2a1f0e"]
+    assert _loss("niah_uuid", uid, " 0B6F5D8E3C2A4F1B9A7E5D4C3B2A1F0E") == "format"
+    assert _loss("niah_uuid", uid, " 1b6f5d8e-3c2a-4f1b-9a7e-5d4c3b2a1f0e") == "wrong value"
+    assert _loss("niah_word", ["mango"], " The secret word assigned to icy-hammock is kiwi.") == "wrong value"
+    assert _loss("niah_word", ["mango"], " The secret word assigned to icy-hammock is unknown.") == "absent"
+    vt = ["XMUHK", "DUPDM", "TSKIP", "LTTRO"]
+    assert _loss("variable_tracking", vt, " TSKIP and LTTRO. The variables equal to 32446 are") == "partial"
+    assert _loss("variable_tracking", vt, " ABCDE and FGHIJ.") == "wrong value"
+    assert _loss("variable_tracking", vt, " The variables equal to 32446 are none.") == "absent"
+    mv = ["1600074", "2530531", "7038352", "4188571"]
+    assert _loss("multivalue", mv, " 1,600,074, 2530531, 7038352 and 4 188 571.") == "format"
+    assert _loss("multivalue", mv, " 1,600,074 and 9999999.") == "partial"
+    cw = ["kiwi", "mango", "basket", "ribbon", "yak"]
+    assert _loss("common_words", cw, " kiwi, mango, basket, ribbon, candle") == "partial"
+    assert _loss("common_words", cw, " candle, desert") == "wrong value"
+
+
+def test_compare_reports_mcnemar_and_losses(tmp_path):
+    """Dense answers all 12 multikey samples; the strategy misses 6 of them in four ways and gains none."""
+    dist = ["7038352", "2530531", "5083981"]
+    outs = {0: " 7038352.", 1: " 2530531.", 2: " nothing", 3: " 1,600,074.", 4: " 9999999.", 5: " 7038352."}
+    rows = {"dense": [], "star": []}
+    for seed in range(12):
+        for name in rows:
+            out = outs.get(seed, " 1600074.") if name == "star" else " 1600074."
+            extra = {} if seed == 5 else {"distractors": dist}  # seed 5: as an old run wrote it
+            rows[name].append({"task": "multikey", "length": 16384 if seed < 8 else 30720, "depth": 0.5, "seed": seed,
+                               "answers": ["1600074"], "output": out, "score": score(["1600074"], "all", out),
+                               "metrics": {}, **extra})
+    rows["star"].append({**rows["star"][-1], "seed": 12, "score": 1.0})  # only in one run: left out
+    dirs = []
+    for name, rs in rows.items():
+        report.write_run(tmp_path / name, rs, {"strategy": name, "format": "chat"}, per_task_heatmaps=False)
+        dirs.append(tmp_path / name)
+
+    cell = report.compare_summary(dirs)["runs"]["star"]["paired"]["multikey"]["16384"]
+    assert (cell["b"], cell["c"], cell["of"]) == (6, 0, 8)
+    assert cell["mcnemar_p"] == pytest.approx(2 / 64)
+    assert cell["losses"] == {"absent": 1, "distractor": 2, "wrong value": 2, "format": 1, "partial": 0}
+    table = report.compare_table(dirs)
+    assert "| multikey | 16384 | 8 | 100 | 25 | 25.0 (2/8) | 0.031 |" in table
+    assert "| **all tasks** | all | 12 | 100 | 50 | 50.0 (6/12) | 0.031 |" in table
+    assert "| strategy | length | losses | absent | distractor | wrong value | format | partial |" in table
+    assert "| star | 16384 | 6 | 1 | 2 | 2 | 1 | 0 |" in table and "| star | 30720 | 0 | 0 | 0 | 0 | 0 | 0 |" in table
+    assert "| star | all | 6 | 1 | 2 | 2 | 1 | 0 |" in table
+    assert "These runs record none" not in table

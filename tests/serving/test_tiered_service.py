@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import starshard.serving.executor as executor_module
 from starshard import LLM
 from starshard.commands.serve import parse_args
 from starshard.config import ParallelConfig
@@ -182,6 +183,34 @@ def test_disk_tier_survives_a_restart_and_a_damaged_file(tiny, tmp_path):
         assert tokens == want["d2q2"] and cached == 0
         assert svc.counters["reload_failures_total"] == 1 and svc.counters["prefill_chunks_total"] == 1
         assert svc.health() is None and svc.stats()["tiers"]["disk"]["rejected"] == 1
+    finally:
+        svc.shutdown()
+
+
+def test_an_entry_promoted_from_disk_goes_back_without_a_copy(tiny, tmp_path, monkeypatch):
+    """Demoting to disk an entry whose file is still there writes nothing and copies nothing to the host (without
+    a host tier that copy is pageable: ~10 s in the step loop for a 128K shard); the file keeps serving."""
+    (d1, d2), (q1, q2, q3) = _docs(seed=11)
+    budget, _ = _budget(tiny, len(d1) + len(q1))
+    want = _solo(tiny, d1 + q3)
+    tiers = TierConfig(disk_dir=tmp_path / "kv", disk_bytes=1 << 30, disk_reload="always")
+    svc = _service(tiny, tiers, budget)
+    try:
+        _ask(svc, d1 + q1, len(d1))
+        _ask(svc, d2 + q1, len(d2))  # d1 -> disk
+        settle_writes(svc)
+        assert _ask(svc, d1 + q2, len(d1))[1] == len(d1)  # promoted from its file (d2 -> disk)
+        settle_writes(svc)
+        written = svc.stats()["tiers"]["disk"]["write_bytes"]
+        copies = []
+        real = executor_module.to_host
+        monkeypatch.setattr(executor_module, "to_host", lambda *a, **k: copies.append(1) or real(*a, **k))
+        svc.demote(d1 + q2, "disk")
+        settle_writes(svc)
+        assert copies == [] and not svc.cache.entries
+        stats = svc.stats()["tiers"]["disk"]
+        assert stats["write_bytes"] == written and stats["write_failures"] == 0 and len(svc.tiers.disk.entries) == 2
+        assert _ask(svc, d1 + q3, len(d1)) == (want, len(d1))  # the file serves it again
     finally:
         svc.shutdown()
 

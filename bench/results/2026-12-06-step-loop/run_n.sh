@@ -14,7 +14,7 @@ timeout 170 $NEW -m starshard bench serve $L8B --scenario document --lengths $LE
 A="bench serve $L8B --scenario document --lengths 100003 --cache-gib 30 --decode-tokens 2 --concurrency 1,16"
 for tree in new base; do
   P=$PWD; [ $tree = base ] && P=$PWD/.base  # .base: `git archive 2f17e11 starshard launch`
-  go 500 && TRITON_CACHE_DIR=$(mktemp -d) timeout 80 env PYTHONPATH=/tmp/site:$P python3 -m starshard $A \
+  go 500 && TRITON_CACHE_DIR=$(mktemp -d) timeout 80 env PYTHONPATH=/tmp/site:$P python3 -P -m starshard $A \
     --out $OUT/warmup_$tree.json > $OUT/log_w$tree.txt 2>&1; t warmup_$tree
 done
 cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt
