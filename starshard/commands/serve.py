@@ -319,6 +319,11 @@ def main(argv=None) -> int:
         return 2
     if not lead:
         return serve_rank(service, args, launch.rank)
+    if args.tiers.disk_dir is not None and not args.tiers.host_bytes and llm.device.type == "cuda":
+        log.warning("a disk tier without a host tier: moving an entry from the device to disk copies its shard to "
+                    "ordinary memory inside a step (~1.7 GB/s: every stream waits ~10 s for a 16 GiB shard); "
+                    "--host-cache-gib of at least the largest shard (at most the device budget, %.1f GiB) makes it "
+                    "a page-locked copy", cache / GiB)
     return serve_lead(service, args, cache)
 
 
