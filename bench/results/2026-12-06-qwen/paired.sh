@@ -3,38 +3,42 @@
 # variable chain (variable_tracking) at 16,384 and 30,720 tokens, 5 depths x SEEDS seeds (default 30: 150 per
 # task and length), seed 0, so that runs of later sessions pair with these sample for sample.
 #   RUNS: which runs, in order (default "dense star4 apb4"; then "minference anchor fp8_lkv fp8_attn star4_a"
-#   and the sparse defaults "minference_d anchor_d"); each stops starting samples at its share of BUDGET;
+#   and the sparse defaults "minference_d anchor_d", the searched configs "minference_s anchor_s"); each stops starting samples at its share of BUDGET;
 #   PARALLEL=N runs N at once on the card (accuracy only).
 # Keeps each run's summary.json and per-sample results (compressed) under $OUT, then compares what is there with
 # dense (`launch/eval.py --compare`): paired share of dense's right answers, McNemar p, the losses classified.
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
-SEEDS=${SEEDS:-30}; BUDGET=${BUDGET:-540}; RUNS=${RUNS:-"dense star4 apb4"}
-E="--model qwen2.5-coder-1.5b-instruct --tasks niah_essay,multikey,variable_tracking --lengths 16384,30720 \
+SEEDS=${SEEDS:-30}; BUDGET=${BUDGET:-540}; RUNS=${RUNS:-"dense star4 apb4"}; LENGTHS=${LENGTHS:-16384,30720}
+# YaRN: LENGTHS=65536,131072 EXTRA="--rope-scaling yarn:4" TAG=yarn_ (run directories /tmp/ev/<TAG><run>)
+TAG=${TAG:-}; EXTRA=${EXTRA:-}
+E="--model qwen2.5-coder-1.5b-instruct --tasks niah_essay,multikey,variable_tracking --lengths $LENGTHS $EXTRA \
  --num-depths 5 --samples-per-cell $SEEDS --format completion --max-new-tokens 24 --no-progress --sample-workers 8"
 SP="--sparse-min-length 0 --sparse-no-fallback"
 declare -A FLAGS=(
   [dense]="" [star4]="--cp-strategy star --num-blocks 4" [apb4]="--cp-strategy apb --apb-hosts 4"
   [minference]="--sparse minference $SP" [anchor]="--sparse anchor $SP" [minference_d]="--sparse minference"
   [anchor_d]="--sparse anchor" [fp8_lkv]="--fp8 linear,kv" [fp8_attn]="--fp8 attention"
-  [star4_a]="--cp-strategy star --num-blocks 4 --anchor-size ${ANCHOR:-4096}")
+  [star4_a]="--cp-strategy star --num-blocks 4 --anchor-size ${ANCHOR:-4096}"
+  [minference_s]="--sparse minference --sparse-config /tmp/qcfg/minference.json $SP"
+  [anchor_s]="--sparse anchor --sparse-config /tmp/qcfg/anchor.json $SP")  # searched by sparse_speed.sh
 # PARALLEL runs share the card at once (each a 1.5B model, ~5 GB): the accuracy is the same, their prefill seconds
 # are not a speed measurement then (sparse speed is measured apart); each run stops at the budget's end.
 PARALLEL=${PARALLEL:-1}; [ $PARALLEL -gt 1 ] && E="${E/--sample-workers 8/--sample-workers 4}"
 n=$(echo $RUNS | wc -w); waves=$(( (n + PARALLEL - 1) / PARALLEL )); share=$(( (BUDGET - $(( $(date +%s) - S ))) / waves ))
 one() {
   lim=$(( share < 60 ? 60 : share ))
-  timeout -k 10 $lim python3 launch/eval.py $E --time-limit $((lim - 30)) --strategy-name $1 --out /tmp/ev/$1 \
+  timeout -k 10 $lim python3 launch/eval.py $E --time-limit $((lim - 30)) --strategy-name $1 --out /tmp/ev/$TAG$1 \
     ${FLAGS[$1]} > $OUT/log_$1.txt 2>&1; t $1
-  [ -f /tmp/ev/$1/summary.json ] && cp /tmp/ev/$1/summary.json $OUT/summary_$1.json && \
-    gzip -c /tmp/ev/$1/samples.jsonl > $OUT/samples_$1.jsonl.gz
+  [ -f /tmp/ev/$TAG$1/summary.json ] && cp /tmp/ev/$TAG$1/summary.json $OUT/summary_$TAG$1.json && \
+    gzip -c /tmp/ev/$TAG$1/samples.jsonl > $OUT/samples_$TAG$1.jsonl.gz
 }
 for r in $RUNS; do
   [ $(jobs -rp | wc -l) -ge $PARALLEL ] && wait -n
   one $r &
 done
 wait
-R=""; for r in $RUNS; do [ -f /tmp/ev/$r/summary.json ] && R="$R /tmp/ev/$r"; done
+R=""; for r in $RUNS; do [ -f /tmp/ev/$TAG$r/summary.json ] && R="$R /tmp/ev/$TAG$r"; done
 python3 launch/eval.py --compare $R --out $OUT > /dev/null 2> $OUT/log_compare.txt; t compare
 cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt
 cat $OUT/compare.md 2>/dev/null; grep -h "Traceback\|Error" $OUT/all.log | head -10
