@@ -13,6 +13,7 @@ APB entries are never tiered: their KV depends on the question, so they are neve
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ SHUTDOWN_WRITE_S = 120.0  # --shutdown-write-s's default
 # may write there, at most DISK_DEFAULT_CAP per rank (a 128K-token Llama-3.1-8B entry takes 17 GB at cp=1)
 DISK_FREE_SHARE = 0.5
 DISK_DEFAULT_CAP = 100 * GiB
+# A host tier serve sizes itself (a disk tier on a GPU, no --host-cache-gib) takes at most this share of the
+# node's available memory, split over its ranks.
+HOST_DEFAULT_RAM_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,27 @@ def default_disk_budget(path, ranks: int) -> tuple[int, int]:
         raise ValueError(f"--disk-cache-dir {path}: its filesystem has {free / 2**20:.0f} MiB free, too little for a "
                          "disk tier; free some space, or give --disk-cache-gib")
     return budget, free
+
+
+def default_host_bytes(cache_bytes: int, available: int, node_ranks: int) -> int:
+    """The host tier per rank for a disk tier on a GPU given no --host-cache-gib: one device budget, so that a shard
+    leaving the device for disk is staged in page-locked memory (0.33 s for a 17 GB shard on an H100 host) instead
+    of copied inside a step through ordinary memory (~10 s, every stream waiting); at most HOST_DEFAULT_RAM_SHARE
+    of the node's `available` memory over its `node_ranks`. Whole MiB; 0 when that leaves less than one."""
+    share = int(available * HOST_DEFAULT_RAM_SHARE) // max(node_ranks, 1)
+    return max(0, min(cache_bytes, share)) // 2**20 * 2**20
+
+
+def memory_available() -> int:
+    """The node's available memory: Linux's MemAvailable (what can be had without swapping), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def server_key(llm, dtype, chunk: int, knee: int | None = None) -> CacheKey:

@@ -14,14 +14,14 @@ import torch
 
 import starshard.serving.executor as executor_module
 from starshard import LLM
-from starshard.commands.serve import parse_args
+from starshard.commands.serve import node_ranks, parse_args
 from starshard.config import ParallelConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.disk_tier import DiskTierLocked, file_name
 from starshard.serving.kv_file import read_header
 from starshard.serving.reload_policy import Rate
 from starshard.serving.scheduler import Scheduler
-from starshard.serving.tiers import TierConfig
+from starshard.serving.tiers import TierConfig, default_host_bytes, memory_available
 from starshard.server.metrics import ServerMetrics
 from tests.helpers.mp_harness import run_ranks
 from tests.helpers.service import settle_writes, submit
@@ -129,6 +129,26 @@ def test_serve_flags(tmp_path):
                 ["--host-cache-gib", "-1"], ["--disk-reload-policy", "never"], ["--disk-readers", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["--random-weights", "tiny", *bad])
+
+
+def test_host_tier_default_for_a_disk_tier_on_a_gpu(monkeypatch):
+    """No --host-cache-gib: serve sizes a host tier for a disk tier on a GPU (commands/serve.py main) to one device
+    budget, within half the node's available memory over its ranks, so shards reach disk through pinned memory."""
+    assert parse_args(["--random-weights", "tiny"]).host_cache_gib is None  # "size it", unlike an explicit 0
+    assert parse_args(["--random-weights", "tiny", "--host-cache-gib", "0"]).host_cache_gib == 0
+    gib = 2**30
+    assert default_host_bytes(24 * gib, 128 * gib, 1) == 24 * gib  # one device budget
+    assert default_host_bytes(24 * gib, 40 * gib, 1) == 20 * gib  # half of what is available
+    assert default_host_bytes(70 * gib, 560 * gib, 8) == 35 * gib  # split over the node's 8 ranks
+    assert default_host_bytes(24 * gib, 5 * 2**20 + 1, 2) == 2**20  # whole MiB (1.25 MiB)
+    assert default_host_bytes(24 * gib, 2**20, 4) == 0  # too little to keep a tier
+    assert memory_available() > 0
+    for env, want in (({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_NTASKS_PER_NODE": "8(x4)"}, 8)):
+        for k in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert node_ranks() == want
 
 
 def _damage(directory, svc_key, ids, rank=0):
