@@ -178,11 +178,14 @@ class _Bucket:
 @dataclass
 class _Issued:
     """A decode step issued to the device and not read yet: its rows in batch order and their sampled
-    tokens [B], on the device (every rank of the CP group holds them)."""
+    tokens [B], on the device (every rank of the CP group holds them). On CUDA `host` is their page-locked copy,
+    in flight until `ready`: reading waits for this step alone, not the one queued after it."""
 
     rows: list[Row]
     tokens: torch.Tensor
     step: int
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 class Executor:
@@ -446,7 +449,11 @@ class Executor:
     def _read(self, issued: _Issued) -> dict[int, int]:
         """An issued decode's tokens on the host (waits for that step alone: later ones stay queued); each
         row's host copy of its last token follows."""
-        vals = issued.tokens.tolist()
+        if issued.ready is not None:
+            issued.ready.synchronize()  # not a copy on the stream: it would wait for the step queued after this one
+            vals = issued.host.tolist()
+        else:
+            vals = issued.tokens.tolist()
         if self.trace is not None:
             self.trace.append(("read", issued.step))
         out = {}
@@ -1004,8 +1011,12 @@ class Executor:
                                                    self.pool_bytes(self.pool_rows()))], e, "decode step")
 
     def _decode(self) -> None:
-        """Issue a decode step of the batch; its tokens are read at the end of the next step (Executor.run)."""
+        """Issue a decode step of the batch; its tokens are read at the end of the next step (Executor.run).
+        None when every row's last token is issued already (max_tokens): nothing is left to compute, and the step
+        reads them at once instead of one decode later."""
         rows = self.rows
+        if all(r.remaining <= 0 for r in rows):
+            return
         toks = self._decode_inputs(rows)
         pos = to_device([[r.next_pos] for r in rows], self.device)
         if self._graph is None and self.cuda_graphs and len(rows) <= DECODE_MAX_ROWS:
@@ -1027,7 +1038,13 @@ class Executor:
         self._decodes += 1
         if self.trace is not None:
             self.trace.append(("issue", self._decodes))
-        self._issued = _Issued(list(rows), tokens, self._decodes)
+        host = ready = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self._issued = _Issued(list(rows), tokens, self._decodes, host, ready)
 
     def _table_graph(self, rows: list[Row]) -> CascadeGraph | None:
         """The kept graph of this batch's shape bound to its entry, prefixes and own KV, or None where it does not
