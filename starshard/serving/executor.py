@@ -1043,7 +1043,7 @@ class Executor:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(tokens.device))
         self._issued = _Issued(list(rows), tokens, self._decodes, host, ready)
 
     def _table_graph(self, rows: list[Row]) -> CascadeGraph | None:
