@@ -1012,8 +1012,8 @@ class Executor:
 
     def _decode(self) -> None:
         """Issue a decode step of the batch; its tokens are read at the end of the next step (Executor.run).
-        None when every row's last token is issued already (max_tokens): nothing is left to compute, and the step
-        reads them at once instead of one decode later."""
+        Nothing is issued once every row's last token is (max_tokens): the step then reads them at once instead
+        of after one more decode."""
         rows = self.rows
         if all(r.remaining <= 0 for r in rows):
             return
