@@ -392,6 +392,7 @@ class Executor:
         tokens: dict[int, int] = {}
         failures: dict[int, Failure] = {}
         earlier = self._issued  # a decode issued by an earlier step: read below, after this step's work is queued
+        decodes = self._decodes
         if self.clock is not None and ops:
             self.clock.begin(step_kind(ops))
         with torch.inference_mode():
@@ -435,7 +436,10 @@ class Executor:
                     case _:
                         raise TypeError(f"unknown service operation {op!r}: expected one of serving/ops.py's")
         if self.clock is not None and ops:
-            self.clock.end()
+            if self._decodes == decodes and all(isinstance(op, Decode) for op in ops):
+                self.clock.cancel()  # nothing was left to issue (max_tokens): not a step of the device's
+            else:
+                self.clock.end()
         if earlier is not None:
             if self._issued is earlier:
                 self._issued = None

@@ -67,6 +67,10 @@ class StepClock:
             self._marks.append((*self._open, mark(self.cuda)))
             self._open = None
 
+    def cancel(self) -> None:
+        """Forget the open step: it queued no work (a decode with nothing left to issue)."""
+        self._open = None
+
     def drain(self) -> list[StepTime]:
         """Every step marked since the last drain (waits for the last one to end on the device)."""
         marks = list(self._marks)

@@ -14,6 +14,7 @@ from starshard import LLM
 from starshard.config import ParallelConfig, SamplingConfig
 from starshard.runtime.prompt import Prompt
 from starshard.serving.scheduler import Scheduler
+from starshard.serving.step_clock import StepClock
 from tests.helpers.mp_harness import run_ranks
 from tests.helpers.service import submit
 
@@ -49,6 +50,7 @@ def test_issue_before_read_and_same_tokens_as_serialized():
     serialized = _streams(llm, lookahead=False)
     svc = _service(llm, True)
     svc.executor.trace = trace = []
+    svc.executor.clock = clock = StepClock("cpu")
     svc.start()
     try:
         events, done = submit(svc, Prompt(_ids(9, 33), 29), 10)
@@ -59,6 +61,7 @@ def test_issue_before_read_and_same_tokens_as_serialized():
     read = {k: i for i, (what, k) in enumerate(trace) if what == "read"}
     assert all(issued[k + 1] < read[k] for k in read if k + 1 in issued)
     assert len(issued) == 9  # the prefill's token, then 9 decodes: none past max_tokens
+    assert sum("D" in st.kind for st in clock.drain()) == 9  # and no empty decode step on the clock
     assert [e.token_id for e in events if e.token_id is not None] == llm.generate(Prompt(_ids(9, 33), 29),
                                                                                     max_new_tokens=10).token_ids
     assert _streams(llm, lookahead=True) == serialized

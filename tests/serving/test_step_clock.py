@@ -23,6 +23,9 @@ def test_busy_and_idle_between_steps():
     clock.begin("D")
     clock.end()
     assert clock.drain()[0].idle_before_s is not None  # measured from the last drained step's end
+    clock.begin("D")
+    clock.cancel()  # a step that queued no work
+    assert clock.drain() == []
 
 
 def test_step_kind():
