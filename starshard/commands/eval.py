@@ -98,6 +98,10 @@ def parse_args(argv=None):
                         "count) and write what ran (summary.json says "
                         "\"stopped_early\"); samples run seed by seed over every cell, so a cut run keeps a "
                         "balanced share of each task, length and depth (one process only: not under torchrun)")
+    o.add_argument("--resume", action="store_true",
+                   help="keep the samples --out already holds (a run of the same strategy and prompts, e.g. cut by "
+                        "--time-limit in an earlier session) and run only the others: the directory then holds "
+                        "both, as one run")
     add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -221,6 +225,18 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
     return rows
 
 
+def resumed_rows(args, name: str, reserve: int) -> list[dict]:
+    """The rows --out holds already (--resume), refused unless they are this run's strategy and prompts."""
+    if not (args.out / "samples.jsonl").is_file():
+        return []
+    run = report.load_run(args.out)
+    now = {"strategy": name, "tasks_version": TASKS_VERSION, "format": args.format, "reserve_tokens": reserve}
+    differ = [f"{k} {run.meta.get(k)!r} there, {v!r} here" for k, v in now.items() if run.meta.get(k) != v]
+    if differ:
+        raise SystemExit(f"error: --resume: {args.out} holds another run ({'; '.join(differ)}): give another --out")
+    return run.rows
+
+
 def main(argv=None, llm_cls=None) -> int:
     started = time.time()
     args = parse_args(argv)
@@ -246,17 +262,18 @@ def main(argv=None, llm_cls=None) -> int:
         raise SystemExit(f"error: --lengths {max(args.lengths)} exceeds the model window of {window} tokens")
     chat = args.format == "chat"
     reserve = template_overhead(tok, chat) + args.max_new_tokens
+    name = args.strategy_name or default_strategy(args)
+    kept = resumed_rows(args, name, reserve) if args.resume else []
     t0 = time.time()
     samples = make_samples(args.tasks, tok, args.lengths, args.depths, args.samples_per_cell, args.seed, reserve,
-                           workers=args.sample_workers)
+                           workers=args.sample_workers, skip={report.row_key(r) for r in kept})
     sample_seconds = time.time() - t0
     # Seed by seed over every (task, length, depth) cell: a run cut by --time-limit stays balanced.
     samples.sort(key=lambda s: s.seed)
     if args.time_limit is not None and getattr(topo, "world_size", 1) > 1:
         raise SystemExit("error: --time-limit stops one process on its own clock; the ranks of a torchrun group "
                          "would stop at different samples: drop it (or run one process, e.g. --cp 1 --num-blocks N)")
-    name = args.strategy_name or default_strategy(args)
-    rows = evaluate(llm, samples, chat=chat, max_new_tokens=args.max_new_tokens,
+    rows = kept + evaluate(llm, samples, chat=chat, max_new_tokens=args.max_new_tokens,
                     progress=lead and not args.no_progress, label=f"eval {name}",
                     deadline=None if args.time_limit is None else started + args.time_limit)
     if not lead:
@@ -267,7 +284,9 @@ def main(argv=None, llm_cls=None) -> int:
             "samples_per_cell": args.samples_per_cell, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
             "reserve_tokens": reserve, "seconds": round(time.time() - t0, 1),
             "prompt_seconds": round(sample_seconds, 1),  # of "seconds": making the prompts, before the model ran
-            "stopped_early": None if len(rows) == len(samples) else f"--time-limit: {len(rows)} of {len(samples)} samples ran",
+            "stopped_early": None if len(rows) == len(kept) + len(samples)
+            else f"--time-limit: {len(rows)} of {len(kept) + len(samples)} samples ran",
+            "resumed": len(kept),  # samples kept from the directory's earlier run (--resume)
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     summary = report.write_run(args.out, rows, meta)
     if not (args.out / "heatmap.png").is_file() and summary["by_length_depth"]:

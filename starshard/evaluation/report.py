@@ -82,7 +82,8 @@ class Run:
     meta: dict
 
 
-def _key(r: dict) -> tuple:
+def row_key(r: dict) -> tuple:
+    """A sample's identity across runs: (task, length, depth, seed)."""
     return r["task"], int(r["length"]), r.get("depth"), int(r["seed"])
 
 
@@ -126,11 +127,11 @@ def pair_runs(run_dirs: list[Path], base: str = "dense") -> Paired:
         for r in runs:
             r.name = f"{r.name} ({r.path.name})"
     ref = next((r for r in runs if r.name == base or r.name.startswith(base + " (")), runs[0])
-    common = set.intersection(*({_key(row) for row in r.rows} for r in runs))
+    common = set.intersection(*({row_key(row) for row in r.rows} for r in runs))
     if not common:
         raise ValueError("the runs share no samples (task, length, depth, seed): were they made with the same "
                          "--tasks/--lengths/--depths/--seed?")
-    kept = {r.name: [row for row in r.rows if _key(row) in common] for r in runs}
+    kept = {r.name: [row for row in r.rows if row_key(row) in common] for r in runs}
     return Paired(runs, ref, common, kept)
 
 
@@ -202,9 +203,9 @@ def kept_stats(ref_rows: list[dict], rows: list[dict]) -> dict:
     here too (`kept` = right / of, None when of = 0); `gained`: right here where the reference missed.
     `b` / `c` the discordant samples (reference right and this wrong / the reverse), `mcnemar_p` whether
     they differ by more than chance, `losses` the b samples by loss_class."""
-    mine = {_key(r): r for r in rows}
-    ref_right = [_key(r) for r in ref_rows if _right(r)]
-    ref_wrong = [_key(r) for r in ref_rows if not _right(r)]
+    mine = {row_key(r): r for r in rows}
+    ref_right = [row_key(r) for r in ref_rows if _right(r)]
+    ref_wrong = [row_key(r) for r in ref_rows if not _right(r)]
     right = sum(_right(mine[k]) for k in ref_right)
     gained = sum(_right(mine[k]) for k in ref_wrong)
     losses = dict.fromkeys(LOSS_CLASSES, 0)

@@ -348,11 +348,11 @@ def make_sample(task: str, tok: Tokenizer, length: int, depth: float | None, see
 
 
 def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: int, reserve: int = 0,
-                 workers: int = 1) -> list[Sample]:
+                 workers: int = 1, skip=frozenset()) -> list[Sample]:
     """Every (task, length, depth) cell `per_cell` times. Tasks without a needle get the same number of
     samples per length (depth None), so each task weighs the same in the summaries. `workers` threads
     make them (the tokenizer's encode releases the GIL); each sample is its own seed's, so the list is
-    the same for any count."""
+    the same for any count. `skip`: (task, length, depth, seed) keys not to make (a resumed run's)."""
     cells = []
     for t in tasks:
         if t not in TASKS:
@@ -362,6 +362,7 @@ def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: in
                 cells += [(t, L, d, seed * 1000 + i) for d in depths for i in range(per_cell)]
             else:
                 cells += [(t, L, None, seed * 1000 + i) for i in range(per_cell * len(depths))]
+    cells = [c for c in cells if c not in skip]
     make = lambda c: make_sample(c[0], tok, c[1], c[2], c[3], reserve)  # noqa: E731
     if workers <= 1 or len(cells) <= 1:
         return [make(c) for c in cells]

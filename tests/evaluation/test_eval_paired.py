@@ -206,6 +206,18 @@ def test_time_limit_writes_what_ran_seed_by_seed(tmp_path):
         {"niah_essay", "multikey"}
     with pytest.raises(SystemExit):
         cli.parse_args(common + ["--out", "x", "--time-limit", "-1"])
+    made = []
+    real_make = cli.make_samples
+    cli.make_samples = lambda *a, **k: made.append(len(k["skip"])) or real_make(*a, **k)
+    assert cli.main(common + ["--out", str(tmp_path / "cut"), "--resume"], llm_cls=SlowReader) == 0  # the rest
+    assert made == [2]  # the two samples the cut run holds are not made again
+    again = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert again["resumed"] == 2 and again["stopped_early"] is None and again["summary"]["samples"] == 6
+    resumed = [json.loads(x) for x in (tmp_path / "cut" / "samples.jsonl").read_text().splitlines()]
+    assert sorted(map(report.row_key, resumed)) == sorted(map(report.row_key, rows))  # each sample once
+    assert {report.row_key(r): r["output"] for r in resumed} == {report.row_key(r): r["output"] for r in rows}
+    with pytest.raises(SystemExit, match="holds another run .*format 'completion' there, 'chat' here"):
+        cli.main([*common[:-2], "--format", "chat", "--out", str(tmp_path / "cut"), "--resume"], llm_cls=SlowReader)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 #   PARALLEL=N runs N at once on the card (accuracy only).
 # Keeps each run's summary.json and per-sample results (compressed) under $OUT, then compares what is there with
 # dense (`launch/eval.py --compare`): paired share of dense's right answers, McNemar p, the losses classified.
+# Across sessions: unpack $OUT's files into .qwen/ev/<TAG><run>/{samples.jsonl,summary.json} here (not tracked) and
+# carry .qwen/ev: each run resumes there (`--resume`), so the samples add up to SEEDS per cell.
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 SEEDS=${SEEDS:-30}; BUDGET=${BUDGET:-540}; RUNS=${RUNS:-"dense star4 apb4"}; LENGTHS=${LENGTHS:-16384,30720}
@@ -26,10 +28,11 @@ declare -A FLAGS=(
 # are not a speed measurement then (sparse speed is measured apart); each run stops at the budget's end.
 PARALLEL=${PARALLEL:-1}; [ $PARALLEL -gt 1 ] && E="${E/--sample-workers 8/--sample-workers 4}"
 n=$(echo $RUNS | wc -w); waves=$(( (n + PARALLEL - 1) / PARALLEL )); share=$(( (BUDGET - $(( $(date +%s) - S ))) / waves ))
-one() {
-  lim=$(( share < 60 ? 60 : share ))
-  timeout -k 10 $lim python3 launch/eval.py $E --time-limit $((lim - 30)) --strategy-name $1 --out /tmp/ev/$TAG$1 \
-    ${FLAGS[$1]} > $OUT/log_$1.txt 2>&1; t $1
+one() {  # resumes what an earlier session ran (.qwen/ev/<TAG><run>, carried): only the samples not there run
+  lim=$(( share < 60 ? 60 : share )); mkdir -p /tmp/ev/$TAG$1
+  [ -f .qwen/ev/$TAG$1/samples.jsonl ] && [ ! -f /tmp/ev/$TAG$1/samples.jsonl ] && cp .qwen/ev/$TAG$1/* /tmp/ev/$TAG$1/
+  timeout -k 10 $lim python3 launch/eval.py $E --resume --time-limit $((lim - 30)) --strategy-name $1 \
+    --out /tmp/ev/$TAG$1 ${FLAGS[$1]} > $OUT/log_$1.txt 2>&1; t $1
   [ -f /tmp/ev/$TAG$1/summary.json ] && cp /tmp/ev/$TAG$1/summary.json $OUT/summary_$TAG$1.json && \
     gzip -c /tmp/ev/$TAG$1/samples.jsonl > $OUT/samples_$TAG$1.jsonl.gz
 }
