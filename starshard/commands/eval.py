@@ -225,8 +225,9 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
     return rows
 
 
-def resumed_rows(args, name: str, reserve: int) -> list[dict]:
-    """The rows --out holds already (--resume), refused unless they are this run's strategy and prompts."""
+def resumed_rows(args, model: str, name: str, reserve: int) -> list[dict]:
+    """The rows --out holds already (--resume), refused unless they are this run's strategy and prompts. Another
+    model path is only warned about: a converted GGUF's cache path changes with the file's mtime."""
     if not (args.out / "samples.jsonl").is_file():
         return []
     run = report.load_run(args.out)
@@ -234,6 +235,9 @@ def resumed_rows(args, name: str, reserve: int) -> list[dict]:
     differ = [f"{k} {run.meta.get(k)!r} there, {v!r} here" for k, v in now.items() if run.meta.get(k) != v]
     if differ:
         raise SystemExit(f"error: --resume: {args.out} holds another run ({'; '.join(differ)}): give another --out")
+    if run.meta.get("model") != model:
+        print(f"warning: --resume: {args.out}'s samples came from {run.meta.get('model')}, these from {model}; "
+              "they are kept as one run", file=sys.stderr)
     return run.rows
 
 
@@ -263,7 +267,8 @@ def main(argv=None, llm_cls=None) -> int:
     chat = args.format == "chat"
     reserve = template_overhead(tok, chat) + args.max_new_tokens
     name = args.strategy_name or default_strategy(args)
-    kept = resumed_rows(args, name, reserve) if args.resume else []
+    model = str(getattr(llm, "path", args.model))
+    kept = resumed_rows(args, model, name, reserve) if args.resume else []
     t0 = time.time()
     samples = make_samples(args.tasks, tok, args.lengths, args.depths, args.samples_per_cell, args.seed, reserve,
                            workers=args.sample_workers, skip={report.row_key(r) for r in kept})
@@ -274,11 +279,11 @@ def main(argv=None, llm_cls=None) -> int:
         raise SystemExit("error: --time-limit stops one process on its own clock; the ranks of a torchrun group "
                          "would stop at different samples: drop it (or run one process, e.g. --cp 1 --num-blocks N)")
     rows = kept + evaluate(llm, samples, chat=chat, max_new_tokens=args.max_new_tokens,
-                    progress=lead and not args.no_progress, label=f"eval {name}",
-                    deadline=None if args.time_limit is None else started + args.time_limit)
+                           progress=lead and not args.no_progress, label=f"eval {name}",
+                           deadline=None if args.time_limit is None else started + args.time_limit)
     if not lead:
         return 0
-    meta = {"strategy": name, "model": str(getattr(llm, "path", args.model)), "tasks_version": TASKS_VERSION,
+    meta = {"strategy": name, "model": model, "tasks_version": TASKS_VERSION,
             "format": args.format,
             "engine": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in engine_flags(args).items()}, "tasks": args.tasks, "lengths": args.lengths, "depths": args.depths,
             "samples_per_cell": args.samples_per_cell, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
