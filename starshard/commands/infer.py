@@ -30,7 +30,7 @@ from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8
                            fp8_config, layout_error, log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
-from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
+from starshard.parallel.topology import LayoutError, collective_failure, ranks_per_node, read_launch_env
 from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, max_prompt_json, max_prompt_line, max_prompt_tokens,
                                plan_json, plan_memory, refusal, smallest_layout, usable_bytes)
 from starshard.presets import past_real_context
@@ -216,16 +216,6 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
     return None
 
 
-def gpus_per_node() -> int:
-    """Processes per node as the launcher says (torchrun LOCAL_WORLD_SIZE, srun SLURM_NTASKS_PER_NODE
-    such as "8" or "8(x4)"), else 8: the largest tp the smallest-layout search keeps inside a node."""
-    import re
-
-    raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "8"
-    m = re.match(r"\d+", raw)
-    return int(m.group()) if m else 8
-
-
 def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     """The planner's (Layout, Workload) for these flags (ValueError on an impossible layout)."""
     lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
@@ -247,7 +237,7 @@ def make_plan(args, cfg, n_prompt: int, n_context: int, dtype_bytes: int, limit:
         raise Abort(str(e)) from None
     best = None
     if not plan.fits(limit):
-        per_node = gpus_per_node()  # tp stays inside a node
+        per_node = ranks_per_node(8)  # tp stays inside a node (8 without a launcher: the largest tp the search keeps)
         best = smallest_layout(cfg, work, lay.strategy, limit, max_tp=max(per_node, args.tp))
     return plan, best
 

@@ -28,7 +28,7 @@ from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_argument
                            add_sparse_arguments, fp8_config, layout_error, log_handler, parallel_config, sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
-from starshard.parallel.topology import LayoutError, collective_failure, read_launch_env
+from starshard.parallel.topology import LayoutError, collective_failure, ranks_per_node, read_launch_env
 from starshard.planner import DTYPE_BYTES, GRAPH_POOL_BYTES, GiB, Layout, Workload, cache_budget
 from starshard.runconfig import parse_with_config
 from starshard.serving.disk_read import DEFAULT_READERS
@@ -269,14 +269,6 @@ def group_min(value: int, device) -> int:
     return int(t.item())
 
 
-def node_ranks() -> int:
-    """This node's processes as the launcher says (torchrun LOCAL_WORLD_SIZE, srun SLURM_NTASKS_PER_NODE such as
-    "8" or "8(x4)"), else 1: one process."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "1"
-    digits = raw[:len(raw) - len(raw.lstrip("0123456789"))]
-    return int(digits) if digits else 1
-
-
 def stop_before_serving(lead: bool) -> None:
     """Until the server takes requests, SIGINT / SIGTERM end the process at once, quietly and with 0 (the
     cache holds nothing yet); serve_lead's server and serve_rank replace these handlers."""
@@ -319,7 +311,7 @@ def main(argv=None) -> int:
             log.info("disk tier: %s, budget %.2f GiB per rank (of %.1f GiB free; --disk-cache-gib sets it)",
                      args.tiers.disk_dir, args.tiers.disk_bytes / GiB, args.disk_free / GiB)
         if args.host_cache_gib is None and args.disk_cache_dir is not None and llm.device.type == "cuda":
-            host = group_min(default_host_bytes(cache, memory_available(), node_ranks()), llm.device)
+            host = group_min(default_host_bytes(cache, memory_available(), ranks_per_node(1)), llm.device)
             args.tiers = replace(args.tiers, host_bytes=host)
             log.info("host tier: %.2f GiB per rank, page-locked at start (one device budget, at most half the memory "
                      "available over the node's ranks; --host-cache-gib sets it, 0 turns it off)", host / GiB)

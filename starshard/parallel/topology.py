@@ -66,6 +66,13 @@ def read_launch_env(env=None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, "127.0.0.1", "29500", "single")
 
 
+def ranks_per_node(default: int) -> int:
+    """Processes per node as the launcher says (torchrun LOCAL_WORLD_SIZE, srun SLURM_NTASKS_PER_NODE such as "8"
+    or "8(x4)"), else `default`."""
+    m = re.match(r"\d+", os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "")
+    return int(m.group()) if m else default
+
+
 _BROKEN = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "nccl", "gloo",
            "peer", "socket", "communicator", "watchdog")
 

@@ -1070,13 +1070,11 @@ class Executor:
     def _kept_graph(self, batch: int, bucket: int) -> CascadeGraph | None:
         """The table graph of `batch` rows and own-KV capacity `bucket` (made on first use; captured at its
         first step), or None where the bucket's store is over TABLE_STORE_BYTES."""
-        store_bytes = DECODE_MAX_ROWS * bucket * self.own_token_bytes()
-        if store_bytes > TABLE_STORE_BYTES:
+        if self._store_bytes(bucket) > TABLE_STORE_BYTES:
             return None
         b = self._tables.pop(bucket, None)
         if b is None:
-            while self._tables and store_bytes + sum(DECODE_MAX_ROWS * c * self.own_token_bytes()
-                                                     for c in self._tables) > TABLE_STORE_BYTES:
+            while self._tables and sum(map(self._store_bytes, [bucket, *self._tables])) > TABLE_STORE_BYTES:
                 self._tables.pop(next(iter(self._tables)))
             store = None
             if self.is_query_rank:
@@ -1089,6 +1087,10 @@ class Executor:
                                    self.device, self.group)
             b.graphs[batch] = CascadeGraph(self.model, cascade, batch, self.device, warm=self._captured)
         return b.graphs[batch]
+
+    def _store_bytes(self, capacity: int) -> int:
+        """A capacity bucket's own-KV store: DECODE_MAX_ROWS rows of `capacity` tokens."""
+        return DECODE_MAX_ROWS * capacity * self.own_token_bytes()
 
     def kept_graphs(self) -> int:
         """Decode graphs kept across batches (0: off, or none made yet); read from other threads (a snapshot)."""

@@ -18,9 +18,9 @@ layer of each distinct kind (`cut_layers`): a synthetic workload through the exe
 
 Then everything is freed and the model, cache and executor are as they were, but for the decode graphs that
 serve any entry (Executor.prepare_tables: one per batch size at the smallest own-KV capacity, captured on the
-whole model, ~30 ms each, kept once one of them matches the per-batch path). Every rank of the group runs the identical sequence (the operations'
-collectives inside); the ranks first compare what they will run, and refuse to start when they disagree. A
-warm-up that fails is logged; the server then serves cold.
+whole model, ~30 ms each, kept once one of them matches the per-batch path). Every rank of the group runs the
+identical sequence (the operations' collectives inside); the ranks first compare what they will run, and
+refuse to start when they disagree. A warm-up that fails is logged; the server then serves cold.
 
 cuDNN keeps its SDPA plans per thread: the warm-up runs on the thread that runs the service's steps
 (Scheduler._loop on rank 0, serve_forever elsewhere).

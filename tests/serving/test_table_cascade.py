@@ -13,6 +13,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from starshard import LLM  # noqa: E402
+from starshard.kernels.common import DECODE_MAX_ROWS  # noqa: E402
 from starshard.serving.cascade import (CascadeAttention, CascadeGraph, OwnKV, SharedGroup, TableCascade,  # noqa: E402
                                        run_cascade)
 
@@ -175,3 +176,29 @@ def test_the_warm_up_checks_a_kept_graph_against_the_per_batch_path(monkeypatch,
     ex._tables.clear()
     assert ex.prepare_tables(2) == 0 and not ex.table_graphs and ex._tables == {} and ex.kept_graphs() == 0
     assert "logits differ from the per-batch path's" in caplog.text
+
+
+def test_kept_stores_stay_within_their_budget_least_recently_used_first(monkeypatch):
+    """Executor._kept_graph: each capacity bucket keeps one own-KV store; a new bucket drops the least recently used
+    ones until the stores fit TABLE_STORE_BYTES, and a bucket whose store alone is larger keeps nothing."""
+    from starshard.serving import executor as executor_mod
+    from starshard.serving.scheduler import Scheduler
+
+    class Eager(CascadeGraph):
+        def __init__(self, model, cascade, batch, device, capture=True, warm=False):
+            super().__init__(model, cascade, batch, device, capture=False, warm=warm)
+
+    monkeypatch.setattr(executor_mod, "CascadeGraph", Eager)
+    llm = LLM(random_weights="tiny", progress=False, device="cpu", dtype=torch.float32)
+    ex = Scheduler(llm, cache_bytes=1 << 26, max_batch=4).executor
+    per_token = DECODE_MAX_ROWS * ex.own_token_bytes()
+    monkeypatch.setattr(executor_mod, "TABLE_STORE_BYTES", 48 * per_token)  # room for 16 + 32 tokens, not 64
+    for bucket in (16, 32, 16):
+        assert ex._kept_graph(1, bucket) is not None
+    assert list(ex._tables) == [32, 16]  # 16 used last
+    assert ex._kept_graph(2, 32) is not None and list(ex._tables) == [16, 32]
+    assert ex._kept_graph(1, 64) is None and list(ex._tables) == [16, 32]  # 64 alone is over: nothing kept
+    monkeypatch.setattr(executor_mod, "TABLE_STORE_BYTES", 64 * per_token)
+    assert ex._kept_graph(1, 32) is not None and ex._kept_graph(1, 64) is not None
+    assert list(ex._tables) == [64]  # 32 + 64 and 16 + 64 are over: both dropped, least recently used first
+    assert ex._tables[64].store.capacity == 64 and list(ex._tables[64].graphs) == [1]

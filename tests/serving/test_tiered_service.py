@@ -14,8 +14,9 @@ import torch
 
 import starshard.serving.executor as executor_module
 from starshard import LLM
-from starshard.commands.serve import node_ranks, parse_args
+from starshard.commands.serve import parse_args
 from starshard.config import ParallelConfig
+from starshard.parallel.topology import ranks_per_node
 from starshard.runtime.prompt import Prompt
 from starshard.serving.disk_tier import DiskTierLocked, file_name
 from starshard.serving.kv_file import read_header
@@ -148,7 +149,7 @@ def test_host_tier_default_for_a_disk_tier_on_a_gpu(monkeypatch):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        assert node_ranks() == want
+        assert ranks_per_node(1) == want
 
 
 def _damage(directory, svc_key, ids, rank=0):
