@@ -210,6 +210,10 @@ class LLM:
             model.int8_scores = True  # every layer's own attention: dense_attend_int8_scores
         self.runner = choose_runner(model, topo, p, tp_pp=tp_pp, cuda_graphs=cuda_graphs, kv_fp8=fp8.kv,
                                     int8_scores=fp8.attention and not one_rank)
+        if p.compressor == "retaining-heads" and any(b.attention.k_offset is not None for b in model.layers):
+            # trained on keys as computed; with --fp8 kv this model's keys lose their bias (engine/model.py key_offset)
+            raise LayoutError("APB's compressor 'retaining-heads' reads the keys, which --fp8 kv shifts on this model "
+                              "(its k bias comes off before e4m3): use the compressor 'query', or drop kv from --fp8")
         self.config: ModelConfig = model.config
         self.unwindowed: str | None = None  # what runs this model without its windows (check_window)
         if unwindowed is not None:

@@ -21,6 +21,7 @@ class LocalRunner:
         self.model = model
         self.cuda_graphs = cuda_graphs  # replay single-token decode steps from a CUDA graph (cuda_graph.py)
         self.kv_fp8 = kv_fp8  # new caches store e4m3 keys / values with per-(head, token) scales (--fp8 kv)
+        model.smooth_keys(kv_fp8)  # e4m3 keys lose a k bias's constant part first (engine/model.py key_offset)
         self._graph = None
 
     def cache_rows(self, tokens: int, prompt_len: int | None = None, context_len: int | None = None,

@@ -34,7 +34,9 @@ from starshard.strategies import SPECS
 # 2: each layer's rows, the window-trimmed layers' windows and the entry's serves_from in the header.
 # 3: the writer's layout (tp / cp rank, the KV heads and positions it holds) and one digest per block of
 #    tokens of each section instead of one per section (a tail read backward is checked block by block).
-FORMAT_VERSION = 3
+# 4: with --fp8 kv, keys are stored minus their constant part (engine/model.py key_offset): a version-3 file's
+#    e4m3 keys of a model with a k bias would be read as shifted ones.
+FORMAT_VERSION = 4
 LAYOUT_FIELDS = ("tp", "cp", "strategy", "options", "prefill_chunk", "prefill_knee")  # what share_digest leaves out
 
 SAMPLE_BYTES = 4096  # bytes read per sample of a weight file
