@@ -5,10 +5,13 @@
 #   RUNS: which runs, in order (default "dense star4 apb4"; then "minference anchor fp8_lkv fp8_attn star4_a"
 #   and the sparse defaults "minference_d anchor_d", the searched configs "minference_s anchor_s"); each stops starting samples at its share of BUDGET;
 #   PARALLEL=N runs N at once on the card (accuracy only).
-# Keeps each run's summary.json and per-sample results (compressed) under $OUT, then compares what is there with
-# dense (`launch/eval.py --compare`): paired share of dense's right answers, McNemar p, the losses classified.
-# Across sessions: unpack $OUT's files into .qwen/ev/<TAG><run>/{samples.jsonl,summary.json} here (not tracked) and
-# carry .qwen/ev: each run resumes there (`--resume`), so the samples add up to SEEDS per cell.
+# Keeps each run's per-sample results (compressed) and summaries.json (every run's summary) under $OUT: a call
+# brings back at most 8 files, so at most 5 runs a call. Then compares what is there with dense (`launch/eval.py
+# --compare`): paired share of dense's right answers, McNemar p, the losses classified.
+# Across sessions: unpack $OUT's files into .qwen/ev/<TAG><run>/{samples.jsonl,summary.json} here (not tracked;
+# summary.json: the run's entry in summaries.json) and carry .qwen/ev: each run resumes there (`--resume`), so
+# the samples add up to SEEDS per cell. fp8_lkv before the keys' offset (engine/model.py key_offset, 48 % kept)
+# is kept apart as .qwen/ev/fp8_lkv_keys_whole: a run of this code must not resume it.
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 SEEDS=${SEEDS:-30}; BUDGET=${BUDGET:-540}; RUNS=${RUNS:-"dense star4 apb4"}; LENGTHS=${LENGTHS:-16384,30720}
@@ -17,13 +20,14 @@ TAG=${TAG:-}; EXTRA=${EXTRA:-}
 E="--model qwen2.5-coder-1.5b-instruct --tasks niah_essay,multikey,variable_tracking --lengths $LENGTHS $EXTRA \
  --num-depths 5 --samples-per-cell $SEEDS --format completion --max-new-tokens 24 --no-progress --sample-workers 8"
 SP="--sparse-min-length 0 --sparse-no-fallback"
+C=${QCFG:-bench/results/2026-12-06-qwen/h100-b}  # the configs sparse_speed.sh searched (seed 1) on e4a235b
 declare -A FLAGS=(
   [dense]="" [star4]="--cp-strategy star --num-blocks 4" [apb4]="--cp-strategy apb --apb-hosts 4"
   [minference]="--sparse minference $SP" [anchor]="--sparse anchor $SP" [minference_d]="--sparse minference"
-  [anchor_d]="--sparse anchor" [fp8_lkv]="--fp8 linear,kv" [fp8_attn]="--fp8 attention"
+  [anchor_d]="--sparse anchor" [fp8_lkv]="--fp8 linear,kv" [fp8_kv]="--fp8 kv" [fp8_attn]="--fp8 attention"
   [star4_a]="--cp-strategy star --num-blocks 4 --anchor-size ${ANCHOR:-4096}"
-  [minference_s]="--sparse minference --sparse-config /tmp/qcfg/minference.json $SP"
-  [anchor_s]="--sparse anchor --sparse-config /tmp/qcfg/anchor.json $SP")  # searched by sparse_speed.sh
+  [minference_s]="--sparse minference --sparse-config $C/minference.json $SP"
+  [anchor_s]="--sparse anchor --sparse-config $C/anchor.json $SP")
 # PARALLEL runs share the card at once (each a 1.5B model, ~5 GB): the accuracy is the same, their prefill seconds
 # are not a speed measurement then (sparse speed is measured apart); each run stops at the budget's end.
 PARALLEL=${PARALLEL:-1}; [ $PARALLEL -gt 1 ] && E="${E/--sample-workers 8/--sample-workers 4}"
@@ -33,8 +37,7 @@ one() {  # resumes what an earlier session ran (.qwen/ev/<TAG><run>, carried): o
   [ -f .qwen/ev/$TAG$1/samples.jsonl ] && [ ! -f /tmp/ev/$TAG$1/samples.jsonl ] && cp .qwen/ev/$TAG$1/* /tmp/ev/$TAG$1/
   timeout -k 10 $lim python3 launch/eval.py $E --resume --time-limit $((lim - 30)) --strategy-name $1 \
     --out /tmp/ev/$TAG$1 ${FLAGS[$1]} > $OUT/log_$1.txt 2>&1; t $1
-  [ -f /tmp/ev/$TAG$1/summary.json ] && cp /tmp/ev/$TAG$1/summary.json $OUT/summary_$TAG$1.json && \
-    gzip -c /tmp/ev/$TAG$1/samples.jsonl > $OUT/samples_$TAG$1.jsonl.gz
+  [ -f /tmp/ev/$TAG$1/samples.jsonl ] && gzip -c /tmp/ev/$TAG$1/samples.jsonl > $OUT/samples_$TAG$1.jsonl.gz
 }
 for r in $RUNS; do
   [ $(jobs -rp | wc -l) -ge $PARALLEL ] && wait -n
@@ -43,5 +46,8 @@ done
 wait
 R=""; for r in $RUNS; do [ -f /tmp/ev/$TAG$r/summary.json ] && R="$R /tmp/ev/$TAG$r"; done
 python3 launch/eval.py --compare $R --out $OUT > /dev/null 2> $OUT/log_compare.txt; t compare
+# A call brings back at most 8 files: the runs' summaries go in one (summaries.json: {<TAG><run>: summary}).
+python3 -c "import json, pathlib, sys; print(json.dumps({p.parent.name: json.loads(p.read_text()) for p in map(pathlib.Path, sys.argv[1:])}))" \
+  $(for r in $RUNS; do ls /tmp/ev/$TAG$r/summary.json 2>/dev/null; done) > $OUT/summaries.json; rm -f $OUT/compare.json
 cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt
 cat $OUT/compare.md 2>/dev/null; grep -h "Traceback\|Error" $OUT/all.log | head -10

@@ -25,11 +25,14 @@ for run in dense minference_s anchor_s minference_d anchor_d dense_after; do
   go 540 && { timeout 90 $B $F --out $OUT/prefill_$run.json > $OUT/log_$run.txt 2>&1; t $run; }
 done
 cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt
+# A call brings back at most 8 files: the runs' JSONs go in one (prefill.json: {run: bench prefill's JSON})
+python3 -c "import json, pathlib, sys; print(json.dumps({p.stem[8:]: json.loads(p.read_text()) for p in map(pathlib.Path, sys.argv[1:])}))" \
+  $OUT/prefill_*.json > /tmp/prefill.json && rm -f $OUT/prefill_*.json && mv /tmp/prefill.json $OUT/prefill.json
 grep -h "Traceback\|Error" $OUT/all.log | head -8
 python3 - $OUT <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-runs = {p.stem[len("prefill_"):]: json.loads(p.read_text()) for p in sorted(out.glob("prefill_*.json"))}
+runs = json.loads((out / "prefill.json").read_text())
 dense = {r["length"]: min(x["results"][i]["prefill_seconds"] for x in (runs.get("dense"), runs.get("dense_after")) if x)
          for i, r in enumerate(runs["dense"]["results"])} if "dense" in runs else {}
 for name, d in runs.items():
