@@ -11,7 +11,9 @@ a sample is the same in every run and every strategy sees the same prompts.
 from __future__ import annotations
 
 import random
+import threading
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
@@ -262,6 +264,64 @@ def count_tokens(tok: Tokenizer, text: str) -> int:
     return len(tok.encode(text, add_special_tokens=False))
 
 
+# Counting a long context by its words. _fit measures six to eight candidate contexts of about the whole
+# length; encoding each of them whole cost ~1.5 s of CPU per 131,072-token sample with Qwen2.5's
+# tokenizer (the work grows with the length times the probes), most of eval's prompt time at long lengths.
+# The contexts are words joined by single spaces, and the BPE tokenizers run here (GPT-2, Llama-3 and
+# Qwen-style: their pre-tokenizer regex starts a new piece at a space between two non-space characters;
+# Gemma-3's vocabulary has no token with "▁" after another character) never make a token across such a
+# space. A context then has exactly as many tokens as its words have one by one, each with its leading
+# space. The words repeat (small vocabularies), so each is encoded once per tokenizer and counting a
+# context is a sum of cached numbers: the same counts as before, so the same prompts. A tokenizer where
+# that sum can differ (one that prepends "▁" to every text, say) is caught by a check on every task's
+# text when first seen, and its contexts are encoded whole as before.
+_WORD_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {word: count} or None
+_WORD_COUNTS_LOCK = threading.Lock()
+
+
+def _summed_count(tok: Tokenizer, words: dict[str, int], text: str) -> int | None:
+    """Tokens of `text` as the sum of its space-separated words' (cached in `words`: the count of
+    " " + word); None where a space touches other whitespace or an end, which is no clean cut."""
+    parts = text.split(" ")
+    try:
+        total = sum(map(words.__getitem__, parts))
+    except KeyError:
+        new = set(parts).difference(words)
+        if any(not w or w[0].isspace() or w[-1].isspace() for w in new):
+            return None
+        for w in new:
+            words[w] = count_tokens(tok, " " + w)
+        total = sum(map(words.__getitem__, parts))
+    return total - words[parts[0]] + count_tokens(tok, parts[0])  # the first word has no space before it
+
+
+def _word_counts(tok: Tokenizer) -> dict[str, int] | None:
+    """`tok`'s word-count cache, or None if summing words is not exact for it (then count texts whole)."""
+    with _WORD_COUNTS_LOCK:  # made once per tokenizer, before the threads of make_samples share it
+        try:
+            if tok in _WORD_COUNTS:
+                return _WORD_COUNTS[tok]
+        except TypeError:  # not weakly referable or not hashable: count whole
+            return None
+        words: dict[str, int] | None = {}
+        for name, spec in TASKS.items():  # every task's filler, needles and cuts, counted both ways
+            rng = random.Random(f"word-count check|{name}")
+            parts = spec.build(rng, 0.5)
+            text = _build([parts.filler(rng, i) for i in range(200)], parts.needles, parts.depths)[0]
+            if _summed_count(tok, words, text) != count_tokens(tok, text):
+                words = None
+                break
+        _WORD_COUNTS[tok] = words
+        return words
+
+
+def _count_context(tok: Tokenizer, text: str) -> int:
+    """count_tokens(tok, text) for a task's context, by its words where that is exact for `tok`."""
+    words = _word_counts(tok)
+    n = None if words is None else _summed_count(tok, words, text)
+    return count_tokens(tok, text) if n is None else n
+
+
 def template_overhead(tok, chat: bool = True) -> int:
     """Tokens the prompt format adds around context + question (chat template, separators), for `reserve`."""
     probe = "x\n\ny"
@@ -297,7 +357,7 @@ def _fit(tok: Tokenizer, budget: int, fixed: int, parts: _Parts, rng: random.Ran
     units: list[str] = []
 
     def size(n: int) -> int:
-        return count_tokens(tok, _build(units[:n], parts.needles, parts.depths)[0]) + fixed
+        return _count_context(tok, _build(units[:n], parts.needles, parts.depths)[0]) + fixed
 
     base = cur = size(0)
     if base > budget:
@@ -351,8 +411,9 @@ def make_samples(tasks, tok: Tokenizer, lengths, depths, per_cell: int, seed: in
                  workers: int = 1, skip=frozenset()) -> list[Sample]:
     """Every (task, length, depth) cell `per_cell` times. Tasks without a needle get the same number of
     samples per length (depth None), so each task weighs the same in the summaries. `workers` threads
-    make them (the tokenizer's encode releases the GIL); each sample is its own seed's, so the list is
-    the same for any count. `skip`: (task, length, depth, seed) keys not to make (a resumed run's)."""
+    make them (the tokenizer's encode releases the GIL: that helps where contexts are encoded whole; counted
+    by their words they are mostly Python); each sample is its own seed's, so the list is the same for any
+    count. `skip`: (task, length, depth, seed) keys not to make (a resumed run's)."""
     cells = []
     for t in tasks:
         if t not in TASKS:

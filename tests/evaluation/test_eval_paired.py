@@ -32,6 +32,14 @@ class Chars:
         return [c for ch in text for c in ((ch,) * 3 if ch.isdigit() else (ch,))]
 
 
+class Marked:
+    """One token more at the start of every text (as a SentencePiece tokenizer that prepends "▁"): a text's
+    count is not the sum of its words' counts, so contexts are encoded whole."""
+
+    def encode(self, text, add_special_tokens=False):
+        return ["<start>"] + text.split()
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
 def test_multikey_has_four_needles_and_asks_one(depth):
     s = make_sample("multikey", Words(), 2000, depth, seed=11)
@@ -53,8 +61,11 @@ def test_multikey_has_four_needles_and_asks_one(depth):
 
 
 @pytest.mark.parametrize("tok,task,budget", [(Words(), "niah_essay", 900), (Chars(), "multikey", 2500),
-                                             (Chars(), "niah_number", 700), (Words(), "passkey", 40)])
+                                             (Chars(), "niah_number", 700), (Words(), "passkey", 40),
+                                             (Marked(), "multikey", 900)])
 def test_fit_finds_the_largest_unit_count_that_fits(tok, task, budget):
+    # Words and Chars count a context by its words (their sum is exact), Marked encodes it whole.
+    assert (tasks._word_counts(tok) is None) == isinstance(tok, Marked)
     parts = tasks.TASKS[task].build(random.Random(5), 0.3)
     fixed = 7
     context, _ = tasks._fit(tok, budget, fixed, parts, random.Random(9))
@@ -66,6 +77,14 @@ def test_fit_finds_the_largest_unit_count_that_fits(tok, task, budget):
         best += 1
     assert all(size(n) > budget for n in range(best + 1, best + 4))
     assert context == tasks._build(units[:best], parts.needles, parts.depths)[0]
+
+
+def test_word_sums_only_at_clean_spaces():
+    words = {}
+    assert tasks._summed_count(Chars(), words, "ab cd.\n\nef g") == len("ab cd.\n\nef g")
+    for text in ("a  b", " a", "a ", "a \nb", "a\n b"):  # a space beside whitespace or an end: no clean cut
+        assert tasks._summed_count(Chars(), words, text) is None
+    assert tasks._count_context(Chars(), "a  b") == 4  # then encoded whole
 
 
 # sha256 (first 16 hex) of two samples' prompts and answers per task, made before samples recorded their

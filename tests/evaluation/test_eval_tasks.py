@@ -1,8 +1,10 @@
 """Accuracy harness: task generators (deterministic, sized in model tokens, answers at the stated
 depth), scoring on hand-made cases, reports, the CLI against a fake engine, and a CPU smoke run of
 the real dense model above a pinned floor."""
+import hashlib
 import importlib.util
 import json
+import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -10,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from starshard.evaluation import report
+from starshard.evaluation import report, tasks
 from starshard.evaluation.scoring import found, score
 from starshard.evaluation.tasks import TASKS, make_sample, make_samples, template_overhead
 
@@ -114,6 +116,49 @@ def test_template_overhead_counts_the_chat_template(tok):
     rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
     assert 20 <= ntok(tok, rendered) - ntok(tok, "hello") <= over <= ntok(tok, rendered) - ntok(tok, "hello") + 8
     assert template_overhead(tok, chat=False) < over
+
+
+# sha256 (first 16 hex) of four samples per task with the embedded SmolLM2 tokenizer, made by the code that
+# encoded every candidate context whole (before contexts were counted by their words): runs pair their
+# samples with earlier runs' (--resume, report.row_key), so every prompt, needle span and target must stay.
+# (A tokenizer conversion that changes in transformers would change them too: that also breaks the pairing.)
+REAL_PROMPT_HASHES = {
+    "passkey": "159a151960a1f12c",
+    "niah_number": "63318bd4bdd140c5",
+    "niah_uuid": "d89f565b2f69dcaa",
+    "niah_word": "eef76ff88f652846",
+    "niah_essay": "5fae2b4a7ddc8a67",
+    "multikey": "f8ad70dc5cc21bcb",
+    "multivalue": "d1db378163e58782",
+    "multiquery": "1ecd9e8baf45f642",
+    "variable_tracking": "16ca02eb4f8e740a",
+    "common_words": "432dc35cf8e4d23f",
+}
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_real_tokenizer_prompts_unchanged(tok, task):
+    h = hashlib.sha256()
+    for length, depth, seed, reserve in ((1024, 0.0, 0, 0), (4099, 0.37, 3, 66), (16384, 1.0, 1000, 66),
+                                         (30720, 0.5, 7, 66)):
+        s = make_sample(task, tok, length, depth, seed, reserve=reserve)
+        h.update(json.dumps(s.to_dict(), sort_keys=True).encode())
+    assert h.hexdigest()[:16] == REAL_PROMPT_HASHES[task]
+
+
+@pytest.mark.parametrize("task", ["niah_essay", "multikey", "variable_tracking", "niah_uuid", "common_words"])
+def test_word_counts_are_the_whole_encodes(tok, task, monkeypatch):
+    """A context counted by its words has the tokens of its whole encode, so the fit picks the same contexts."""
+    assert tasks._word_counts(tok) is not None  # the embedded tokenizer takes the fast path
+    rng = random.Random(task)
+    parts = TASKS[task].build(rng, 0.6)
+    units = [parts.filler(rng, i) for i in range(2500)]
+    for n in (0, 1, 7, 1000, 2500):
+        text = tasks._build(units[:n], parts.needles, parts.depths)[0]
+        assert tasks._count_context(tok, text) == ntok(tok, text), n
+    fast = [make_sample(task, tok, L, d, 5, reserve=66) for L, d in ((4099, 0.1), (30720, 0.9))]
+    monkeypatch.setattr(tasks, "_word_counts", lambda tok: None)  # every candidate encoded whole, as before
+    assert fast == [make_sample(task, tok, L, d, 5, reserve=66) for L, d in ((4099, 0.1), (30720, 0.9))]
 
 
 # ---------------------------------------------------------------------------------------------
