@@ -316,7 +316,8 @@ def _cp2(rank, world, directory):
     (d1, d2), (q1, q2, q3) = _docs(seed=8)
     solo = [llm.generate(d + q, max_new_tokens=STEPS).token_ids for d, q in ((d1, q2), (d1, q3), (d2, q2))]
     budget, _ = _budget(llm, len(d1) + len(q1))
-    tiers = TierConfig(disk_dir=directory, disk_bytes=1 << 30, shutdown_write_s=0)  # only what evictions wrote
+    # only what evictions wrote; "always": under a loaded CPU "auto"'s measured rates may rightly pick a prefill
+    tiers = TierConfig(disk_dir=directory, disk_bytes=1 << 30, disk_reload="always", shutdown_write_s=0)
     out = dict(solo=solo)
     for run in range(2):  # the second is a restart on the same directory
         if run == 1 and rank == 1:  # rank 1's copy of d2 damaged in its payload: found only when loaded

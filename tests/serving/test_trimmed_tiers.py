@@ -151,7 +151,7 @@ def _version_1(path) -> None:
 def test_old_format_files_are_skipped_with_a_reason(tmp_path, caplog):
     """A version-1 file under this key's name is refused at start (reason "version", removed); one under a
     version-1 key's name belongs to another key: left in place, never read."""
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
     key, ids = key_for(), np.arange(30)
     old_key = CacheKey.from_fields({**key.fields(), "format_version": 1})
     d = tmp_path / "d"
