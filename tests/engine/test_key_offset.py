@@ -50,7 +50,9 @@ def test_the_offset_is_the_keys_constant_part(tmp_path):
     rs = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
     path, _ = _biased_qwen2(tmp_path, rope_scaling=rs)
     assert all(layer.attention.k_offset is None for layer in LLM(path).model.layers)
-    assert all(layer.attention.k_offset is not None for layer in LLM(path, fp8="kv").model.layers)
+    on = LLM(path, fp8="kv").model.layers[0].attention.k_offset
+    fp8_weights = LLM(path, fp8="linear,kv").model.layers[0].attention  # the bias read from an Fp8Linear
+    assert type(fp8_weights.wqkv).__name__ == "Fp8Linear" and torch.equal(fp8_weights.k_offset, on)
     llm = LLM(path, dtype=torch.float64)
     model, cfg = llm.model, llm.model.config
     model.smooth_keys(True)
