@@ -275,7 +275,7 @@ def key_offset(attn: Attention, inv_freq: torch.Tensor, rope_scale: float, posit
 
     Why (--fp8 kv): a k bias (Qwen2 / 2.5) gives some channels of every key one large value, 354 in
     Qwen2.5-Coder-1.5B's layer 0 where the rest of the key is within 8. One e4m3 scale per (head, token)
-    keeps ~6 % of that value as rounding, which moves every score by more than its spread: paired on bf16,
+    rounds such values by up to 6 %, which moves every score by more than its spread: paired on bf16,
     `--fp8 linear,kv` kept 48 % of the right answers at 16K-30K (`linear` alone 100 %). Keys stored minus this
     offset lose only the rest's rounding. Exact: every key of a layer and head loses the same vector m, so
     each query's scores all move by q . m and the softmax is unchanged (flash_fp8's smoothed K, SageAttention);
