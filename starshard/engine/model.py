@@ -419,9 +419,10 @@ class Transformer(nn.Module):
         """Every layer with a k bias stores and attends its keys minus their constant part (key_offset), for
         e4m3 KV caches (LocalRunner turns it on with --fp8 kv); off: keys as computed. Set from the config's
         own frequencies, not the run's RoPE length, so that it never changes with a run."""
+        own = rope_inv_freq(self.config)  # the config's, where inv_freq may hold a run's (set_rope_length)
         for layer in self.layers:
             a = layer.attention
-            inv = self.local_inv_freq if a.local_rope else rope_inv_freq(self.config)
+            inv = self.local_inv_freq if a.local_rope else own
             a.k_offset = key_offset(a, inv, self.rope_scale, self.config.max_position_embeddings) if on else None
 
     def set_rope_length(self, length: int | None) -> None:
