@@ -281,10 +281,16 @@ class Executor:
         return [(r.next_pos - r.prefix, r.remaining) for r in self.rows]
 
     @staticmethod
-    def pool_capacity(rows: list[tuple[int, int]]) -> int:
-        """The own-KV pool's rows of capacity for rows of (own tokens, remaining), as OwnKV.gather sizes it (with
-        _gather_pool's one extra): every row gets room for the longest own part plus the most remaining."""
-        return max(max(own for own, _ in rows) + max([left for _, left in rows] + [0]) + 1, 1)
+    def pool_extra(remaining: list[int]) -> int:
+        """Own-KV room per row beyond the longest own part, for rows that may still generate `remaining` tokens:
+        the most remaining, + 1 beside another row, which may keep the batch decoding one step past this row's
+        last token before the host reads it (lookahead). A row alone is never decoded past its last token."""
+        return max(remaining + [0]) + (len(remaining) > 1)
+
+    @classmethod
+    def pool_capacity(cls, rows: list[tuple[int, int]]) -> int:
+        """The own-KV pool's rows of capacity for rows of (own tokens, remaining), as OwnKV.gather sizes it."""
+        return max(max(own for own, _ in rows) + cls.pool_extra([left for _, left in rows]), 1)
 
     def pool_bytes(self, rows: list[tuple[int, int]]) -> int:
         """The own-KV pool the query rank holds for rows of (own tokens, remaining) (pool_capacity)."""
@@ -708,9 +714,7 @@ class Executor:
         if not self.is_query_rank or not rows:
             return None
         parts = [(r.pool, r.pool_row) for r in rows]
-        # + 1: a row may run one decode past its last token before the host reads that token (lookahead)
-        extra = max([r.remaining for r in rows] + [0]) + 1
-        return OwnKV.gather(parts, extra, self.model.layer_ids, self.kv_heads, self.head_dim, self.dtype, self.device)
+        return OwnKV.gather(parts, self.pool_extra([r.remaining for r in rows]), self.model.layer_ids, self.kv_heads, self.head_dim, self.dtype, self.device)
 
     def _set_rows(self, rows: list[Row], pool: OwnKV | None) -> None:
         self.rows, self.pool = rows, pool

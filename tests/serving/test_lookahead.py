@@ -13,6 +13,7 @@ import pytest
 from starshard import LLM
 from starshard.config import ParallelConfig, SamplingConfig
 from starshard.runtime.prompt import Prompt
+from starshard.serving.executor import Executor
 from starshard.serving.scheduler import Scheduler
 from starshard.serving.step_clock import StepClock
 from tests.helpers.mp_harness import run_ranks
@@ -66,6 +67,39 @@ def test_issue_before_read_and_same_tokens_as_serialized():
                                                                                     max_new_tokens=10).token_ids
     assert _streams(llm, lookahead=True) == serialized
     assert [len(t) for t in serialized] == [12, 5, 9, 7]  # max_tokens: not one token more
+
+
+def test_room_past_the_end_only_beside_another_row(monkeypatch):
+    """A row alone is never decoded past its last token, so its own KV gets no lookahead slot (the longest
+    document a cache admits is the serialized loop's); beside another row, whose decodes may run one step past
+    this row's end before the host reads it, the pool keeps one more. Both batches run to max_tokens (an append
+    past a pool's capacity raises on the CPU)."""
+    from starshard.serving.cascade import OwnKV
+    gathered, gather = [], OwnKV.gather
+
+    def spy(parts, extra, *a, **kw):
+        gathered.append((len(parts), extra))
+        return gather(parts, extra, *a, **kw)
+
+    monkeypatch.setattr(OwnKV, "gather", staticmethod(spy))
+    llm = LLM(random_weights="tiny", progress=False)
+    svc = _service(llm, True)
+    svc.start()
+    try:
+        events, done = submit(svc, Prompt(_ids(6, 27), 23), 8)
+        assert done.wait(60)
+        alone = list(gathered)
+        runs = [submit(svc, Prompt(_ids(7, 31), 27), 9), submit(svc, Prompt(_ids(8, 22), 18), 3)]
+        assert all(d.wait(60) for _, d in runs)
+    finally:
+        svc.shutdown()
+    assert alone == [(1, 7)]  # max_tokens 8: the prefill's token, then 7 decodes
+    assert len([e for e in events if e.token_id is not None]) == 8
+    assert 2 in [n for n, _ in gathered]
+    assert [len([e for e in ev if e.token_id is not None]) for ev, _ in runs] == [9, 3]
+    # the admission's count of the pool: (own, remaining) per row
+    assert Executor.pool_extra([7]) == 7 and Executor.pool_extra([7, 2]) == 8
+    assert Executor.pool_capacity([(0, 7)]) == 7 and Executor.pool_capacity([(0, 7), (5, 2)]) == 13
 
 
 @pytest.mark.parametrize("end", ["eos", "cancel", "timeout"])
