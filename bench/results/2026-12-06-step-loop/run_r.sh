@@ -8,7 +8,7 @@
 . bench/results/2026-12-06-step-loop/prelude.sh
 go() { [ $(( $(date +%s) - S )) -lt $1 ]; }
 # the kept graphs on the card with this tree's kernel (their logits against the per-batch path's)
-timeout 150 $NEW -m pytest -q -p no:cacheprovider tests/gpu/test_table_graphs_gpu.py tests/gpu/test_lookahead_gpu.py \
+timeout 100 $NEW -m pytest -q -p no:cacheprovider tests/gpu/test_table_graphs_gpu.py tests/gpu/test_lookahead_gpu.py \
   > $OUT/log_gpu.txt 2>&1; t gpu_tests; tail -2 $OUT/log_gpu.txt
 W="import logging, sys; logging.basicConfig(level=logging.INFO, format='%(relativeCreated)d %(message)s')
 from starshard.commands.bench import main; main(sys.argv[1:])"
@@ -16,7 +16,7 @@ A="serve $L8B --scenario document --lengths 100003 --cache-gib 30 --decode-token
 for tree in new base head; do
   P=$PWD; [ $tree != new ] && P=$PWD/.$tree
   TC=/tmp/triton_$tree; rm -rf $TC; mkdir -p $TC
-  TRITON_CACHE_DIR=$TC timeout 90 env PYTHONPATH=/tmp/site:$P python3 -P -c "$W" $A --out $OUT/warmup_$tree.json \
+  go 300 && TRITON_CACHE_DIR=$TC timeout 80 env PYTHONPATH=/tmp/site:$P python3 -P -c "$W" $A --out $OUT/warmup_$tree.json \
     > $OUT/log_w$tree.txt 2>&1; t warmup_$tree
   grep -h "warm-up:" $OUT/log_w$tree.txt | cut -c1-220
   find $TC -name "*.json" ! -name "__grp__*" -printf "%f\n" | sed 's/\.json$//' | sort | uniq -c | sort -rn > $OUT/k_$tree.txt
@@ -29,7 +29,7 @@ LEN=$(python3 -c "import random; print(random.randrange(98304, 180001))"); echo 
 for tree in new head base; do
   P=$PWD; [ $tree != new ] && P=$PWD/.$tree; C=1,4,8,16; [ $tree = base ] && C=1,16
   mkdir -p /tmp/triton_$tree
-  go 520 && TRITON_CACHE_DIR=/tmp/triton_$tree timeout 120 env PYTHONPATH=/tmp/site:$P python3 -P -m starshard bench serve $L8B \
+  go 400 && TRITON_CACHE_DIR=/tmp/triton_$tree timeout 110 env PYTHONPATH=/tmp/site:$P python3 -P -m starshard bench serve $L8B \
     --scenario document --lengths $LEN --cache-gib 30 --decode-tokens 32 --concurrency $C \
     --out $OUT/serve_$tree.json > $OUT/log_s$tree.txt 2>&1; t serve_$tree
 done
