@@ -3,36 +3,40 @@
 # no pipelined loads (ptxas -v at sm_90a); h100-g's steps were 4-5x h100-c's (55.7 vs 11.3 ms, one question).
 # This tree promises 16-element offsets (tl.multiple_of; table_row refuses others). Trees: this one (new), .head
 # (`git archive 50140a8 starshard launch`, before it), .base (the parent 2f17e11, `git archive`).
-# 0. the GPU tests of the kept graphs; 1. the warm-up of new / base / head, each on its own empty Triton cache, with the variants each compiled;
-# 2. 1 / 4 / 8 / 16 questions on one cached document of a length drawn now, every tree in turn (decode steps).
+# In order of need, each phase started only while the call's time (END seconds, default 500) allows:
+# 0. the GPU tests of the kept graphs; 1. 1 / 4 / 8 / 16 questions on one cached document of a length drawn now,
+# this tree then .head (decode steps); 2. the warm-up of new / base / head, each on its own empty Triton cache,
+# with the variants each compiled; 3. the parent's 1 / 16 questions.
 . bench/results/2026-12-06-step-loop/prelude.sh
-go() { [ $(( $(date +%s) - S )) -lt $1 ]; }
+END=${END:-500}
+go() { [ $(( $(date +%s) - S + $1 )) -lt $END ]; }  # a phase that may take $1 more seconds fits
 # the kept graphs on the card with this tree's kernel (their logits against the per-batch path's)
 timeout 100 $NEW -m pytest -q -p no:cacheprovider tests/gpu/test_table_graphs_gpu.py tests/gpu/test_lookahead_gpu.py \
   > $OUT/log_gpu.txt 2>&1; t gpu_tests; tail -2 $OUT/log_gpu.txt
+LEN=$(python3 -c "import random; print(random.randrange(98304, 180001))"); echo "length $LEN"
+serve() {  # tree, concurrency
+  P=$PWD; [ $1 != new ] && P=$PWD/.$1; mkdir -p /tmp/triton_$1
+  go 110 && TRITON_CACHE_DIR=/tmp/triton_$1 timeout 110 env PYTHONPATH=/tmp/site:$P python3 -P -m starshard bench serve \
+    $L8B --scenario document --lengths $LEN --cache-gib 30 --decode-tokens 32 --concurrency $2 \
+    --out $OUT/serve_$1.json > $OUT/log_s$1.txt 2>&1; t serve_$1
+}
+serve new 1,4,8,16; serve head 1,4,8,16
 W="import logging, sys; logging.basicConfig(level=logging.INFO, format='%(relativeCreated)d %(message)s')
 from starshard.commands.bench import main; main(sys.argv[1:])"
 A="serve $L8B --scenario document --lengths 100003 --cache-gib 30 --decode-tokens 2 --concurrency 1,16"
 for tree in new base head; do
   P=$PWD; [ $tree != new ] && P=$PWD/.$tree
-  TC=/tmp/triton_$tree; rm -rf $TC; mkdir -p $TC
-  go 300 && TRITON_CACHE_DIR=$TC timeout 80 env PYTHONPATH=/tmp/site:$P python3 -P -c "$W" $A --out $OUT/warmup_$tree.json \
+  TC=/tmp/triton_w$tree; rm -rf $TC; mkdir -p $TC
+  go 80 && TRITON_CACHE_DIR=$TC timeout 80 env PYTHONPATH=/tmp/site:$P python3 -P -c "$W" $A --out $OUT/warmup_$tree.json \
     > $OUT/log_w$tree.txt 2>&1; t warmup_$tree
-  grep -h "warm-up:" $OUT/log_w$tree.txt | cut -c1-220
-  find $TC -name "*.json" ! -name "__grp__*" -printf "%f\n" | sed 's/\.json$//' | sort | uniq -c | sort -rn > $OUT/k_$tree.txt
+  grep -h "warm-up:" $OUT/log_w$tree.txt 2>/dev/null | cut -c1-220
+  find $TC -name "*.json" ! -name "__grp__*" -printf "%f\n" | sed 's/\.json$//' | sort | uniq -c | sort -rn > /tmp/k_$tree.txt
   echo "$tree: $(ls $TC | wc -l) compiled variants"
 done
 echo "== variants per kernel: this tree | parent | head"
-join -1 2 -2 2 -a 1 -a 2 -e 0 -o 0,1.1,2.1 <(sort -k2 $OUT/k_new.txt) <(sort -k2 $OUT/k_base.txt) | sort -k1,1 \
-  | join -a 1 -a 2 -e 0 -o 0,1.2,1.3,2.1 - <(awk '{print $2, $1}' $OUT/k_head.txt | sort -k1,1) | awk '$2 != $3 || $3 != $4' | column -t
-LEN=$(python3 -c "import random; print(random.randrange(98304, 180001))"); echo "length $LEN"
-for tree in new head base; do
-  P=$PWD; [ $tree != new ] && P=$PWD/.$tree; C=1,4,8,16; [ $tree = base ] && C=1,16
-  mkdir -p /tmp/triton_$tree
-  go 400 && TRITON_CACHE_DIR=/tmp/triton_$tree timeout 110 env PYTHONPATH=/tmp/site:$P python3 -P -m starshard bench serve $L8B \
-    --scenario document --lengths $LEN --cache-gib 30 --decode-tokens 32 --concurrency $C \
-    --out $OUT/serve_$tree.json > $OUT/log_s$tree.txt 2>&1; t serve_$tree
-done
-cat $OUT/log_*.txt > $OUT/all.log; rm -f $OUT/log_*.txt $OUT/k_*.txt
+join -1 2 -2 2 -a 1 -a 2 -e 0 -o 0,1.1,2.1 <(sort -k2 /tmp/k_new.txt) <(sort -k2 /tmp/k_base.txt) | sort -k1,1 \
+  | join -a 1 -a 2 -e 0 -o 0,1.2,1.3,2.1 - <(awk '{print $2, $1}' /tmp/k_head.txt | sort -k1,1) | awk '$2 != $3 || $3 != $4' | column -t
+serve base 1,16
+cat $OUT/log_*.txt > $OUT/all.log 2>/dev/null; rm -f $OUT/log_*.txt
 grep -h "Traceback\|Error" $OUT/all.log | head -5
 python3 bench/results/2026-12-06-step-loop/summary.py $OUT 2>&1 | grep -v "^ *prefill" | head -40
