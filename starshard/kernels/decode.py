@@ -490,8 +490,8 @@ def _merge_splits(q, o_part, l_part, block_d: int, sinks=None):
 
 
 # The table's k / v offsets are multiples of this (table_row refuses others). Without the promise the K / V bases
-# carry no alignment and the kernel loads the cache element by element, unpipelined (ptxas at sm_90a: 255
-# registers and spills, against 137-225 and none with it)
+# carry no alignment and the kernel loads the cache element by element, unpipelined (Triton 3.6, ptxas at
+# sm_90a: 255 registers and spills; 189-254 and none with it)
 TABLE_ALIGN = 16
 
 

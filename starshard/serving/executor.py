@@ -714,7 +714,8 @@ class Executor:
         if not self.is_query_rank or not rows:
             return None
         parts = [(r.pool, r.pool_row) for r in rows]
-        return OwnKV.gather(parts, self.pool_extra([r.remaining for r in rows]), self.model.layer_ids, self.kv_heads, self.head_dim, self.dtype, self.device)
+        return OwnKV.gather(parts, self.pool_extra([r.remaining for r in rows]), self.model.layer_ids, self.kv_heads,
+                            self.head_dim, self.dtype, self.device)
 
     def _set_rows(self, rows: list[Row], pool: OwnKV | None) -> None:
         self.rows, self.pool = rows, pool
