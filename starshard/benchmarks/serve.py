@@ -72,7 +72,7 @@ from starshard.serving.cache_key import token_digest
 from starshard.serving.disk_read import DEFAULT_READERS
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
-from starshard.serving.step_clock import StepClock, idle_summary
+from starshard.serving.step_clock import StepClock, idle_summary, step_timeline
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
@@ -354,7 +354,8 @@ def run(args) -> None:
             reqs = [ask(doc, args.decode_tokens) for _ in range(n)]
             for d, _ in reqs:
                 wait(d)
-            decode_steps = idle_summary([st for st in clock.drain() if st.kind == "D"], "D")  # the batch of all n
+            marked = clock.drain()
+            decode_steps = idle_summary([st for st in marked if st.kind == "D"], "D")  # the batch of all n
             recs = [r for _, r in reqs]
             # Steady state: from the moment every request has its first token to the last token.
             start = max(r["times"][0] for r in recs)
@@ -369,6 +370,9 @@ def run(args) -> None:
                                        "tokens_per_second_over_device_bound": (decoded / (end - start)) / (n / busy)
                                        if busy else None,
                                        "all_cached": all(r["cached"] > 0 for r in recs),
+                                       "steady_s": end - start,
+                                       # every step of the run in order: where time outside the batched step goes
+                                       "timeline": step_timeline(marked),
                                        "tokens": [r["ids"] for r in recs]})
         one = row["concurrency"][0]["decode_tokens_per_second"]
         for c in row["concurrency"]:

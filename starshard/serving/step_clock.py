@@ -104,3 +104,18 @@ def idle_summary(steps: list[StepTime], kind: str) -> dict:
     return {"steps": len(busy), "busy_s_median": med(busy), "busy_s_sum": sum(busy),
             "idle_between_s_median": med(gaps), "idle_between_s_max": max(gaps) if gaps else None,
             "idle_between_s_sum": sum(gaps)}
+
+
+def step_timeline(steps: list[StepTime]) -> list[list]:
+    """`steps` in order as [kind, count, busy ms (sum), idle ms before the run (sum)]: consecutive steps of one
+    kind fold into one entry, so a run of decode steps reads as one line beside the steps between them."""
+    out: list[list] = []
+    for s in steps:
+        idle = 1e3 * (s.idle_before_s or 0.0)
+        if out and out[-1][0] == s.kind:
+            out[-1][1] += 1
+            out[-1][2] += 1e3 * s.busy_s
+            out[-1][3] += idle
+        else:
+            out.append([s.kind, 1, 1e3 * s.busy_s, idle])
+    return [[k, n, round(b, 3), round(i, 3)] for k, n, b, i in out]

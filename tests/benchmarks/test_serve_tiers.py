@@ -37,6 +37,9 @@ def test_tiers_then_reuse_after_a_restart(tmp_path):
     for i, row in enumerate(r["results"]):
         n = row["document_tokens"]
         assert n == row["length"] - 8
+        c = row["concurrency"][0]  # one question of 3 tokens: its extend, then 2 decode steps
+        assert [k for k, *_ in c["timeline"]][:2] == ["E", "D"] and c["steady_s"] > 0
+        assert sum(k_n[1] for k_n in c["timeline"] if k_n[0] == "D") == c["decode_steps"]["steps"] == 2
         assert row["host_cached_tokens"] >= n and row["disk_cold_cached_tokens"] >= n
         assert row["host_over_uncached"] == pytest.approx(row["ttft_host_s"] / row["ttft_uncached_s"])
         assert row["disk_cold_over_uncached"] == pytest.approx(row["ttft_disk_cold_s"] / row["ttft_uncached_s"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from starshard.serving.ops import Decode, PrefillChunk
-from starshard.serving.step_clock import StepClock, idle_summary, step_kind
+from starshard.serving.step_clock import StepClock, StepTime, idle_summary, step_kind, step_timeline
 
 
 def test_busy_and_idle_between_steps():
@@ -32,3 +32,9 @@ def test_step_kind():
     chunk = PrefillChunk(rid=1, entry=1, start=0, end=4, prompt_len=8, context_len=8, chunk=4, knee=None,
                          ids=[1] * 8, max_tokens=2, sampling=None, head_len=0)
     assert step_kind([chunk, Decode()]) == "PD" and step_kind([]) == ""
+
+
+def test_timeline_folds_runs_of_one_kind():
+    steps = [StepTime("E", 0.004, None), StepTime("D", 0.002, 0.001), StepTime("D", 0.003, 0.0005),
+             StepTime("F", 0.0001, 0.0), StepTime("D", 0.002, 0.0)]
+    assert step_timeline(steps) == [["E", 1, 4.0, 0.0], ["D", 2, 5.0, 1.5], ["F", 1, 0.1, 0.0], ["D", 1, 2.0, 0.0]]
