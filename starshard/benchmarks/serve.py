@@ -72,7 +72,7 @@ from starshard.serving.cache_key import token_digest
 from starshard.serving.disk_read import DEFAULT_READERS
 from starshard.serving.reload_policy import POLICIES
 from starshard.serving.scheduler import SLOW_STEP_S, QueueFull, Scheduler, ServiceUnavailable, default_prefill_chunk
-from starshard.serving.step_clock import StepClock, idle_summary, step_timeline
+from starshard.serving.step_clock import StepClock, idle_summary, idle_while, step_timeline
 from starshard.serving.tiers import SHUTDOWN_WRITE_S, TierConfig
 
 HELP = "the service: cached vs uncached time to first token (document), or a vLLM-style serving load (load)"
@@ -373,6 +373,9 @@ def run(args) -> None:
                                        "steady_s": end - start,
                                        # every step of the run in order: where time outside the batched step goes
                                        "timeline": step_timeline(marked),
+                                       # the device idle from the first decode step to the last, also around the
+                                       # joins and leaves between them (decode_steps counts decode after decode)
+                                       "idle_while_decoding_s": idle_while(marked, "D"),
                                        "tokens": [r["ids"] for r in recs]})
         one = row["concurrency"][0]["decode_tokens_per_second"]
         for c in row["concurrency"]:

@@ -106,6 +106,13 @@ def idle_summary(steps: list[StepTime], kind: str) -> dict:
             "idle_between_s_sum": sum(gaps)}
 
 
+def idle_while(steps: list[StepTime], kind: str) -> float:
+    """The device's idle time from the first step of `kind` to the last, whatever ran between them (a request
+    joining or leaving a decoding batch): the gaps before every step after the first of `kind`."""
+    at = [j for j, s in enumerate(steps) if kind in s.kind]
+    return sum(s.idle_before_s or 0.0 for s in steps[at[0] + 1:at[-1] + 1]) if at else 0.0
+
+
 def step_timeline(steps: list[StepTime]) -> list[list]:
     """`steps` in order as [kind, count, busy ms (sum), idle ms before the run (sum)]: consecutive steps of one
     kind fold into one entry, so a run of decode steps reads as one line beside the steps between them."""

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from starshard.serving.ops import Decode, PrefillChunk
-from starshard.serving.step_clock import StepClock, StepTime, idle_summary, step_kind, step_timeline
+from starshard.serving.step_clock import StepClock, StepTime, idle_summary, idle_while, step_kind, step_timeline
 
 
 def test_busy_and_idle_between_steps():
@@ -38,3 +40,11 @@ def test_timeline_folds_runs_of_one_kind():
     steps = [StepTime("E", 0.004, None), StepTime("D", 0.002, 0.001), StepTime("D", 0.003, 0.0005),
              StepTime("F", 0.0001, 0.0), StepTime("D", 0.002, 0.0)]
     assert step_timeline(steps) == [["E", 1, 4.0, 0.0], ["D", 2, 5.0, 1.5], ["F", 1, 0.1, 0.0], ["D", 1, 2.0, 0.0]]
+
+
+def test_idle_while_counts_the_gaps_around_a_leave():
+    steps = [StepTime("E", 0.004, 0.5), StepTime("D", 0.002, 0.001), StepTime("F", 0.0001, 0.010),
+             StepTime("D", 0.002, 0.008), StepTime("F", 0.0001, 0.3)]
+    assert idle_while(steps, "D") == pytest.approx(0.018)  # not the 0.5 before the first decode, nor the end's 0.3
+    assert idle_summary(steps, "D")["idle_between_s_sum"] == 0  # decode after decode only: blind to the leave
+    assert idle_while(steps, "P") == 0.0
