@@ -114,8 +114,8 @@ def idle_while(steps: list[StepTime], kind: str) -> float:
 
 
 def step_timeline(steps: list[StepTime]) -> list[list]:
-    """`steps` in order as [kind, count, busy ms (sum), idle ms before the run (sum)]: consecutive steps of one
-    kind fold into one entry, so a run of decode steps reads as one line beside the steps between them."""
+    """`steps` in order as [kind, count, busy ms, idle ms before each]: consecutive steps of one kind fold into
+    one entry (sums), so a run of decode steps reads as one line beside the steps between them."""
     out: list[list] = []
     for s in steps:
         idle = 1e3 * (s.idle_before_s or 0.0)
