@@ -355,6 +355,16 @@ def _num_splits(device: torch.device, programs_per_split: int, Lk: int, fp8: boo
     return max(1, min(want, -(-Lk // _MIN_CHUNK)))
 
 
+def _tiles(rows: int, D: int, fp8: bool = False) -> tuple[int, int, int, tuple[int, int, int]]:
+    """The split kernel's tiles for `rows` query rows per KV head (its query heads x query tokens) and head_dim D:
+    (BLOCK_M, row blocks, BLOCK_D, the default (BLOCK_N, warps, stages)). e4m3 keys / values: twice the keys per
+    tile for the same bytes in flight (first guess; bench/fp8_tune.py)."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_d = max(16, triton.next_power_of_2(D))
+    default = ((128 if fp8 else 64), 4, 3) if block_d <= 128 else (32, 4, 2)
+    return block_m, -(-rows // block_m), block_d, default
+
+
 def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_splits=None, use_triton=None, config=None,
                      length: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, options: dict | None = None, window: int | None = None,
@@ -406,17 +416,12 @@ def decode_attention(q, k, v, *, q_pos, k_pos, causal=True, scale=None, num_spli
     if fp8 and (k_scale.stride(2) != 1 or v_scale.stride() != k_scale.stride()):
         raise ValueError("decode_attention: k_scale and v_scale must be [B, Hkv, L] with unit stride along L and equal strides")
     G = Hq // Hkv
-    rows = G * Lq  # a KV head's query heads x query rows, one program's rows
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = -(-rows // block_m)
+    block_m, row_blocks, block_d, default = _tiles(G * Lq, D, fp8)
     if num_splits is None:  # with a window, keys a decode step can see (more with a span of query positions)
         num_splits = _num_splits(q.device, B * Hkv * row_blocks, Lk if window is None else min(Lk, window + Lq), fp8)
-    block_d = max(16, triton.next_power_of_2(D))
     opts = {**_FP8_OPTIONS, **(options or {})}
     # e4m3 cache, 16-bit queries, no causal mask, options "even": the kernel without per-block masks
     fp8_even = fp8 and q.dtype != torch.float32 and not causal and opts["even"] and softcap is None and sinks is None
-    # e4m3 keys / values: twice the keys per tile for the same bytes in flight (first guess; bench/fp8_tune.py)
-    default = ((128 if fp8 else 64), 4, 3) if block_d <= 128 else (32, 4, 2)
     if fp8_even:
         default = opts["config"]
     block_n, warps, stages = config or default
@@ -513,11 +518,8 @@ def _decode_table(q, k, v, q_pos, k_pos, table, scale, num_splits, use_triton, c
     scale = D**-0.5 if scale is None else scale
     qp = as_positions(q_pos, B, Lq, "q_pos", q.device)
     G = Hq // Hkv
-    rows = G * Lq
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    row_blocks = -(-rows // block_m)
-    block_d = max(16, triton.next_power_of_2(D))
-    block_n, warps, stages = config or ((64, 4, 3) if block_d <= 128 else (32, 4, 2))
+    block_m, row_blocks, block_d, default = _tiles(G * Lq, D)
+    block_n, warps, stages = config or default
     # the cache's length is known on the device only: as many splits as fill the GPU once (chunk: on the device)
     num_splits = num_splits or _num_splits(q.device, B * Hkv * row_blocks, 1 << 40)
     o_part = torch.empty(B, Hq, Lq, num_splits, D, dtype=torch.float32, device=q.device)
