@@ -1,5 +1,5 @@
 # One call (one GPU, ~400 s): a request joining or leaving the decoding batch, before and after 27a0318 (the own-KV
-# pool in one tensor per kind: ~8 copies a change, was ~1,550 at 32 layers x 16 rows). Trees: this one (new) and
+# pool in one tensor per kind: 3 copies a row at any depth, was ~1,550 at 32 layers x 16 rows). Trees: this one (new) and
 # .prev (`git archive 73efa0a starshard launch`, before it). 4 and 16 questions on one cached document of a length
 # drawn now, each count twice: the first questions often extend a step ahead of the rest and leave a step early,
 # which the runs' timelines (kind, count, busy ms, idle ms before) and idle_while_decoding_s show. Then the decode
