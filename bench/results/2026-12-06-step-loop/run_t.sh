@@ -1,9 +1,10 @@
-# One call (one GPU, ~400 s): a request joining or leaving the decoding batch, before and after 27a0318 (the own-KV
-# pool in one tensor per kind: 3 copies a row at any depth, was ~1,550 at 32 layers x 16 rows). Trees: this one (new) and
-# .prev (`git archive 73efa0a starshard launch`, before it). 4 and 16 questions on one cached document of a length
-# drawn now, each count twice: the first questions often extend a step ahead of the rest and leave a step early,
-# which the runs' timelines (kind, count, busy ms, idle ms before) and idle_while_decoding_s show. Then the decode
-# step at 128K against the bytes bound, bf16 and --fp8 kv, beside a large copy's read rate (issue 47's 1.2x).
+# One call (one GPU, ~400 s): a request joining or leaving the decoding batch, before and after 27a0318 (the
+# own-KV pool in one tensor per kind: 3 copies a row at any depth, was ~1,550 at 32 layers x 16 rows). Trees: this
+# one (new) and .prev (`git archive 73efa0a starshard launch`, before it). 4 and 16 questions on one cached
+# document of a length drawn now, each count twice: the first questions often extend a step ahead of the rest and
+# leave a step early, which the runs' timelines (kind, count, busy ms, idle ms before) and idle_while_decoding_s
+# show. Then the decode step at 128K against the bytes bound, bf16 and --fp8 kv, beside a large copy's read rate
+# (issue 47's 1.2x).
 . bench/results/2026-12-06-step-loop/prelude.sh
 LEN=$(python3 -c "import random; print(random.randrange(98304, 170001))"); echo "length $LEN"
 for tree in new prev; do
