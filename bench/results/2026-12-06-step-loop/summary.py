@@ -20,5 +20,5 @@ for p in sorted(out.glob("*.json")):
                 print("   q", c["questions"], "tok/s", round(c["decode_tokens_per_second"], 1),
                       "over_bound", c.get("tokens_per_second_over_device_bound"),
                       {k: (round(v, 5) if isinstance(v, float) else v) for k, v in (c.get("decode_steps") or {}).items()})
-            if "timeline" in c:
-                print("     steady", round(c["steady_s"], 4), "s; idle while decoding", c.get("idle_while_decoding_s"), "s; steps [kind, n, busy ms, idle ms before]:", c["timeline"])
+                if "timeline" in c:
+                    print("     steady", round(c["steady_s"], 4), "s; idle while decoding", c.get("idle_while_decoding_s"), "s; steps [kind, n, busy ms, idle ms before]:", c["timeline"])
