@@ -3,8 +3,9 @@
 # one (new) and .prev (`git archive 73efa0a starshard launch`, before it). 4 and 16 questions on one cached
 # document of a length drawn now, each count twice: the first questions often extend a step ahead of the rest and
 # leave a step early, which the runs' timelines (kind, count, busy ms, idle ms before) and idle_while_decoding_s
-# show. Then the decode step at 128K against the bytes bound, bf16 and --fp8 kv, beside a large copy's read rate
-# (issue 47's 1.2x).
+# show. Then the shared-part kernel through the kept graphs' table against the general launch (table_probe.py: is
+# the 16-question 1.17x the kernel?), and the decode step at 128K against the bytes bound, bf16 and --fp8 kv,
+# beside a large copy's read rate (issue 47's 1.2x).
 . bench/results/2026-12-06-step-loop/prelude.sh
 LEN=$(python3 -c "import random; print(random.randrange(98304, 170001))"); echo "length $LEN"
 for tree in new prev; do
@@ -14,6 +15,8 @@ for tree in new prev; do
     --out $OUT/serve_$tree.json > $OUT/log_$tree.txt 2>&1; t serve_$tree
   grep -h "decode graphs\|Traceback\|Error" $OUT/log_$tree.txt | head -3
 done
+timeout 60 $NEW bench/results/2026-12-06-step-loop/table_probe.py $OUT/table_probe.json "$LEN,131072" \
+  > $OUT/log_table.txt 2>&1; t table_probe; tail -6 $OUT/log_table.txt
 for fp8 in "" "--fp8 kv"; do
   n=bf16; [ -n "$fp8" ] && n=fp8kv
   timeout 100 $NEW -m starshard bench prefill $L8B --lengths 131072 --decode-steps 32 $fp8 \
