@@ -4,14 +4,16 @@
 # 64K and 128K, YaRN x4 (32K is the model's own window), dense | MInference searched | AnchorAttention calibrated |
 # both defaults | dense again, side by side. Targets: MInference >= 3x dense at 128K; AnchorAttention >= 1.0x
 # wherever its default runs sparse. Then `RUNS="minference_s anchor_s" bash paired.sh` pairs the configs on dense.
-# SEARCH_LENGTH: the length the configs are searched at (default 16384: e4a235b's run, MInference 2.78x at 128K).
+# SEARCH_LENGTH: the length the configs are searched at (default 16384: e4a235b's run, MInference 2.78x at 128K);
+# SEARCH_ARGS: more minference-search flags (e.g. "--target-recall 0.98": cheaper patterns, for the 3x target).
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 go() { [ $(( $(date +%s) - S )) -lt $1 ]; }
 M=qwen2.5-coder-1.5b-instruct; mkdir -p /tmp/qcfg
 python3 bench/make_essay.py --out /tmp/essay.txt --seed 2 > /dev/null
 [ -f /tmp/qcfg/minference.json ] || timeout 150 python3 -m starshard minference-search --model $M --device cuda \
-  --dtype bfloat16 --seed 1 --length ${SEARCH_LENGTH:-16384} --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1; t search
+  --dtype bfloat16 --seed 1 --length ${SEARCH_LENGTH:-16384} ${SEARCH_ARGS:-} --out /tmp/qcfg/minference.json \
+  > $OUT/log_search.txt 2>&1; t search
 [ -f /tmp/qcfg/anchor.json ] || timeout 150 python3 -m starshard anchor-calibrate --model $M --device cuda \
   --dtype bfloat16 --seed 1 --length ${SEARCH_LENGTH:-16384} --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1; t calibrate
 cp /tmp/qcfg/*.json $OUT/ 2>/dev/null
