@@ -35,7 +35,8 @@ for tree in new base head; do
 done
 echo "== variants per kernel: this tree | parent | head"
 join -1 2 -2 2 -a 1 -a 2 -e 0 -o 0,1.1,2.1 <(sort -k2 /tmp/k_new.txt) <(sort -k2 /tmp/k_base.txt) | sort -k1,1 \
-  | join -a 1 -a 2 -e 0 -o 0,1.2,1.3,2.1 - <(awk '{print $2, $1}' /tmp/k_head.txt | sort -k1,1) | awk '$2 != $3 || $3 != $4' | column -t
+  | join -a 1 -a 2 -e 0 -o 0,1.2,1.3,2.2 - <(awk '{print $2, $1}' /tmp/k_head.txt | sort -k1,1) | awk '$2 != $3 || $3 != $4' \
+  | awk '{printf "%-60s %4s %4s %4s\n", $1, $2, $3, $4}'  # the device image has no `column`
 serve base 1,16
 cat $OUT/log_*.txt > $OUT/all.log 2>/dev/null; rm -f $OUT/log_*.txt
 grep -h "Traceback\|Error" $OUT/all.log | head -5
