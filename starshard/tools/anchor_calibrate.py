@@ -36,6 +36,7 @@ import torch
 
 import starshard
 from starshard.checkpoints.named import resolve_model
+from starshard.cli import add_rope_scaling_argument
 from starshard.evaluation.tasks import make_sample
 from starshard.kernels.anchor import (
     AnchorConfig,
@@ -47,7 +48,7 @@ from starshard.kernels.anchor import (
 )
 from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.runtime.prompt import build_prompt, load_tokenizer
-from starshard.tools.layer_probe import probe_layers
+from starshard.tools.layer_probe import probe_layers, window_error
 
 _CHUNK = 1 << 26  # elements of one float32 gap / score tile
 
@@ -223,6 +224,7 @@ def main(argv=None) -> dict:
                    help="the finite thetas tried (default -4,40,0.25; -inf and inf are always tried)")
     p.add_argument("--recall-rows", type=int, default=256, help="query rows the recall is measured on, per prompt")
     p.add_argument("--layers", default=None, help="comma-separated layer ids to calibrate (others: --default-theta)")
+    add_rope_scaling_argument(p)  # a config for YaRN runs past the window is searched with YaRN
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="the model's dtype (default bfloat16, as it runs; the measurement is float32)")
@@ -246,12 +248,15 @@ def main(argv=None) -> dict:
     tok = load_tokenizer(path)
     if tok is None:
         p.error(f"{path} has no tokenizer: the calibration runs the model on harness prompts (text)")
-    model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
+    model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device,
+                                rope_scaling=args.rope_scaling)
     tasks = [t for t in args.tasks.split(",") if t]
     samples = sample_prompts(tok, args.length, tasks, args.samples, args.seed)
+    if (error := window_error(model, max(map(len, samples)))) is not None:
+        p.error(error)
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
     t0 = time.time()
-    meta = {"model": str(path), "target_recall": args.target_recall, "dtype": args.dtype,
+    meta = {"model": str(path), "target_recall": args.target_recall, "dtype": args.dtype, "rope_scaling": args.rope_scaling,
             "samples": {"tasks": tasks, "count": len(samples), "tokens": [len(s) for s in samples], "seed": args.seed},
             "score": "attention recall (mean over rows and prompts) at the chosen theta", "theta_range": [lo, hi, st]}
     out_cfg = calibrate(model, samples, cfg, target=args.target_recall, grid=theta_grid(lo, hi, st), layers=layers,

@@ -7,11 +7,23 @@ from collections.abc import Callable
 import torch
 
 
+def window_error(model, length: int) -> str | None:
+    """Why a sample of `length` tokens cannot be probed (positions past the model's window: attention the model
+    never runs, so patterns found there would be wrong), or None."""
+    window = model.config.max_position_embeddings
+    if length <= window:
+        return None
+    return (f"the sample is {length} tokens, past the model's window of {window}: lower --length to at most "
+            f"{window}, or extend the window with --rope-scaling yarn:FACTOR (as the runs will use)")
+
+
 def probe_layers(model, ids: list[int], observe: Callable[[int, torch.Tensor, torch.Tensor], None],
                  layers=None) -> None:
     """Run `ids` through `model` once (no grad, last token's logits only); as each selected layer's
     attention runs, call observe(layer index, q, k) with its post-RoPE queries and keys. The attention
     itself runs unchanged, and each layer's previous attention is back afterwards, also on error."""
+    if (error := window_error(model, len(ids))) is not None:
+        raise ValueError(error)
     want = set(range(len(model.layers))) if layers is None else set(layers)
 
     def wrap(i, fn):

@@ -38,10 +38,11 @@ import torch
 
 import starshard
 from starshard.checkpoints.named import resolve_model
+from starshard.cli import add_rope_scaling_argument
 from starshard.evaluation.tasks import make_sample
 from starshard.kernels import minference as mi
 from starshard.runtime.prompt import build_prompt, load_tokenizer
-from starshard.tools.layer_probe import probe_layers
+from starshard.tools.layer_probe import probe_layers, window_error
 
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
@@ -307,6 +308,7 @@ def main(argv=None) -> dict:
     p.add_argument("--equal-cost", action="store_true",
                    help="instead pick per head the best recall at the target A-shape's kernel cost (MInference's "
                         "search; on SmolLM2 it kept 0.76 of dense's harness score)")
+    add_rope_scaling_argument(p)  # a config for YaRN runs past the window is searched with YaRN
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--published", default=None, help="also write MInference's published format to this path")
@@ -319,9 +321,12 @@ def main(argv=None) -> dict:
 
 
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
-    model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
+    model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device,
+                                rope_scaling=args.rope_scaling)
     ids = sample_ids(path, args.length, args.task, args.seed)
     L = len(ids)
+    if (error := window_error(model, L)) is not None:
+        p.error(error)
     dflt = default_target(L)
     target = (args.target_sink or dflt[0], args.target_local or dflt[1])
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
@@ -335,6 +340,7 @@ def main(argv=None) -> dict:
         force_local=args.force_local, vertical_aware=not args.minference_estimate,
         meta={"model": str(path), "sample": {"task": args.task, "tokens": L, "seed": args.seed},
               "target": {"sink": target[0], "local": target[1]}, "target_recall": args.target_recall,
+              "rope_scaling": args.rope_scaling,
               "score": ("attention recall at equal kernel cost" if args.target_recall is None else
                         f"attention recall of the cheapest pattern reaching {args.target_recall}"),
               "searched_layers": sorted(i for i, d in enumerate(found) if d), "seconds": round(time.time() - t0, 1)},

@@ -73,3 +73,29 @@ def test_run_plans_the_raised_window(qwen2, capsys):
     base = ["--model", str(path), "--prompt-len", str(N + 100), "--max-new-tokens", "1", "--plan-only"]
     assert infer.main(base) == 2 and "window" in capsys.readouterr().err  # past the model's 512 positions
     assert infer.main([*base, "--rope-scaling", "yarn:4"]) == 0
+
+
+def test_pattern_search_runs_past_the_window_only_with_the_switch(qwen2, tmp_path, capsys, monkeypatch):
+    """minference-search probes one sample's attention: past the model's window it would find patterns of
+    positions the model never runs, so it is refused, naming --rope-scaling; with it the search runs the YaRN
+    model and the config records the scaling."""
+    from starshard.kernels.minference import MInferenceConfig
+    from starshard.tools import minference_search as ms
+    from starshard.tools.layer_probe import probe_layers
+
+    _, path = qwen2
+    # the tiny model's vocabulary makes no harness text: random ids of the asked length
+    monkeypatch.setattr(ms, "sample_ids", lambda p, n, task, seed: torch.randint(
+        0, 211, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+    out = tmp_path / "cfg.json"
+    args = ["--model", str(path), "--out", str(out), "--length", str(N + 88), "--layers", "0", "--block-size", "16",
+            "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet"]
+    with pytest.raises(SystemExit) as e:
+        ms.main(args)
+    assert e.value.code == 2 and f"past the model's window of {N}" in capsys.readouterr().err and not out.exists()
+    ms.main([*args, "--rope-scaling", "yarn:2"])
+    cfg = MInferenceConfig.load(out)
+    assert cfg.meta["rope_scaling"] == "yarn:2" and cfg.meta["sample"]["tokens"] == N + 88 and cfg.layers[0]
+    llm = LLM(str(path), progress=False)
+    with pytest.raises(ValueError, match="--rope-scaling"):  # the library call refuses it too
+        probe_layers(llm.model, list(range(N + 1)), lambda i, q, k: None)
