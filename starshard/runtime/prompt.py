@@ -42,6 +42,10 @@ class Prompt:
         return self._on_device[device]
 
 
+# What a checkpoint directory holds its tokenizer in (HF's fast and slow formats, sentencepiece models)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_tokenizer(path: Path):
     """The model's tokenizer, or None if the checkpoint has none (then prompts must be token ids)."""
     from transformers import AutoTokenizer
@@ -50,6 +54,8 @@ def load_tokenizer(path: Path):
     try:
         if path.is_file():  # .gguf
             return gguf_tokenizer(path)
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            return None  # transformers would build an empty tokenizer (a vocabulary of 1) from the config alone
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None

@@ -24,3 +24,17 @@ def test_an_empty_user_message_is_named(content):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
     with pytest.raises(ValueError, match=r"messages\[1\] \(the last user message\) has empty content"):
         build_chat_prompt(tokenizer, messages)
+
+
+def test_a_checkpoint_without_tokenizer_files_has_no_tokenizer(tmp_path):
+    """Text prompts then are refused, naming token ids, instead of running through the empty tokenizer (a
+    vocabulary of 1) that transformers builds from a config alone."""
+    from tests.helpers.hf_models import make_hf_model
+
+    from starshard.runtime.prompt import build_prompt, load_tokenizer
+
+    _, path = make_hf_model("qwen2", tmp_path)
+    assert load_tokenizer(path) is None
+    with pytest.raises(ValueError, match="pass token ids instead of text"):
+        build_prompt(load_tokenizer(path), prompt="some text")
+    assert build_prompt(None, prompt=[5, 6, 7]).ids == [5, 6, 7]
