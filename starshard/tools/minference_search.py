@@ -253,14 +253,15 @@ def search_layer(q, k, **kwargs) -> list:
     return LayerSearch(q, k, **kwargs).best()
 
 
-def sample_ids(model_path, length: int, task: str, seed: int) -> list[int]:
-    """Token ids of one synthetic long-context prompt of about `length` tokens."""
+def sample_ids(model_path, length: int, task: str, seed: int, vocab_size: int) -> list[int]:
+    """Token ids of one synthetic long-context prompt of about `length` tokens (random ids of the model's
+    vocabulary where the checkpoint has no tokenizer)."""
 
     tok = load_tokenizer(Path(model_path))
     if tok is None:
         g = torch.Generator().manual_seed(seed)
         print("minference_search: the checkpoint has no tokenizer; using random token ids", file=sys.stderr)
-        return torch.randint(100, 20000, (length,), generator=g).tolist()
+        return torch.randint(min(100, vocab_size // 2), vocab_size, (length,), generator=g).tolist()
     s = make_sample(task, tok, length, 0.5, seed)
     ids = build_prompt(tok, context=s.context, question=s.question).ids
     return ids[:length]
@@ -323,7 +324,7 @@ def main(argv=None) -> dict:
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device,
                                 rope_scaling=args.rope_scaling)
-    ids = sample_ids(path, args.length, args.task, args.seed)
+    ids = sample_ids(path, args.length, args.task, args.seed, model.config.vocab_size)
     L = len(ids)
     if (error := window_error(model, L)) is not None:
         p.error(error)

@@ -75,7 +75,7 @@ def test_run_plans_the_raised_window(qwen2, capsys):
     assert infer.main([*base, "--rope-scaling", "yarn:4"]) == 0
 
 
-def test_pattern_search_runs_past_the_window_only_with_the_switch(qwen2, tmp_path, capsys, monkeypatch):
+def test_pattern_search_runs_past_the_window_only_with_the_switch(qwen2, tmp_path, capsys):
     """minference-search probes one sample's attention: past the model's window it would find patterns of
     positions the model never runs, so it is refused, naming --rope-scaling; with it the search runs the YaRN
     model and the config records the scaling."""
@@ -84,9 +84,7 @@ def test_pattern_search_runs_past_the_window_only_with_the_switch(qwen2, tmp_pat
     from starshard.tools.layer_probe import probe_layers
 
     _, path = qwen2
-    # the tiny model's vocabulary makes no harness text: random ids of the asked length
-    monkeypatch.setattr(ms, "sample_ids", lambda p, n, task, seed: torch.randint(
-        0, 211, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+    # no tokenizer files: random ids of the model's vocabulary
     out = tmp_path / "cfg.json"
     args = ["--model", str(path), "--out", str(out), "--length", str(N + 88), "--layers", "0", "--block-size", "16",
             "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet"]
