@@ -256,7 +256,8 @@ def main(argv=None) -> dict:
         p.error(error)
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
     t0 = time.time()
-    meta = {"model": str(path), "target_recall": args.target_recall, "dtype": args.dtype, "rope_scaling": args.rope_scaling,
+    meta = {"model": str(path), "target_recall": args.target_recall, "dtype": args.dtype,
+            "rope_scaling": args.rope_scaling,
             "samples": {"tasks": tasks, "count": len(samples), "tokens": [len(s) for s in samples], "seed": args.seed},
             "score": "attention recall (mean over rows and prompts) at the chosen theta", "theta_range": [lo, hi, st]}
     out_cfg = calibrate(model, samples, cfg, target=args.target_recall, grid=theta_grid(lo, hi, st), layers=layers,
