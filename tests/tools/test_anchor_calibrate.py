@@ -208,7 +208,7 @@ def test_cli_refuses_conflicts_and_missing_files(tmp_path):
         load_sparse_method(SparseConfig("minference", str(tmp_path / "a.json")))
 
 
-def test_calibrate_cli_on_the_default_model(tmp_path):
+def test_calibrate_cli_on_the_default_model(tmp_path, capsys):
     """The tool end to end (harness prompts through the tokenizer) on the embedded model, two layers."""
     try:
         from starshard.checkpoints.default import default_checkpoint
@@ -224,6 +224,13 @@ def test_calibrate_cli_on_the_default_model(tmp_path):
     assert len(cfg.layers) == 30 and len(cfg.layers[0]) == 9 and len(cfg.layers[5]) == 9 and not cfg.layers[1]
     assert summary["heads"] == 18 and 0.9 <= summary["mean_recall"] <= 1.0 + 1e-6
     assert cfg.meta["samples"]["tokens"][0] <= 256 and (cfg.block_q, cfg.step, cfg.init_tokens) == (16, 1, 4)
+    assert cfg.meta["rope_scaling"] is None
+    # a sample past the model's 8,192 positions: refused, naming the fix, nothing written
+    with pytest.raises(SystemExit) as e:
+        ac.main(["--model", str(ckpt), "--out", str(tmp_path / "long.json"), "--length", "8300", "--samples", "1",
+                 "--layers", "0", "--device", "cpu", "--dtype", "float32", "--quiet"])
+    assert e.value.code == 2 and not (tmp_path / "long.json").exists()
+    assert "past the model's window of 8192" in capsys.readouterr().err
 
 
 def test_bench_prompt_file_is_repeated_or_truncated(tmp_path):
