@@ -23,6 +23,10 @@ config lost a quarter of the harness score; docs/results.md, Sparse prefill); a 
 each head gives up and lets the cost grow instead (SmolLM2, searched at 8K with 0.99: 0.99 of dense's
 harness score and 4.76x dense at 128K; docs/results.md, Sparse prefill; hence the defaults).
 
+With `--samples N` (tasks in turn from a comma-separated `--task`, depths spread) a head's pattern must reach the
+floor on every sample: per family the largest of the samples' smallest budgets, then the cheapest family by its
+highest cost over the samples.
+
 Budgets are absolute token/block counts found at the sample length; like MInference's published
 configs, they are applied unchanged at other lengths. `--published` also writes MInference's format.
 """
@@ -186,12 +190,11 @@ class LayerSearch:
             lo_t = torch.where(open_ & ~good, mid, lo_t)
         return hi_t, reach
 
-    def recall_candidates(self):
-        """(pattern per head, recall per head (-1 where the family cannot reach target_recall), cost
-        per head) of each family at its smallest budget reaching target_recall: A-shape (the target's
-        sink, the window grown), Vertical-Slash (the vertical shares of `candidates`, the diagonals
-        grown), Block-Sparse (the block count grown)."""
-        out = []
+    def families(self):
+        """(index maker from per-head budgets, lowest budget, highest budget, pattern of a budget) of each
+        family the recall floor searches: A-shape (the target's sink, the window grown), Vertical-Slash (the
+        vertical shares of `candidates`, the diagonals grown), Block-Sparse (the block count grown). Set by the
+        target and the length alone, so samples of one length search the same families."""
         t_sink, t_local = self.target
         ndiag = self.Lq + self.offset
 
@@ -205,31 +208,31 @@ class LayerSearch:
                              lambda b, v=vert: mi.VerticalSlash(v, int(b))))
         families.append((lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
                          lambda b: mi.BlockSparse(max(1, int(b)))))
-        for make, lo, hi, pattern in families:
-            budget, reach = self._smallest(make, lo, hi)
+        return families
+
+    def smallest_budgets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per family, (the smallest budget per head reaching target_recall, whether its highest does)."""
+        return [self._smallest(make, lo, hi) for make, lo, hi, _ in self.families()]
+
+    def evaluate(self, budgets: list[torch.Tensor]) -> list:
+        """(pattern per head, recall per head, cost per head) of each family at these budgets per head."""
+        out = []
+        for (make, _, _, pattern), budget in zip(self.families(), budgets, strict=True):
             grp = make(budget)
-            rec = torch.where(reach, self._recall(grp), torch.tensor(-1.0))
-            out.append(([pattern(b) for b in budget], rec, self._cost(grp)))
+            out.append(([pattern(b) for b in budget], self._recall(grp), self._cost(grp)))
         return out
+
+    def recall_candidates(self) -> list:
+        """(pattern per head, recall per head (-1 where the family cannot reach target_recall), cost
+        per head) of each family at its smallest budget reaching target_recall."""
+        found = self.smallest_budgets()
+        return [(pats, torch.where(reach, rec, torch.tensor(-1.0)), cost)
+                for (pats, rec, cost), (_, reach) in zip(self.evaluate([b for b, _ in found]), found)]
 
     def cheapest(self) -> list:
         """Per head, the cheapest candidate (kernel cost) whose recall reaches target_recall; Dense
         where none does. The pattern's score is its recall (1.0 for Dense)."""
-        cands = self.recall_candidates()
-        recalls = torch.stack([c[1] for c in cands])  # [C, Hq]
-        costs = torch.stack([c[2].double() for c in cands])
-        costs = torch.where(recalls >= 0, costs, torch.tensor(float("inf"), dtype=costs.dtype))
-        pick = costs.argmin(0)
-        result = []
-        for h in range(self.Hq):
-            c = int(pick[h])
-            if not torch.isfinite(costs[c, h]):
-                result.append(mi.Dense(score=1.0))
-                continue
-            p = cands[c][0][h]
-            result.append(type(p)(**{**{f: getattr(p, f) for f in p.__dataclass_fields__ if f != "score"},
-                                     "score": round(float(recalls[c, h]), 6)}))
-        return result
+        return pick_cheapest(self.recall_candidates())
 
     def best(self) -> list:
         """Per head, the candidate with the best recall (its recall kept as the pattern's score); with
@@ -248,12 +251,32 @@ class LayerSearch:
         return result
 
 
+def pick_cheapest(cands) -> list:
+    """Per head, the cheapest of `cands` ((pattern per head, recall per head: -1 where the floor is not
+    reached, cost per head) per family) by kernel cost; Dense where none reaches it. The pattern's score is its
+    recall (1.0 for Dense)."""
+    recalls = torch.stack([c[1] for c in cands])  # [C, Hq]
+    costs = torch.stack([c[2].double() for c in cands])
+    costs = torch.where(recalls >= 0, costs, torch.tensor(float("inf"), dtype=costs.dtype))
+    pick = costs.argmin(0)
+    result = []
+    for h in range(recalls.shape[1]):
+        c = int(pick[h])
+        if not torch.isfinite(costs[c, h]):
+            result.append(mi.Dense(score=1.0))
+            continue
+        p = cands[c][0][h]
+        result.append(type(p)(**{**{f: getattr(p, f) for f in p.__dataclass_fields__ if f != "score"},
+                                 "score": round(float(recalls[c, h]), 6)}))
+    return result
+
+
 def search_layer(q, k, **kwargs) -> list:
     """Best pattern per query head of one layer (q [B, Hq, L, D] after RoPE, k [B, Hkv, L, D])."""
     return LayerSearch(q, k, **kwargs).best()
 
 
-def sample_ids(model_path, length: int, task: str, seed: int, vocab_size: int) -> list[int]:
+def sample_ids(model_path, length: int, task: str, seed: int, vocab_size: int, depth: float = 0.5) -> list[int]:
     """Token ids of one synthetic long-context prompt of about `length` tokens (random ids of the model's
     vocabulary where the checkpoint has no tokenizer)."""
 
@@ -262,7 +285,7 @@ def sample_ids(model_path, length: int, task: str, seed: int, vocab_size: int) -
         g = torch.Generator().manual_seed(seed)
         print("minference_search: the checkpoint has no tokenizer; using random token ids", file=sys.stderr)
         return torch.randint(min(100, vocab_size // 2), vocab_size, (length,), generator=g).tolist()
-    s = make_sample(task, tok, length, 0.5, seed)
+    s = make_sample(task, tok, length, depth, seed)
     ids = build_prompt(tok, context=s.context, question=s.question).ids
     return ids[:length]
 
@@ -284,6 +307,48 @@ def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
     return found
 
 
+def run_search_samples(model, samples: list[list[int]], *, layers=None, progress=True, **kwargs) -> list:
+    """run_search's recall floor over several samples of one length: per head and family the largest of the
+    samples' smallest budgets reaching the floor (a family's recall grows with its budget, so it reaches the
+    floor on every sample), then, in a second pass, each family's recall (the lowest) and kernel cost (the
+    highest) over the samples at that budget; the cheapest family per head, Dense where one sample's floor is
+    out of a family's reach. Two forward passes per sample; nothing per sample is kept but budgets and scores."""
+    if kwargs.get("target_recall") is None:
+        raise ValueError("a search over several samples needs a recall floor (target_recall)")
+    n = len(model.layers)
+    budgets: list[list | None] = [None] * n  # per layer, per family: (budget per head, reached on every sample)
+    scores: list[list | None] = [None] * n  # per layer, per family: (patterns, lowest recall, highest cost)
+
+    def first(i, q, k):
+        found = LayerSearch(q, k, **kwargs).smallest_budgets()
+        if budgets[i] is None:
+            budgets[i] = found
+        else:
+            budgets[i] = [(torch.maximum(b0, b), r0 & r) for (b0, r0), (b, r) in zip(budgets[i], found, strict=True)]
+
+    def second(i, q, k):
+        got = LayerSearch(q, k, **kwargs).evaluate([b for b, _ in budgets[i]])
+        if scores[i] is None:
+            scores[i] = got
+        else:
+            scores[i] = [(pats, torch.minimum(r0, r), torch.maximum(c0, c))
+                         for (pats, r0, c0), (_, r, c) in zip(scores[i], got, strict=True)]
+
+    for which, observe in (("budgets", first), ("scores", second)):
+        for j, ids in enumerate(samples):
+            t = time.time()
+            probe_layers(model, ids, observe, layers)
+            if progress:
+                print(f"{which}: sample {j + 1} of {len(samples)} ({time.time() - t:.1f}s)", file=sys.stderr)
+    found: list[dict] = [{} for _ in range(n)]
+    for i in range(n):
+        if scores[i] is not None:
+            cands = [(pats, torch.where(reach, rec, torch.tensor(-1.0)), cost)
+                     for (pats, rec, cost), (_, reach) in zip(scores[i], budgets[i], strict=True)]
+            found[i] = dict(enumerate(pick_cheapest(cands)))
+    return found
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="starshard minference-search", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir, HF dir or .gguf (default: the embedded default model)")
@@ -291,7 +356,13 @@ def main(argv=None) -> dict:
     p.add_argument("--length", type=int, default=8192,
                    help="sample prompt length in tokens (the measured config used 8192; on a CPU a shorter sample "
                         "searches faster)")
-    p.add_argument("--task", default="multikey", help="synthetic task of the sample (starshard.evaluation.tasks)")
+    p.add_argument("--task", default="multikey",
+                   help="synthetic task of the sample (starshard.evaluation.tasks); comma-separated: the samples' "
+                        "tasks in turn")
+    p.add_argument("--samples", type=int, default=1,
+                   help="sample prompts of --length tokens (default 1, the needle at half depth); more: the tasks in "
+                        "turn, depths spread over (0, 1), seeds --seed, --seed + 1, ...; per head the cheapest "
+                        "pattern whose recall reaches --target-recall on every sample (two passes a sample)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", default=None, help="comma-separated layer ids to search (others get the default pattern)")
     p.add_argument("--block-size", type=int, default=64)
@@ -317,29 +388,40 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if not 0.0 < args.target_recall <= 1.0:
         p.error(f"--target-recall must be in (0, 1], got {args.target_recall}")
+    if args.samples < 1:
+        p.error(f"--samples must be at least 1, got {args.samples}")
     if args.equal_cost:
+        if args.samples > 1:
+            p.error("--equal-cost searches one sample: drop --samples, or search with --target-recall")
         args.target_recall = None
+    tasks = [t for t in args.task.split(",") if t]
 
 
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device,
                                 rope_scaling=args.rope_scaling)
-    ids = sample_ids(path, args.length, args.task, args.seed, model.config.vocab_size)
-    L = len(ids)
+    samples = [sample_ids(path, args.length, tasks[j % len(tasks)], args.seed + j, model.config.vocab_size,
+                          0.5 if args.samples == 1 else (j + 0.5) / args.samples) for j in range(args.samples)]
+    L = min(map(len, samples))  # the harness fits each sample to about --length: one length for all
+    samples = [ids[:L] for ids in samples]
     if (error := window_error(model, L)) is not None:
         p.error(error)
     dflt = default_target(L)
     target = (args.target_sink or dflt[0], args.target_local or dflt[1])
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
     t0 = time.time()
-    found = run_search(model, ids, layers=layers, progress=not args.quiet, block_size=args.block_size,
-                       last_q=args.last_q, force_sink=args.force_sink, force_local=args.force_local, target=target,
-                       recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate,
-                       target_recall=args.target_recall)
+    search = dict(layers=layers, progress=not args.quiet, block_size=args.block_size, last_q=args.last_q,
+                  force_sink=args.force_sink, force_local=args.force_local, target=target,
+                  recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate,
+                  target_recall=args.target_recall)
+    if len(samples) == 1:
+        found = run_search(model, samples[0], **search)
+    else:
+        found = run_search_samples(model, samples, **search)
     cfg = mi.MInferenceConfig(
         layers=found, block_size=args.block_size, last_q=args.last_q, force_sink=args.force_sink,
         force_local=args.force_local, vertical_aware=not args.minference_estimate,
-        meta={"model": str(path), "sample": {"task": args.task, "tokens": L, "seed": args.seed},
+        meta={"model": str(path), "sample": {"task": args.task, "tokens": L, "seed": args.seed, "count": len(samples)},
               "target": {"sink": target[0], "local": target[1]}, "target_recall": args.target_recall,
               "rope_scaling": args.rope_scaling,
               "score": ("attention recall at equal kernel cost" if args.target_recall is None else

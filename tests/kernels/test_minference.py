@@ -696,3 +696,58 @@ def test_bench_prefill_on_the_embedded_default(tmp_path):
     assert r["sparse_config_file"] == str(DEFAULT_MINFERENCE_CONFIG) and r["weights"] == "real"
     assert r["checkpoint"].endswith("smollm2-135m-instruct-q4_1-f32")
     assert r["results"][0]["length"] == 200 and r["results"][0]["sparse_report"]["heads_sparse"] > 0
+
+
+def test_search_over_samples_reaches_the_floor_on_each():
+    """run_search_samples: the same sample twice is the one-sample search; over two samples each head's pattern
+    is a family's budget at least each sample's own smallest, and reaches the floor on each sample alone (its
+    score the lower recall), or the head runs dense."""
+    import starshard
+    from starshard.tools import minference_search as ms
+    from starshard.tools.layer_probe import probe_layers
+
+    model = starshard.load_model(_default_checkpoint())
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(100, 20000, (160,), generator=g).tolist() for _ in range(2))
+    kw = dict(block_size=16, last_q=16, force_sink=4, force_local=8, target_recall=0.97)
+    assert ms.run_search_samples(model, [a, a], layers=[2], progress=False, **kw)[2] == \
+        ms.run_search(model, a, layers=[2], progress=False, **kw)[2]
+    both = ms.run_search_samples(model, [a, b], layers=[2], progress=False, **kw)[2]
+    searches = []
+    for ids in (a, b):
+        seen = {}
+        probe_layers(model, ids, lambda i, q, k: seen.setdefault(i, (q, k)), [2])
+        searches.append(ms.LayerSearch(*seen[2], **kw))
+    own = [s.smallest_budgets() for s in searches]
+    combined = [torch.maximum(x[0], y[0]) for x, y in zip(*own)]
+    evals = [s.evaluate(combined) for s in searches]
+    plain = lambda p: {f: getattr(p, f) for f in p.__dataclass_fields__ if f != "score"}  # noqa: E731
+    sparse = 0
+    for h, p in both.items():
+        if isinstance(p, mi.Dense):
+            continue
+        sparse += 1
+        f = next(f for f in range(len(combined)) if plain(evals[0][f][0][h]) == plain(p))
+        recalls = [float(e[f][1][h]) for e in evals]
+        assert min(recalls) >= 0.97 - 1e-6 and p.score == round(min(recalls), 6), (h, p, recalls)
+        assert all(int(combined[f][h]) >= int(o[f][0][h]) for o in own)
+    assert sparse > 0 and len(both) == 9
+
+
+def test_search_cli_samples(tmp_path, capsys):
+    """--samples through the CLI: recorded in the config's meta, every searched head at the floor or dense;
+    --equal-cost (one sample's search) refuses it, naming the fix."""
+    from starshard.tools import minference_search as ms
+
+    ckpt = _default_checkpoint()
+    out = tmp_path / "cfg.json"
+    args = ["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "2", "--block-size", "16",
+            "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet", "--samples", "2"]
+    ms.main([*args, "--target-recall", "0.97"])
+    cfg = mi.MInferenceConfig.load(out)
+    assert cfg.meta["sample"]["count"] == 2 and len(cfg.layers[2]) == 9
+    assert all(p.score >= 0.97 for p in cfg.layers[2].values())
+    for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1")):
+        with pytest.raises(SystemExit):
+            ms.main([*args, *bad])
+        assert why in capsys.readouterr().err
