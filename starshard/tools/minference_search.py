@@ -43,7 +43,7 @@ import torch
 import starshard
 from starshard.checkpoints.named import resolve_model
 from starshard.cli import add_rope_scaling_argument
-from starshard.evaluation.tasks import make_sample
+from starshard.evaluation.tasks import TASKS, make_sample
 from starshard.kernels import minference as mi
 from starshard.runtime.prompt import build_prompt, load_tokenizer
 from starshard.tools.layer_probe import probe_layers, window_error
@@ -395,6 +395,8 @@ def main(argv=None) -> dict:
             p.error("--equal-cost searches one sample: drop --samples, or search with --target-recall")
         args.target_recall = None
     tasks = [t for t in args.task.split(",") if t]
+    if not tasks or any(t not in TASKS for t in tasks):
+        p.error(f"--task {args.task!r}: give one or more of {', '.join(TASKS)}, comma-separated")
 
 
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once

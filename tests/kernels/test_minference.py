@@ -747,7 +747,8 @@ def test_search_cli_samples(tmp_path, capsys):
     cfg = mi.MInferenceConfig.load(out)
     assert cfg.meta["sample"]["count"] == 2 and len(cfg.layers[2]) == 9
     assert all(p.score >= 0.97 for p in cfg.layers[2].values())
-    for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1")):
+    for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1"),
+                     (["--task", "multikey,nosuch"], "give one or more of")):
         with pytest.raises(SystemExit):
             ms.main([*args, *bad])
         assert why in capsys.readouterr().err

@@ -7,12 +7,13 @@
 # SEARCH_LENGTH: the length the configs are searched at (default 16384: e4a235b's run, MInference 2.78x at 128K);
 # SEARCH_ARGS: more minference-search flags (e.g. "--target-recall 0.98": cheaper patterns, for the 3x target;
 # searched at 16K it ran 2.97x but kept 76 % of dense's right answers at 64K-128K, h100-f/). A SEARCH_LENGTH past
-# the model's 32K window searches with YaRN x4, as the runs use it (both tools refuse it without).
+# the model's 32K window searches with YaRN x4, as the runs use it (both tools refuse it without). Several samples:
+# SEARCH_ARGS="--samples 3 --task multikey,variable_tracking,niah_essay" (two passes a sample; SEARCH_TIMEOUT s).
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 go() { [ $(( $(date +%s) - S )) -lt $1 ]; }
 M=qwen2.5-coder-1.5b-instruct; mkdir -p /tmp/qcfg; SL=${SEARCH_LENGTH:-16384}
-RS=""; TS=150; [ $SL -gt 32768 ] && { RS="--rope-scaling yarn:4"; TS=300; }
+RS=""; TS=150; [ $SL -gt 32768 ] && { RS="--rope-scaling yarn:4"; TS=300; }; TS=${SEARCH_TIMEOUT:-$TS}
 python3 bench/make_essay.py --out /tmp/essay.txt --seed 2 > /dev/null
 [ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
   --dtype bfloat16 --seed 1 --length $SL $RS ${SEARCH_ARGS:-} --out /tmp/qcfg/minference.json \
