@@ -226,8 +226,7 @@ class LayerSearch:
         """(pattern per head, recall per head (-1 where the family cannot reach target_recall), cost
         per head) of each family at its smallest budget reaching target_recall."""
         found = self.smallest_budgets()
-        return [(pats, torch.where(reach, rec, torch.tensor(-1.0)), cost)
-                for (pats, rec, cost), (_, reach) in zip(self.evaluate([b for b, _ in found]), found)]
+        return floor_candidates(self.evaluate([b for b, _ in found]), found)
 
     def cheapest(self) -> list:
         """Per head, the cheapest candidate (kernel cost) whose recall reaches target_recall; Dense
@@ -249,6 +248,13 @@ class LayerSearch:
             result.append(type(p)(**{**{f: getattr(p, f) for f in p.__dataclass_fields__ if f != "score"},
                                      "score": round(float(recalls[c, h]), 6)}))
         return result
+
+
+def floor_candidates(scored, found) -> list:
+    """`scored` (patterns, recall, cost per family, at the budgets of `found`: (budget, reached) per family) with
+    recall -1 where the family's budget did not reach the floor: what pick_cheapest reads."""
+    return [(pats, torch.where(reach, rec, torch.tensor(-1.0)), cost)
+            for (pats, rec, cost), (_, reach) in zip(scored, found, strict=True)]
 
 
 def pick_cheapest(cands) -> list:
@@ -343,9 +349,7 @@ def run_search_samples(model, samples: list[list[int]], *, layers=None, progress
     found: list[dict] = [{} for _ in range(n)]
     for i in range(n):
         if scores[i] is not None:
-            cands = [(pats, torch.where(reach, rec, torch.tensor(-1.0)), cost)
-                     for (pats, rec, cost), (_, reach) in zip(scores[i], budgets[i], strict=True)]
-            found[i] = dict(enumerate(pick_cheapest(cands)))
+            found[i] = dict(enumerate(pick_cheapest(floor_candidates(scores[i], budgets[i]))))
     return found
 
 
