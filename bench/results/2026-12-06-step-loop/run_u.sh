@@ -6,26 +6,14 @@
 # cached document of a length drawn now, new, .prev (16) and the parent; 3. warm-ups new, parent, new, parent,
 # each on its own empty Triton cache, with the log's phases (cut model, graphs).
 . bench/results/2026-12-06-step-loop/prelude.sh
-END=${END:-540}
-go() { [ $(( $(date +%s) - S + $1 )) -lt $END ]; }  # a phase that may take $1 more seconds fits
-timeout 100 $NEW -m pytest -q -p no:cacheprovider tests/gpu/test_table_graphs_gpu.py tests/gpu/test_lookahead_gpu.py \
-  > $OUT/log_gpu.txt 2>&1; t gpu_tests; tail -2 $OUT/log_gpu.txt
-LEN=$(python3 -c "import random; print(random.randrange(98304, 180001))"); echo "length $LEN"
+END=${END:-540}; . bench/results/2026-12-06-step-loop/phases.sh
 for tree in new prev; do
   P=$PWD; [ $tree != new ] && P=$PWD/.$tree
   go 60 && timeout 60 env PYTHONPATH=/tmp/site:$P python3 -P bench/results/2026-12-06-step-loop/table_probe.py \
     $OUT/table_$tree.json "$LEN,131072" > $OUT/log_t$tree.txt 2>&1; t table_$tree
   grep -h "'questions': 16" $OUT/log_t$tree.txt | cut -c1-200
 done
-serve() {  # tree, concurrency
-  P=$PWD; [ $1 != new ] && P=$PWD/.$1; mkdir -p /tmp/triton_$1
-  go 110 && TRITON_CACHE_DIR=/tmp/triton_$1 timeout 110 env PYTHONPATH=/tmp/site:$P python3 -P -m starshard bench serve \
-    $L8B --scenario document --lengths $LEN --cache-gib 30 --decode-tokens 32 --concurrency $2 \
-    --out $OUT/serve_$1.json > $OUT/log_s$1.txt 2>&1; t serve_$1
-}
 serve new 1,16; serve prev 16; serve base 1,16
-W="import logging, sys; logging.basicConfig(level=logging.INFO, format='%(relativeCreated)d %(message)s')
-from starshard.commands.bench import main; main(sys.argv[1:])"
 A="serve $L8B --scenario document --lengths 100003 --cache-gib 30 --decode-tokens 2 --concurrency 1,16"
 i=0
 for tree in new base new base; do
