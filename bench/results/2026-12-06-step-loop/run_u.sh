@@ -4,7 +4,8 @@
 # 2f17e11, `git archive`). Each phase starts only while the call's time (END seconds, default 540) allows:
 # 0. the GPU tests of the kept graphs; 1. table_probe.py, new then .prev, same inputs; 2. 1 / 16 questions on one
 # cached document of a length drawn now, new, .prev (16) and the parent; 3. warm-ups new, parent, new, parent,
-# each on its own empty Triton cache, with the log's phases (cut model, graphs).
+# each on its own empty Triton cache, with the log's phases (cut model, graphs). SERVES="" WARMUPS="new base new base
+# new base": no serve runs, three warm-up pairs instead (the warm-up's 1.1x target is a ratio of noisy runs).
 . bench/results/2026-12-06-step-loop/prelude.sh
 END=${END:-540}; . bench/results/2026-12-06-step-loop/phases.sh
 for tree in new prev; do
@@ -13,10 +14,11 @@ for tree in new prev; do
     $OUT/table_$tree.json "$LEN,131072" > $OUT/log_t$tree.txt 2>&1; t table_$tree
   grep -h "'questions': 16" $OUT/log_t$tree.txt | cut -c1-200
 done
-serve new 1,16; serve prev 16; serve base 1,16
+# SERVES: which trees serve, and at which concurrencies ("" skips the phase)
+for sv in ${SERVES-new:1,16 prev:16 base:1,16}; do serve ${sv%%:*} ${sv#*:}; done
 A="serve $L8B --scenario document --lengths 100003 --cache-gib 30 --decode-tokens 2 --concurrency 1,16"
 i=0
-for tree in new base new base; do
+for tree in ${WARMUPS:-new base new base}; do  # in turn, each pair side by side
   i=$((i + 1)); P=$PWD; [ $tree != new ] && P=$PWD/.$tree
   TC=/tmp/triton_w$i; rm -rf $TC; mkdir -p $TC
   go 80 && TRITON_CACHE_DIR=$TC timeout 80 env PYTHONPATH=/tmp/site:$P python3 -P -c "$W" $A \

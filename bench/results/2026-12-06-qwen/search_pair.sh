@@ -1,0 +1,44 @@
+# One call after stage.sh: the sparse configs searched at the length where the 16K ones fell short (30K: MInference
+# 95.5 %, AnchorAttention 92.4 % of dense's right answers, h100-e/), on several samples of seed 1 (tuned there), then
+# their speed at 128K (YaRN x4, essay text of seed 2: dense, MInference, AnchorAttention, dense again, side by side)
+# and their accuracy paired on seed 0's samples (fresh) at 16K and 30K, run directories <TAG>minference_s and
+# <TAG>anchor_s (default TAG s30_) for `launch/eval.py --compare .qwen/ev/dense .qwen/ev/<TAG><run>`.
+#   SEARCH_LENGTH (30720), SEARCH_ARGS (three samples, one per task, recall 0.99), SEARCH_TIMEOUT (300 s),
+#   BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh.
+. bench/results/2026-12-06-step-loop/prelude.sh
+export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
+M=qwen2.5-coder-1.5b-instruct; mkdir -p /tmp/qcfg; SL=${SEARCH_LENGTH:-30720}; TS=${SEARCH_TIMEOUT:-300}
+RS=""; [ $SL -gt 32768 ] && RS="--rope-scaling yarn:4"
+SA=${SEARCH_ARGS:-"--samples 3 --task multikey,variable_tracking,niah_essay"}
+[ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
+  --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1; t search
+[ -f /tmp/qcfg/anchor.json ] || timeout 120 python3 -m starshard anchor-calibrate --model $M --device cuda \
+  --dtype bfloat16 --seed 1 --length $SL $RS --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1; t calibrate
+cp /tmp/qcfg/*.json $OUT/ 2>/dev/null
+python3 bench/make_essay.py --out /tmp/essay.txt --seed 2 > /dev/null
+B="python3 -m starshard bench prefill --model $M --prompt-file /tmp/essay.txt --dtype bfloat16 --decode-steps 0
+   --cp-strategy dense --lengths 131072 --rope-scaling yarn:4 --warmup 1 --repeats 2"
+for run in dense minference_s anchor_s dense_after; do
+  case $run in
+    minference_s) F="--sparse minference --sparse-config /tmp/qcfg/minference.json";;
+    anchor_s) F="--sparse anchor --sparse-config /tmp/qcfg/anchor.json";; *) F="";;
+  esac
+  timeout 90 $B $F --out /tmp/prefill_$run.json > $OUT/log_$run.txt 2>&1; t $run
+done
+python3 - <<'PY' > $OUT/prefill.json
+import json, pathlib
+print(json.dumps({p.stem[8:]: json.loads(p.read_text()) for p in pathlib.Path("/tmp").glob("prefill_*.json")}))
+PY
+python3 - $OUT/prefill.json <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))
+base = min(runs[k]["results"][0]["prefill_seconds"] for k in ("dense", "dense_after") if k in runs)
+for name, d in runs.items():
+    r = d["results"][0]
+    print(name, r["length"], f"{r['prefill_seconds']:.3f} s", f"{base / r['prefill_seconds']:.2f}x")
+PY
+# the paired runs: paired.sh with these configs (its all.log takes this call's logs too; at most 8 files come back)
+left=$(( ${END:-580} - $(date +%s) + S ))
+QCFG=/tmp/qcfg TAG=${TAG:-s30_} RUNS="minference_s anchor_s" PARALLEL=2 BUDGET=${BUDGET:-$left} \
+  bash bench/results/2026-12-06-qwen/paired.sh
+rm -f $OUT/compare.md  # the two runs against each other: they pair with dense here, not in the call
