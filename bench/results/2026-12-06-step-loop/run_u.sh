@@ -8,7 +8,7 @@
 # new base": no serve runs, three warm-up pairs instead (the warm-up's 1.1x target is a ratio of noisy runs).
 . bench/results/2026-12-06-step-loop/prelude.sh
 END=${END:-540}; . bench/results/2026-12-06-step-loop/phases.sh
-for tree in new prev; do
+for tree in ${PROBES-new prev}; do  # PROBES="" skips the table probes
   P=$PWD; [ $tree != new ] && P=$PWD/.$tree
   go 60 && timeout 60 env PYTHONPATH=/tmp/site:$P python3 -P bench/results/2026-12-06-step-loop/table_probe.py \
     $OUT/table_$tree.json "$LEN,131072" > $OUT/log_t$tree.txt 2>&1; t table_$tree
