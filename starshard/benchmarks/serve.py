@@ -112,7 +112,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="serve's start-up warm-up (serving/warmup.py: every prefill step shape of the longest admitted "
                    "document and decode batch sizes 1..max batch, on one layer of each kind) before the first request; "
-                   "its seconds go into the JSON (warmup_s). Default: on with CUDA, off on CPU")
+                   "its seconds go into the JSON (warmup_s; by phase in warmup_phases_s: prefill, batches, "
+                   "decode_graphs). Default: on with CUDA, off on CPU")
     p.add_argument("--warmup-tokens", type=int, default=None, metavar="TOKENS",
                    help="the longest document the warm-up prefills (default: the longest the window and --cache-gib "
                    "admit; a lower value leaves longer documents' later steps cold)")
@@ -408,7 +409,7 @@ def run(args) -> None:
               "commit": commit(), "args": json_args(args), "inputs": "random token ids" + (
                   f", random weights {args.random_weights}" if args.random_weights else f", weights {args.model or 'SmolLM2'}"),
               "fp8": llm.fp8.describe(), "prefill_chunk": svc.prefill_chunk, "prefill_knee": svc.prefill_knee,
-              "warmup_s": svc.warmup_s,
+              "warmup_s": svc.warmup_s, "warmup_phases_s": svc.warmup_phases_s,
               "results": rows,
               "engine_stats": stats}
     write(args.out, result)
@@ -691,6 +692,7 @@ def run_load_scenario(args) -> None:
     result = header(args, "in-process", device_name(device), world())
     result.update(layout={"tp": p.tp, "cp": p.cp, "strategy": p.cp_strategy},
                   prefill_chunk=svc.prefill_chunk, prefill_knee=svc.prefill_knee, warmup_s=svc.warmup_s,
+                  warmup_phases_s=svc.warmup_phases_s,
                   cache_budget_bytes=after["cache_budget_bytes"])
     finish(args, result, records, duration, specs, before, after, crosscheck_stats(records, before, after))
 

@@ -306,6 +306,7 @@ class Scheduler:
         self.warmup = self.executor.device.type == "cuda" if warmup is None else warmup
         self.warmup_tokens = warmup_tokens
         self.warmup_s: float | None = None  # the warm-up's seconds (None: it did not run, or failed)
+        self.warmup_phases_s: dict[str, float] | None = None  # the same by phase (serving/warmup.py warm_up)
         self._warmed = threading.Event()  # rank 0: the scheduler thread's warm-up is over (start() waits)
         self._warm_error: BaseException | None = None  # the ranks disagree: start() raises it
         self._move_writes: dict[int, list[_Move]] = {}  # demote() requests waiting for their disk write, by entry
@@ -355,6 +356,7 @@ class Scheduler:
                         cache_entries=len(self.cache.entries), cache_hits=self.cache.hits,
                         cache_lookups=self.cache.lookups, errors_by_code=dict(self.errors),
                         slow_steps=list(self.slow_steps), tiers=self._tier_stats(), warmup_s=self.warmup_s,
+                        warmup_phases_s=None if self.warmup_phases_s is None else dict(self.warmup_phases_s),
                         decode_graphs_kept=self.executor.kept_graphs(), **self.counters)
 
     def _tier_stats(self) -> dict:
@@ -400,7 +402,8 @@ class Scheduler:
             return
         ok = 1
         try:
-            self.warmup_s = warm_up(self, self.warmup_tokens)
+            self.warmup_phases_s = warm_up(self, self.warmup_tokens)
+            self.warmup_s = sum(self.warmup_phases_s.values())
         except RanksDisagree:
             raise
         except Exception as e:  # noqa: BLE001 (the kernels then compile on first use)

@@ -159,10 +159,12 @@ class Plan:
         return [self.length, self.prefill_steps, self.batch, len(self.steps), hash(tuple(keep_ids)) % 2**62]
 
 
-def warm_up(svc, max_len: int | None = None) -> float:
-    """Run the warm-up on this rank (every rank of the group at once) -> its seconds. WarmupFailed (or
-    another error): it did not complete; everything it built is freed either way. RanksDisagree: the ranks'
-    plans differ."""
+def warm_up(svc, max_len: int | None = None) -> dict[str, float]:
+    """Run the warm-up on this rank (every rank of the group at once) -> its seconds by phase: "prefill" (the
+    plan and the cut model's prefill steps), "batches" (the cut model's batch sizes and joins), "decode_graphs"
+    (the whole model's kept graphs, captured and checked); host time, where first-use compilation shows.
+    WarmupFailed (or another error): it did not complete; everything it built is freed either way.
+    RanksDisagree: the ranks' plans differ."""
     ex, cache, model = svc.executor, svc.cache, svc.executor.model
     if ex.rows or ex.filling or cache.entries:
         raise WarmupFailed("the warm-up runs before the first request, on an empty cache and batch")
@@ -195,11 +197,11 @@ def warm_up(svc, max_len: int | None = None) -> float:
     tables = ex.prepare_tables(plan.batch)  # the whole model's, kept: the first batch of each size replays
     if tables and ex.device.type == "cuda":
         torch.cuda.synchronize(ex.device)
-    seconds = time.perf_counter() - t0
+    phases = {"prefill": t_prefill - t0, "batches": t1 - t_prefill, "decode_graphs": time.perf_counter() - t1}
     log.info("warm-up: %d prefill steps, batch sizes 1..%d on the cut model %.1f s (%.1f s to the first batch); "
              "%d decode graphs kept (captured and checked) %.1f s; %.1f s in all", plan.prefill_steps, plan.batch,
-             t1 - t0, t_prefill - t0, tables, seconds - (t1 - t0), seconds)
-    return seconds
+             t1 - t0, phases["prefill"], tables, phases["decode_graphs"], sum(phases.values()))
+    return phases
 
 
 def _agree(svc, mine: list[int]) -> None:

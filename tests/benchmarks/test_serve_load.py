@@ -187,6 +187,7 @@ def test_in_process_load_on_one_cpu_process(tmp_path, capsys):
                    "--no-cuda-graphs", "--warmup", "--warmup-tokens", "256"], tmp_path, capsys)
     assert r["mode"] == "in-process" and r["layout"] == {"tp": 1, "cp": 1, "strategy": "dense"}
     assert r["warmup_s"] > 0  # serve's start-up warm-up, forced on on CPU: its whole-prompt prefill and batch sizes
+    assert sum(r["warmup_phases_s"].values()) == pytest.approx(r["warmup_s"])
     assert r["lost"] == 0 and r["failed"] == 0 and r["completed"] + r["cancelled"] == 20 and r["cancelled"] >= 1
     assert r["crosscheck"]["ok"], r["crosscheck"]
     assert r["cache_budget_bytes"] == int(0.02 * 2**30)

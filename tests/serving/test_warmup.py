@@ -90,7 +90,10 @@ def test_warmup_runs_the_schedule_and_leaves_no_trace(tiny, monkeypatch):
                                               if isinstance(ops[0], Extend) for op in ops)
     # nothing of it is left: the cache, the executor, the counters are a cold service's
     stats, cold_stats = svc.stats(), cold_svc.stats()
-    assert stats["warmup_s"] > 0 and cold_stats["warmup_s"] is None
+    assert stats["warmup_s"] > 0 and cold_stats["warmup_s"] is None and cold_stats["warmup_phases_s"] is None
+    phases = stats["warmup_phases_s"]  # its seconds by phase, for a JSON to say where a slow warm-up went
+    assert set(phases) == {"prefill", "batches", "decode_graphs"} and min(phases.values()) >= 0
+    assert phases["prefill"] > 0 and phases["batches"] > 0 and sum(phases.values()) == pytest.approx(stats["warmup_s"])
     for key in ("cache_bytes", "cache_entries", "cache_hits", "cache_lookups", "prefill_chunks_total",
                 "prefill_tokens_total", "decode_tokens_total", "requests_total"):
         assert stats[key] == cold_stats[key], key

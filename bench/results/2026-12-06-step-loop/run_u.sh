@@ -33,4 +33,4 @@ grep -h "Traceback\|Error" $OUT/all.log | head -5
 python3 bench/results/2026-12-06-step-loop/summary.py $OUT 2>&1 | grep -v "^ *prefill" | head -40
 python3 -c "
 import json; w = json.load(open('$OUT/warmups.json'))
-for k, v in w.items(): print(k, 'warmup_s', v.get('warmup_s'))" 2>&1 | head -6
+for k, v in w.items(): print(k, 'warmup_s', v.get('warmup_s'), v.get('warmup_phases_s'))" 2>&1 | head -6
