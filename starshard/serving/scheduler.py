@@ -305,8 +305,7 @@ class Scheduler:
         self._moved: list[_Move] = []  # those in the step running now
         self.warmup = self.executor.device.type == "cuda" if warmup is None else warmup
         self.warmup_tokens = warmup_tokens
-        self.warmup_s: float | None = None  # the warm-up's seconds (None: it did not run, or failed)
-        self.warmup_phases_s: dict[str, float] | None = None  # the same by phase (serving/warmup.py warm_up)
+        self.warmup_phases_s: dict[str, float] | None = None  # the warm-up's seconds by phase (warmup.py warm_up)
         self._warmed = threading.Event()  # rank 0: the scheduler thread's warm-up is over (start() waits)
         self._warm_error: BaseException | None = None  # the ranks disagree: start() raises it
         self._move_writes: dict[int, list[_Move]] = {}  # demote() requests waiting for their disk write, by entry
@@ -395,6 +394,11 @@ class Scheduler:
         if self._warm_error is not None:
             raise self._warm_error
 
+    @property
+    def warmup_s(self) -> float | None:
+        """The warm-up's seconds (None: it did not run, or failed)."""
+        return None if self.warmup_phases_s is None else sum(self.warmup_phases_s.values())
+
     def _warm_up(self) -> None:
         """The warm-up (serving/warmup.py), on the thread that runs the steps (cuDNN keeps its plans per
         thread). A failure is logged and the server serves cold; RanksDisagree is raised."""
@@ -403,7 +407,6 @@ class Scheduler:
         ok = 1
         try:
             self.warmup_phases_s = warm_up(self, self.warmup_tokens)
-            self.warmup_s = sum(self.warmup_phases_s.values())
         except RanksDisagree:
             raise
         except Exception as e:  # noqa: BLE001 (the kernels then compile on first use)
