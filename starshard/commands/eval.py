@@ -13,7 +13,9 @@ answers right too ("kept", per task and length) and the median prefill seconds p
 --out it writes compare.md and compare.json (the same numbers) there.
 
 Writes to --out: samples.jsonl (each sample's output and score), summary.json (accuracy per task,
-length and depth), table.md, heatmap.png (length x depth, needle tasks) and heatmap_<task>.png.
+length and depth, and each sample's outcome: its score and why it missed, a letter each), table.md,
+heatmap.png (length x depth, needle tasks) and heatmap_<task>.png. A directory holding only a run's
+summary.json (e.g. kept in a repository) still compares (--compare) and resumes (--resume).
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def parse_args(argv=None):
     o.add_argument("--resume", action="store_true",
                    help="keep the samples --out already holds (a run of the same strategy and prompts, e.g. cut by "
                         "--time-limit in an earlier session) and run only the others: the directory then holds "
-                        "both, as one run")
+                        "both, as one run. Its summary.json alone is enough (the samples' outcomes; their "
+                        "outputs are then not kept)")
     add_layout_arguments(ap)  # the same layout and sparse flags as launch/infer.py, passed on only when given
     add_sparse_arguments(ap)
     add_fp8_arguments(ap)
@@ -228,7 +231,7 @@ def evaluate(llm, samples, *, chat: bool, max_new_tokens: int, progress: bool = 
 def resumed_rows(args, model: str, name: str, reserve: int) -> list[dict]:
     """The rows --out holds already (--resume), refused unless they are this run's strategy and prompts. Another
     model path is only warned about: a converted GGUF's cache path changes with the file's mtime."""
-    if not (args.out / "samples.jsonl").is_file():
+    if not report.is_run(args.out):
         return []
     run = report.load_run(args.out)
     now = {"strategy": name, "tasks_version": TASKS_VERSION, "format": args.format, "reserve_tokens": reserve}

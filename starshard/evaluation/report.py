@@ -2,7 +2,9 @@
 maps, and the strategy-vs-dense table built from earlier run directories.
 
 A run directory holds samples.jsonl (one scored row per sample), summary.json ({strategy, ...,
-"summary": summarize(rows)}), table.md and heatmap*.png.
+"summary": summarize(rows), "outcomes": outcomes(rows)}), table.md and heatmap*.png. The outcomes are each
+sample's score and loss class in a few characters: a summary.json alone (kept in the repository, where the
+per-sample rows are not) still pairs with later runs and resumes.
 """
 from __future__ import annotations
 
@@ -87,14 +89,28 @@ def row_key(r: dict) -> tuple:
     return r["task"], int(r["length"]), r.get("depth"), int(r["seed"])
 
 
+def is_run(path: Path) -> bool:
+    """Whether `path` holds a run's samples: samples.jsonl, or a summary.json with its outcomes."""
+    path = Path(path)
+    if (path / "samples.jsonl").is_file():
+        return True
+    return (path / "summary.json").is_file() and "outcomes" in json.loads((path / "summary.json").read_text())
+
+
 def load_run(path: Path) -> Run:
+    """A run directory's rows: samples.jsonl's, else those its summary.json's outcomes keep (no outputs)."""
     path = Path(path)
     samples, summary = path / "samples.jsonl", path / "summary.json"
-    if not samples.is_file():
-        raise FileNotFoundError(f"{path} is not an eval run directory: {samples.name} is missing")
-    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
     meta = json.loads(summary.read_text()) if summary.is_file() else {}
+    if samples.is_file():
+        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    elif "outcomes" in meta:
+        rows = outcome_rows(meta["outcomes"])
+    else:
+        raise FileNotFoundError(f"{path} is not an eval run directory: it has no {samples.name}, and no "
+                                f"{summary.name} with the samples' outcomes")
     meta.pop("summary", None)
+    meta.pop("outcomes", None)
     return Run(meta.get("strategy", path.name), rows, path, meta)
 
 
@@ -184,7 +200,10 @@ def _candidates(row: dict) -> set[str]:
 def loss_class(row: dict) -> str:
     """Why this row is not right (LOSS_CLASSES): every answer there once separators are dropped ("format": the
     scorer missed them), some of several ("partial"), no answer-like token at all ("absent"), another needle's
-    value ("distractor": only rows that record `distractors`), else some other value ("wrong value")."""
+    value ("distractor": only rows that record `distractors`), else some other value ("wrong value"). A row
+    rebuilt from outcomes carries the class it was given when its output was there."""
+    if row.get("loss"):
+        return row["loss"]
     answers, cands = row.get("answers") or [], _candidates(row)
     hits = [raw or _norm(a) in cands for a, raw in zip(answers, found(answers, row.get("output") or ""))]
     if hits and all(hits):
@@ -317,7 +336,7 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
                  "every answer there once separators are dropped (1,600,074), which the scorer does not do; partial: "
                  "some of several answers. distractor needs rows that record `distractors`: without them such an "
                  "answer counts as wrong value."]
-        if not any("distractors" in r for o in others for r in kept[o.name]):
+        if not any("distractors" in r or r.get("loss") for o in others for r in kept[o.name]):
             lines[0] += " These runs record none."
         lines += ["", "| strategy | length | losses | " + " | ".join(LOSS_CLASSES) + " |",
                   "|---|---|---:|" + "---:|" * len(LOSS_CLASSES)]
@@ -353,6 +372,56 @@ def compare_table(run_dirs: list[Path], base: str = "dense") -> str:
         note += " Left out (not in every run): " + ", ".join(f"{n}: {k}" for n, k in dropped.items()) + "."
     paired = [""] + kept_table() + [""] + loss_table() if others else []
     return "\n".join([note, ""] + table("task", "task") + [""] + table("length", "length") + paired + speed_table())
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes: every sample's result in a few characters
+
+# A sample's code: right, or why not (loss_class), one letter each.
+_CODE = {"right": "R", "absent": "a", "distractor": "d", "wrong value": "w", "format": "f", "partial": "p"}
+_CLASS = {v: k for k, v in _CODE.items()}
+
+
+def outcomes(rows: list[dict]) -> dict:
+    """{"task|length|depth": {"seeds": [[first, last], ...], "codes": one _CODE letter per seed in order,
+    "scores": {position: score}} for the scores that are neither 0 nor 1}. Enough to pair (row_key, score,
+    loss class) and to summarize; depth "-" for depth-less tasks."""
+    cells: dict = defaultdict(list)
+    for r in rows:
+        task, length, depth, seed = row_key(r)
+        cells[f"{task}|{length}|{'-' if depth is None else repr(float(depth))}"].append((seed, r))
+    out = {}
+    for key in sorted(cells):
+        items = sorted(cells[key], key=lambda x: x[0])
+        seeds = [s for s, _ in items]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"cell {key} holds a seed twice: one row per sample")
+        ranges = []
+        for s in seeds:
+            if ranges and s == ranges[-1][1] + 1:
+                ranges[-1][1] = s
+            else:
+                ranges.append([s, s])
+        codes = "".join(_CODE["right" if _right(r) else loss_class(r)] for _, r in items)
+        scores = {str(i): r["score"] for i, (_, r) in enumerate(items) if r["score"] not in (0, 1)}
+        out[key] = {"seeds": ranges, "codes": codes, **({"scores": scores} if scores else {})}
+    return out
+
+
+def outcome_rows(cells: dict) -> list[dict]:
+    """outcomes' rows back: {task, length, depth, seed, score, loss} (loss None where right)."""
+    rows = []
+    for key, cell in cells.items():
+        task, length, depth = key.split("|")
+        seeds = [s for a, b in cell["seeds"] for s in range(a, b + 1)]
+        codes, scores = cell["codes"], cell.get("scores", {})
+        if len(codes) != len(seeds):
+            raise ValueError(f"outcomes cell {key}: {len(codes)} codes for {len(seeds)} seeds")
+        for i, (seed, c) in enumerate(zip(seeds, codes)):
+            rows.append({"task": task, "length": int(length), "depth": None if depth == "-" else float(depth),
+                         "seed": seed, "score": scores.get(str(i), 1.0 if c == "R" else 0.0),
+                         "loss": None if c == "R" else _CLASS[c]})
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,5 +483,6 @@ def write_run(out: Path, rows: list[dict], meta: dict, per_task_heatmaps: bool =
         for task in summary["by_task_length_depth"]:
             if heatmap(summary, f"{name}: {task}", out / f"heatmap_{task}.png", task=task):
                 maps.append(f"heatmap_{task}.png")
-    (out / "summary.json").write_text(json.dumps({**meta, "heatmaps": maps, "summary": summary}, indent=1) + "\n")
+    full = {**meta, "heatmaps": maps, "summary": summary, "outcomes": outcomes(rows)}
+    (out / "summary.json").write_text(json.dumps(full, indent=1) + "\n")
     return summary

@@ -314,3 +314,77 @@ def test_compare_reports_mcnemar_and_losses(tmp_path):
     assert "| star | 16384 | 6 | 1 | 2 | 2 | 1 | 0 |" in table and "| star | 30720 | 0 | 0 | 0 | 0 | 0 | 0 |" in table
     assert "| star | all | 6 | 1 | 2 | 2 | 1 | 0 |" in table
     assert "These runs record none" not in table
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes: a summary.json alone pairs and resumes
+
+
+def test_summary_alone_pairs_as_the_samples(tmp_path):
+    """A run directory reduced to its summary.json (what a repository keeps) compares as the full one: the same
+    paired shares, McNemar p, loss classes and accuracies; partial scores, depth-less tasks and seeds with gaps
+    come back exactly."""
+    dist = ["7038352", "2530531", "5083981"]
+    outs = [" 7038352.", " nothing", " 1,600,074.", " 9999999.", " 1600074.", " 1600074."]
+    vt = ["XMUHK", "DUPDM", "TSKIP", "LTTRO"]
+    rows = {"dense": [], "star": []}
+    for name in rows:
+        for i, seed in enumerate([0, 1, 2, 3, 4, 5, 1000, 1001, 1003]):  # gaps between the seeds
+            out = outs[i % len(outs)] if name == "star" else " 1600074."
+            rows[name].append({"task": "multikey", "length": 16384, "depth": 0.25, "seed": seed, "answers": ["1600074"],
+                               "distractors": dist, "output": out, "score": score(["1600074"], "all", out)})
+            vout = " TSKIP and LTTRO." if name == "star" and i % 2 else " XMUHK DUPDM TSKIP LTTRO"
+            rows[name].append({"task": "variable_tracking", "length": 30720, "depth": None, "seed": seed, "answers": vt,
+                               "output": vout, "score": score(vt, "all", vout)})
+    full, alone = [], []
+    for name, rs in rows.items():
+        report.write_run(tmp_path / name, rs, {"strategy": name, "format": "completion"}, per_task_heatmaps=False)
+        (tmp_path / f"{name}_alone").mkdir()
+        (tmp_path / f"{name}_alone" / "summary.json").write_bytes((tmp_path / name / "summary.json").read_bytes())
+        full.append(tmp_path / name)
+        alone.append(tmp_path / f"{name}_alone")
+        assert report.is_run(tmp_path / f"{name}_alone")
+        back = report.load_run(tmp_path / f"{name}_alone").rows
+        assert sorted(map(report.row_key, back)) == sorted(map(report.row_key, rs))
+        assert report.summarize(back) == report.summarize(rs)
+    assert {r["score"] for r in report.load_run(alone[1]).rows} == {0.0, 0.5, 1.0}  # two of four names: 0.5
+
+    def paired(dirs):
+        runs = report.compare_summary(dirs)["runs"]
+        return {n: (r["accuracy"], r["paired"]) for n, r in runs.items()}
+    assert paired(alone) == paired(full)
+    cell = paired(alone)["star"][1]["multikey"]["16384"]
+    assert cell["losses"] == {"absent": 2, "distractor": 2, "wrong value": 1, "format": 2, "partial": 0}
+    assert paired(alone)["star"][1]["variable_tracking"]["30720"]["losses"]["partial"] == 4
+    assert report.compare_table(alone).split("Prefill")[0] == report.compare_table(full).split("Prefill")[0]
+    # a directory with neither samples nor outcomes is refused, naming both
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "summary.json").write_text(json.dumps({"strategy": "x"}))
+    assert not report.is_run(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no samples.jsonl, and no summary.json with the samples' outcomes"):
+        report.load_run(tmp_path / "empty")
+    with pytest.raises(ValueError, match="holds a seed twice"):
+        report.outcomes(rows["dense"] + rows["dense"][:1])
+
+
+def test_resume_from_a_summary_alone(tmp_path):
+    """A run cut by --time-limit, of which only summary.json was kept, resumes: its samples are not made again,
+    and the whole run then holds each sample once."""
+    spec = importlib.util.spec_from_file_location("eval_cli_alone", ROOT / "starshard" / "commands" / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    common = ["--tasks", "niah_essay,multikey", "--lengths", "300", "--depths", "0.5", "--samples-per-cell", "3",
+              "--max-new-tokens", "8", "--no-progress", "--format", "completion"]
+    assert cli.main(common + ["--out", str(tmp_path / "cut"), "--time-limit", "1.5"], llm_cls=Slow) == 0
+    kept = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert kept["summary"]["samples"] == 2 and sum(len(c["codes"]) for c in kept["outcomes"].values()) == 2
+    (tmp_path / "cut" / "samples.jsonl").unlink()
+    made = []
+    real_make = cli.make_samples
+    cli.make_samples = lambda *a, **k: made.append(sorted(k["skip"])) or real_make(*a, **k)
+    assert cli.main(common + ["--out", str(tmp_path / "cut"), "--resume"], llm_cls=SlowReader) == 0
+    assert made == [sorted(map(report.row_key, report.outcome_rows(kept["outcomes"])))]
+    again = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert again["resumed"] == 2 and again["summary"]["samples"] == 6 and again["summary"]["overall"] == 1.0
+    keys = sorted(map(report.row_key, report.outcome_rows(again["outcomes"])))
+    assert len(keys) == len(set(keys)) == 6
