@@ -9,8 +9,9 @@
 # Keeps each run's per-sample results (compressed) and summaries.json (every run's summary) under $OUT: a call
 # brings back at most 8 files, so at most 5 runs a call. Then compares what is there with dense (`launch/eval.py
 # --compare`): paired share of dense's right answers, McNemar p, the losses classified.
-# Across sessions: each run resumes (`--resume`) from PRIOR, a committed summaries.json (its entry holds every
-# sample's outcome, enough to pair and resume; commit the call's summaries.json under bench/results/), or from
+# Across sessions: each run resumes (`--resume`) from a committed summaries.json (its entry holds every sample's
+# outcome, enough to pair and resume; commit the call's summaries.json under bench/results/<date>-qwen/<call>/):
+# PRIOR names one, else the last in path order of bench/results/*-qwen/*/summaries.json holding the run, or from
 # .qwen/ev/<TAG><run>/{samples.jsonl,summary.json} here (not tracked; gone with a fresh checkout) when carried,
 # so the samples add up to SEEDS per cell. fp8_lkv before the keys' offset (engine/model.py key_offset, 48 % kept)
 # is kept apart as .qwen/ev/fp8_lkv_keys_whole: a run of this code must not resume it.
@@ -18,7 +19,7 @@
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 SEEDS=${SEEDS:-30}; BUDGET=${BUDGET:-540}; RUNS=${RUNS:-"dense star4 apb4"}; LENGTHS=${LENGTHS:-16384,30720}
 # YaRN: LENGTHS=65536,131072 EXTRA="--rope-scaling yarn:4" TAG=yarn_ (run directories /tmp/ev/<TAG><run>)
-TAG=${TAG:-}; EXTRA=${EXTRA:-}; PRIOR=${PRIOR:-}  # PRIOR: the last call's committed summaries.json
+TAG=${TAG:-}; EXTRA=${EXTRA:-}; PRIOR=${PRIOR:-$(ls bench/results/*-qwen/*/summaries.json | sort)}
 E="--model qwen2.5-coder-1.5b-instruct --tasks niah_essay,multikey,variable_tracking --lengths $LENGTHS $EXTRA \
  --num-depths 5 --samples-per-cell $SEEDS --format completion --max-new-tokens 24 --no-progress --sample-workers 8"
 SP="--sparse-min-length 0 --sparse-no-fallback"
@@ -37,9 +38,14 @@ n=$(echo $RUNS | wc -w); waves=$(( (n + PARALLEL - 1) / PARALLEL )); share=$(( (
 one() {  # resumes what an earlier session ran (.qwen/ev/<TAG><run>, carried): only the samples not there run
   lim=$(( share < 60 ? 60 : share )); mkdir -p /tmp/ev/$TAG$1
   [ -f .qwen/ev/$TAG$1/samples.jsonl ] && [ ! -f /tmp/ev/$TAG$1/samples.jsonl ] && cp .qwen/ev/$TAG$1/* /tmp/ev/$TAG$1/
-  [ -n "$PRIOR" ] && [ ! -f /tmp/ev/$TAG$1/summary.json ] && python3 -c "
-import json, sys; e = json.load(open(sys.argv[1])).get(sys.argv[2]) or {}
-'outcomes' in e and open(sys.argv[3], 'w').write(json.dumps(e))" $PRIOR $TAG$1 /tmp/ev/$TAG$1/summary.json
+  [ ! -f /tmp/ev/$TAG$1/summary.json ] && python3 -c "
+import json, sys  # the last of the files that holds the run with its outcomes
+*files, run, out = sys.argv[1:]
+for f in reversed(files):
+    e = json.load(open(f)).get(run) or {}
+    if 'outcomes' in e:
+        print(run, 'resumes', f, sum(len(c['codes']) for c in e['outcomes'].values()), 'samples')
+        open(out, 'w').write(json.dumps(e)); break" $PRIOR $TAG$1 /tmp/ev/$TAG$1/summary.json
   timeout -k 10 $lim python3 launch/eval.py $E --resume --time-limit $((lim - 30)) --strategy-name $1 \
     --out /tmp/ev/$TAG$1 ${FLAGS[$1]} > $OUT/log_$1.txt 2>&1; t $1
   [ -f /tmp/ev/$TAG$1/samples.jsonl ] && gzip -c /tmp/ev/$TAG$1/samples.jsonl > $OUT/samples_$TAG$1.jsonl.gz
