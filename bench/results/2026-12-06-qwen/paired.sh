@@ -35,7 +35,7 @@ declare -A FLAGS=(
 # are not a speed measurement then (sparse speed is measured apart); each run stops at the budget's end.
 PARALLEL=${PARALLEL:-1}; [ $PARALLEL -gt 1 ] && E="${E/--sample-workers 8/--sample-workers 4}"
 n=$(echo $RUNS | wc -w); waves=$(( (n + PARALLEL - 1) / PARALLEL )); share=$(( (BUDGET - $(( $(date +%s) - S ))) / waves ))
-one() {  # resumes what an earlier session ran (.qwen/ev/<TAG><run>, carried): only the samples not there run
+one() {  # resumes what an earlier session ran (carried .qwen/ev/<TAG><run>, else PRIOR's entry): only the rest runs
   lim=$(( share < 60 ? 60 : share )); mkdir -p /tmp/ev/$TAG$1
   [ -f .qwen/ev/$TAG$1/samples.jsonl ] && [ ! -f /tmp/ev/$TAG$1/samples.jsonl ] && cp .qwen/ev/$TAG$1/* /tmp/ev/$TAG$1/
   [ ! -f /tmp/ev/$TAG$1/summary.json ] && python3 -c "

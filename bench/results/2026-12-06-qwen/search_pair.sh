@@ -2,7 +2,8 @@
 # 95.5 %, AnchorAttention 92.4 % of dense's right answers, h100-e/), on several samples of seed 1 (tuned there), then
 # their speed at 128K (YaRN x4, essay text of seed 2: dense, MInference, AnchorAttention, dense again, side by side)
 # and their accuracy paired on seed 0's samples (fresh) at 16K and 30K, run directories <TAG>minference_s and
-# <TAG>anchor_s (default TAG s30_) for `launch/eval.py --compare .qwen/ev/dense .qwen/ev/<TAG><run>`.
+# <TAG>anchor_s (default TAG s30_), resumed and kept as paired.sh does; they pair with a dense run of the same
+# seeds (`launch/eval.py --compare <dense dir> <TAG><run> dir`, a directory holding its summary.json is enough).
 #   SEARCH_LENGTH (30720), SEARCH_ARGS (three samples, one per task, recall 0.99), SEARCH_TIMEOUT (300 s),
 #   BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh.
 . bench/results/2026-12-06-step-loop/prelude.sh
