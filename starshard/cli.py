@@ -64,6 +64,21 @@ class LogFormatter(logging.Formatter):
         return super().format(record)
 
 
+def parse_layer_ids(text: str | None) -> list[int] | None:
+    """--layers "0,5,10-14" as layer ids (None: every layer); a malformed list exits naming the form."""
+    if text is None:
+        return None
+    out = []
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            lo, dash, hi = part.partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+    except ValueError:
+        raise SystemExit(f"error: --layers {text!r}: expected comma-separated layer ids or ranges, "
+                         "e.g. 0,5,10-14") from None
+    return out
+
+
 def log_handler() -> logging.Handler:
     """The commands' stderr log handler (LogFormatter)."""
     h = logging.StreamHandler(sys.stderr)

@@ -49,6 +49,7 @@ import torch
 from starshard.checkpoints.load import load_model
 from starshard.checkpoints.named import resolve_model
 from starshard.checkpoints.sources import random_model
+from starshard.cli import parse_layer_ids
 from starshard.evaluation.fidelity import (DEFAULT_TILE_ELEMENTS, APBApproximation, MaskApproximation,
                                           MInferenceApproximation, StarApproximation, measure)
 from starshard.evaluation.tasks import TASKS, make_sample, template_overhead
@@ -242,20 +243,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def parse_layers(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    out = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            lo, dash, hi = part.partition("-")
-            out += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
-    except ValueError:
-        raise SystemExit(f"error: --layers {text!r}: expected comma-separated layer ids or ranges, "
-                         "e.g. 0,5,10-14") from None
-    return out
-
-
 def load(args):
     """(model, tokenizer or None, model label)."""
     dtype = DTYPES[args.dtype]
@@ -323,7 +310,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     approximations = build_approximations(args)
-    layers = parse_layers(args.layers)
+    layers = parse_layer_ids(args.layers)
     t0 = time.time()
     model, tok, label = load(args)
     ids, context_len, desc = build_input(args, tok, model.config.vocab_size)

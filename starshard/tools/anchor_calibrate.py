@@ -36,7 +36,7 @@ import torch
 
 import starshard
 from starshard.checkpoints.named import resolve_model
-from starshard.cli import add_rope_scaling_argument
+from starshard.cli import add_rope_scaling_argument, parse_layer_ids
 from starshard.evaluation.tasks import make_sample
 from starshard.kernels.anchor import (
     AnchorConfig,
@@ -48,7 +48,7 @@ from starshard.kernels.anchor import (
 )
 from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.runtime.prompt import build_prompt, load_tokenizer
-from starshard.tools.layer_probe import probe_layers, window_error
+from starshard.tools.layer_probe import layers_error, probe_layers, window_error
 
 _CHUNK = 1 << 26  # elements of one float32 gap / score tile
 
@@ -223,7 +223,8 @@ def main(argv=None) -> dict:
     p.add_argument("--theta-range", default="-4,40,0.25", metavar="LO,HI,STEP",
                    help="the finite thetas tried (default -4,40,0.25; -inf and inf are always tried)")
     p.add_argument("--recall-rows", type=int, default=256, help="query rows the recall is measured on, per prompt")
-    p.add_argument("--layers", default=None, help="comma-separated layer ids to calibrate (others: --default-theta)")
+    p.add_argument("--layers", default=None, metavar="I,J,A-B",
+                   help="layer ids or ranges to calibrate, e.g. 0,5,10-14 (others: --default-theta; the forward stops after the last)")
     add_rope_scaling_argument(p)  # a config for YaRN runs past the window is searched with YaRN
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -254,7 +255,9 @@ def main(argv=None) -> dict:
     samples = sample_prompts(tok, args.length, tasks, args.samples, args.seed)
     if (error := window_error(model, max(map(len, samples)))) is not None:
         p.error(error)
-    layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
+    layers = parse_layer_ids(args.layers)
+    if (error := layers_error(layers, len(model.layers))) is not None:
+        p.error(error)
     t0 = time.time()
     meta = {"model": str(path), "target_recall": args.target_recall, "dtype": args.dtype,
             "rope_scaling": args.rope_scaling,

@@ -42,11 +42,11 @@ import torch
 
 import starshard
 from starshard.checkpoints.named import resolve_model
-from starshard.cli import add_rope_scaling_argument
+from starshard.cli import add_rope_scaling_argument, parse_layer_ids
 from starshard.evaluation.tasks import TASKS, make_sample
 from starshard.kernels import minference as mi
 from starshard.runtime.prompt import build_prompt, load_tokenizer
-from starshard.tools.layer_probe import probe_layers, window_error
+from starshard.tools.layer_probe import layers_error, probe_layers, window_error
 
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
@@ -368,7 +368,8 @@ def main(argv=None) -> dict:
                         "turn, depths spread over (0, 1), seeds --seed, --seed + 1, ...; per head the cheapest "
                         "pattern whose recall reaches --target-recall on every sample (two passes a sample)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", default=None, help="comma-separated layer ids to search (others get the default pattern)")
+    p.add_argument("--layers", default=None, metavar="I,J,A-B",
+                   help="layer ids or ranges to search, e.g. 0,5,10-14 (others get the default pattern; the forward stops after the last)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--last-q", type=int, default=64)
     p.add_argument("--force-sink", type=int, default=30, help="first key columns always among the vertical lines")
@@ -414,7 +415,9 @@ def main(argv=None) -> dict:
         p.error(error)
     dflt = default_target(L)
     target = (args.target_sink or dflt[0], args.target_local or dflt[1])
-    layers = None if args.layers is None else [int(x) for x in args.layers.split(",") if x]
+    layers = parse_layer_ids(args.layers)
+    if (error := layers_error(layers, len(model.layers))) is not None:
+        p.error(error)
     t0 = time.time()
     search = dict(layers=layers, progress=not args.quiet, block_size=args.block_size, last_q=args.last_q,
                   force_sink=args.force_sink, force_local=args.force_local, target=target,
