@@ -72,7 +72,10 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
             lo, dash, hi = part.partition("-")
-            out += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+            ids = list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+            if not ids:  # a range backwards would name no layer, silently
+                raise SystemExit(f"error: --layers {text!r}: the range {part} runs backwards; write it low-high")
+            out += ids
     except ValueError:
         raise SystemExit(f"error: --layers {text!r}: expected comma-separated layer ids or ranges, "
                          "e.g. 0,5,10-14") from None

@@ -52,6 +52,8 @@ def test_layers_flag_is_checked_against_the_model():
     assert parse_layer_ids("0, 2-3") == [0, 2, 3] and layers_error([0, 2, 3], 4) is None
     with pytest.raises(SystemExit, match="comma-separated layer ids or ranges"):
         parse_layer_ids("1-x")
+    with pytest.raises(SystemExit, match="the range 5-3 runs backwards"):
+        parse_layer_ids("0,5-3")
     assert "the model has layers 0..3" in layers_error([2, 4, 9], 4) and "[4, 9]" in layers_error([2, 4, 9], 4)
     assert "no layer" in layers_error([], 4)
 

