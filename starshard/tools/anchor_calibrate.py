@@ -244,6 +244,7 @@ def main(argv=None) -> dict:
                            init_tokens=args.init_tokens, local_window=args.local_window, step=args.step)
     except ValueError as e:
         p.error(str(e))
+    layers = parse_layer_ids(args.layers)  # a malformed list is refused before the model loads
 
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     tok = load_tokenizer(path)
@@ -251,12 +252,11 @@ def main(argv=None) -> dict:
         p.error(f"{path} has no tokenizer: the calibration runs the model on harness prompts (text)")
     model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device,
                                 rope_scaling=args.rope_scaling)
+    if (error := layers_error(layers, len(model.layers))) is not None:
+        p.error(error)
     tasks = [t for t in args.tasks.split(",") if t]
     samples = sample_prompts(tok, args.length, tasks, args.samples, args.seed)
     if (error := window_error(model, max(map(len, samples)))) is not None:
-        p.error(error)
-    layers = parse_layer_ids(args.layers)
-    if (error := layers_error(layers, len(model.layers))) is not None:
         p.error(error)
     t0 = time.time()
     meta = {"model": str(path), "target_recall": args.target_recall, "dtype": args.dtype,

@@ -402,11 +402,14 @@ def main(argv=None) -> dict:
     tasks = [t for t in args.task.split(",") if t]
     if not tasks or any(t not in TASKS for t in tasks):
         p.error(f"--task {args.task!r}: give one or more of {', '.join(TASKS)}, comma-separated")
+    layers = parse_layer_ids(args.layers)  # a malformed list is refused before the model loads
 
 
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     model = starshard.load_model(path, dtype=getattr(torch, args.dtype), device=args.device,
                                 rope_scaling=args.rope_scaling)
+    if (error := layers_error(layers, len(model.layers))) is not None:
+        p.error(error)
     samples = [sample_ids(path, args.length, tasks[j % len(tasks)], args.seed + j, model.config.vocab_size,
                           0.5 if args.samples == 1 else (j + 0.5) / args.samples) for j in range(args.samples)]
     L = min(map(len, samples))  # the harness fits each sample to about --length: one length for all
@@ -415,9 +418,6 @@ def main(argv=None) -> dict:
         p.error(error)
     dflt = default_target(L)
     target = (args.target_sink or dflt[0], args.target_local or dflt[1])
-    layers = parse_layer_ids(args.layers)
-    if (error := layers_error(layers, len(model.layers))) is not None:
-        p.error(error)
     t0 = time.time()
     search = dict(layers=layers, progress=not args.quiet, block_size=args.block_size, last_q=args.last_q,
                   force_sink=args.force_sink, force_local=args.force_local, target=target,

@@ -2,6 +2,7 @@
 stopping after the last selected layer, the model's attention back afterwards; --layers checked against the
 model."""
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -60,8 +61,6 @@ def test_layers_flag_is_checked_against_the_model():
 
 @pytest.mark.parametrize("tool", ["minference_search", "anchor_calibrate"])
 def test_tools_refuse_layers_past_the_model(tool, tmp_path, capsys):
-    import importlib
-
     try:
         from starshard.checkpoints.default import default_checkpoint
 
@@ -73,3 +72,11 @@ def test_tools_refuse_layers_past_the_model(tool, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "3,30", "--quiet"])
     assert "--layers names [30]: the model has layers 0..29" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("tool", ["minference_search", "anchor_calibrate"])
+def test_tools_refuse_a_malformed_layers_list_before_loading(tool, tmp_path):
+    main = importlib.import_module(f"starshard.tools.{tool}").main
+    # the model path does not exist: the --layers error must come before any loading
+    with pytest.raises(SystemExit, match="the range 5-3 runs backwards"):
+        main(["--model", str(tmp_path / "absent"), "--out", str(tmp_path / "cfg.json"), "--layers", "0,5-3", "--quiet"])
