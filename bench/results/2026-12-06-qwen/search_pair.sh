@@ -4,17 +4,24 @@
 # and their accuracy paired on seed 0's samples (fresh) at 16K and 30K, run directories <TAG>minference_s and
 # <TAG>anchor_s (default TAG s30_), resumed and kept as paired.sh does; they pair with a dense run of the same
 # seeds (`launch/eval.py --compare <dense dir> <TAG><run> dir`, a directory holding its summary.json is enough).
-#   SEARCH_LENGTH (30720), SEARCH_ARGS (three samples, one per task, recall 0.99), SEARCH_TIMEOUT (300 s),
-#   BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh.
+#   SEARCH_LENGTH (30720), SEARCH_ARGS (three samples, one per task, recall 0.99; "" for one multikey sample), SEARCH_TIMEOUT (300 s),
+#   BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
+#   (default "minference_s anchor_s"; at a length with no dense run to pair with yet, "dense minference_s anchor_s").
+# At 128K (YaRN x4, the configs searched there on one sample, pairing at 128K): SEARCH_LENGTH=131072 SEARCH_ARGS=""
+#   SEARCH_TIMEOUT=240 LENGTHS=131072 EXTRA="--rope-scaling yarn:4" TAG=y128_ PAIR_RUNS="dense minference_s anchor_s".
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 M=qwen2.5-coder-1.5b-instruct; mkdir -p /tmp/qcfg; SL=${SEARCH_LENGTH:-30720}; TS=${SEARCH_TIMEOUT:-300}
 RS=""; [ $SL -gt 32768 ] && RS="--rope-scaling yarn:4"
-SA=${SEARCH_ARGS:-"--samples 3 --task multikey,variable_tracking,niah_essay"}
-[ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
-  --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1; t search
-[ -f /tmp/qcfg/anchor.json ] || timeout 120 python3 -m starshard anchor-calibrate --model $M --device cuda \
-  --dtype bfloat16 --seed 1 --length $SL $RS --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1; t calibrate
+SA=${SEARCH_ARGS-"--samples 3 --task multikey,variable_tracking,niah_essay"}
+# the two searches share the card at once (each a 1.5B model and its sample's activations): half the wait
+{ [ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
+  --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1
+  t search; } &
+{ [ -f /tmp/qcfg/anchor.json ] || timeout $TS python3 -m starshard anchor-calibrate --model $M --device cuda \
+  --dtype bfloat16 --seed 1 --length $SL $RS --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1
+  t calibrate; } &
+wait
 cp /tmp/qcfg/*.json $OUT/ 2>/dev/null
 python3 bench/make_essay.py --out /tmp/essay.txt --seed 2 > /dev/null
 B="python3 -m starshard bench prefill --model $M --prompt-file /tmp/essay.txt --dtype bfloat16 --decode-steps 0
@@ -40,6 +47,7 @@ for name, d in runs.items():
 PY
 # the paired runs: paired.sh with these configs (its all.log takes this call's logs too; at most 8 files come back)
 left=$(( ${END:-580} - $(date +%s) + S ))
-QCFG=/tmp/qcfg TAG=${TAG:-s30_} RUNS="minference_s anchor_s" PARALLEL=2 BUDGET=${BUDGET:-$left} \
+QCFG=/tmp/qcfg TAG=${TAG:-s30_} RUNS=${PAIR_RUNS:-"minference_s anchor_s"} PARALLEL=3 BUDGET=${BUDGET:-$left} \
   bash bench/results/2026-12-06-qwen/paired.sh
-rm -f $OUT/compare.md  # the two runs against each other: they pair with dense here, not in the call
+# without dense the runs were compared with each other: they pair with dense apart, not in the call
+case " ${PAIR_RUNS:-} " in *" dense "*) ;; *) rm -f $OUT/compare.md;; esac
