@@ -31,6 +31,17 @@ declare -A FLAGS=(
   [star4_a]="--cp-strategy star --num-blocks 4 --anchor-size ${ANCHOR:-4096}" [star2]="--cp-strategy star --num-blocks 2"
   [minference_s]="--sparse minference --sparse-config $C/minference.json $SP"
   [anchor_s]="--sparse anchor --sparse-config $C/anchor.json $SP")
+# minference_<x> / anchor_<x> not named above: the config $C/<run>.json (e.g. floors.sh's minference_r0.97); a run
+# of no known name is refused (it would run dense under that name)
+for r in $RUNS; do
+  [ -n "${FLAGS[$r]+set}" ] && continue
+  case $r in
+    minference_*) FLAGS[$r]="--sparse minference --sparse-config $C/$r.json $SP";;
+    anchor_*) FLAGS[$r]="--sparse anchor --sparse-config $C/$r.json $SP";;
+    *) echo "paired.sh: no run named $r (RUNS); the runs: ${!FLAGS[*]}" >&2; exit 2;;
+  esac
+  [ -f $C/$r.json ] || { echo "paired.sh: $r needs $C/$r.json (QCFG)" >&2; exit 2; }
+done
 # PARALLEL runs share the card at once (each a 1.5B model, ~5 GB): the accuracy is the same, their prefill seconds
 # are not a speed measurement then (sparse speed is measured apart); each run stops at the budget's end.
 PARALLEL=${PARALLEL:-1}; [ $PARALLEL -gt 1 ] && E="${E/--sample-workers 8/--sample-workers 4}"
