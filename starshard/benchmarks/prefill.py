@@ -33,6 +33,11 @@ cache against the all-global one, and `kv_cache`: the bytes the timed run's cach
 ring (--cp N --cp-strategy ring) `ring_bytes` splits the K/V bytes the whole CP group sent in one
 prefill by layer kind: per local layer, per global layer, and their ratio.
 
+New lengths (`--fresh N`): the timed runs above repeat the warm-up's length, so every shape is warm; a served
+prompt or a harness sample is nearly always a length unequal to any warm-up, and its first run meets new shapes
+(a cuDNN plan each, ~35-68 ms). After each length, N lengths drawn from the 1/16 below it run twice each;
+`fresh_first_over_second` is the median first / second.
+
 Inputs: random token ids by default; `--prompt-file PATH` instead tokenizes a natural-text file with
 the model's tokenizer and repeats it (a blank line between copies) or truncates it to each length; the
 JSON names the file and, per length, whether it was repeated. Random weights (and random token ids)
@@ -47,6 +52,7 @@ import argparse
 import dataclasses
 import json
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -186,6 +192,12 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed prefills per length before the timed ones (0 at long lengths: list a short "
                         "length first to warm the process up instead)")
+    p.add_argument("--fresh", type=int, default=0, metavar="N",
+                   help="after each length, N prefills at lengths drawn (--fresh-seed) from the 1/16 below it, none "
+                        "run before in this process, each timed twice: its first run meets new shapes (cuDNN plans, "
+                        "compiles) as a prompt unequal to any warm-up does, its second is warm; the row gets `fresh` "
+                        "and `fresh_first_over_second` (median; 1.0: a new length costs nothing extra)")
+    p.add_argument("--fresh-seed", type=int, default=0, help="seed of the --fresh lengths")
     p.add_argument("--random-weights", default=None,
                    help="preset name (llama-3.1-8b, tiny) or config.json: fine for dense and CP speed, never for "
                    "sparse speed (no attention structure: every head is dense-like; use --model and --prompt-file)")
@@ -219,6 +231,11 @@ def check(args) -> str | None:
         return f"--prompt-file {args.prompt_file} does not exist"
     if args.tp < 1:
         return f"--tp must be >= 1, got {args.tp}"
+    if args.fresh < 0:
+        return f"--fresh must be >= 0, got {args.fresh}"
+    if args.fresh and (short := [L for L in args.lengths if max(1, L // 16) - len(args.lengths) < args.fresh]):
+        return (f"--fresh {args.fresh} draws that many new lengths from the 1/16 below each length; {short[0]} "
+                f"has too few: give longer --lengths or a smaller --fresh")
     if args.tp > 1 and args.cp == 1 and not get_spec(args.cp_strategy).single_rank:
         return (f"--tp {args.tp} with --cp 1 runs the model-parallel runner: pass --cp-strategy {SINGLE_RANK} (got "
                 f"{args.cp_strategy}, a context strategy's study mode, which this benchmark runs on one rank only)")
@@ -284,28 +301,49 @@ def run(args) -> None:
               "(use --model real weights and --prompt-file natural text)", file=sys.stderr)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
 
+    ran = set(args.lengths)  # lengths that --fresh must not draw
+    draw = random.Random(args.fresh_seed)
+
     def measure(L: int, win: bool) -> dict:
         """One length's row: the prefill timed (+ decode), as the model runs now (win: with its windows)."""
         fcfg = cfg if win else all_global(cfg)  # the FLOP model of what runs
-        ids = torch.as_tensor(prompt_ids(L, cfg.vocab_size, text)).to(topo.device)
         context_len = L - args.query_tokens
         state = {}
 
-        def prefill():
-            sparse_report(model, reset=True)  # count this prefill alone
-            if strategy is not None:
-                strategy.wire.reset()  # K/V bytes this rank sends in this prefill
-            state["cache"] = None  # the previous cache freed before the next one is allocated
-            if cp_runner:
-                state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8)
-            else:  # local layers keep their window (engine/kv_cache.py), as LLM.generate runs them
-                state["cache"] = cache = runner.new_cache(L + args.decode_steps + 8, L, L, trim_local=True)
-            with torch.inference_mode():
-                if cp_runner:
-                    state["logits"], state["owner"] = runner.prefill_logits(ids, context_len, cache)
-                else:
-                    state["logits"] = model(ids[None], cache=cache, last_only=True)
+        def prefill_of(n: int):
+            ids = torch.as_tensor(prompt_ids(n, cfg.vocab_size, text)).to(topo.device)
 
+            def prefill():
+                sparse_report(model, reset=True)  # count this prefill alone
+                if strategy is not None:
+                    strategy.wire.reset()  # K/V bytes this rank sends in this prefill
+                state["cache"] = None  # the previous cache freed before the next one is allocated
+                if cp_runner:
+                    state["cache"] = cache = runner.new_cache(n + args.decode_steps + 8)
+                else:  # local layers keep their window (engine/kv_cache.py), as LLM.generate runs them
+                    state["cache"] = cache = runner.new_cache(n + args.decode_steps + 8, n, n, trim_local=True)
+                with torch.inference_mode():
+                    if cp_runner:
+                        state["logits"], state["owner"] = runner.prefill_logits(ids, n - args.query_tokens, cache)
+                    else:
+                        state["logits"] = model(ids[None], cache=cache, last_only=True)
+            return prefill
+
+        def fresh() -> dict:
+            """--fresh: lengths unequal to any run before, each timed cold (its first run) and warm."""
+            free = [n for n in range(L - max(1, L // 16), L) if n not in ran]
+            if len(free) < args.fresh:
+                raise SystemExit(f"error: --fresh {args.fresh}: only {len(free)} lengths below {L} are new; give a "
+                                 f"smaller --fresh or lengths further apart")
+            out = []
+            for n in draw.sample(free, args.fresh):
+                ran.add(n)
+                first, second = timed(prefill_of(n), topo.device, 2, warmup=0, barrier=barrier)
+                out.append({"length": n, "first_seconds": first, "second_seconds": second})
+            return {"fresh": out, "fresh_first_over_second": median([r["first_seconds"] / r["second_seconds"]
+                                                                     for r in out])}
+
+        prefill = prefill_of(L)
         try:
             if topo.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(topo.device)
@@ -353,6 +391,8 @@ def run(args) -> None:
             fm = flop_model(fcfg, strategy, L, context, topo.tp, torch.finfo(dtype).bits // 8, lr)
             row.update(flop_model=fm, measured_over_flop_model=t / fm["seconds"],
                        memory_plan=memory_plan(cfg, args, L, context_len, query_phase, limit))
+            if args.fresh:
+                row.update(fresh())
             if win and windowed:
                 row["all_global_tflops"] = prefill_flops(cfg, L, windows=False)["total"] / 1e12
                 row["predicted_speedup"] = row["all_global_tflops"] / row["model_tflops"]

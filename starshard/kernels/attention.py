@@ -148,6 +148,30 @@ def _plan_strides(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(0) == stride else t.as_strided(t.shape, (stride, *t.stride()[1:]))
 
 
+# cuDNN builds an execution plan for each new shape (35-68 ms on one H100 / H200, docs/results.md): a prompt of a
+# new length pays it in full, and a harness sample or a document's last chunk is nearly always one. Query rows
+# padded up to a multiple of PLAN_ROWS let every length within one multiple share a plan. Exact: padded rows are
+# dropped, and in a square causal call the padded keys come after every real row's last visible key. Past
+# PLAN_PAD_MAX rows the plan is under ~2 % of the call's layers and the padded copies would add to the peak memory.
+PLAN_ROWS = 256
+PLAN_PAD_MAX = 65536
+
+
+def plan_padded(q, k, v, *, causal: bool, run):
+    """run(q, k, v) -> (out, lse) on q's rows padded to a multiple of PLAN_ROWS (k, v too when causal), cut back
+    to q's rows; as is past PLAN_PAD_MAX rows, on a multiple already, or causal with other than one key per row
+    (the dispatcher sends cuDNN square causal calls only: a key pad elsewhere would depend on the alignment)."""
+    Lq = q.shape[2]
+    pad = -Lq % PLAN_ROWS if Lq <= PLAN_PAD_MAX and (not causal or k.shape[2] == Lq) else 0
+    if pad == 0:
+        return run(q, k, v)
+    grow = lambda t: torch.nn.functional.pad(t, (0, 0, 0, pad))  # noqa: E731
+    if causal:
+        k, v = grow(k), grow(v)
+    out, lse = run(grow(q), k, v)
+    return out[:, :, :Lq].contiguous(), lse[:, :, :Lq].contiguous()
+
+
 def _fused(q, k, v, *, causal: bool, scale, op: str):
     """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row)."""
     B, Hq, Lq, D = q.shape
@@ -160,10 +184,15 @@ def _fused(q, k, v, *, causal: bool, scale, op: str):
         # Causal rows of different heads differ: equal head counts (the copy is a few % of the time).
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if op == "cudnn":
-        q, k, v = _plan_strides(q), _plan_strides(k), _plan_strides(v)
-        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
-    else:
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return plan_padded(q, k, v, causal=causal, run=lambda q, k, v: _cudnn(q, k, v, causal=causal, scale=scale))
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1].reshape(B, Hq, -1)[:, :, :Lq].float()  # lse may come padded or as [B, H, L, 1]
+
+
+def _cudnn(q, k, v, *, causal: bool, scale):
+    B, Hq, Lq, _ = q.shape
+    q, k, v = _plan_strides(q), _plan_strides(k), _plan_strides(v)
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return r[0], r[1].reshape(B, Hq, -1)[:, :, :Lq].float()  # lse may come padded or as [B, H, L, 1]
 
 
