@@ -152,7 +152,7 @@ def _plan_strides(t: torch.Tensor) -> torch.Tensor:
 # new length pays it in full, and a harness sample or a document's last chunk is nearly always one. Query rows
 # padded up to a multiple of PLAN_ROWS let every length within one multiple share a plan. Exact: padded rows are
 # dropped, and in a square causal call the padded keys come after every real row's last visible key. Past
-# PLAN_PAD_MAX rows the plan is under ~2 % of the call's layers and the padded copies would add to the peak memory.
+# PLAN_PAD_MAX rows a plan costs under ~2 % of the prefill, and the padded copies would add to its peak memory.
 PLAN_ROWS = 256
 PLAN_PAD_MAX = 65536
 
@@ -173,26 +173,29 @@ def plan_padded(q, k, v, *, causal: bool, run):
 
 
 def _fused(q, k, v, *, causal: bool, scale, op: str):
-    """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row)."""
+    """torch's fused cuDNN or flash SDPA; both return natural-log logsumexp per (head, row). cuDNN's calls on
+    rows padded for its plans (`plan_padded`: a query head's rows, before GQA folds heads into rows)."""
+    if op == "cudnn":
+        return plan_padded(q, k, v, causal=causal, run=lambda q, k, v: _sdpa(q, k, v, causal=causal, scale=scale,
+                                                                              op=op))
+    return _sdpa(q, k, v, causal=causal, scale=scale, op=op)
+
+
+def _sdpa(q, k, v, *, causal: bool, scale, op: str):
     B, Hq, Lq, D = q.shape
     g = Hq // k.shape[1]
     if g > 1 and not causal:
         # No mask: a KV head's g query heads are just more rows over the same keys (no K/V copy).
-        out, lse = _fused(q.reshape(B, k.shape[1], g * Lq, D), k, v, causal=False, scale=scale, op=op)
+        out, lse = _sdpa(q.reshape(B, k.shape[1], g * Lq, D), k, v, causal=False, scale=scale, op=op)
         return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
     if g > 1 and not (op == "cudnn" and _cudnn_native_gqa(q, k)):
         # Causal rows of different heads differ: equal head counts (the copy is a few % of the time).
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     if op == "cudnn":
-        return plan_padded(q, k, v, causal=causal, run=lambda q, k, v: _cudnn(q, k, v, causal=causal, scale=scale))
-    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return r[0], r[1].reshape(B, Hq, -1)[:, :, :Lq].float()  # lse may come padded or as [B, H, L, 1]
-
-
-def _cudnn(q, k, v, *, causal: bool, scale):
-    B, Hq, Lq, _ = q.shape
-    q, k, v = _plan_strides(q), _plan_strides(k), _plan_strides(v)
-    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        q, k, v = _plan_strides(q), _plan_strides(k), _plan_strides(v)
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1].reshape(B, Hq, -1)[:, :, :Lq].float()  # lse may come padded or as [B, H, L, 1]
 
 
