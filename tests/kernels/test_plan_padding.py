@@ -57,3 +57,22 @@ def test_a_causal_call_that_is_not_square_runs_as_it_is():
     seen = []
     attn.plan_padded(q, k, v, causal=True, run=_reference(True, seen))
     assert seen == [(300, 400)]
+
+
+def test_the_cudnn_path_pads_a_query_heads_rows_and_the_flash_path_does_not(monkeypatch):
+    """_fused's wiring, the kernel faked: cuDNN calls reach the kernel on padded rows (a query head's, before GQA
+    folds g heads into rows: lengths within one multiple of PLAN_ROWS share a plan whatever g), flash calls as
+    they are."""
+    seen = []
+
+    def fake_sdpa(q, k, v, *, causal, scale, op):
+        seen.append((op, q.shape[1], q.shape[2], k.shape[2]))
+        return attention_math(q, k, v, q_pos=torch.arange(q.shape[2]), k_pos=torch.arange(k.shape[2]), causal=causal)
+
+    monkeypatch.setattr(attn, "_sdpa", fake_sdpa)
+    q, k, v = _qkv(6, 2, 300, 517, 9)
+    out, _ = attn._fused(q, k, v, causal=False, scale=None, op="cudnn")
+    attn._fused(q, k, v, causal=False, scale=None, op="flash")
+    assert seen == [("cudnn", 6, 512, 517), ("flash", 6, 300, 517)]
+    ref, _ = attention_math(q, k, v, q_pos=torch.arange(300), k_pos=torch.arange(517), causal=False)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
