@@ -549,7 +549,8 @@ class Scheduler:
     def _write_down(self) -> None:
         """Graceful shutdown with a disk tier (rank 0): the entries held only on the device or in the host
         tier are written to disk, most recently used first, within the disk budget and --shutdown-write-s,
-        so that a restart on the same --disk-cache-dir serves them from there. The requests still running
+        so that a restart on the same --disk-cache-dir serves them from there; the writes evictions queued
+        before the stop are finished first, within the same limit. The requests still running
         are cut off first (as without a write-down). Steps go on meanwhile, one or two writes queued at a
         time (a device shard waits for its write in host memory of its own); what the limit cuts off is
         left unwritten (a write in progress leaves a temporary file, removed at the next start)."""
@@ -581,11 +582,13 @@ class Scheduler:
             if all(n <= r for n, r in zip(need, room)):
                 room = [r - n for r, n in zip(room, need)]
                 todo.append((e.id, e.ids, rank_bytes))
-        if not todo:
+        if not todo and not ex.writes:
             return
+        # evictions' writes in flight are waited for too: the writer drops what is still queued at close
         total = sum(max(b) for _, _, b in todo)
         log.info("shutdown: writing %d cache entries, %.2f GiB per rank at most, to %s (at most %g s, "
-                 "--shutdown-write-s)", len(todo), total / 2**30, tiers.disk.path, limit)
+                 "--shutdown-write-s)%s", len(todo), total / 2**30, tiers.disk.path, limit,
+                 f"; {len(ex.writes)} writes in flight first" if ex.writes else "")
         written, done_bytes, queued, n = 0, 0, {}, len(todo)
         while (todo or ex.writes) and time.monotonic() - t0 < limit:
             ops = []

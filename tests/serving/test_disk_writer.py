@@ -166,6 +166,32 @@ def test_shutdown_writes_down_and_a_restart_reuses(tiny, tmp_path, caplog):
         svc.shutdown()
 
 
+def test_shutdown_finishes_an_eviction_write_in_flight(tiny, tmp_path, caplog):
+    """An entry evicted to disk just before shutdown (its write still queued) is on the device and in no tier,
+    so the write-down has nothing left to write of its own: it still waits for that write (within
+    --shutdown-write-s) instead of dropping it at close, and the restart finds both documents."""
+    (d1, d2, _), q1, q2 = _docs(14)
+    budget, _ = _budget(tiny, len(d1) + len(q1))
+    tiers = TierConfig(disk_dir=tmp_path, disk_bytes=1 << 30, disk_reload="always")
+    svc = _service(tiny, tiers, budget)
+    try:
+        _ask(svc, d1 + q1, len(d1))
+        _ask(svc, d2 + q1, len(d2))  # d1 -> disk (no host tier)
+        settle_writes(svc)
+        svc.tiers.writer.before_write = lambda job: threading.Event().wait(0.5)  # a slow disk from here on
+        _ask(svc, d1 + q2, len(d1))  # d1 comes up from disk; d2 goes down, its write queued behind the stall
+        assert svc.executor.writes and svc.tiers.disk.entry_for(d2 + q1) is None
+    finally:
+        with caplog.at_level(logging.INFO, logger="starshard.serve"):
+            svc.shutdown()
+    assert len(list(Path(tmp_path).glob("*.kv"))) == 2 and not list(Path(tmp_path).glob(".*.tmp"))
+    svc = _service(tiny, TierConfig(disk_dir=tmp_path, disk_bytes=1 << 30, shutdown_write_s=0), budget)
+    try:
+        assert sorted(list(e.ids) for e in svc.tiers.disk.entries.values()) == sorted([d1 + q1, d2 + q1])
+    finally:
+        svc.shutdown()
+
+
 def _cp2(rank, world, directory):
     llm = LLM(random_weights="tiny", progress=False, parallel=ParallelConfig(cp=world, cp_strategy="ring"))
     (d1, d2, _), q1, _ = _docs(13)
