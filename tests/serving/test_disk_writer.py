@@ -184,6 +184,7 @@ def test_shutdown_finishes_an_eviction_write_in_flight(tiny, tmp_path, caplog):
     finally:
         with caplog.at_level(logging.INFO, logger="starshard.serve"):
             svc.shutdown()
+    assert any("1 writes in flight first" in r.getMessage() for r in caplog.records)
     assert len(list(Path(tmp_path).glob("*.kv"))) == 2 and not list(Path(tmp_path).glob(".*.tmp"))
     svc = _service(tiny, TierConfig(disk_dir=tmp_path, disk_bytes=1 << 30, shutdown_write_s=0), budget)
     try:
