@@ -1,10 +1,11 @@
 # Issue 48, MInference at 128K with YaRN x4, one call after stage.sh: configs searched on one 128K multikey sample of
 # seed 1 at several recall floors (FLOORS, default "0.95 0.97 0.98"; the 0.99 floor ran 1.30x dense and kept 17 of 17
-# of dense's right answers, the 16K search 2.78x and 87 %: 2026-12-07-qwen/h100-k, h100-l), the searches sharing the
-# card; then each timed at 128K on the essay of seed 2 beside dense (before and after); then each paired with dense
-# at 128K on seed 0's samples (paired.sh, TAG y128_: dense resumes the last committed y128_dense, each config run
-# minference_r<floor> its own). A later call pairs more: QCFG=<the committed dir> LENGTHS=131072
-# EXTRA="--rope-scaling yarn:4" TAG=y128_ RUNS="dense minference_r0.97 ..." bash paired.sh.
+# of dense's right answers, the 16K search 2.78x and 87 %: 2026-12-07-qwen/h100-k, h100-l), one search after another
+# (three at once ran out of an 80 GB card's memory: 24-30 GB each at 128K; 70-105 s each alone); then each timed
+# at 128K on the essay of seed 2 beside dense (before and after); then each paired with dense at 128K on seed 0's
+# samples (paired.sh, TAG y128_: dense resumes the last committed y128_dense, each config run minference_r<floor>
+# its own; 0.98 and 0.97: 2026-12-07-qwen/h100-m, h100-n). A later call pairs more: QCFG=<the committed dir>
+# LENGTHS=131072 EXTRA="--rope-scaling yarn:4" TAG=y128_ RUNS="dense minference_r0.97 ..." bash paired.sh.
 #   FLOORS, SEARCH_TIMEOUT (300 s), END: when the call's pairing stops (580 s after the start).
 . bench/results/2026-12-06-step-loop/prelude.sh
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
@@ -12,9 +13,8 @@ M=qwen2.5-coder-1.5b-instruct; FLOORS=${FLOORS:-"0.95 0.97 0.98"}; mkdir -p /tmp
 for f in $FLOORS; do
   { [ -f /tmp/qcfg/minference_r$f.json ] || timeout ${SEARCH_TIMEOUT:-300} python3 -m starshard minference-search \
       --model $M --device cuda --dtype bfloat16 --seed 1 --length 131072 --rope-scaling yarn:4 --target-recall $f \
-      --quiet --out /tmp/qcfg/minference_r$f.json > $OUT/log_search_$f.txt 2>&1; t search_$f; } &
+      --quiet --out /tmp/qcfg/minference_r$f.json > $OUT/log_search_$f.txt 2>&1; t search_$f; }
 done
-wait
 # a call brings back at most 8 files: the configs go in one (configs.json: {run: config}); unpack each to
 # <dir>/minference_r<floor>.json when committing, for paired.sh's QCFG
 python3 -c "import json, pathlib, sys; print(json.dumps({p.stem: json.loads(p.read_text()) for p in map(pathlib.Path, sys.argv[1:])}))" \
