@@ -4,6 +4,8 @@ besides the GEMMs and attention at 128K).
     python bench/profile_prefill.py --layers 2 --prompt-len 131072 [--fp8 linear,kv] [--gaps 15] [--host 30] [--out prof.json]
     python bench/profile_prefill.py --layers 4 --prefill-chunk 4096 --prefill-knee 26624   # the service's chunk steps
     python bench/profile_prefill.py --layers 4 --prefill-chunk 4096 --prefill-knee 26624 --service  # through its scheduler
+    python bench/profile_prefill.py --model DIR --prompt-file essay.txt --rope-scaling yarn:4 --sparse minference
+        --sparse-config cfg.json --gaps 15   # (one line) real weights past the window: a sparse prefill's time
 
 A Llama-3.1-8B-shaped model with --layers decoder layers (random weights: fine for dense speed), random
 token ids. One warm-up prefill, `--repeats` timed ones, then one under torch.profiler; prints the
@@ -39,6 +41,8 @@ ap.add_argument("--model", default=None, help="a checkpoint (real weights) inste
 ap.add_argument("--prompt-file", default=None, help="with --model: natural text, repeated to --prompt-len tokens")
 ap.add_argument("--sparse", default=None, choices=["minference", "anchor"], help="sparse prefill method")
 ap.add_argument("--sparse-config", default=None, help="its per-head config file")
+ap.add_argument("--rope-scaling", default=None, metavar="yarn:FACTOR", help="with --model: run it past its window "
+                "with YaRN, as `starshard run --rope-scaling` (e.g. Qwen2.5 at 128K: yarn:4)")
 ap.add_argument("--host", type=int, default=0, help="also profile the host: list the N ops with the most self CPU "
                 "time (short prompts are bound by the host's launches)")
 ap.add_argument("--gaps", type=int, default=0, help="also list the N longest idle gaps between device kernels "
@@ -54,10 +58,13 @@ ap.add_argument("--vary-length", action="store_true", help="each prefill one tok
                 "documents are (a KV cache's capacity sets its views' strides, and torch keeps a cuDNN graph per "
                 "shape and strides)")
 args = ap.parse_args()
+if args.rope_scaling and not args.model:
+    ap.error("--rope-scaling applies to --model (a checkpoint); the random presets take their window from the preset")
 sparse = SparseConfig(args.sparse, config_path=args.sparse_config) if args.sparse else None
 
 if args.model:
-    llm = LLM(args.model, device="cuda", dtype=torch.bfloat16, progress=False, fp8=args.fp8, sparse=sparse)
+    llm = LLM(args.model, device="cuda", dtype=torch.bfloat16, progress=False, fp8=args.fp8, sparse=sparse,
+              rope_scaling=args.rope_scaling)
 else:
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = Path(tmp) / "config.json"
@@ -151,7 +158,8 @@ if args.out:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
                    "layers": llm.config.num_layers, "model": args.model, "prompt_file": args.prompt_file,
-                   "sparse": args.sparse, "sparse_config": args.sparse_config, "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
+                   "sparse": args.sparse, "sparse_config": args.sparse_config, "rope_scaling": args.rope_scaling,
+                   "prompt_len": args.prompt_len, "fp8": args.fp8 or "none",
                    "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee, "service": args.service,
                    "vary_length": args.vary_length,
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
