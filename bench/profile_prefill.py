@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from starshard import LLM
-from starshard.benchmarks.common import commit
+from starshard.benchmarks.common import commit, device_spans, kernel_gaps
 from starshard.benchmarks.prefill import prompt_ids, text_ids
 from starshard.kernels.sparse import SparseConfig
 from starshard.config import SamplingConfig
@@ -119,20 +119,7 @@ for e in prof.key_averages():
         rows.append({"kernel": e.key[:160], "calls": e.count, "ms": dev_us / 1e3})
         total += dev_us / 1e3
 rows.sort(key=lambda r: -r["ms"])
-gaps = []
-if args.gaps:  # idle device time: from the trace, kernel and memcpy / memset intervals in time order
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(f"{tmp}/trace.json")
-        events = json.load(open(f"{tmp}/trace.json"))["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    end, before = spans[0][1], spans[0][2]
-    for s0, s1, name in spans[1:]:
-        if s0 > end:
-            gaps.append({"ms": (s0 - end) / 1e3, "after": before[:80], "before": name[:80]})
-        if s1 > end:
-            end, before = s1, name
-    gaps.sort(key=lambda g: -g["ms"])
+idle = kernel_gaps(device_spans(prof), args.gaps) if args.gaps else None  # the device's idle time, longest gaps
 for r in rows:
     r["share"] = r["ms"] / total
 print(f"prefill {args.prompt_len} tokens, {llm.config.num_layers} layers, chunk {args.prefill_chunk or 'whole'} "
@@ -150,10 +137,10 @@ if args.host:
     print(f"host: {sum(h['self_cpu_ms'] for h in host):.2f} ms of self CPU time in profiled ops; most:")
     for h in host[: args.host]:
         print(f"{h['self_cpu_ms']:10.3f} ms x{h['calls']:<5d} {h['op'][:100]}")
-if args.gaps:
-    print(f"idle between kernels: {sum(g['ms'] for g in gaps):.1f} ms in {len(gaps)} gaps; longest:")
-    for g in gaps[: args.gaps]:
-        print(f"{g['ms']:10.2f} ms after {g['after']} | before {g['before']}")
+if idle is not None:
+    print(f"idle between kernels: {idle['idle_s'] * 1e3:.1f} ms in {idle['gaps']} gaps; longest:")
+    for g in idle["longest_gaps"]:
+        print(f"{g['s'] * 1e3:10.2f} ms after {g['after']} | before {g['before']}")
 if args.out:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "commit": commit(), "preset": args.preset,
@@ -163,5 +150,5 @@ if args.out:
                    "prefill_chunk": args.prefill_chunk, "prefill_knee": args.prefill_knee, "service": args.service,
                    "vary_length": args.vary_length,
                    "wall_s": times, "kernel_ms_total": total, "kernels": rows,
-                   "idle_ms_total": sum(g["ms"] for g in gaps), "longest_gaps": gaps[: args.gaps],
+                   "device_idle": idle,
                    "host_ops": host[: args.host]}, f, indent=1)

@@ -5,6 +5,7 @@ import datetime
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,6 +100,47 @@ def back_to_back(fn, device: torch.device, calls: int, warmup: int = 2) -> dict:
     return {"seconds_per_call": events[0][0].elapsed_time(events[-1][1]) / 1e3 / calls,
             "busy_s_median": statistics.median(busy), "idle_between_s_median": statistics.median(idle) if idle else 0.0,
             "idle_between_s_sum": sum(idle)}
+
+
+def device_spans(prof) -> list[tuple[float, float, str]]:
+    """(start_us, end_us, name) of every kernel, copy and memset a torch.profiler run saw on the device, in time
+    order (from its trace, the profiler's record of the device's own clock)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+
+
+def kernel_gaps(spans: list[tuple[float, float, str]], longest: int = 0) -> dict:
+    """The device's busy and idle time (seconds) from its activity `spans` (device_spans): busy is their
+    union (overlapping streams count once), idle the time between the first start and the last end that no
+    span covers, `gaps` how many stretches that is; with `longest`, the longest gaps and the spans either
+    side (the host's launches or syncs show as gaps)."""
+    if not spans:
+        return {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "gaps": 0, "longest_gaps": []}
+    gaps = []
+    end, before = spans[0][1], spans[0][2]
+    for s0, s1, name in spans[1:]:
+        if s0 > end:
+            gaps.append({"s": (s0 - end) / 1e6, "after": before[:80], "before": name[:80]})
+        if s1 > end:
+            end, before = s1, name
+    span = (end - spans[0][0]) / 1e6
+    idle = sum(g["s"] for g in gaps)
+    return {"span_s": span, "busy_s": span - idle, "idle_s": idle, "gaps": len(gaps),
+            "longest_gaps": sorted(gaps, key=lambda g: -g["s"])[:longest]}
+
+
+def device_idle(fn, device: torch.device, longest: int = 5) -> dict:
+    """fn() once more, under torch.profiler recording the device only: kernel_gaps of what it ran (CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return kernel_gaps(device_spans(prof), longest)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float | None:

@@ -38,6 +38,11 @@ prompt or a harness sample is nearly always a length unequal to any warm-up, and
 (a cuDNN plan each, ~35-68 ms). After each length, N lengths drawn from the 1/16 below it run twice each;
 `fresh_first_over_second` is the median first / second.
 
+GPU idle time (`--idle`): one more prefill per length under torch.profiler, recording the device only;
+`device_idle` is its busy time (the union of kernels, copies and sets), its idle time between the first and the
+last of them (`idle_s`, `gaps`) and the longest gaps with the kernels either side: where the host made the GPU
+wait (a launch-bound stretch, a sync). The profiler slows the host's launches a little, so idle reads high, never low.
+
 Inputs: random token ids by default; `--prompt-file PATH` instead tokenizes a natural-text file with
 the model's tokenizer and repeats it (a blank line between copies) or truncates it to each length; the
 JSON names the file and, per length, whether it was repeated. Random weights (and random token ids)
@@ -59,8 +64,8 @@ from pathlib import Path
 
 import torch
 
-from starshard.benchmarks.common import (add_common_arguments, back_to_back, copy_bandwidth, header, median,
-                                        nominal_hbm_bandwidth, timed, write)
+from starshard.benchmarks.common import (add_common_arguments, back_to_back, copy_bandwidth, device_idle, header,
+                                        median, nominal_hbm_bandwidth, timed, write)
 from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
 from starshard.checkpoints.rope import with_rope_scaling
 from starshard.cli import (add_fp8_arguments, add_rope_scaling_argument, add_sparse_arguments, add_strategy_arguments,
@@ -198,6 +203,11 @@ def add_arguments(p) -> None:
                         "compiles) as a prompt unequal to any warm-up does, its second is warm; the row gets `fresh` "
                         "and `fresh_first_over_second` (median; 1.0: a new length costs nothing extra)")
     p.add_argument("--fresh-seed", type=int, default=0, help="seed of the --fresh lengths")
+    p.add_argument("--idle", action="store_true",
+                   help="after each length's timed runs, one more prefill under torch.profiler (the device's "
+                        "activity only): the row gets `device_idle`, the GPU's busy and idle seconds within that "
+                        "prefill, its gaps and the longest with the kernels either side (host launches and syncs "
+                        "show as idle). CUDA only")
     p.add_argument("--random-weights", default=None,
                    help="preset name (llama-3.1-8b, tiny) or config.json: fine for dense and CP speed, never for "
                    "sparse speed (no attention structure: every head is dense-like; use --model and --prompt-file)")
@@ -233,6 +243,8 @@ def check(args) -> str | None:
         return f"--tp must be >= 1, got {args.tp}"
     if args.fresh < 0:
         return f"--fresh must be >= 0, got {args.fresh}"
+    if args.idle and (str(args.device).startswith("cpu") or not torch.cuda.is_available()):
+        return "--idle measures a GPU's idle time within a prefill (torch.profiler's CUDA trace): drop it on the CPU"
     if args.fresh and (short := [L for L in args.lengths if max(1, L // 16) - len(args.lengths) < args.fresh]):
         return (f"--fresh {args.fresh} draws that many new lengths from the 1/16 below each length; {short[0]} "
                 f"has too few: give longer --lengths or a smaller --fresh")
@@ -350,6 +362,7 @@ def run(args) -> None:
             times = timed(prefill, topo.device, args.repeats, warmup=args.warmup, barrier=barrier)
             report = sparse_report(model)  # the last timed prefill's (None without --sparse)
             mem = torch.cuda.max_memory_allocated(topo.device) / 2**30 if topo.device.type == "cuda" else None
+            idle = device_idle(prefill, topo.device) if args.idle else None  # one more, after the report's
             cache = state["cache"]
             kv = {"trimmed": cache.trimmed, "bytes": sum(kv.nbytes() for kv in cache.layers.values())}
             kv["bytes_per_token"] = kv["bytes"] / L  # this rank's cache (a CP rank: its shard)
@@ -373,6 +386,8 @@ def run(args) -> None:
                    "mfu": fl["total"] / t / topo.world_size / peak, "decode": decode, "kv_cache": kv}
             if report is not None:
                 row["sparse_report"] = report
+            if idle is not None:
+                row["device_idle"] = idle
             if strategy is not None and strategy.cp > 1:
                 row["kv_bytes_sent"] = strategy.wire.kv_bytes  # by this rank in one prefill (context/wire.py)
                 if get_spec(strategy.name).ring_kv:
