@@ -2,7 +2,8 @@
 The CPU suite cannot reach the CUDA paths; these run the checks that can, each a script that also
 runs on its own: launch/gpu_check.py (the attention dispatcher in every mask mode, the Triton lse
 merges, and with two GPUs ring / Ulysses over NCCL, against float64), check_graph_decode.py (CUDA-graph
-decode gives eager's tokens) and check_moe_decode.py (the MoE decode expert kernels against float32).
+decode gives eager's tokens), check_moe_decode.py (the MoE decode expert kernels against float32) and
+`bench prefill --idle` (the GPU's idle time read from the profiler's device trace).
 The CUDA-only tests of the kernels (compiled kernels against their references) sit with their CPU
 tests in tests/kernels and run in the same `python -m pytest` there."""
 import json
@@ -57,3 +58,15 @@ def test_moe_decode_kernels_against_float32():
     rows = run([sys.executable, str(HERE / "check_moe_decode.py"), "--tokens", "1,8"])
     # bf16 weights and activations against the float32 reference
     assert rows and all(r["gemv_rel_err"] < 2e-2 and r["grouped_rel_err"] < 2e-2 for r in rows), rows
+
+
+def test_prefill_reports_the_gpus_idle_time(tmp_path):
+    """`bench prefill --idle` reads the device's own trace: some busy time, idle within the span, the gaps named."""
+    out = tmp_path / "idle.json"
+    run([sys.executable, "launch/bench.py", "prefill", "--random-weights", "tiny", "--cp-strategy", "dense",
+         "--lengths", "1000", "--repeats", "1", "--decode-steps", "0", "--idle", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    idle = row["device_idle"]
+    assert 0 < idle["busy_s"] <= idle["span_s"] and idle["idle_s"] >= 0, idle
+    assert abs(idle["busy_s"] + idle["idle_s"] - idle["span_s"]) < 1e-9 and len(idle["longest_gaps"]) <= 5, idle
+    assert (idle["gaps"] > 0) == bool(idle["longest_gaps"]), idle
