@@ -11,9 +11,10 @@ BLOCK_SIZE = Option("block_size", "--block-size", "star: context tokens per bloc
 
 
 def star_flops(cfg: ModelConfig, context: int, cp: int, block: int | None = None, anchor: int | None = None,
-               query_len: int = 1) -> list[PrefillFlops]:
+               query_len: int = 1, anchor_stored: bool = True) -> list[PrefillFlops]:
     """Star Attention: each block runs [anchor; block] causally (the first block has no anchor), then
-    the query phase. Defaults as StarAttention: block = ceil(context / cp), anchor = block."""
+    the query phase. Defaults as StarAttention: block = ceil(context / cp), anchor = block. anchor_stored:
+    rank 0's later blocks run only their own rows against the anchor's stored keys (StarAttention.anchor_stored)."""
     check_sizes(context, cp, query_len)
     block = block or -(-context // cp)
     anchor = block if anchor is None else anchor
@@ -21,8 +22,12 @@ def star_flops(cfg: ModelConfig, context: int, cp: int, block: int | None = None
     for r, blocks in enumerate(star_blocks(context, block, cp)):
         tokens = pairs = held = 0
         for s, e in blocks:
-            n = min(anchor, s) + e - s
-            tokens, pairs, held = tokens + n, pairs + causal_pairs(n), held + e - s
+            a = min(anchor, s)
+            if r == 0 and anchor_stored:
+                tokens, pairs = tokens + e - s, pairs + (e - s) * a + causal_pairs(e - s)
+            else:
+                tokens, pairs = tokens + a + e - s, pairs + causal_pairs(a + e - s)
+            held += e - s
         f = rank_flops(cfg, tokens, pairs, 0, detail={"blocks": blocks})
         add_query_phase(cfg, f, query_len, held, r == cp - 1)
         out.append(f)
@@ -96,7 +101,8 @@ class StarSpec(StrategySpec):
 
     def prefill_flops(self, cfg, prompt_len, context_len, strategy):
         block, anchor = strategy.resolved_sizes(context_len)
-        return star_flops(cfg, context_len, strategy.cp, block, anchor, query_len=prompt_len - context_len)
+        return star_flops(cfg, context_len, strategy.cp, block, anchor, query_len=prompt_len - context_len,
+                          anchor_stored=strategy.anchor_stored())
 
 
 STAR = StarSpec()

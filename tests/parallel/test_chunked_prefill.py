@@ -26,7 +26,7 @@ from starshard.parallel.context.ring import RingAttention
 from starshard.parallel.context.star import StarAttention
 from starshard.parallel.context.ulysses import UlyssesAttention
 from starshard.parallel.context.usp import UspAttention
-from starshard.partition import prefill_steps, taper_align
+from starshard.partition import prefill_steps, star_blocks, taper_align
 from starshard.runtime.context_parallel import ContextParallelRunner
 from starshard.runtime.generate import generate_tokens
 from starshard.runtime.prompt import Prompt
@@ -233,9 +233,11 @@ def test_star_runs_its_anchor_once_per_document(model_path):
     assert case.strategy == "star" and case.chunk % 4 == 0 and case.options["block_size"] % case.chunk == 0
     results = _results(2, model_path)
     anchor = case.options["anchor_size"]
-    blocks = -(-case.context // case.options["block_size"])
-    # unchunked: block 0 plus every later block's copy of the anchor; chunked: block 0's rows only
-    assert sum(r[case.name][None]["anchor_rows"] for r in results) == blocks * anchor
+    blocks = star_blocks(case.context, case.options["block_size"], 2)
+    assert len(blocks[0]) > 1 and blocks[1]  # rank 0 holds later blocks too, rank 1 some
+    # unchunked: block 0, and a copy of the anchor in every block of the ranks > 0 (rank 0 reads its later blocks'
+    # from its cache: star.py); chunked: block 0's rows only
+    assert sum(r[case.name][None]["anchor_rows"] for r in results) == (1 + len(blocks[1])) * anchor
     assert sum(r[case.name][case.chunk]["anchor_rows"] for r in results) == anchor
 
 

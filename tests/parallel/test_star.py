@@ -19,8 +19,8 @@ def model(tmp_path_factory):
     return load_model(path)
 
 
-def star_logits(model, ids, context_len, **kw):
-    runner = ContextParallelRunner(model, StarAttention(**kw))
+def star_logits(model, ids, context_len, kv_fp8=False, **kw):
+    runner = ContextParallelRunner(model, StarAttention(**kw), kv_fp8=kv_fp8)
     cache = runner.new_cache(len(ids) + 4)
     with torch.no_grad():
         logits, _ = runner.prefill_logits(ids, context_len, cache)
@@ -114,3 +114,52 @@ def test_multi_rank_equals_single_rank(tmp_path, cp, block, anchor):
     assert sum(r["after_prefill"] for r in results) == L  # context once (anchors dropped) + query on one rank
     growth = [r["final"] - r["after_prefill"] for r in results]
     assert growth == [0] * (cp - 1) + [steps - 1]
+
+
+def _tokens_run(model, **kw):
+    """Prompt tokens rank 0 of one device runs through the model in Star's prefill of context 66 of 77."""
+    strategy = ContextParallelRunner(model, StarAttention(**kw)).strategy
+    return sum(len(seg.index) for seg in strategy.segments(77, 66))
+
+
+def test_rank_zero_runs_its_later_blocks_without_the_anchor(model, monkeypatch):
+    """The anchor's K/V are block 0's first rows: rank 0 reads them stored instead of recomputing them, unless a
+    call needs the square [anchor; block] (a sparse method, 8-bit scores)."""
+    assert _tokens_run(model, block_size=16, anchor_size=16) == 66
+    recomputed = 66 + 16 * 4  # blocks at 16, 32, 48, 64 each behind the 16-token anchor
+    monkeypatch.setattr(StarAttention, "int8_scores", True)
+    assert _tokens_run(model, block_size=16, anchor_size=16) == recomputed
+    monkeypatch.setattr(StarAttention, "int8_scores", False)
+    monkeypatch.setattr(model.layers[1].attention, "sparse", object(), raising=False)
+    assert _tokens_run(model, block_size=16, anchor_size=16) == recomputed
+
+
+@pytest.mark.parametrize("arch,overrides,block,anchor", [
+    ("llama", {}, 16, 16), ("llama", {}, 13, 5), ("llama", {}, 20, 40),
+    ("qwen2", {}, 9, 9),  # q / k / v biases: the keys stored minus their offset, as computed
+    ("gemma2", dict(sliding_window=12, query_pre_attn_scalar=10, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0), 20, 4),  # local layers: the stored keys in the window
+])
+def test_the_stored_anchor_gives_the_recomputed_anchors_logits(tmp_path, monkeypatch, arch, overrides, block, anchor):
+    _, path = make_hf_model(arch, tmp_path, **overrides)
+    model = load_model(path)
+    ids = torch.randint(0, 211, (83,), generator=torch.Generator().manual_seed(3))
+    got, cache = star_logits(model, ids, 71, block_size=block, anchor_size=anchor)
+    monkeypatch.setattr(StarAttention, "anchor_stored", lambda self: False)
+    want, want_cache = star_logits(model, ids, 71, block_size=block, anchor_size=anchor)
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
+    k, v, pos = cache.layer(0).view()
+    wk, wv, wpos = want_cache.layer(0).view()
+    assert torch.equal(pos, wpos) and torch.allclose(k, wk, atol=1e-5) and torch.allclose(v, wv, atol=1e-5)
+
+
+def test_the_stored_anchor_under_fp8_kv_is_read_as_stored(model, monkeypatch):
+    """--fp8 kv: the later blocks read the anchor in e4m3 (with its scales), as decode reads every key; the
+    recomputed anchor is attended as computed. They differ by e4m3's rounding, as FP8 KV differs from bf16."""
+    ids = torch.randint(0, 211, (83,), generator=torch.Generator().manual_seed(4))
+    got, _ = star_logits(model, ids, 71, kv_fp8=True, block_size=16, anchor_size=16)
+    unquantized, _ = star_logits(model, ids, 71, block_size=16, anchor_size=16)
+    monkeypatch.setattr(StarAttention, "anchor_stored", lambda self: False)
+    want, _ = star_logits(model, ids, 71, kv_fp8=True, block_size=16, anchor_size=16)
+    fp8_error = ((want - unquantized).norm() / unquantized.norm()).item()
+    assert 0 < ((got - want).norm() / want.norm()).item() <= max(2 * fp8_error, 1e-3)

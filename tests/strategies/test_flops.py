@@ -32,12 +32,16 @@ def test_ring_by_hand():
 
 
 def test_star_by_hand():
-    # context 10, cp 2, block 3, anchor 2: rank 0 runs [0,3) and [0,2)+[3,6); rank 1 [0,2)+[6,9) and [0,2)+[9,10).
+    # context 10, cp 2, block 3, anchor 2: rank 0 runs [0,3), then [3,6) against the anchor's stored keys [0,2);
+    # rank 1 [0,2)+[6,9) and [0,2)+[9,10).
     r0, r1 = star_flops(CFG, 10, 2, block=3, anchor=2, query_len=1)
-    assert (r0.tokens, r1.tokens) == (3 + 5, 5 + 3)
-    assert r0.pairs == 6 + 15 + 1 * 6  # blocks, then the query row against 6 cached tokens
+    assert (r0.tokens, r1.tokens) == (3 + 3, 5 + 3)
+    assert r0.pairs == 6 + (3 * 2 + 6) + 1 * 6  # blocks, then the query row against 6 cached tokens
     assert r1.pairs == 15 + 6 + 1 * 4 + 1  # the query rank also sees the query itself
-    assert r0.linear == (8 + 1) * TOK + LOGITS and r0.attention == r0.pairs * PAIR
+    assert r0.linear == (6 + 1) * TOK + LOGITS and r0.attention == r0.pairs * PAIR
+    # rank 0 recomputing the anchor (--sparse, --fp8 attention): [0,2)+[3,6) causally
+    r0, r1b = star_flops(CFG, 10, 2, block=3, anchor=2, query_len=1, anchor_stored=False)
+    assert (r0.tokens, r0.pairs) == (3 + 5, 6 + 15 + 1 * 6) and r1b == r1
 
 
 def test_apb_by_hand():
@@ -122,8 +126,9 @@ def test_tp_by_hand():
     assert f.seconds(10, 5, 8) == pytest.approx(want) == predicted_seconds([f], 10, 5, allreduce_bytes_per_s=8)
     assert f.seconds(10, 5) == pytest.approx(want - 96 / 8)  # no all-reduce rate: compute only
     assert tp_flops(CFG, [d], 1) == [d]
-    # Star's query rank runs its 8 phase-1 rows and the query row through every layer
+    # each Star rank runs its phase-1 rows (rank 0: 6, the anchor stored; rank 1: 8) and the query row through
+    # every layer
     r0, r1 = tp_flops(CFG, star_flops(CFG, 10, 2, block=3, anchor=2, query_len=1), 2, dtype_bytes=4)
-    assert (r0.tp_bytes, r1.tp_bytes) == (2 * 9 * 4 * 4, 2 * 9 * 4 * 4)
+    assert (r0.tp_bytes, r1.tp_bytes) == (2 * 7 * 4 * 4, 2 * 9 * 4 * 4)
     with pytest.raises(ValueError, match="tp must be >= 1"):
         tp_flops(CFG, [d], 0)

@@ -217,7 +217,8 @@ FLOPS_BEFORE = {
 
 def test_flops_as_before():
     built = {"dense": None, "ring": SimpleNamespace(cp=4), "ulysses": SimpleNamespace(cp=4),
-             "usp": SimpleNamespace(cp=4), "star": SimpleNamespace(cp=4, resolved_sizes=lambda c: (2000, 2000)),
+             "usp": SimpleNamespace(cp=4), "star": SimpleNamespace(cp=4, resolved_sizes=lambda c: (2000, 2000),
+                                     anchor_stored=lambda: False),  # the anchor recomputed, as before
              "apb": SimpleNamespace(hosts=4, resolved_sizes=lambda c: (512, 256), embed_query=True)}
     for name in STRATEGIES:
         ranks = get_spec(name).prefill_flops(CFG, 8192, 8000, built[name])

@@ -12,12 +12,19 @@ Each rank sends its block's edge to the rank holding the next block (one block p
 device, --num-blocks, the edge is the previous block's rows in the cache) and attends
 [anchor; edge; block] masked by window; the anchor/block approximation applies to global layers only.
 With every layer local, Star is dense attention. Soft-caps and scales reach every call.
+
+The anchor's K/V at every layer are those of block 0's first rows (the same tokens and positions, causal). So rank
+0, which holds block 0 (every block on one device, --num-blocks), runs its later blocks without the anchor rows:
+each layer attends the anchor's stored K/V (a local layer: the stored keys in its window) and the block's own,
+merged by lse. The same math at ~half the tokens for those blocks; the other ranks recompute the anchor as the
+paper does (they never see block 0). Not with --sparse or --fp8 attention, whose calls take the square [anchor;
+block]; with --fp8 kv the anchor is read as stored (e4m3), as decode reads it.
 """
 from __future__ import annotations
 
 import torch
 
-from starshard.kernels.attention import attention, causal_attention_int8_scores
+from starshard.kernels.attention import attention, attention_after_held, causal_attention_int8_scores
 from starshard.kernels.common import mark_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import star_blocks, star_sizes
@@ -40,6 +47,7 @@ class StarAttention(ContextStrategy):
         self.num_blocks = num_blocks
         self._model = None  # bound by the runner: its config's windows decide which layouts can exchange edges
         self._context_len = 0
+        self._after_anchor: list[int] = []  # starts of this prefill's blocks that attend the stored anchor, in order
 
     @classmethod
     def from_options(cls, group, options, *, cp_groups=None, tp_group=None):
@@ -59,7 +67,7 @@ class StarAttention(ContextStrategy):
     def chunk_hidden(self, start: int, end: int, context_len: int) -> tuple[int, int] | None:
         # A step in the block starting at bs sees the anchor [0, min(A, bs)) and its block, as
         # segments() encodes each block; the anchor's KV is block 0's, stored once for the document
-        # (unchunked, every rank r >= 1 recomputes it for each of its blocks).
+        # (unchunked, every rank r >= 1 recomputes it for each of its blocks; rank 0 reads it stored).
         block, anchor = self.resolved_sizes(context_len)
         bs = start // block * block
         if end > bs + block:
@@ -113,11 +121,25 @@ class StarAttention(ContextStrategy):
         self._check_windows(context_len)
         block, anchor = self.resolved_sizes(context_len)
         segs = []
+        self._after_anchor = []
         for start, end in star_blocks(context_len, block, self.cp)[self.rank]:
+            if start > 0 and self.anchor_stored():
+                # Rank 0 stored blocks [0, start) in order (module doc): the anchor is there, rows = positions.
+                self._after_anchor.append(start)
+                index = torch.arange(start, end)
+                segs.append(Segment(index, index.clone(), None))
+                continue
             a = min(anchor, start)  # the first block needs no anchor; never duplicate block tokens
             index = torch.cat([torch.arange(a), torch.arange(start, end)])
             segs.append(Segment(index, index.clone(), torch.arange(a, a + end - start)))
         return segs
+
+    def anchor_stored(self) -> bool:
+        """Whether this rank's later blocks attend the anchor as stored (module doc): rank 0, whose first block is
+        block 0, and no call that needs the square [anchor; block] (--sparse, --fp8 attention)."""
+        layers = getattr(self._model, "layers", None)
+        return (self.rank == 0 and layers is not None and not self.int8_scores
+                and all(getattr(layer.attention, "sparse", None) is None for layer in layers))
 
     def _edge(self, start: int, end: int, k, v, cache, window: int):
         """A local layer's edge exchange for the block [start, end) (edges.py): this block's last keys go to
@@ -139,6 +161,8 @@ class StarAttention(ContextStrategy):
         pos = segment.positions
         if pos.dim() == 1 and bool((pos.diff() > 0).all()):
             mark_increasing(pos)
+        if rows is None:  # a block after the anchor, on the rank that stored it (segments())
+            return self._after_anchor_attend(self._after_anchor.pop(0))
         bounds = []  # (anchor rows, block start, block end), read from the host once, at the first local layer
 
         def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
@@ -171,6 +195,29 @@ class StarAttention(ContextStrategy):
                                    k_scale=ks, v_scale=vs, **extras)
                 out = torch.cat([out[:, :, :a], merge_partials(out[:, :, a:], lse[:, :, a:], o2, l2)[0]], dim=2)
             cache_append(cache, k, v, pos, rows)
+            return out
+
+        return attend
+
+    def _after_anchor_attend(self, start: int):
+        """The AttendFn of the block starting at `start` on the rank holding every block before it: each layer
+        attends the stored anchor rows [0, min(anchor, start)) (a local layer: the stored rows in its window,
+        which are the anchor's and the previous block's edge there) and the block's own keys causally, merged
+        by lse, then stores the block."""
+        _, anchor = self.resolved_sizes(self._context_len)
+
+        def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
+            if cache is None or cache.trimmed or cache.length != start:
+                raise RuntimeError(f"Star's block at {start} reads the anchor from this rank's cache, which must hold "
+                                   f"every earlier position untrimmed (holds {getattr(cache, 'length', None)} rows)")
+            lo, hi = (0, min(anchor, start)) if window is None else (max(0, start - window + 1), start)
+            held = cache.stored()
+            fp8 = held.k_scale is not None
+            out, _ = attention_after_held(q, k, v, pos, held.k[:, :, lo:hi], held.v[:, :, lo:hi], held.pos[lo:hi],
+                                          k_scale=held.k_scale[:, :, lo:hi] if fp8 else None,
+                                          v_scale=held.v_scale[:, :, lo:hi] if fp8 else None,
+                                          window=window, softcap=softcap, scale=scale)
+            cache_append(cache, k, v, pos, None)
             return out
 
         return attend
