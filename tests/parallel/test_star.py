@@ -163,3 +163,16 @@ def test_the_stored_anchor_under_fp8_kv_is_read_as_stored(model, monkeypatch):
     want, _ = star_logits(model, ids, 71, kv_fp8=True, block_size=16, anchor_size=16)
     fp8_error = ((want - unquantized).norm() / unquantized.norm()).item()
     assert 0 < ((got - want).norm() / want.norm()).item() <= max(2 * fp8_error, 1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused CUDA kernels need a GPU")
+def test_the_stored_anchor_on_cuda_in_bf16(tmp_path, monkeypatch):
+    """The GPU path (fused kernels, the anchor's held part unmasked, the block square causal): bf16 against the
+    recomputed anchor, within bf16's rounding."""
+    _, path = make_hf_model("llama", tmp_path)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 211, (300,), generator=torch.Generator().manual_seed(6)).cuda()
+    got, _ = star_logits(model, ids, 290, num_blocks=4)
+    monkeypatch.setattr(StarAttention, "anchor_stored", lambda self: False)
+    want, _ = star_logits(model, ids, 290, num_blocks=4)
+    assert torch.isfinite(got).all() and ((got.float() - want.float()).norm() / want.float().norm()).item() <= 2e-2
