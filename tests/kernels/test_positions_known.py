@@ -78,7 +78,8 @@ def test_marked_increasing_answers_as_read():
 
 
 def test_star_marks_its_block_positions(tmp_path, monkeypatch):
-    """Star's block calls get positions the host knows are increasing (checked once per segment)."""
+    """Star's block calls get positions the host knows are increasing (checked once per segment): block 0's
+    [anchor-free] call, and the later blocks' own keys beside the stored anchor (`attention_after_held`)."""
     import starshard.parallel.context.star as star_mod
     from tests.helpers.hf_models import make_hf_model
     from starshard.checkpoints.load import load_model
@@ -95,10 +96,19 @@ def test_star_marks_its_block_positions(tmp_path, monkeypatch):
         seen.append(square_increasing(q_pos, k_pos))
         return real(q, k, v, q_pos=q_pos, k_pos=k_pos, **kw)
 
+    real_after = star_mod.attention_after_held
+    after = []
+
+    def spy_after(q, k, v, pos, held_k, held_v, held_pos, **kw):
+        after.append(square_increasing(pos, pos))
+        return real_after(q, k, v, pos, held_k, held_v, held_pos, **kw)
+
     monkeypatch.setattr(star_mod, "attention", spy)
+    monkeypatch.setattr(star_mod, "attention_after_held", spy_after)
     runner = ContextParallelRunner(model, StarAttention(num_blocks=3, anchor_size=8))
     ids = torch.randint(0, 211, (70,), generator=torch.Generator().manual_seed(3))
     cache = runner.new_cache(71)
     with torch.no_grad():
         runner.prefill_logits(ids, 60, cache)
-    assert len(seen) == 3 * model.config.num_layers and all(seen)
+    n = model.config.num_layers
+    assert len(seen) == n and len(after) == 2 * n and all(seen) and all(after)
