@@ -65,6 +65,8 @@ class Layout:
     block_size: int | None = None  # star: context tokens per block (default ceil(context / cp))
     anchor_size: int | None = None  # star / apb: anchor tokens (star default: the block; apb: paper defaults)
     query_rank: int | None = None  # CP rank that keeps the query and generated tokens (default: the last)
+    num_blocks: int | None = None  # star: blocks when no block_size (default cp); cp=1 studies N hosts (star, apb)
+    apb_hosts: int | None = None  # apb with cp=1: the virtual hosts run in turn (the same as num_blocks for apb)
 
     def __post_init__(self):
         for name in ("tp", "pp", "cp"):

@@ -91,6 +91,15 @@ def test_cp_strategies_by_hand():
     # apb: context 63 -> blocks 31, 32; defaults anchor min(b,64)=32, passing min(b,32)=32
     apb = plan_memory(cfg, Layout(cp=2, strategy="apb"), w).stages[0]
     assert (apb.kv_tokens, apb.rows) == (32 + 1 + 4, 32 + 32 + 1)
+    # study mode (cp = 1): one device keeps every block; its largest forward is one block's (star: behind the
+    # anchor; apb: behind the anchor and the embedded query), not the whole context
+    star4 = plan_memory(cfg, Layout(strategy="star", num_blocks=4), w).stages[0]  # blocks of 16: 48 + 16 behind
+    assert (star4.kv_tokens, star4.rows) == (63 + 1 + 4, 16 + 16)
+    apb4 = plan_memory(cfg, Layout(strategy="apb", apb_hosts=4), w).stages[0]  # blocks 15/16/16/16, anchor 16
+    assert (apb4.kv_tokens, apb4.rows) == (63 + 1 + 4, 16 + 16 + 1)
+    assert plan_memory(cfg, Layout(strategy="apb", num_blocks=4), w).stages[0].rows == apb4.rows
+    one = plan_memory(cfg, Layout(strategy="star"), w).stages[0]  # no blocks given: one block, the context
+    assert (one.kv_tokens, one.rows) == (63 + 1 + 4, 63)
     # KV per rank falls with cp for every sharding strategy
     for strat in ("ring", "ulysses", "usp", "star", "apb"):
         kv = [plan_memory(cfg, Layout(cp=c, strategy=strat), Workload(4096, dtype_bytes=4)).stages[0].kv_cache

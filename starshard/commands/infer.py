@@ -219,7 +219,8 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
 def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     """The planner's (Layout, Workload) for these flags (ValueError on an impossible layout)."""
     lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
-                 args.block_size, args.anchor_size, args.query_rank)
+                 args.block_size, args.anchor_size, args.query_rank, getattr(args, "num_blocks", None),
+                 getattr(args, "apb_hosts", None))
     fp8 = fp8_config(args)
     # trim_local: LLM.generate's cache keeps local layers' windows only (the planner: without pp / cp;
     # --fp8 attention drops the windows)

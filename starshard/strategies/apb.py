@@ -106,17 +106,20 @@ class APBSpec(StrategySpec):
             raise ValueError("--compressor retaining-heads and --compressor-path FILE go together")
 
     def kv_rows(self, lay, w):
-        # even split; block rows behind an anchor (+ the embedded query); passing blocks gathered per layer
+        # even split over the hosts (the CP ranks, or with cp = 1 the virtual hosts run in turn on the one
+        # device, which keeps every block); block rows behind an anchor (+ the embedded query); passing
+        # blocks gathered per layer
         cp, C, Q, N = lay.cp, w.context, w.prompt_tokens - w.context, w.max_new_tokens
+        hosts = cp if cp > 1 else (lay.apb_hosts or lay.num_blocks or 1)
         q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
-        bounds = apb_bounds(C, cp)
-        per = [bounds[r + 1] - bounds[r] for r in range(cp)]
+        bounds = apb_bounds(C, hosts)
+        per = [bounds[r + 1] - bounds[r] for r in range(hosts)]
         block = max(per)
         anchor, passing = apb_default_sizes(block)
         if lay.anchor_size is not None:
             anchor = lay.anchor_size
-        kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)]
-        return max(kept), block + anchor + Q, cp * min(passing, block)
+        kept = [per[r] + (Q + N if r == q_rank else 0) for r in range(cp)] if cp > 1 else [C + Q + N]
+        return max(kept), block + anchor + Q, hosts * min(passing, block)
 
     def chunk_error(self):
         return ("--cp-strategy apb prefills the whole prompt in one step: each host's passing blocks are chosen per "

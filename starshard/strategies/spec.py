@@ -124,7 +124,7 @@ class StrategySpec:
         if self.single_rank or not self.chunked_prefill or not w.prefill_chunk:
             return None
         options = {k: v for k, v in (("block_size", lay.block_size), ("anchor_size", lay.anchor_size),
-                                     ("query_rank", lay.query_rank)) if v is not None}
+                                     ("query_rank", lay.query_rank), ("num_blocks", lay.num_blocks)) if v is not None}
         L, C = w.prompt_tokens, w.context
         bounds = self.prefill_bounds(lay.cp, L, C, options, w.prefill_chunk, w.prefill_knee)
         if len(bounds) == 1:

@@ -54,10 +54,11 @@ class StarSpec(StrategySpec):
             return chunked
         cp, C, Q, N = lay.cp, w.context, w.prompt_tokens - w.context, w.max_new_tokens
         q_rank = cp - 1 if lay.query_rank is None else lay.query_rank
-        block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size)
+        block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size, lay.num_blocks)
         blocks = star_blocks(max(C, 1), block, cp)
         kept = [sum(e - s for s, e in blocks[r]) + (Q + N if r == q_rank else 0) for r in range(cp)]
-        # one forward per block, behind the anchor (the first block has none); then the query phase
+        # one forward per block, behind the anchor (the first block has none; rank 0 may read it stored, which
+        # the planner, not knowing --sparse, does not count on); then the query phase
         rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
         return max(kept), rows, 0
 

@@ -86,6 +86,19 @@ def test_plan_prints_the_plan_as_run_plan_only_does(capsys):
     assert "peak" in capsys.readouterr().out  # the table
 
 
+def test_plan_reads_the_study_modes_block_count(capsys):
+    """--num-blocks / --apb-hosts on one device: the plan's largest forward is one block's, not the context's."""
+    argv = ["--random-weights", "tiny", "--prompt-len", "400", "--json"]
+
+    def rows(*extra):
+        assert main(["plan", *argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stages"][0]["rows"]
+
+    star_one, apb_one = rows("--cp-strategy", "star"), rows("--cp-strategy", "apb")
+    assert rows("--cp-strategy", "star", "--num-blocks", "4") == 200 < star_one == 399  # block 100 behind anchor 100
+    assert rows("--cp-strategy", "apb", "--apb-hosts", "4") < apb_one / 2
+
+
 @pytest.mark.slow  # two processes load torch and run a tiny model: ~10 s on 2 cores
 def test_run_gives_the_same_answer_as_launch_infer():
     a, b = sh("-m", "starshard", "run", *TINY), sh("launch/infer.py", *TINY)
