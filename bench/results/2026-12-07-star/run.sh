@@ -1,13 +1,16 @@
 # Star on one GPU without the anchor's recompute (c5a2d42: rank 0 reads the anchor's K/V from its cache), one device
 # call carrying .whl: the Llama-3.1-8B shape, random bf16 weights, dense and Star over 4 blocks (study mode, as the
-# accuracy runs use it) at 16K and 32K, each with --idle (the GPU's idle time within a prefill), then the CUDA test
-# of the stored anchor against the recomputed one. Before (the same card kind, a099841 + padding, 2026-12-07-plans):
-# Star over 4 blocks 0.827 s at 16K against dense 0.498 s (1.66x). Target: Star over 4 blocks at or under dense.
+# accuracy runs use it) and APB over 4 hosts (study mode: the dearest run of the accuracy calls, 0.707 s at 16K,
+# 1.42x dense, 2026-12-07-plans) at 16K and 32K, each with --idle (the GPU's idle time within a prefill: is APB's
+# cost host-bound?), then the CUDA test of the stored anchor against the recomputed one. Before (the same card kind,
+# a099841 + padding, 2026-12-07-plans): Star over 4 blocks 0.827 s at 16K against dense 0.498 s (1.66x). Target: Star
+# over 4 blocks at or under dense.
 #   bash bench/results/2026-12-07-star/run.sh
 LOG=log.txt; . bench/gpu_env.sh
 P="prefill $L8B --dtype bfloat16 --decode-steps 0 --warmup 1 --repeats 3 --lengths 16384,32768 --idle"
 T=200 step python3 launch/bench.py $P --cp-strategy dense --out $OUT/dense.json
 T=200 step python3 launch/bench.py $P --cp-strategy star --num-blocks 4 --out $OUT/star4.json
+T=200 step python3 launch/bench.py $P --cp-strategy apb --apb-hosts 4 --out $OUT/apb4.json
 T=200 step python3 -m pytest -q tests/parallel/test_star.py -k cuda
 python3 - $OUT <<'PY'
 import json, pathlib, sys
@@ -18,8 +21,10 @@ rows = {k: {r["length"]: {"prefill_seconds": r["prefill_seconds"], "device_idle_
 (out / "summary.json").write_text(json.dumps({"device": runs["dense"]["device"], "commit": runs["dense"]["commit"],
                                               "runs": rows}, indent=1))
 for L, d in rows["dense"].items():
-    s = rows["star4"][L]
-    print(L, f"dense {d['prefill_seconds']:.4f} s, star4 {s['prefill_seconds']:.4f} s = {s['prefill_seconds'] / d['prefill_seconds']:.3f}x",
-          f"GPU idle {1e3 * (d['device_idle_s'] or 0):.1f} / {1e3 * (s['device_idle_s'] or 0):.1f} ms")
+    for name in ("star4", "apb4"):
+        s = rows[name][L]
+        print(L, f"dense {d['prefill_seconds']:.4f} s, {name} {s['prefill_seconds']:.4f} s = "
+              f"{s['prefill_seconds'] / d['prefill_seconds']:.3f}x, GPU idle {1e3 * (d['device_idle_s'] or 0):.1f} / "
+              f"{1e3 * (s['device_idle_s'] or 0):.1f} ms")
 PY
-rm -f $OUT/dense.json $OUT/star4.json
+rm -f $OUT/dense.json $OUT/star4.json $OUT/apb4.json
