@@ -5,6 +5,8 @@
 # one GPU (study mode, as the accuracy runs use them) at 16K. Targets: fresh_first_over_second ~1.0 with the padding
 # (a new length costs its kernels only), the warm prefill_seconds as without it (padded rows: <= 1.6 % of a 16K
 # call's attention).   bash bench/results/2026-12-07-plans/run.sh
+# Ran 2026-12-07 on one H100 (summary.json; docs/results.md, "A prompt of a new length"): a length in a multiple seen
+# before costs its kernels only, but a non-multiple length pays 2.6-3.8 % on every call (the padded copies).
 LOG=log.txt; . bench/gpu_env.sh
 P="prefill $L8B --dtype bfloat16 --decode-steps 0 --warmup 1 --repeats 3 --fresh 6 --fresh-seed 7"
 for s in dense "apb --apb-hosts 4" "star --num-blocks 4"; do
