@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tasks", default="multikey,niah_essay,multiquery",
                    help="harness tasks of the sample prompts, used in turn (starshard.evaluation.tasks)")
     p.add_argument("--samples", type=int, default=3, help="sample prompts; recall and density are averaged over them")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the first sample prompt; the others follow (default 0)")
     p.add_argument("--target-recall", type=float, default=0.99,
                    help="per head, the attention mass the kept keys must hold, averaged over the measured rows "
                    "(default 0.99, as minference_search's: on SmolLM2 files at 0.95 / 0.98 / 0.99 kept 0.92 / "
@@ -226,10 +226,11 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", default=None, metavar="I,J,A-B",
                    help="layer ids or ranges to calibrate, e.g. 0,5,10-14 (others: --default-theta; the forward stops after the last)")
     add_rope_scaling_argument(p)  # a config for YaRN runs past the window is searched with YaRN
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs (default: cuda where there is one, else cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="the model's dtype (default bfloat16, as it runs; the measurement is float32)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (the summary line still prints)")
     args = p.parse_args(argv)
     if not 0.0 < args.target_recall <= 1.0:
         p.error(f"--target-recall must be in (0, 1], got {args.target_recall}")

@@ -367,11 +367,13 @@ def main(argv=None) -> dict:
                    help="sample prompts of --length tokens (default 1, the needle at half depth); more: the tasks in "
                         "turn, depths spread over (0, 1), seeds --seed, --seed + 1, ...; per head the cheapest "
                         "pattern whose recall reaches --target-recall on every sample (two passes a sample)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the (first) sample prompt (default 0)")
     p.add_argument("--layers", default=None, metavar="I,J,A-B",
                    help="layer ids or ranges to search, e.g. 0,5,10-14 (others get the default pattern; the forward stops after the last)")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--last-q", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64,
+                   help="rows and keys per block of the sparse kernels and of Block-Sparse's budget (default 64)")
+    p.add_argument("--last-q", type=int, default=64,
+                   help="last query rows whose attention estimates the Vertical-Slash index (default 64)")
     p.add_argument("--force-sink", type=int, default=30, help="first key columns always among the vertical lines")
     p.add_argument("--force-local", type=int, default=100, help="nearest diagonals always among the slash lines")
     p.add_argument("--minference-estimate", action="store_true",
@@ -386,11 +388,15 @@ def main(argv=None) -> dict:
                    help="instead pick per head the best recall at the target A-shape's kernel cost (MInference's "
                         "search; on SmolLM2 it kept 0.76 of dense's harness score)")
     add_rope_scaling_argument(p)  # a config for YaRN runs past the window is searched with YaRN
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs (default: cuda where there is one, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the model's dtype (default bfloat16 on a GPU, as it runs, float32 on the CPU; the recall is "
+                        "measured in float32)")
     p.add_argument("--published", default=None, help="also write MInference's published format to this path")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr (the summary line still prints)")
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if not 0.0 < args.target_recall <= 1.0:
         p.error(f"--target-recall must be in (0, 1], got {args.target_recall}")
     if args.samples < 1:
