@@ -128,23 +128,27 @@ def quality(q, k, v, out, groups, *, block_size: int, blocks: torch.Tensor, scal
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--lengths", default="32768,65536,131072")
-    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the kernels run (default: cuda where there is one; cpu checks the code path only)")
+    p.add_argument("--lengths", default="32768,65536,131072", help="sequence lengths, comma-separated (default "
+                   "32768,65536,131072)")
+    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="q / k / v dtype (default bfloat16)")
     p.add_argument("--patterns", default="vs:1000,6096;vs_mi:1000,6096;ashape:1024,4096;bs:100",
                    help="vs: Vertical-Slash (echo-free slash estimate), vs_mi: with MInference's raw estimate")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--inputs", default="structured", choices=["structured", "random"])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=64, help="rows and keys per block of the sparse kernels (default 64)")
+    p.add_argument("--inputs", default="structured", choices=["structured", "random"],
+                   help="structured (default): planted vertical lines and local bands, as trained heads have; "
+                        "random: i.i.d. normal, the kernels' worst case (module doc)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement, the median kept (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs before them (default 2)")
     p.add_argument("--recall-blocks", type=int, default=4, help="query row blocks for recall / error")
     p.add_argument("--launch", default=None, help="num_warps,num_stages of the sparse kernel (default: built-in)")
     p.add_argument("--no-flash", action="store_true", help="skip the Triton flash dense reference")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    p.add_argument("--out", default=None, help="write the JSON here (default: stdout only)")
 
 
 def run(args) -> dict:
