@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -134,8 +135,6 @@ def kernel_gaps(spans: list[tuple[float, float, str]], longest: int = 0) -> dict
 
 def device_idle(fn, device: torch.device, longest: int = 5) -> dict:
     """fn() once more, under torch.profiler recording the device only: kernel_gaps of what it ran (CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()

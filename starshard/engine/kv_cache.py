@@ -45,6 +45,13 @@ class StoredKV:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
+    def rows(self, a: int, b: int | None = None) -> "StoredKV":
+        """Entries [a, b) (b None: to the end), their scales with them; views, no copy."""
+        cut = slice(a, b)
+        fp8 = self.k_scale is not None
+        return StoredKV(self.k[:, :, cut], self.v[:, :, cut], self.pos[cut],
+                        self.k_scale[:, :, cut] if fp8 else None, self.v_scale[:, :, cut] if fp8 else None)
+
 
 def _head_major(batch: int, n_kv_heads: int, rows: int, head_dim: int, dtype, device) -> torch.Tensor:
     return torch.empty(batch, n_kv_heads, rows, head_dim, dtype=dtype, device=device)

@@ -396,7 +396,7 @@ def main(argv=None) -> dict:
     p.add_argument("--published", default=None, help="also write MInference's published format to this path")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr (the summary line still prints)")
     args = p.parse_args(argv)
-    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.dtype = args.dtype or ("float32" if torch.device(args.device).type == "cpu" else "bfloat16")
     if not 0.0 < args.target_recall <= 1.0:
         p.error(f"--target-recall must be in (0, 1], got {args.target_recall}")
     if args.samples < 1:

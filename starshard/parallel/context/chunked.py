@@ -67,12 +67,6 @@ def hidden_rows(cache: KVCache, hidden: tuple[int, int] | None) -> tuple[int, in
     return (a, b) if b > a else None
 
 
-def _keys(s: StoredKV, a: int, b: int) -> dict:
-    fp8 = s.k_scale is not None
-    return dict(k=s.k[:, :, a:b], v=s.v[:, :, a:b], k_pos=s.pos[a:b],
-                k_scale=s.k_scale[:, :, a:b] if fp8 else None, v_scale=s.v_scale[:, :, a:b] if fp8 else None)
-
-
 def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, held: int, skip: tuple[int, int] | None,
              window: int | None = None, **extras):
     """(out, lse) of q over this rank's stored keys, causal by position, rows [skip) left out; rows
@@ -87,8 +81,9 @@ def _partial(q: torch.Tensor, q_pos: torch.Tensor, s: StoredKV, held: int, skip:
     for a, b, causal in [(a, b, window is not None) for a, b in spans] + [(held, n, True)]:
         if b <= a:
             continue
-        kw = _keys(s, a, b)
-        o, l = attention(q, kw.pop("k"), kw.pop("v"), q_pos=q_pos, causal=causal, window=window, **kw, **extras)
+        r = s.rows(a, b)
+        o, l = attention(q, r.k, r.v, q_pos=q_pos, k_pos=r.pos, causal=causal, window=window, k_scale=r.k_scale,
+                         v_scale=r.v_scale, **extras)
         result = (o, l) if result is None else merge_partials(*result, o, l)
     if result is None:
         B, H, R, _ = q.shape

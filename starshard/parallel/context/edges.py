@@ -25,9 +25,8 @@ def cached_edge(cache: LayerKV, rows: int) -> Edge:
     n = s.pos.numel()
     if rows > n:
         raise ValueError(f"a window edge of {rows} keys needs them in the cache, which holds {n}")
-    fp8 = s.k_scale is not None
-    return (s.k[:, :, n - rows :], s.v[:, :, n - rows :], s.pos[n - rows :],
-            s.k_scale[:, :, n - rows :] if fp8 else None, s.v_scale[:, :, n - rows :] if fp8 else None)
+    e = s.rows(n - rows)
+    return (e.k, e.v, e.pos, e.k_scale, e.v_scale)
 
 
 def post_edges(k: torch.Tensor, v: torch.Tensor, cache: LayerKV | None, group, *, send_to: int | None,

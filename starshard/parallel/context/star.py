@@ -122,8 +122,9 @@ class StarAttention(ContextStrategy):
         block, anchor = self.resolved_sizes(context_len)
         segs = []
         self._after_anchor = []
+        stored = self.anchor_stored()
         for start, end in star_blocks(context_len, block, self.cp)[self.rank]:
-            if start > 0 and self.anchor_stored():
+            if start > 0 and stored:
                 # Rank 0 stored blocks [0, start) in order (module doc): the anchor is there, rows = positions.
                 self._after_anchor.append(start)
                 index = torch.arange(start, end)
@@ -211,12 +212,9 @@ class StarAttention(ContextStrategy):
                 raise RuntimeError(f"Star's block at {start} reads the anchor from this rank's cache, which must hold "
                                    f"every earlier position untrimmed (holds {getattr(cache, 'length', None)} rows)")
             lo, hi = (0, min(anchor, start)) if window is None else (max(0, start - window + 1), start)
-            held = cache.stored()
-            fp8 = held.k_scale is not None
-            out, _ = attention_after_held(q, k, v, pos, held.k[:, :, lo:hi], held.v[:, :, lo:hi], held.pos[lo:hi],
-                                          k_scale=held.k_scale[:, :, lo:hi] if fp8 else None,
-                                          v_scale=held.v_scale[:, :, lo:hi] if fp8 else None,
-                                          window=window, softcap=softcap, scale=scale)
+            held = cache.stored().rows(lo, hi)
+            out, _ = attention_after_held(q, k, v, pos, held.k, held.v, held.pos, k_scale=held.k_scale,
+                                          v_scale=held.v_scale, window=window, softcap=softcap, scale=scale)
             cache_append(cache, k, v, pos, None)
             return out
 
