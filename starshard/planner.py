@@ -95,6 +95,9 @@ class Workload:
     fp8_linear: bool = False  # --fp8 linear: e4m3 projection weights plus a float32 scale per output channel
     fp8_experts: bool = False  # --fp8 experts: e4m3 expert weights plus a float32 scale per expert row
     prefill_knee: int | None = None  # the chunks' taper (partition.prefill_steps; None: uniform chunks)
+    # --sparse / --fp8 attention: a Star block then runs [anchor; block] square on every rank (StarAttention.anchor_stored)
+    sparse: bool = False
+    fp8_attention: bool = False
     # local layers keep only their window (LLM.generate / infer without pp or cp: engine/kv_cache.py, trimmed)
     trim_local: bool = False
 

@@ -93,8 +93,15 @@ def test_cp_strategies_by_hand():
     assert (apb.kv_tokens, apb.rows) == (32 + 1 + 4, 32 + 32 + 1)
     # study mode (cp = 1): one device keeps every block; its largest forward is one block's (star: behind the
     # anchor; apb: behind the anchor and the embedded query), not the whole context
-    star4 = plan_memory(cfg, Layout(strategy="star", num_blocks=4), w).stages[0]  # blocks of 16: 48 + 16 behind
-    assert (star4.kv_tokens, star4.rows) == (63 + 1 + 4, 16 + 16)
+    # blocks of 16, each after the first reading the anchor from the cache (StarAttention.anchor_stored) ...
+    star4 = plan_memory(cfg, Layout(strategy="star", num_blocks=4), w).stages[0]
+    assert (star4.kv_tokens, star4.rows) == (63 + 1 + 4, 16)
+    # ... unless --sparse or --fp8 attention runs each [anchor; block] square: 16 + 16 rows
+    for flag in ("sparse", "fp8_attention"):
+        square = plan_memory(cfg, Layout(strategy="star", num_blocks=4), dataclasses.replace(w, **{flag: True})).stages[0]
+        assert (square.kv_tokens, square.rows) == (63 + 1 + 4, 16 + 16), flag
+    # over real ranks only rank 0 reads it stored: rank 1's block [32, 63) still runs behind its 32-token anchor
+    assert plan_memory(cfg, Layout(cp=2, strategy="star"), w).stages[0].rows == 31 + 32
     apb4 = plan_memory(cfg, Layout(strategy="apb", apb_hosts=4), w).stages[0]  # blocks 15/16/16/16, anchor 16
     assert (apb4.kv_tokens, apb4.rows) == (63 + 1 + 4, 16 + 16 + 1)
     assert plan_memory(cfg, Layout(strategy="apb", num_blocks=4), w).stages[0].rows == apb4.rows

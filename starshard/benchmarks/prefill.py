@@ -154,10 +154,14 @@ def flop_model(cfg, strategy, L: int, context: int, tp: int, dtype_bytes: int, r
 def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, limit: int | None) -> dict:
     """The planner's per-rank plan of this run (its cache holds L + decode steps + 8 tokens)."""
     fp8 = fp8_config(args)
-    strategy = args.cp_strategy if args.cp > 1 else SINGLE_RANK  # one CP rank: the whole sequence's plan
-    lay = Layout(args.tp, 1, args.cp, strategy, None, args.block_size, args.anchor_size, None)
+    study = args.num_blocks is not None or args.apb_hosts is not None  # cp = 1: N blocks / hosts in turn
+    # one CP rank outside a study: the whole sequence's plan
+    strategy = args.cp_strategy if args.cp > 1 or study else SINGLE_RANK
+    lay = Layout(args.tp, 1, args.cp, strategy, None, args.block_size, args.anchor_size, None, args.num_blocks,
+                 args.apb_hosts)
     work = Workload(L, context_len if query_phase else None, args.decode_steps + 8, None, 4 if args.dtype == "float32"
-                    else 2, fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts)
+                    else 2, fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts,
+                    sparse=args.sparse is not None, fp8_attention=fp8.attention)
     return plan_json(plan_memory(cfg, lay, work), limit, None)
 
 

@@ -225,7 +225,8 @@ def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     # trim_local: LLM.generate's cache keeps local layers' windows only (the planner: without pp / cp;
     # --fp8 attention drops the windows)
     work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
-                    fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts, trim_local=not fp8.attention)
+                    fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts, trim_local=not fp8.attention,
+                    sparse=args.sparse is not None, fp8_attention=fp8.attention)
     return lay, work
 
 

@@ -232,9 +232,9 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
     fp8 = fp8_config(args)
     window = cfg.max_position_embeddings
     layout = Layout(p.tp, p.pp, p.cp, p.cp_strategy, tuple(p.pp_layers) if p.pp_layers else None, p.block_size,
-                    p.anchor_size, p.query_rank)
+                    p.anchor_size, p.query_rank, p.num_blocks, p.apb_hosts)
     work = Workload(window, window, 0, chunk or None, DTYPE_BYTES[dtype], fp8_kv=fp8.kv, fp8_linear=fp8.linear,
-                    fp8_experts=fp8.experts)
+                    fp8_experts=fp8.experts, sparse=args.sparse is not None, fp8_attention=fp8.attention)
     budget, refused = None, None
     try:
         budget = cache_budget(cfg, layout, work, total_bytes=torch.cuda.get_device_properties(device).total_memory,

@@ -57,9 +57,12 @@ class StarSpec(StrategySpec):
         block, anchor = star_sizes(C, cp, lay.block_size, lay.anchor_size, lay.num_blocks)
         blocks = star_blocks(max(C, 1), block, cp)
         kept = [sum(e - s for s, e in blocks[r]) + (Q + N if r == q_rank else 0) for r in range(cp)]
-        # one forward per block, behind the anchor (the first block has none; rank 0 may read it stored, which
-        # the planner, not knowing --sparse, does not count on); then the query phase
-        rows = max([e - s + min(anchor, s) for bl in blocks for s, e in bl] + [Q])
+        # one forward per block, behind the anchor (the first block has none; rank 0's later blocks read it from
+        # the cache unless --sparse or --fp8 attention needs the square call: StarAttention.anchor_stored); then
+        # the query phase
+        stored = not (w.sparse or w.fp8_attention)
+        rows = max([e - s + (0 if r == 0 and stored else min(anchor, s)) for r, bl in enumerate(blocks) for s, e in bl]
+                   + [Q])
         return max(kept), rows, 0
 
     def whole_rows(self, cp, prompt_len, context_len, options):

@@ -59,3 +59,20 @@ def test_bench_prefill_tp_on_one_cp_rank_needs_dense():
     assert prefill.check(ap.parse_args(["--tp", "2", "--cp-strategy", "dense", "--random-weights", "tiny"])) is None
     assert prefill.check(ap.parse_args(["--tp", "2", "--cp", "2", "--random-weights", "tiny"])) is None
     assert "--tp must be >= 1" in prefill.check(ap.parse_args(["--tp", "0", "--random-weights", "tiny"]))
+
+
+def test_bench_prefill_plans_the_study_mode_it_runs():
+    """--cp 1 with --num-blocks / --apb-hosts runs a strategy's study mode (its blocks in turn): the plan is that
+    mode's, not the whole sequence's; --sparse makes every Star block run [anchor; block] square."""
+    ap = argparse.ArgumentParser()
+    prefill.add_arguments(ap)
+    cfg = preset_config("tiny")
+
+    def rows(*argv):
+        args = ap.parse_args(["--random-weights", "tiny", "--dtype", "float32", *argv])
+        return prefill.memory_plan(cfg, args, 400, None, False, None)["stages"][0]["rows"]
+
+    whole = rows()
+    assert rows("--cp-strategy", "star", "--num-blocks", "4") == 100 < whole == 400  # the anchor read stored
+    assert rows("--cp-strategy", "star", "--num-blocks", "4", "--sparse", "minference") == 200
+    assert rows("--cp-strategy", "apb", "--apb-hosts", "4") < whole / 2
