@@ -31,7 +31,7 @@ from starshard.engine.moe import MoEFeedForward
 from starshard.kernels.activation import gelu_tanh_mul, silu_mul
 from starshard.kernels.attention import (DECODE_MAX_ROWS, attention, attention_after_held,
                                          causal_attention_int8_scores)
-from starshard.kernels.common import mark_arange
+from starshard.kernels.common import known_end, mark_arange
 from starshard.kernels.norm import rms_norm, use_norm_kernel
 from starshard.kernels.rope import apply_rope, rope_qk, use_rope_kernel
 from starshard.kernels.sparse import pattern_for
@@ -462,11 +462,10 @@ class Transformer(nn.Module):
         """
         x = tokens_or_hidden
         L = x.shape[1]
-        end = None
         if positions is None:
             start = cache.next_position if cache is not None else 0
             positions = mark_arange(torch.arange(start, start + L, device=x.device), start)
-            end = start + L
+        end = known_end(positions)  # None: the cache reads it from the device (a sync)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
             if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers

@@ -51,20 +51,36 @@ def arange_start(pos: torch.Tensor) -> int | None:
     return entry[1] if entry is not None and entry[0]() is pos else None
 
 
-# id -> weak reference of position tensors known to be strictly increasing (`mark_increasing`).
-_INCREASING: dict[int, weakref.ref] = {}
+# id -> (weak reference, end or None) of position tensors known to be strictly increasing (`mark_increasing`).
+_INCREASING: dict[int, tuple] = {}
 
 
-def mark_increasing(pos: torch.Tensor) -> torch.Tensor:
+def mark_increasing(pos: torch.Tensor, end: int | None = None) -> torch.Tensor:
     """Note on the host that 1-D `pos` is strictly increasing (built so on the host, never written
-    afterwards; gaps allowed: Star's [anchor; block]). A call given the same tensor as q_pos and k_pos
-    is then index-causal at offset 0, which `query_offset` and `attention.mask_mode` answer without a
-    device read. Returns pos."""
+    afterwards; gaps allowed: Star's [anchor; block]), and with `end` that its last position is end - 1. A
+    call given the same tensor as q_pos and k_pos is then index-causal at offset 0, which `query_offset` and
+    `attention.mask_mode` answer without a device read; `known_end` answers the model's cache the same way.
+    Returns pos."""
     if pos.dim() != 1:
         raise ValueError(f"mark_increasing takes 1-D positions, got shape {tuple(pos.shape)}")
     key = id(pos)
-    _INCREASING[key] = weakref.ref(pos, lambda _: _INCREASING.pop(key, None))
+    _INCREASING[key] = (weakref.ref(pos, lambda _: _INCREASING.pop(key, None)), end)
     return pos
+
+
+def _increasing(pos: torch.Tensor) -> tuple | None:
+    entry = _INCREASING.get(id(pos))
+    return entry if entry is not None and entry[0]() is pos else None
+
+
+def known_end(pos: torch.Tensor) -> int | None:
+    """max(pos) + 1 where the host knows it (`mark_arange`, `mark_increasing` with its end), else None: the
+    caller then reads it from the device (a sync)."""
+    start = arange_start(pos)
+    if start is not None:
+        return start + pos.numel()
+    entry = _increasing(pos)
+    return None if entry is None else entry[1]
 
 
 def square_increasing(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
@@ -72,10 +88,7 @@ def square_increasing(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     row i iff j <= i."""
     if q_pos is not k_pos:
         return False
-    if arange_start(q_pos) is not None:
-        return True
-    ref = _INCREASING.get(id(q_pos))
-    return ref is not None and ref() is q_pos
+    return arange_start(q_pos) is not None or _increasing(q_pos) is not None
 
 
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:
@@ -84,6 +97,15 @@ def to_device(values, device, dtype=torch.long) -> torch.Tensor:
     launches; a non-blocking copy from pageable memory is staged on the host at once (safe to drop)."""
     t = torch.tensor(values, dtype=dtype)
     return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+
+
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor `t` on `device` without waiting on the GPU's queue: CUDA gets it from pinned memory,
+    non-blocking (from pageable memory the driver may wait for the stream first; the caching host allocator
+    keeps the pinned block until the copy is done). Anything else: `t.to(device)`."""
+    if t.device.type != "cpu" or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from starshard.config import SamplingConfig
 from starshard.engine.kv_cache import KVCache
 from starshard.engine.sampling import sample
+from starshard.kernels.common import mark_arange, upload
 from starshard.parallel.context.base import ContextStrategy
 from starshard.parallel.context.chunked import chunk_attend, chunk_owner, chunk_positions, chunk_segment, hidden_rows
 from starshard.runtime.cuda_graph import GraphDecoder
@@ -82,7 +83,8 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
         if s.query_phase:
             with self._strategy_attention(s.decode_attend):
                 logits = self._forward(ids[None, context_len:], cache=cache, last_only=True,
-                                       positions=torch.arange(context_len, L, device=ids.device))
+                                       positions=mark_arange(torch.arange(context_len, L, device=ids.device),
+                                                             context_len))
             owner = s.query_rank
         if self.link is not None:
             self.link.flush()
@@ -148,7 +150,8 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
             if end == L:
                 with self._strategy_attention(s.decode_attend):
                     logits = self._forward(ids[None, context_len:], cache=cache, last_only=True,
-                                           positions=torch.arange(context_len, L, device=ids.device))
+                                           positions=mark_arange(torch.arange(context_len, L, device=ids.device),
+                                                                 context_len))
                 owner = s.query_rank
         elif start == 0:  # the strategy's own prefill of prompt[0:end]
             (seg,) = s.segments(end, end)
@@ -167,7 +170,7 @@ the shards it leaves are laid out step by step, which decode (masking by stored 
         """Prompt positions [start, end) through the generic chunked path (parallel/context/chunked.py)."""
         s = self.strategy
         seg = chunk_segment(start, end, s.cp, s.rank).to(ids.device)
-        attend = chunk_attend(seg, s.group if s.cp > 1 else None, chunk_positions(start, end, s.cp).to(ids.device),
+        attend = chunk_attend(seg, s.group if s.cp > 1 else None, upload(chunk_positions(start, end, s.cp), ids.device),
                               hidden_rows(cache, hidden))
         with self._strategy_attention(attend):
             return self._forward(ids[seg.index][None], positions=seg.positions, cache=cache, output_row=seg.last_row)

@@ -2,8 +2,9 @@
 The CPU suite cannot reach the CUDA paths; these run the checks that can, each a script that also
 runs on its own: launch/gpu_check.py (the attention dispatcher in every mask mode, the Triton lse
 merges, and with two GPUs ring / Ulysses over NCCL, against float64), check_graph_decode.py (CUDA-graph
-decode gives eager's tokens), check_moe_decode.py (the MoE decode expert kernels against float32) and
-`bench prefill --idle` (the GPU's idle time read from the profiler's device trace).
+decode gives eager's tokens), check_moe_decode.py (the MoE decode expert kernels against float32),
+check_prefill_syncs.py (where a prefill waits for the GPU) and `bench prefill --idle` (the GPU's idle time read
+from the profiler's device trace).
 The CUDA-only tests of the kernels (compiled kernels against their references) sit with their CPU
 tests in tests/kernels and run in the same `python -m pytest` there."""
 import json
@@ -70,3 +71,13 @@ def test_prefill_reports_the_gpus_idle_time(tmp_path):
     assert 0 < idle["busy_s"] <= idle["span_s"] and idle["idle_s"] >= 0, idle
     assert abs(idle["busy_s"] + idle["idle_s"] - idle["span_s"]) < 1e-9 and len(idle["longest_gaps"]) <= 5, idle
     assert (idle["gaps"] > 0) == bool(idle["longest_gaps"]), idle
+
+
+def test_prefill_makes_no_sync_but_the_tokens_read():
+    """A whole prefill, dense and Star over 4 blocks on this device, reads nothing back from the GPU before its
+    first token (runtime/generate.py): the positions' layout and end are known on the host (Segment.to,
+    mark_arange), so neither the attention calls nor the cache's advance wait for the device."""
+    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "dense,star:4"])
+    assert len(rows) == 2, rows
+    for r in rows:
+        assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r

@@ -112,3 +112,61 @@ def test_star_marks_its_block_positions(tmp_path, monkeypatch):
         runner.prefill_logits(ids, 60, cache)
     n = model.config.num_layers
     assert len(seen) == n and len(after) == 2 * n and all(seen) and all(after)
+
+
+def test_known_end_without_reading():
+    """The positions' end (max + 1) where the host knows it: a marked run, an increasing tensor marked with its
+    end; a meta tensor (nothing to read) proves no read; unmarked or marked without an end: None (read)."""
+    from starshard.kernels.common import known_end, mark_increasing
+
+    assert known_end(mark_arange(torch.empty(16, dtype=torch.long, device="meta"), 100)) == 116
+    assert known_end(mark_increasing(torch.empty(28, dtype=torch.long, device="meta"), 60)) == 60
+    assert known_end(mark_increasing(torch.cat([torch.arange(8), torch.arange(40, 60)]))) is None
+    assert known_end(torch.arange(5)) is None
+
+
+def test_segment_to_notes_what_the_host_read():
+    """Segment.to: the copy holds the same rows, and increasing positions are noted with their end (so the
+    model's cache and each attention call need no device read); positions that do not increase are not."""
+    from starshard.kernels.common import known_end, square_increasing
+    from starshard.parallel.context.base import Segment
+
+    pos = torch.cat([torch.arange(8), torch.arange(40, 60)])
+    seg = Segment(pos.clone(), pos, torch.arange(8, 28)).to("cpu")
+    assert torch.equal(seg.positions, pos) and torch.equal(seg.cache_rows, torch.arange(8, 28))
+    assert square_increasing(seg.positions, seg.positions) and known_end(seg.positions) == 60
+    back = torch.tensor([3, 1, 2])
+    other = Segment(back.clone(), back).to("cpu")
+    assert not square_increasing(other.positions, other.positions) and known_end(other.positions) is None
+
+
+@pytest.mark.parametrize("strategy", ["star", "apb"])
+def test_context_prefill_tells_the_cache_its_end(tmp_path, monkeypatch, strategy):
+    """Every forward of a Star or APB prefill on one device (its blocks, then the query phase) gives the cache its
+    end from the host (KVCache.advance's `end`), where it read max(positions) from the device after each forward
+    (a sync per block). (An APB block whose embedded query follows a chat template's head has positions that do
+    not increase: that one still reads its end.)"""
+    from tests.helpers.hf_models import make_hf_model
+    from starshard.checkpoints.load import load_model
+    from starshard.engine.kv_cache import KVCache
+    from starshard.parallel.context.apb import APBAttention
+    from starshard.parallel.context.star import StarAttention
+    from starshard.runtime.context_parallel import ContextParallelRunner
+
+    _, path = make_hf_model("llama", tmp_path)
+    model = load_model(path)
+    ends = []
+    real = KVCache.advance
+
+    def spy(self, positions, end=None):
+        ends.append((end, int(positions.max()) + 1))
+        return real(self, positions, end)
+
+    monkeypatch.setattr(KVCache, "advance", spy)
+    s = StarAttention(num_blocks=3, anchor_size=8) if strategy == "star" else APBAttention(num_blocks=3)
+    runner = ContextParallelRunner(model, s)
+    ids = torch.randint(0, 211, (70,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        runner.prefill_logits(ids, 60, runner.new_cache(71))
+    assert len(ends) == 4 and all(e is None or e == want for e, want in ends), ends  # 3 blocks, the query phase
+    assert all(e is not None for e, _ in ends), ends

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from starshard.engine.kv_cache import LayerKV
 from starshard.engine.model import AttendFn
 from starshard.kernels.attention import attention
+from starshard.kernels.common import mark_increasing, upload
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.wire import WireStats
 from starshard.strategies import get_spec
@@ -38,8 +39,18 @@ class Segment:
     last_row: int = -1  # row of the latest real token (padding may follow it)
 
     def to(self, device) -> "Segment":
-        rows = None if self.cache_rows is None else self.cache_rows.to(device)
-        return Segment(self.index.to(device), self.positions.to(device), rows, self.last_row)
+        """This segment on `device` without a device sync: non-blocking copies (common.upload), and the positions'
+        layout, read here on the host, noted on the copy (strictly increasing, and their end: common.mark_increasing),
+        so that no attention call and not the cache's advance read it back from the device."""
+        pos = self.positions
+        end = None
+        if pos.device.type == "cpu" and pos.dim() == 1 and pos.numel() and bool((pos[1:] > pos[:-1]).all()):
+            end = int(pos[-1]) + 1
+        rows = None if self.cache_rows is None else upload(self.cache_rows, device)
+        seg = Segment(upload(self.index, device), upload(pos, device), rows, self.last_row)
+        if end is not None:
+            mark_increasing(seg.positions, end)
+        return seg
 
 
 def cache_append(cache: LayerKV | None, k, v, pos, rows: torch.Tensor | None) -> None:

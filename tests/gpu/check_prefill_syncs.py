@@ -1,0 +1,50 @@
+"""Where a prefill makes the host wait for the GPU: torch's sync debug mode names each synchronizing call's
+starshard line, during one `LLM.generate(..., max_new_tokens=1)` after a warm-up (random weights, bf16). A sync
+drains the GPU's queue, which then idles while the host launches what follows (`bench prefill --idle`). JSON line
+per strategy: {"strategy", "sync_sites": {site: count}}; the token's read at the prefill's end is
+runtime/generate.py's.
+
+    python tests/gpu/check_prefill_syncs.py --strategies dense,star:4,apb:4
+"""
+import argparse
+import json
+import traceback
+import warnings
+from collections import Counter
+
+import torch
+
+from starshard import LLM
+from starshard.config import ParallelConfig
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--random-weights", default="tiny")
+ap.add_argument("--prompt-len", type=int, default=3001)
+ap.add_argument("--strategies", default="dense,star:4,apb:4",
+                help="comma-separated NAME[:N]: N blocks (star) / hosts (apb) on this one device")
+args = ap.parse_args()
+for spec in args.strategies.split(","):
+    name, _, n = spec.partition(":")
+    opts = {} if not n else {"num_blocks": int(n)} if name == "star" else {"apb_hosts": int(n)}
+    llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights,
+              parallel=ParallelConfig(cp_strategy=name, **opts))
+    ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
+    llm.generate(ids.tolist(), max_new_tokens=1)  # warm-up: kernels compiled, plans built
+    torch.cuda.synchronize()
+    sites = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/starshard/" in f.filename]
+        sites[f"{frames[-1].filename.split('/starshard/', 1)[1]}:{frames[-1].lineno}" if frames else "?"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(ids.tolist(), max_new_tokens=1)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    print(json.dumps({"strategy": spec, "prompt_len": args.prompt_len, "sync_sites": dict(sites.most_common())}))
+    del llm
+    torch.cuda.empty_cache()
