@@ -48,6 +48,7 @@ class StarAttention(ContextStrategy):
         self._model = None  # bound by the runner: its config's windows decide which layouts can exchange edges
         self._context_len = 0
         self._after_anchor: list[int] = []  # starts of this prefill's blocks that attend the stored anchor, in order
+        self._blocks: list[tuple[int, int, int]] = []  # (anchor rows, start, end) of the other blocks, in order
 
     @classmethod
     def from_options(cls, group, options, *, cp_groups=None, tp_group=None):
@@ -121,7 +122,7 @@ class StarAttention(ContextStrategy):
         self._check_windows(context_len)
         block, anchor = self.resolved_sizes(context_len)
         segs = []
-        self._after_anchor = []
+        self._after_anchor, self._blocks = [], []
         stored = self.anchor_stored()
         for start, end in star_blocks(context_len, block, self.cp)[self.rank]:
             if start > 0 and stored:
@@ -131,6 +132,7 @@ class StarAttention(ContextStrategy):
                 segs.append(Segment(index, index.clone(), None))
                 continue
             a = min(anchor, start)  # the first block needs no anchor; never duplicate block tokens
+            self._blocks.append((a, start, end))
             index = torch.cat([torch.arange(a), torch.arange(start, end)])
             segs.append(Segment(index, index.clone(), torch.arange(a, a + end - start)))
         return segs
@@ -164,7 +166,7 @@ class StarAttention(ContextStrategy):
             mark_increasing(pos)
         if rows is None:  # a block after the anchor, on the rank that stored it (segments())
             return self._after_anchor_attend(self._after_anchor.pop(0))
-        bounds = []  # (anchor rows, block start, block end), read from the host once, at the first local layer
+        a, start, end = self._blocks.pop(0)  # as segments() built it: nothing read from the device
 
         def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
             extras = dict(softcap=softcap, scale=scale)
@@ -183,10 +185,6 @@ class StarAttention(ContextStrategy):
             # A local layer, exactly (module doc): [anchor; block] under the window (anchor keys past it drop
             # out), then the previous block's edge for the block rows, merged by lse. Dense (sparse methods
             # run global layers only).
-            if not bounds:
-                a = int(rows[0]) if rows is not None else 0
-                bounds.extend((a, int(segment.positions[a]), int(segment.positions[-1]) + 1))
-            a, start, end = bounds
             pending = self._edge(start, end, k, v, cache, window)
             out, lse = attention(q, k, v, q_pos=pos, k_pos=pos, causal=True, window=window, **extras)
             edge = pending()
