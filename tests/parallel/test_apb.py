@@ -707,3 +707,30 @@ def test_sparse_after_masks_the_extras_like_a_tail_block():
     vis = ((j <= i) & ((j < 3) | (i - j < 9))).expand(1, 4, -1, -1)
     ref, ref_lse = masked_reference(q, torch.cat(ek + [k], 2), torch.cat(ev + [v], 2), vis)
     assert_matches(out, lse, ref, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 12, 2, 7, 301, 64), (2, 8, 8, 5, 97, 32), (1, 32, 8, 33, 1025, 128)])
+def test_pooled_attention_against_float64(shape, monkeypatch):
+    """The query compressor's scores (mean attention probability per key over the rows and the GQA group) equal
+    a float64 per-head reference, with or without a visibility mask (the block's own last rows), whether the KV
+    heads go one a call (a 1-byte score budget) or all in one (POOLED_SCORE_BYTES)."""
+    import starshard.parallel.context.apb as apb_mod
+
+    B, Hq, Hkv, R, n, D = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    qr = torch.randn(B, Hq, R, D, generator=g).bfloat16()
+    k = torch.randn(B, Hkv, n, D, generator=g).bfloat16()
+    for visible in (None, torch.rand(R, n, generator=g) > 0.3):
+        want = []
+        for h in range(Hkv):
+            qh = qr[:, h * (Hq // Hkv):(h + 1) * (Hq // Hkv)].double().reshape(B, -1, D)
+            s = (qh @ k[:, h].double().transpose(-1, -2)) * D**-0.5
+            if visible is not None:
+                s = s.masked_fill(~visible.repeat(Hq // Hkv, 1), float("-inf"))
+            want.append(torch.softmax(s, -1).nan_to_num(0.0).mean(1))
+        want = torch.stack(want, 1)
+        for budget in (1, 2**40):
+            monkeypatch.setattr(apb_mod, "POOLED_SCORE_BYTES", budget)
+            got = apb_mod.pooled_attention(qr, k, visible)
+            assert got.shape == (B, Hkv, n) and got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)

@@ -131,23 +131,32 @@ def _smooth(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.max_pool1d(scores.reshape(B * H, 1, n), kernel, stride=1, padding=kernel // 2).reshape(B, H, n)
 
 
+# Float32 scores `pooled_attention` holds at once: as many KV heads a call as fit. Per head at a time (the bound
+# it had) a Llama-8B layer made 8 rounds of small launches per host, which left the GPU idle in APB's study mode.
+POOLED_SCORE_BYTES = 256 * 2**20
+
+
 def pooled_attention(qr: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Mean attention probability each key gets from the rows qr, over rows and the GQA group.
 
     qr: [B, Hq, R, D]; k: [B, Hkv, n, D]; visible: optional bool [R, n] -> [B, Hkv, n] float32.
-    One KV head at a time bounds the score buffer to [B, g*R, n].
+    KV heads go together, as many as keep the score buffer [B, heads, g*R, n] within POOLED_SCORE_BYTES
+    (at least one).
     """
     B, Hq, R, D = qr.shape
-    Hkv = k.shape[1]
+    Hkv, n = k.shape[1], k.shape[2]
     g = Hq // Hkv
+    step = max(1, min(Hkv, POOLED_SCORE_BYTES // max(1, 4 * B * g * R * n)))
+    hidden = None if visible is None else ~visible.repeat(g, 1)  # [g*R, n], rows as qh's
     out = []
-    for h in range(Hkv):
-        qh = qr[:, h * g : (h + 1) * g].float().reshape(B, g * R, D)
-        s = (qh @ k[:, h].float().transpose(-1, -2)) * D**-0.5  # [B, g*R, n]
-        if visible is not None:
-            s = s.masked_fill(~visible.repeat(g, 1), float("-inf"))
-        out.append(torch.softmax(s, dim=-1).nan_to_num(0.0).mean(dim=1))
-    return torch.stack(out, dim=1)
+    for h in range(0, Hkv, step):
+        e = min(h + step, Hkv)
+        qh = qr[:, h * g : e * g].float().reshape(B, e - h, g * R, D)
+        s = (qh @ k[:, h:e].float().transpose(-1, -2)) * D**-0.5  # [B, heads, g*R, n]
+        if hidden is not None:
+            s = s.masked_fill(hidden, float("-inf"))
+        out.append(torch.softmax(s, dim=-1).nan_to_num(0.0).mean(dim=2))
+    return torch.cat(out, dim=1)
 
 
 def sparse_after(q, k, v, pos, extra_k: list, extra_v: list, pattern, scale=None, softcap=None):
