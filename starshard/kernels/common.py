@@ -6,6 +6,7 @@ without importing one another.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -22,10 +23,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# id -> (weak reference, first position) of position tensors known to be runs (`mark_arange`).
-_ARANGES: dict[int, tuple] = {}
-
-
 def for_head_dim(measured: dict, head_dim: int, wider):
     """The entry of `measured` (keyed by head dim) for the smallest measured head dim >= head_dim (the
     kernels' tiles pad a head dim up to that), else `wider`: what the rates measured per head dim hand
@@ -33,26 +30,37 @@ def for_head_dim(measured: dict, head_dim: int, wider):
     return next((measured[d] for d in sorted(measured) if head_dim <= d), wider)
 
 
+@dataclass(frozen=True)
+class _Known:
+    """What the host knows of a position tensor's layout (`mark_arange`, `mark_increasing`, `mark_end`)."""
+    start: int | None  # a run start, start + 1, ...
+    increasing: bool  # strictly increasing (gaps allowed)
+    end: int | None  # max + 1
+
+
+# id -> (weak reference, _Known): the note goes with the tensor and dies with it.
+_NOTES: dict[int, tuple] = {}
+
+
+def _note(pos: torch.Tensor, known: _Known, what: str) -> torch.Tensor:
+    if pos.dim() != 1:
+        raise ValueError(f"{what} takes 1-D positions, got shape {tuple(pos.shape)}")
+    key = id(pos)
+    _NOTES[key] = (weakref.ref(pos, lambda _: _NOTES.pop(key, None)), known)
+    return pos
+
+
+def _known(pos: torch.Tensor) -> _Known | None:
+    entry = _NOTES.get(id(pos))
+    return entry[1] if entry is not None and entry[0]() is pos else None
+
+
 def mark_arange(pos: torch.Tensor, start: int) -> torch.Tensor:
     """Note on the host that 1-D `pos` holds start, start + 1, ... (made by torch.arange and never
     written afterwards), so that `query_offset` and `attention.mask_mode` take its layout from here
     instead of reading the device (a host sync per attention call, which leaves the GPU idle while
     the host launches what follows). The note goes with the tensor. Returns pos."""
-    if pos.dim() != 1:
-        raise ValueError(f"mark_arange takes 1-D positions, got shape {tuple(pos.shape)}")
-    key = id(pos)
-    _ARANGES[key] = (weakref.ref(pos, lambda _: _ARANGES.pop(key, None)), int(start))
-    return pos
-
-
-def arange_start(pos: torch.Tensor) -> int | None:
-    """The first position of a tensor marked by `mark_arange`, else None."""
-    entry = _ARANGES.get(id(pos))
-    return entry[1] if entry is not None and entry[0]() is pos else None
-
-
-# id -> (weak reference, end or None) of position tensors known to be strictly increasing (`mark_increasing`).
-_INCREASING: dict[int, tuple] = {}
+    return _note(pos, _Known(int(start), True, int(start) + pos.numel()), "mark_arange")
 
 
 def mark_increasing(pos: torch.Tensor, end: int | None = None) -> torch.Tensor:
@@ -60,35 +68,38 @@ def mark_increasing(pos: torch.Tensor, end: int | None = None) -> torch.Tensor:
     afterwards; gaps allowed: Star's [anchor; block]), and with `end` that its last position is end - 1. A
     call given the same tensor as q_pos and k_pos is then index-causal at offset 0, which `query_offset` and
     `attention.mask_mode` answer without a device read; `known_end` answers the model's cache the same way.
-    Returns pos."""
-    if pos.dim() != 1:
-        raise ValueError(f"mark_increasing takes 1-D positions, got shape {tuple(pos.shape)}")
-    key = id(pos)
-    _INCREASING[key] = (weakref.ref(pos, lambda _: _INCREASING.pop(key, None)), end)
-    return pos
+    Returns pos. (A run's note says more and stays.)"""
+    known = _known(pos)
+    if known is not None and known.start is not None:
+        return pos
+    return _note(pos, _Known(None, True, end if end is not None or known is None else known.end), "mark_increasing")
 
 
-def _increasing(pos: torch.Tensor) -> tuple | None:
-    entry = _INCREASING.get(id(pos))
-    return entry if entry is not None and entry[0]() is pos else None
+def mark_end(pos: torch.Tensor, end: int) -> torch.Tensor:
+    """Note on the host that max(pos) = end - 1, for `known_end` (positions in no known order: APB's query rows
+    before its block; what an earlier note says of the order stays). Returns pos."""
+    known = _known(pos) or _Known(None, False, None)
+    return _note(pos, _Known(known.start, known.increasing, int(end)), "mark_end")
+
+
+def arange_start(pos: torch.Tensor) -> int | None:
+    """The first position of a tensor marked by `mark_arange`, else None."""
+    known = _known(pos)
+    return None if known is None else known.start
 
 
 def known_end(pos: torch.Tensor) -> int | None:
-    """max(pos) + 1 where the host knows it (`mark_arange`, `mark_increasing` with its end), else None: the
-    caller then reads it from the device (a sync)."""
-    start = arange_start(pos)
-    if start is not None:
-        return start + pos.numel()
-    entry = _increasing(pos)
-    return None if entry is None else entry[1]
+    """max(pos) + 1 where the host knows it (a note with an end), else None: the caller then reads it from the
+    device (a sync)."""
+    known = _known(pos)
+    return None if known is None else known.end
 
 
 def square_increasing(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     """q_pos and k_pos are one tensor known (marked) to be strictly increasing: key j is visible to
     row i iff j <= i."""
-    if q_pos is not k_pos:
-        return False
-    return arange_start(q_pos) is not None or _increasing(q_pos) is not None
+    known = _known(q_pos) if q_pos is k_pos else None
+    return known is not None and known.increasing
 
 
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:

@@ -74,10 +74,10 @@ def test_prefill_reports_the_gpus_idle_time(tmp_path):
 
 
 def test_prefill_makes_no_sync_but_the_tokens_read():
-    """A whole prefill, dense and Star over 4 blocks on this device, reads nothing back from the GPU before its
-    first token (runtime/generate.py): the positions' layout and end are known on the host (Segment.to,
-    mark_arange), so neither the attention calls nor the cache's advance wait for the device."""
-    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "dense,star:4"])
-    assert len(rows) == 2, rows
+    """A whole prefill, dense, Star over 4 blocks and APB over 4 hosts on this device, reads nothing back from the
+    GPU before its first token (runtime/generate.py): the positions' layout and end are known on the host
+    (Segment.to, mark_arange), so neither the attention calls nor the cache's advance wait for the device."""
+    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "dense,star:4,apb:4"])
+    assert len(rows) == 3, rows
     for r in rows:
         assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r

@@ -116,18 +116,26 @@ def test_star_marks_its_block_positions(tmp_path, monkeypatch):
 
 def test_known_end_without_reading():
     """The positions' end (max + 1) where the host knows it: a marked run, an increasing tensor marked with its
-    end; a meta tensor (nothing to read) proves no read; unmarked or marked without an end: None (read)."""
-    from starshard.kernels.common import known_end, mark_increasing
+    end, any tensor noted with one (mark_end); a meta tensor (nothing to read) proves no read; unmarked or marked
+    without an end: None (read)."""
+    from starshard.kernels.common import known_end, mark_end, mark_increasing, square_increasing
 
     assert known_end(mark_arange(torch.empty(16, dtype=torch.long, device="meta"), 100)) == 116
     assert known_end(mark_increasing(torch.empty(28, dtype=torch.long, device="meta"), 60)) == 60
     assert known_end(mark_increasing(torch.cat([torch.arange(8), torch.arange(40, 60)]))) is None
     assert known_end(torch.arange(5)) is None
+    # notes add up: an end noted on an increasing tensor keeps it increasing; a run stays a run
+    both = mark_end(mark_increasing(torch.empty(28, dtype=torch.long, device="meta")), 60)
+    assert square_increasing(both, both) and known_end(both) == 60
+    run = mark_increasing(mark_arange(torch.empty(16, dtype=torch.long, device="meta"), 100))
+    assert arange_start(run) == 100 and known_end(run) == 116
+    loose = mark_end(torch.empty(3, dtype=torch.long, device="meta"), 9)
+    assert known_end(loose) == 9 and not square_increasing(loose, loose) and arange_start(loose) is None
 
 
 def test_segment_to_notes_what_the_host_read():
-    """Segment.to: the copy holds the same rows, and increasing positions are noted with their end (so the
-    model's cache and each attention call need no device read); positions that do not increase are not."""
+    """Segment.to: the copy holds the same rows, and its positions are noted with their end (so the model's cache
+    needs no device read) and, where they strictly increase, as increasing (so each attention call needs none)."""
     from starshard.kernels.common import known_end, square_increasing
     from starshard.parallel.context.base import Segment
 
@@ -137,7 +145,7 @@ def test_segment_to_notes_what_the_host_read():
     assert square_increasing(seg.positions, seg.positions) and known_end(seg.positions) == 60
     back = torch.tensor([3, 1, 2])
     other = Segment(back.clone(), back).to("cpu")
-    assert not square_increasing(other.positions, other.positions) and known_end(other.positions) is None
+    assert not square_increasing(other.positions, other.positions) and known_end(other.positions) == 4
 
 
 @pytest.mark.parametrize("strategy", ["star", "apb"])

@@ -734,3 +734,34 @@ def test_pooled_attention_against_float64(shape, monkeypatch):
             got = apb_mod.pooled_attention(qr, k, visible)
             assert got.shape == (B, Hkv, n) and got.dtype == torch.float32
             torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+def test_front_rows_attend_with_their_segments_positions(monkeypatch):
+    """The runs prefill_attend marks on the host for the front rows (no device read per layer) are the segment's
+    own positions: host 0's score-only query rows at head_len.. with keys [template head; themselves], a later
+    host's [head; query; anchor] at 0.. with keys the same."""
+    import starshard.parallel.context.apb as apb_mod
+
+    L, C, H, Hkv, D = 83, 71, 4, 2, 16
+    s = APBAttention(num_blocks=3, anchor_size=6, passing_size=5, prefix_len=3)
+    segs = s.segments(L, C)
+    calls = []
+    real = apb_mod.attention
+
+    def spy(q, k, v, *, q_pos, k_pos, **kw):
+        calls.append((q.shape[2], q_pos.tolist(), k_pos.tolist()))
+        return real(q, k, v, q_pos=q_pos, k_pos=k_pos, **kw)
+
+    monkeypatch.setattr(apb_mod, "attention", spy)
+    g = torch.Generator().manual_seed(0)
+    for seg in segs:
+        n, F_ = seg.positions.shape[0], seg.n_front
+        calls.clear()
+        q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (H, Hkv, Hkv))
+        s.prefill_attend(seg)(q, k, v, seg.positions, None)
+        front = [(qp, kp) for rows, qp, kp in calls if rows == F_]
+        assert len(front) == 1, calls
+        fpos = seg.positions[:F_].tolist()
+        keys = seg.positions[F_:F_ + seg.head_len].tolist() + fpos if seg.score_only else fpos
+        assert front[0] == (fpos, keys), (seg.host, front[0])
+    assert segs[0].score_only and segs[0].head_len == 3

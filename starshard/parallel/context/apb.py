@@ -497,12 +497,12 @@ class APBAttention(ContextStrategy):
                              f"context tokens is shorter than a local layer's window edge (sliding_window={window}); "
                              f"use fewer CP ranks or a longer context")
 
-    def _local(self, seg: "APBSegment", q, k, v, pos, front_pos, block_pos, cache, window: int, extras: dict):
+    def _local(self, seg: "APBSegment", q, k, v, pos, runs, cache, window: int, extras: dict):
         """A local layer, exactly: the block rows attend their own block and the previous block's edge
         (edges.py) under the window; no anchor, no passing entries (every key they may see is there).
         The front rows (anchor, or rank 0's score-only query) attend themselves under the window."""
         F_, h = seg.n_front, seg.host
-        qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
+        qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], runs[0]
         e_in, e_out = self.edge_len(h, window), self.edge_len(h + 1, window)
         if e_in and self.cp == 1:  # virtual hosts: the previous host's block ends the cache
             edge = cached_edge(cache, e_in)
@@ -520,11 +520,9 @@ class APBAttention(ContextStrategy):
             out, _ = merge_partials(out, lse, o2, l2)
         if F_:
             qF, kF, vF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_]
-            pF = pos[:F_] if front_pos is None else front_pos
-            kp = pF
+            _, pF, kp = runs
             if seg.score_only:  # the query rows see the template head and themselves
                 kF, vF = torch.cat([kL[:, :, : seg.head_len], kF], dim=2), torch.cat([vL[:, :, : seg.head_len], vF], dim=2)
-                kp = torch.cat([pL[: seg.head_len], pF])
             front, _ = attention(qF, kF, vF, q_pos=pF, k_pos=kp, causal=True, window=window, **extras)
             out = torch.cat([front, out], dim=2)
         cache_append(cache, kL, vL, pL, None)
@@ -649,17 +647,20 @@ class APBAttention(ContextStrategy):
         exchange = self.hosts > 1 and passing > 0
         last = seg.host == self.hosts - 1
         calls = [0]
-        # The block's positions are the run bounds[host] .. (and the anchor's 0 .. n_front - 1, unless
-        # they are score-only query rows): made once per segment and marked on the host, so that no
-        # layer's attention call reads them back from the device (`common.mark_arange`).
+        # The block's positions are the run bounds[host] .., the front rows' the anchor's 0 .. n_front - 1 (keys
+        # the same), or host 0's score-only query rows head_len .. head_len + n_front - 1 (keys: the template head
+        # before them, 0 .. head_len + n_front - 1, the block starting at 0): made once per segment and marked on
+        # the host, so that no layer's attention call reads them back from the device (`common.mark_arange`).
         start, n_block = self._bounds[seg.host], seg.positions.shape[0] - seg.n_front
         runs: dict = {}
 
         def marked(device):
             if device not in runs:
+                F_, h = seg.n_front, seg.head_len if seg.score_only else 0
                 block = mark_arange(torch.arange(start, start + n_block, device=device), start)
-                front = None if seg.score_only else mark_arange(torch.arange(seg.n_front, device=device), 0)
-                runs[device] = (block, front)
+                front = mark_arange(torch.arange(h, h + F_, device=device), h)
+                keys = mark_arange(torch.arange(h + F_, device=device), 0) if seg.score_only else front
+                runs[device] = (block, front, keys)
             return runs[device]
 
         def attend(q, k, v, pos, cache, sparse=None, window=None, softcap=None, scale=None):
@@ -668,9 +669,9 @@ class APBAttention(ContextStrategy):
             calls[0] += 1
             layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i
             F_ = seg.n_front
-            block_pos, front_pos = marked(q.device)
+            block_pos, front_pos, front_keys = marked(q.device)
             if window is not None:  # a local layer: exact, dense (sparse methods run global layers only)
-                return self._local(seg, q, k, v, pos, front_pos, block_pos, cache, window, extras)
+                return self._local(seg, q, k, v, pos, marked(q.device), cache, window, extras)
             qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
             extra_k, extra_v = [], []
             if F_ and not seg.score_only:  # the anchor, seen in full by every block row
@@ -707,14 +708,10 @@ class APBAttention(ContextStrategy):
                 out, lse = merge_partials(out, lse, o2, l2)
             if F_:
                 qF, kF, vF = q[:, :, :F_], k[:, :, :F_], v[:, :, :F_]
-                pF = pos[:F_] if front_pos is None else front_pos
                 if seg.score_only:  # the query rows see the template head and themselves
                     h = seg.head_len
                     kF, vF = torch.cat([kL[:, :, :h], kF], dim=2), torch.cat([vL[:, :, :h], vF], dim=2)
-                    kp = torch.cat([pL[:h], pF])
-                else:
-                    kp = pF
-                front, _ = attention(qF, kF, vF, q_pos=pF, k_pos=kp, causal=True, **extras)
+                front, _ = attention(qF, kF, vF, q_pos=front_pos, k_pos=front_keys, causal=True, **extras)
                 out = torch.cat([front, out], dim=2)
             cache_append(cache, kL, vL, pL, None)
             return out

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from starshard.engine.kv_cache import LayerKV
 from starshard.engine.model import AttendFn
 from starshard.kernels.attention import attention
-from starshard.kernels.common import mark_increasing, upload
+from starshard.kernels.common import mark_end, mark_increasing, upload
 from starshard.parallel.context.group_merge import merge_over_group
 from starshard.parallel.context.wire import WireStats
 from starshard.strategies import get_spec
@@ -40,16 +40,17 @@ class Segment:
 
     def to(self, device) -> "Segment":
         """This segment on `device` without a device sync: non-blocking copies (common.upload), and the positions'
-        layout, read here on the host, noted on the copy (strictly increasing, and their end: common.mark_increasing),
-        so that no attention call and not the cache's advance read it back from the device."""
+        layout, read here on the host, noted on the copy (their end, and whether they strictly increase:
+        common.mark_end / mark_increasing), so that no attention call and not the cache's advance read it back
+        from the device."""
         pos = self.positions
-        end = None
-        if pos.device.type == "cpu" and pos.dim() == 1 and pos.numel() and bool((pos[1:] > pos[:-1]).all()):
-            end = int(pos[-1]) + 1
+        host = pos.device.type == "cpu" and pos.dim() == 1 and pos.numel() > 0
         rows = None if self.cache_rows is None else upload(self.cache_rows, device)
         seg = Segment(upload(self.index, device), upload(pos, device), rows, self.last_row)
-        if end is not None:
-            mark_increasing(seg.positions, end)
+        if host:
+            mark_end(seg.positions, int(pos.max()) + 1)
+            if bool((pos[1:] > pos[:-1]).all()):
+                mark_increasing(seg.positions)
         return seg
 
 
