@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from starshard.kernels.attention import attention
+from starshard.kernels.common import upload
 from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append, group_size
 from starshard.parallel.context.collectives import all_gather_1d
@@ -191,10 +192,10 @@ def _window_plan(plan: RingPlan, window: int) -> "RingPlan | EdgePlan":
         need = [[_visible_rows(pos[d], pos[s], window) for s in range(cp)] for d in range(cp)]  # need[dst][src]
         if max(sum(len(need[d][s]) for s in range(cp) if s != d) for d in range(cp)) <= plan.k_len:
             dev = plan.k_pos.device
-            send = tuple((plan.peers[d], need[d][me].to(dev)) for d in range(cp) if d != me and len(need[d][me]))
+            send = tuple((plan.peers[d], upload(need[d][me], dev)) for d in range(cp) if d != me and len(need[d][me]))
             srcs = [s for s in range(cp) if s != me and len(need[me][s])]
             k_pos = torch.cat([pos[s][need[me][s]] for s in srcs]) if srcs else pos[me][:0]
-            return EdgePlan(send, tuple((plan.peers[s], len(need[me][s])) for s in srcs), k_pos.to(dev))
+            return EdgePlan(send, tuple((plan.peers[s], len(need[me][s])) for s in srcs), upload(k_pos, dev))
     return replace(plan, steps=plan_steps(plan.q_host, pos, me, window), windowed_plans={})
 
 
@@ -215,7 +216,7 @@ def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor],
     if any(p.dim() != 1 or p.numel() != k_len for p in k_pos_per_rank):
         raise ValueError("ring attention needs equal 1-D key shards on every rank (pad with sharding.py helpers)")
     _check_pos("q_pos", q_pos, q_pos.numel())
-    k_pos = torch.stack([p.to(device or q_pos.device) for p in k_pos_per_rank])
+    k_pos = upload(torch.stack([p.cpu() for p in k_pos_per_rank]), device or q_pos.device)  # one copy, no wait
     peers = tuple(dist.get_global_rank(group, r) for r in range(cp))
     return RingPlan(rank, cp, peers[(rank + 1) % cp], peers[(rank - 1) % cp], q_pos.numel(), k_len,
                     len(_runs(q_pos.cpu())), k_pos, plan_steps(q_pos, k_pos_per_rank, rank),
