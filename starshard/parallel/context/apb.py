@@ -497,10 +497,11 @@ class APBAttention(ContextStrategy):
                              f"context tokens is shorter than a local layer's window edge (sliding_window={window}); "
                              f"use fewer CP ranks or a longer context")
 
-    def _local(self, seg: "APBSegment", q, k, v, pos, runs, cache, window: int, extras: dict):
+    def _local(self, seg: "APBSegment", q, k, v, runs, cache, window: int, extras: dict):
         """A local layer, exactly: the block rows attend their own block and the previous block's edge
         (edges.py) under the window; no anchor, no passing entries (every key they may see is there).
-        The front rows (anchor, or rank 0's score-only query) attend themselves under the window."""
+        The front rows (anchor, or rank 0's score-only query) attend themselves under the window. runs: the
+        host-marked positions (block, front rows, the front rows' keys)."""
         F_, h = seg.n_front, seg.host
         qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], runs[0]
         e_in, e_out = self.edge_len(h, window), self.edge_len(h + 1, window)
@@ -671,7 +672,7 @@ class APBAttention(ContextStrategy):
             F_ = seg.n_front
             block_pos, front_pos, front_keys = marked(q.device)
             if window is not None:  # a local layer: exact, dense (sparse methods run global layers only)
-                return self._local(seg, q, k, v, pos, marked(q.device), cache, window, extras)
+                return self._local(seg, q, k, v, marked(q.device), cache, window, extras)
             qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
             extra_k, extra_v = [], []
             if F_ and not seg.score_only:  # the anchor, seen in full by every block row
