@@ -8,14 +8,19 @@ runtime/generate.py's.
 """
 import argparse
 import json
+import os
 import traceback
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import torch
 
+import starshard
 from starshard import LLM
 from starshard.config import ParallelConfig
+
+PKG = str(Path(starshard.__file__).resolve().parent) + os.sep  # sites: the package's own lines
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--random-weights", default="tiny")
@@ -34,8 +39,8 @@ for spec in args.strategies.split(","):
     sites = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/starshard/" in f.filename]
-        sites[f"{frames[-1].filename.split('/starshard/', 1)[1]}:{frames[-1].lineno}" if frames else "?"] += 1
+        frames = [f for f in traceback.extract_stack()[:-1] if str(Path(f.filename).resolve()).startswith(PKG)]
+        sites[f"{str(Path(frames[-1].filename).resolve())[len(PKG):]}:{frames[-1].lineno}" if frames else "?"] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
