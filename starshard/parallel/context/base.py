@@ -44,13 +44,12 @@ class Segment:
         common.mark_end / mark_increasing), so that no attention call and not the cache's advance read it back
         from the device."""
         pos = self.positions
-        host = pos.device.type == "cpu" and pos.dim() == 1 and pos.numel() > 0
         rows = None if self.cache_rows is None else upload(self.cache_rows, device)
         seg = Segment(upload(self.index, device), upload(pos, device), rows, self.last_row)
-        if host:
-            mark_end(seg.positions, int(pos.max()) + 1)
-            if bool((pos[1:] > pos[:-1]).all()):
-                mark_increasing(seg.positions)
+        if pos.device.type == "cpu" and pos.dim() == 1 and pos.numel() > 0:
+            end = int(pos.max()) + 1
+            note = mark_increasing if bool((pos[1:] > pos[:-1]).all()) else mark_end
+            note(seg.positions, end)
         return seg
 
 

@@ -216,11 +216,13 @@ def build_ring_plan(q_pos: torch.Tensor, k_pos_per_rank: Sequence[torch.Tensor],
     if any(p.dim() != 1 or p.numel() != k_len for p in k_pos_per_rank):
         raise ValueError("ring attention needs equal 1-D key shards on every rank (pad with sharding.py helpers)")
     _check_pos("q_pos", q_pos, q_pos.numel())
-    k_pos = upload(torch.stack([p.cpu() for p in k_pos_per_rank]), device or q_pos.device)  # one copy, no wait
+    host = tuple(p.cpu() for p in k_pos_per_rank)
+    k_pos = upload(torch.stack(host), device or q_pos.device)  # one copy, no wait
     peers = tuple(dist.get_global_rank(group, r) for r in range(cp))
+    q_host = q_pos.cpu()
     return RingPlan(rank, cp, peers[(rank + 1) % cp], peers[(rank - 1) % cp], q_pos.numel(), k_len,
-                    len(_runs(q_pos.cpu())), k_pos, plan_steps(q_pos, k_pos_per_rank, rank),
-                    tuple(p.cpu() for p in k_pos_per_rank), q_pos.cpu(), peers, self_attention)
+                    len(_runs(q_host)), k_pos, plan_steps(q_host, host, rank), host, q_host, peers,
+                    self_attention)
 
 
 def gather_ring_plan(q_pos: torch.Tensor, k_pos: torch.Tensor, group) -> RingPlan:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from starshard.kernels.attention import attention, attention_after_held, causal_attention_int8_scores
-from starshard.kernels.common import mark_increasing, square_increasing
 from starshard.kernels.sparse import pattern_for
 from starshard.partition import star_blocks, star_sizes
 from starshard.parallel.context.base import ContextStrategy, Segment, cache_append
@@ -157,13 +156,9 @@ class StarAttention(ContextStrategy):
                           recv_from=src, recv_rows=e_in, start=start, stats=self.wire)
 
     def prefill_attend(self, segment: Segment):
+        # [anchor; block] positions increase (segments() builds them so, Segment.to notes it on the copy the model
+        # passes to every layer): each attention call knows it is index-causal without a device read.
         rows = segment.cache_rows
-        # [anchor; block] positions increase (segments() builds them so; Segment.to notes it, else checked once
-        # per segment): the model passes this tensor to every layer, whose attention then knows the call is
-        # index-causal without a device read per layer.
-        pos = segment.positions
-        if pos.dim() == 1 and not square_increasing(pos, pos) and bool((pos.diff() > 0).all()):
-            mark_increasing(pos)
         if rows is None:  # a block after the anchor, on the rank that stored it (segments())
             return self._after_anchor_attend(self._after_anchor.pop(0))
         a, start, end = self._blocks.pop(0)  # as segments() built it: nothing read from the device
