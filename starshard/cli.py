@@ -210,6 +210,13 @@ def fp8_config(args) -> Fp8Config:
     return Fp8Config.parse(getattr(args, "fp8", None))
 
 
+def plan_features(args) -> dict:
+    """The planner Workload's fields that --fp8 and --sparse set (what the memory plan counts of them)."""
+    fp8 = fp8_config(args)
+    return dict(fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts, fp8_attention=fp8.attention,
+                sparse=getattr(args, "sparse", None) is not None)
+
+
 def add_strategy_arguments(ap: argparse.ArgumentParser, group, without: tuple[str, ...] = ()) -> None:
     """Every context strategy's options (starshard.strategies.OPTIONS) as flags whose dest is the
     ParallelConfig field (None = the strategy's default): the shared ones into `group`, a strategy's

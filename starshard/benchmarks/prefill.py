@@ -69,7 +69,7 @@ from starshard.benchmarks.common import (add_common_arguments, back_to_back, cop
 from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
 from starshard.checkpoints.rope import with_rope_scaling
 from starshard.cli import (add_fp8_arguments, add_rope_scaling_argument, add_sparse_arguments, add_strategy_arguments,
-                           fp8_config, layout_error, parallel_config, sparse_config)
+                           fp8_config, layout_error, parallel_config, plan_features, sparse_config)
 from starshard.config import SamplingConfig
 from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
@@ -153,15 +153,13 @@ def flop_model(cfg, strategy, L: int, context: int, tp: int, dtype_bytes: int, r
 
 def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, limit: int | None) -> dict:
     """The planner's per-rank plan of this run (its cache holds L + decode steps + 8 tokens)."""
-    fp8 = fp8_config(args)
     study = args.num_blocks is not None or args.apb_hosts is not None  # cp = 1: N blocks / hosts in turn
     # one CP rank outside a study: the whole sequence's plan
     strategy = args.cp_strategy if args.cp > 1 or study else SINGLE_RANK
     lay = Layout(args.tp, 1, args.cp, strategy, None, args.block_size, args.anchor_size, None, args.num_blocks,
                  args.apb_hosts)
     work = Workload(L, context_len if query_phase else None, args.decode_steps + 8, None, 4 if args.dtype == "float32"
-                    else 2, fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts,
-                    sparse=args.sparse is not None, fp8_attention=fp8.attention)
+                    else 2, **plan_features(args))
     return plan_json(plan_memory(cfg, lay, work), limit, None)
 
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8_arguments, add_layout_arguments,
                            add_rope_scaling_argument, add_sampling_arguments, add_sparse_arguments, default_strategy,
-                           fp8_config, layout_error, log_handler, parallel_config, sparse_config)
+                           fp8_config, layout_error, log_handler, parallel_config, plan_features,
+                           sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, ranks_per_node, read_launch_env
@@ -221,12 +222,11 @@ def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
                  args.block_size, args.anchor_size, args.query_rank, getattr(args, "num_blocks", None),
                  getattr(args, "apb_hosts", None))
-    fp8 = fp8_config(args)
     # trim_local: LLM.generate's cache keeps local layers' windows only (the planner: without pp / cp;
     # --fp8 attention drops the windows)
+    features = plan_features(args)
     work = Workload(n_prompt, n_context, args.max_new_tokens, args.prefill_chunk, dtype_bytes,
-                    fp8_kv=fp8.kv, fp8_linear=fp8.linear, fp8_experts=fp8.experts, trim_local=not fp8.attention,
-                    sparse=args.sparse is not None, fp8_attention=fp8.attention)
+                    trim_local=not features["fp8_attention"], **features)
     return lay, work
 
 

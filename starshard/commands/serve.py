@@ -25,7 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from starshard.cli import (HelpFormatter, add_fp8_arguments, add_layout_arguments, add_rope_scaling_argument,
-                           add_sparse_arguments, fp8_config, layout_error, log_handler, parallel_config, sparse_config)
+                           add_sparse_arguments, fp8_config, layout_error, log_handler, parallel_config, plan_features,
+                           sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, ranks_per_node, read_launch_env
@@ -229,12 +230,10 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
         return 2 * 2**30
     cfg, p = llm.config, llm.parallel
     dtype = str(llm.model.layers[0].attention_norm.weight.dtype).removeprefix("torch.")
-    fp8 = fp8_config(args)
     window = cfg.max_position_embeddings
     layout = Layout(p.tp, p.pp, p.cp, p.cp_strategy, tuple(p.pp_layers) if p.pp_layers else None, p.block_size,
                     p.anchor_size, p.query_rank, p.num_blocks, p.apb_hosts)
-    work = Workload(window, window, 0, chunk or None, DTYPE_BYTES[dtype], fp8_kv=fp8.kv, fp8_linear=fp8.linear,
-                    fp8_experts=fp8.experts, sparse=args.sparse is not None, fp8_attention=fp8.attention)
+    work = Workload(window, window, 0, chunk or None, DTYPE_BYTES[dtype], **plan_features(args))
     budget, refused = None, None
     try:
         budget = cache_budget(cfg, layout, work, total_bytes=torch.cuda.get_device_properties(device).total_memory,
