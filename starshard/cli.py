@@ -11,6 +11,7 @@ import sys
 from starshard.checkpoints.rope import parse_rope_scaling
 from starshard.config import FP8_ITEMS, Fp8Config, ParallelConfig
 from starshard.kernels.sparse import SparseConfig
+from starshard.planner import Layout
 from starshard.strategies import (OPTIONS, SPECS, STRATEGIES, check, default_name, fp8_attention_error,
                                   given_options)
 
@@ -208,6 +209,16 @@ def _rope_scaling(text: str) -> str:
 def fp8_config(args) -> Fp8Config:
     """The Fp8Config --fp8 asks for (ValueError names the valid items)."""
     return Fp8Config.parse(getattr(args, "fp8", None))
+
+
+def plan_layout(args, strategy: str | None = None) -> Layout:
+    """The planner's Layout of the layout flags (`strategy`: the plan's own when not the flags', e.g. a whole
+    sequence on one rank); ValueError names an impossible layout. A command without --pp / --query-rank plans
+    one stage and the default query rank."""
+    pp_layers = getattr(args, "pp_layers", None)
+    return Layout(args.tp, getattr(args, "pp", 1), args.cp, strategy or default_strategy(args),
+                  tuple(pp_layers) if pp_layers else None, args.block_size, args.anchor_size,
+                  getattr(args, "query_rank", None), getattr(args, "num_blocks", None), getattr(args, "apb_hosts", None))
 
 
 def plan_features(args) -> dict:

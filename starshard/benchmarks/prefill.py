@@ -69,7 +69,8 @@ from starshard.benchmarks.common import (add_common_arguments, back_to_back, cop
 from starshard.benchmarks.rates import allreduce_rate, attention_rate, gemm_rate, probe_rows
 from starshard.checkpoints.rope import with_rope_scaling
 from starshard.cli import (add_fp8_arguments, add_rope_scaling_argument, add_sparse_arguments, add_strategy_arguments,
-                           fp8_config, layout_error, parallel_config, plan_features, sparse_config)
+                           fp8_config, layout_error, parallel_config, plan_features, plan_layout,
+                           sparse_config)
 from starshard.config import SamplingConfig
 from starshard.kernels.sparse import sparse_report
 from starshard.llm import LLM
@@ -156,8 +157,7 @@ def memory_plan(cfg, args, L: int, context_len: int | None, query_phase: bool, l
     study = args.num_blocks is not None or args.apb_hosts is not None  # cp = 1: N blocks / hosts in turn
     # one CP rank outside a study: the whole sequence's plan
     strategy = args.cp_strategy if args.cp > 1 or study else SINGLE_RANK
-    lay = Layout(args.tp, 1, args.cp, strategy, None, args.block_size, args.anchor_size, None, args.num_blocks,
-                 args.apb_hosts)
+    lay = plan_layout(args, strategy)
     work = Workload(L, context_len if query_phase else None, args.decode_steps + 8, None, 4 if args.dtype == "float32"
                     else 2, **plan_features(args))
     return plan_json(plan_memory(cfg, lay, work), limit, None)

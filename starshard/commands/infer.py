@@ -27,12 +27,12 @@ from pathlib import Path
 
 from starshard.cli import (COUNT, GIB, POSITIVE, SECONDS, HelpFormatter, add_fp8_arguments, add_layout_arguments,
                            add_rope_scaling_argument, add_sampling_arguments, add_sparse_arguments, default_strategy,
-                           fp8_config, layout_error, log_handler, parallel_config, plan_features,
+                           fp8_config, layout_error, log_handler, parallel_config, plan_features, plan_layout,
                            sparse_config)
 from starshard.checkpoints.load import CheckpointError
 from starshard.llm import LLM
 from starshard.parallel.topology import LayoutError, collective_failure, ranks_per_node, read_launch_env
-from starshard.planner import (DTYPE_BYTES, GiB, Layout, Workload, max_prompt_json, max_prompt_line, max_prompt_tokens,
+from starshard.planner import (DTYPE_BYTES, GiB, Workload, max_prompt_json, max_prompt_line, max_prompt_tokens,
                                plan_json, plan_memory, refusal, smallest_layout, usable_bytes)
 from starshard.presets import past_real_context
 from starshard.runconfig import parse_with_config
@@ -219,9 +219,7 @@ def memory_limit(args, device: str, local_rank: int) -> int | None:
 
 def plan_inputs(args, n_prompt: int, n_context: int | None, dtype_bytes: int):
     """The planner's (Layout, Workload) for these flags (ValueError on an impossible layout)."""
-    lay = Layout(args.tp, args.pp, args.cp, default_strategy(args), tuple(args.pp_layers) if args.pp_layers else None,
-                 args.block_size, args.anchor_size, args.query_rank, getattr(args, "num_blocks", None),
-                 getattr(args, "apb_hosts", None))
+    lay = plan_layout(args)
     # trim_local: LLM.generate's cache keeps local layers' windows only (the planner: without pp / cp;
     # --fp8 attention drops the windows)
     features = plan_features(args)
