@@ -5,7 +5,7 @@
 # <TAG>anchor_s (default TAG s30_), resumed and kept as paired.sh does; they pair with a dense run of the same
 # seeds (`launch/eval.py --compare <dense dir> <TAG><run> dir`, a directory holding its summary.json is enough).
 #   SEARCH_LENGTH (30720), SEARCH_ARGS (three samples, one per task, recall 0.99; "" for one multikey sample), SEARCH_TIMEOUT (300 s),
-#   BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
+#   SPEED (1; 0: no 128K timing), BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
 #   (default "minference_s anchor_s"; at a length with no dense run to pair with yet, "dense minference_s anchor_s").
 # At 128K (YaRN x4, the configs searched there on one sample, pairing at 128K): SEARCH_LENGTH=131072 SEARCH_ARGS=""
 #   SEARCH_TIMEOUT=240 LENGTHS=131072 EXTRA="--rope-scaling yarn:4" TAG=y128_ PAIR_RUNS="dense minference_s anchor_s".
@@ -23,6 +23,8 @@ SA=${SEARCH_ARGS-"--samples 3 --task multikey,variable_tracking,niah_essay"}
   t calibrate; } &
 wait
 cp /tmp/qcfg/*.json $OUT/ 2>/dev/null
+# SPEED=0 leaves the 128K timing out (a short call: the searched configs come back for later sessions to pair)
+if [ "${SPEED:-1}" = 1 ]; then
 python3 bench/make_essay.py --out /tmp/essay.txt --seed 2 > /dev/null
 B="python3 -m starshard bench prefill --model $M --prompt-file /tmp/essay.txt --dtype bfloat16 --decode-steps 0
    --cp-strategy dense --lengths 131072 --rope-scaling yarn:4 --warmup 1 --repeats 2"
@@ -45,6 +47,7 @@ for name, d in runs.items():
     r = d["results"][0]
     print(name, r["length"], f"{r['prefill_seconds']:.3f} s", f"{base / r['prefill_seconds']:.2f}x")
 PY
+fi
 # the paired runs: paired.sh with these configs (its all.log takes this call's logs too; at most 8 files come back)
 left=$(( ${END:-580} - $(date +%s) + S ))
 QCFG=/tmp/qcfg TAG=${TAG:-s30_} RUNS=${PAIR_RUNS:-"minference_s anchor_s"} PARALLEL=3 BUDGET=${BUDGET:-$left} \
