@@ -144,16 +144,19 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
                     "which takes the patterns searched for it (starshard/checkpoints/smollm2_minference.json, "
                     "recall 0.99). --sparse anchor: per-layer, per-head thresholds and "
                     "the pooling, calibrated for the model to a recall target (JSON from `python -m "
-                    "starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / --anchor-step")
-    sp.add_argument("--anchor-theta", type=number(float, 0), default=12.0,
+                    "starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / --anchor-step; "
+                    "default: qwen2.5-coder-1.5b-instruct by name takes the calibration shipped for it "
+                    "(starshard/checkpoints/qwen2.5-coder-1.5b-instruct_anchor.json, recall 0.99 at 128K with YaRN "
+                    "x4) unless one of those three flags is given, every other model --anchor-theta's one threshold")
+    sp.add_argument("--anchor-theta", type=number(float, 0), default=None, metavar="T",
                     help="--sparse anchor without --sparse-config: one threshold for every head, in natural-log units "
                     "of the softmax weight: keep keys whose score stays within this of the anchor on average over "
-                    "a query block (paper: 12 for 8B models; lower = sparser; how much attention mass a given theta "
-                    "keeps depends on the model and head: calibrate with --sparse-config)")
-    sp.add_argument("--anchor-block-q", type=POSITIVE, default=128,
-                    help="--sparse anchor: query rows pooled per block (small models at a few K tokens: 16)")
-    sp.add_argument("--anchor-step", type=POSITIVE, default=16,
-                    help="--sparse anchor: query blocks sharing one stripe selection (small models: 1)")
+                    "a query block (default 12, the paper's for 8B models; lower = sparser; how much attention mass "
+                    "a given theta keeps depends on the model and head: calibrate with --sparse-config)")
+    sp.add_argument("--anchor-block-q", type=POSITIVE, default=None, metavar="N",
+                    help="--sparse anchor: query rows pooled per block (default 128; small models at a few K tokens: 16)")
+    sp.add_argument("--anchor-step", type=POSITIVE, default=None, metavar="S",
+                    help="--sparse anchor: query blocks sharing one stripe selection (default 16; small models: 1)")
     sp.add_argument("--sparse-min-length", type=COUNT, default=None, metavar="N",
                     help="prefill calls over fewer than N keys run dense, nothing estimated (default: more than 64K "
                     "keys on CUDA, the measured crossover; 0 on CPU; 0 = always estimate, e.g. accuracy studies)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starshard.checkpoints.default import default_model_sparse
+from starshard.checkpoints.named import with_shipped_config
 from starshard.checkpoints.load import load_model
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
 from starshard.kernels.fp8 import fp8_support_error, warn_cpu_reference
@@ -137,9 +137,10 @@ class LLM:
     random_weights: a preset name (starshard.presets) or a config.json path: random weights of
     that shape, no checkpoint (benchmarks); prompts must then be token ids. The weights depend only
     on (shape, weights_seed), not on the layout: a tp=2 run and a one-process run agree.
-    sparse: a kernels.sparse.SparseConfig (sparse prefill inside each shard). On the embedded default model
-    (no path, no random weights) `minference` without a config file takes the patterns searched for it
-    (checkpoints/default.py DEFAULT_MINFERENCE_CONFIG); `self.sparse` is the config that ran.
+    sparse: a kernels.sparse.SparseConfig (sparse prefill inside each shard). A method without a config file
+    (and AnchorAttention without a threshold or pooling given) takes the config shipped for the model where
+    there is one (checkpoints/named.py with_shipped_config): the embedded default's MInference patterns,
+    qwen2.5-coder-1.5b-instruct's AnchorAttention calibration; `self.sparse` is the config that ran.
     fp8: what runs in FP8 e4m3 (config.Fp8Config, or "linear,kv" / ["linear", "kv"]; default none =
     the compute dtype): `linear` the decoder's projections (parallel/fp8.py), `kv` the KV cache
     (engine/kv_cache.py), `attention` 8-bit prefill scores, `experts` an MoE model's experts. Needs a GPU
@@ -180,8 +181,7 @@ class LLM:
                                      rope_scaling=rope_scaling)
         self.path, src, stored_fp8 = w.path, w.source, w.stored_fp8  # a --fp8 linear checkpoint needs --fp8 linear
         self.random_weights, self.weights_seed = random_weights, weights_seed  # the disk cache's model fingerprint
-        if w.is_default:
-            sparse = default_model_sparse(sparse)
+        sparse = with_shipped_config(sparse, w.sparse_configs)
         cfg = w.config if sliced else None
         unwindowed = check_attention_kinds(w.config, p, sparse, fp8)  # before any weight loads
         if fp8.experts:  # refused before any weight loads

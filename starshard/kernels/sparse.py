@@ -64,9 +64,10 @@ class SparseConfig:
 
     minference: per-head patterns from FILE (default Vertical-Slash 1000/6096 everywhere).
     anchor: AnchorAttention with per-head thresholds and the pooling from FILE (calibrated per model
-    by `starshard.tools.anchor_calibrate`), or without FILE one threshold for every head (paper:
-    theta 12, 128-row blocks pooled, one stripe selection per 16 blocks; small models at a few K
-    tokens need finer pooling).
+    by `starshard.tools.anchor_calibrate`), or without FILE one threshold for every head (anchor_theta,
+    anchor_block_q, anchor_step; None: the paper's theta 12, 128-row blocks pooled, one stripe selection
+    per 16 blocks, ANCHOR_DEFAULTS; small models at a few K tokens need finer pooling). LLM gives a model
+    that ships its calibration (checkpoints/named.py) that file when none of the four is set.
 
     min_length: calls over fewer keys run dense, nothing estimated (None: MIN_LENGTH, i.e. more than
     64K keys, on CUDA, 0 elsewhere; 0 estimates at every length). fallback: after the estimate,
@@ -81,9 +82,9 @@ class SparseConfig:
 
     method: str
     config_path: str | None = None
-    anchor_theta: float = 12.0
-    anchor_block_q: int = 128
-    anchor_step: int = 16
+    anchor_theta: float | None = None
+    anchor_block_q: int | None = None
+    anchor_step: int | None = None
     min_length: int | None = None
     fallback: bool | None = None
     fallback_density: float | None = None
@@ -109,8 +110,10 @@ class SparseConfig:
         if self.fallback_sample is not None and (type(self.fallback_sample) is not int or self.fallback_sample < 0):
             raise ValueError(f"sparse fallback_sample must be a whole number of query-block groups >= 0, "
                              f"got {self.fallback_sample!r}")
-        if self.method == "anchor" and self.config_path is not None and (
-                (self.anchor_theta, self.anchor_block_q, self.anchor_step) != ANCHOR_FLAG_DEFAULTS):
+        if self.method != "anchor" and self.anchor_flags:
+            raise ValueError(f"--anchor-theta / --anchor-block-q / --anchor-step set AnchorAttention's thresholds; "
+                             f"--sparse {self.method} has none: drop them or use --sparse anchor")
+        if self.method == "anchor" and self.config_path is not None and self.anchor_flags:
             raise ValueError("--sparse-config fixes AnchorAttention's thresholds and pooling: drop --anchor-theta / "
                              "--anchor-block-q / --anchor-step, or drop --sparse-config")
         if self.config_path is not None and not Path(self.config_path).is_file():
@@ -118,8 +121,21 @@ class SparseConfig:
             raise ValueError(f"--sparse-config {self.config_path} does not exist; write one with "
                              f"`python -m starshard.tools.{tool} --out FILE` or drop the flag")
 
+    @property
+    def anchor_flags(self) -> bool:
+        """One of --anchor-theta / --anchor-block-q / --anchor-step was given (a model's shipped calibration,
+        which fixes all three, then stays out)."""
+        return any(x is not None for x in (self.anchor_theta, self.anchor_block_q, self.anchor_step))
 
-ANCHOR_FLAG_DEFAULTS = (SparseConfig.anchor_theta, SparseConfig.anchor_block_q, SparseConfig.anchor_step)
+    def uniform_anchor(self) -> AnchorConfig:
+        """One threshold for every head: the flags given, the paper's values (ANCHOR_DEFAULTS) for the rest."""
+        d = ANCHOR_DEFAULTS
+        return AnchorConfig(theta=d.theta if self.anchor_theta is None else self.anchor_theta,
+                            block_q=d.block_q if self.anchor_block_q is None else self.anchor_block_q,
+                            step=d.step if self.anchor_step is None else self.anchor_step)
+
+
+ANCHOR_DEFAULTS = AnchorConfig()  # the paper's theta 12, 128-row blocks, step 16
 
 
 @dataclass(frozen=True)
@@ -250,7 +266,7 @@ def load_sparse_method(cfg: SparseConfig) -> FallbackSparse:
     if cfg.method == "anchor" and cfg.config_path:  # calibrated: thetas per layer and head
         method = AnchorModelConfig.load(cfg.config_path)
     elif cfg.method == "anchor":
-        method = UniformSparse(AnchorConfig(theta=cfg.anchor_theta, block_q=cfg.anchor_block_q, step=cfg.anchor_step))
+        method = UniformSparse(cfg.uniform_anchor())
     else:  # no file: every head uses the default Vertical-Slash (1000 columns, 6096 diagonals)
         method = MInferenceConfig.load(cfg.config_path) if cfg.config_path else MInferenceConfig()
     return FallbackSparse(method, cfg)

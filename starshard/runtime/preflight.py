@@ -7,11 +7,11 @@ collective starts (a bad input then fails on every rank alike, with a message, n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from starshard.checkpoints.named import resolve_model
+from starshard.checkpoints.named import resolve_model, shipped_sparse_configs
 from starshard.checkpoints.rope import parse_rope_scaling, with_rope_scaling
 from starshard.checkpoints.sources import WeightSource, check_source_fp8, read_config, weight_source
 from starshard.config import ModelConfig
@@ -24,10 +24,10 @@ class Weights:
     projections are stored in e4m3 (converted with --fp8 linear, which then needs --fp8 linear)."""
     path: Path | None
     source: WeightSource
-    is_default: bool  # the embedded default model: no path was given
     stored_fp8: bool
     random_config: ModelConfig | None = None  # random weights' shape
     rope_scaling: str | None = None  # the user's switch (checkpoints/rope.py), e.g. "yarn:4"
+    sparse_configs: dict[str, Path] = field(default_factory=dict)  # shipped for this model, by method (named.py)
 
     @cached_property
     def config(self) -> ModelConfig:
@@ -47,8 +47,9 @@ def check_weights(path: str | Path | None, *, random_weights: str | None = None,
     if rope_scaling is not None:
         parse_rope_scaling(rope_scaling)
     if random_weights is not None:
-        return Weights(None, weight_source(None, random_seed=weights_seed), False, False, preset_config(random_weights),
+        return Weights(None, weight_source(None, random_seed=weights_seed), False, preset_config(random_weights),
                        rope_scaling)
     ckpt, cached = resolve_model(path, progress=progress)
     src = weight_source(ckpt, cached=cached)
-    return Weights(ckpt, src, path is None, check_source_fp8(src, fp8_linear), rope_scaling=rope_scaling)
+    return Weights(ckpt, src, check_source_fp8(src, fp8_linear), rope_scaling=rope_scaling,
+                   sparse_configs=shipped_sparse_configs(path))

@@ -81,3 +81,23 @@ def test_prefill_makes_no_sync_but_the_tokens_read():
     assert len(rows) == 3, rows
     for r in rows:
         assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r
+
+
+@pytest.mark.parametrize("copy", ["to_device", "upload"])
+def test_small_host_copies_do_not_wait_for_the_gpu(copy):
+    """The host's small inputs (a segment's positions, a decode step's tokens, a sparse plan's head lists) go to
+    the GPU without waiting for its queue: while a long kernel still runs, the copy has returned (the event
+    recorded after the kernel is not yet reached) and its values arrive in order after it."""
+    from starshard.kernels.common import to_device, upload
+    values = [[3, 1, 4], [1, 5, 9]]
+    send = {"to_device": lambda: to_device(values, "cuda"), "upload": lambda: upload(torch.tensor(values), "cuda")}[copy]
+    send()
+    torch.cuda.synchronize()  # first-time allocations (the caching allocators' blocks) may wait; later copies not
+    torch.cuda._sleep(4 * 10**9)  # ~2 s of GPU clock cycles
+    busy = torch.cuda.Event()
+    busy.record()
+    out = send()
+    waited = busy.query()
+    torch.cuda.synchronize()
+    assert not waited, f"{copy} waited for the GPU's queue before returning"
+    assert out.tolist() == values

@@ -654,21 +654,40 @@ def test_bench_runs_on_cpu(tmp_path):
         assert p["index_ms"] >= 0 and p["kernel_ms"] > 0 and p["total_ms"] > 0
 
 
-def test_default_model_takes_its_searched_config():
-    """--sparse minference on the embedded default model (no path) runs the shipped recall-0.99 patterns;
-    a given config file, AnchorAttention and any other model keep what they were given."""
-    from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG, default_model_sparse
+def test_models_take_their_shipped_configs(tmp_path, monkeypatch):
+    """--sparse minference on the embedded default model (no path) runs the shipped recall-0.99 patterns, --sparse
+    anchor on qwen2.5-coder-1.5b-instruct by name its shipped 128K calibration; a given config file, a threshold
+    or pooling given, another method and any other model keep what they were given."""
+    from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG
+    from starshard.checkpoints.named import shipped_sparse_configs, with_shipped_config
+    from starshard.kernels.anchor_model import AnchorModelConfig
     from starshard.kernels.sparse import SparseConfig
 
     cfg = mi.MInferenceConfig.load(DEFAULT_MINFERENCE_CONFIG)  # shipped with the package, SmolLM2's shape
     assert len(cfg.layers) == 30 and all(len(layer) == 9 for layer in cfg.layers)
     assert cfg.meta["target_recall"] == 0.99
-    got = default_model_sparse(SparseConfig("minference", min_length=0))
+    smol = shipped_sparse_configs(None)
+    got = with_shipped_config(SparseConfig("minference", min_length=0), smol)
     assert got.config_path == str(DEFAULT_MINFERENCE_CONFIG) and got.min_length == 0
     own = SparseConfig("minference", config_path=str(DEFAULT_MINFERENCE_CONFIG.parent / "__init__.py"))
-    assert default_model_sparse(own) is own and default_model_sparse(None) is None
+    assert with_shipped_config(own, smol) is own and with_shipped_config(None, smol) is None
     anchor = SparseConfig("anchor")
-    assert default_model_sparse(anchor) is anchor
+    assert with_shipped_config(anchor, smol) is anchor
+
+    monkeypatch.chdir(tmp_path)  # the name, not a directory of that name
+    qwen = shipped_sparse_configs("qwen2.5-coder-1.5b-instruct")
+    assert set(qwen) == {"anchor"}
+    calibrated = AnchorModelConfig.load(qwen["anchor"])  # shipped with the package, Qwen2.5-1.5B's shape
+    assert len(calibrated.layers) == 28 and all(len(layer) == 12 for layer in calibrated.layers)
+    assert calibrated.meta["target_recall"] == 0.99 and calibrated.meta["rope_scaling"] == "yarn:4"
+    got = with_shipped_config(SparseConfig("anchor", fallback=False), qwen)
+    assert got.config_path == str(qwen["anchor"]) and got.fallback is False
+    for given in (SparseConfig("anchor", anchor_theta=12.0), SparseConfig("anchor", anchor_step=1),
+                  SparseConfig("minference")):
+        assert with_shipped_config(given, qwen) is given
+    (tmp_path / "qwen2.5-coder-1.5b-instruct").mkdir()  # a directory of that name is a path: nothing shipped
+    assert shipped_sparse_configs("qwen2.5-coder-1.5b-instruct") == {}
+    assert shipped_sparse_configs(str(tmp_path)) == {}
     ckpt = _default_checkpoint()
     import starshard
     from starshard.kernels.sparse import sparse_report

@@ -199,8 +199,13 @@ def test_cli_refuses_conflicts_and_missing_files(tmp_path):
     with pytest.raises(ValueError, match="anchor_calibrate"):
         SparseConfig("anchor", str(tmp_path / "missing.json"))
     AnchorModelConfig().save(tmp_path / "a.json")
-    with pytest.raises(ValueError, match="drop --anchor-theta"):
-        sparse_config(_cli("--sparse", "anchor", "--sparse-config", str(tmp_path / "a.json"), "--anchor-theta", "4"))
+    for flag, value in (("--anchor-theta", "4"), ("--anchor-theta", "12"), ("--anchor-step", "16")):  # defaults too
+        with pytest.raises(ValueError, match="drop --anchor-theta"):
+            sparse_config(_cli("--sparse", "anchor", "--sparse-config", str(tmp_path / "a.json"), flag, value))
+    with pytest.raises(ValueError, match="--sparse minference has none"):  # not silently ignored
+        sparse_config(_cli("--sparse", "minference", "--anchor-block-q", "16"))
+    uniform = sparse_config(_cli("--sparse", "anchor", "--anchor-theta", "4")).uniform_anchor()
+    assert (uniform.theta, uniform.block_q, uniform.step) == (4.0, 128, 16)  # the paper's for what is not given
     args = _cli("--sparse-config", str(tmp_path / "a.json"))
     args.cp_strategy, args.cp = None, None
     assert "needs --sparse minference or --sparse anchor" in layout_error(args)

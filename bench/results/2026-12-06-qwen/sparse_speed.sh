@@ -30,7 +30,7 @@ for run in dense minference_s anchor_s minference_d anchor_d dense_after; do
   case $run in
     minference_s) F="--sparse minference --sparse-config /tmp/qcfg/minference.json";;
     anchor_s) F="--sparse anchor --sparse-config /tmp/qcfg/anchor.json";;
-    minference_d) F="--sparse minference";; anchor_d) F="--sparse anchor";; *) F="";;
+    minference_d) F="--sparse minference";; anchor_d) F="--sparse anchor --anchor-theta 12";; *) F="";;
   esac
   go 540 && { timeout 90 $B $F --out $OUT/prefill_$run.json > $OUT/log_$run.txt 2>&1; t $run; }
 done
