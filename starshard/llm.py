@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from starshard.checkpoints.cache import say
 from starshard.checkpoints.named import with_shipped_config
 from starshard.checkpoints.load import load_model
 from starshard.config import Fp8Config, ModelConfig, ParallelConfig, SamplingConfig
@@ -181,7 +182,12 @@ class LLM:
                                      rope_scaling=rope_scaling)
         self.path, src, stored_fp8 = w.path, w.source, w.stored_fp8  # a --fp8 linear checkpoint needs --fp8 linear
         self.random_weights, self.weights_seed = random_weights, weights_seed  # the disk cache's model fingerprint
-        sparse = with_shipped_config(sparse, w.sparse_configs)
+        given, sparse = sparse, with_shipped_config(sparse, w.sparse_configs)
+        if sparse is not given and launch.rank == 0:
+            say(f"--sparse {sparse.method}: the config shipped for this model ({Path(sparse.config_path).name}); "
+                "--sparse-config FILE runs another" + (", --anchor-theta one threshold for every head"
+                                                        if sparse.method == "anchor" else ""),
+                progress)
         cfg = w.config if sliced else None
         unwindowed = check_attention_kinds(w.config, p, sparse, fp8)  # before any weight loads
         if fp8.experts:  # refused before any weight loads

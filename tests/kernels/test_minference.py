@@ -654,7 +654,7 @@ def test_bench_runs_on_cpu(tmp_path):
         assert p["index_ms"] >= 0 and p["kernel_ms"] > 0 and p["total_ms"] > 0
 
 
-def test_models_take_their_shipped_configs(tmp_path, monkeypatch):
+def test_models_take_their_shipped_configs(tmp_path, monkeypatch, caplog):
     """--sparse minference on the embedded default model (no path) runs the shipped recall-0.99 patterns, --sparse
     anchor on qwen2.5-coder-1.5b-instruct by name its shipped 128K calibration; a given config file, a threshold
     or pooling given, another method and any other model keep what they were given."""
@@ -692,7 +692,9 @@ def test_models_take_their_shipped_configs(tmp_path, monkeypatch):
     import starshard
     from starshard.kernels.sparse import sparse_report
 
-    llm = starshard.LLM(progress=False, sparse=SparseConfig("minference"))
+    with caplog.at_level("INFO"):
+        llm = starshard.LLM(progress=False, sparse=SparseConfig("minference"))
+    assert "--sparse minference: the config shipped for this model (smollm2_minference.json)" in caplog.text
     assert llm.sparse.config_path == str(DEFAULT_MINFERENCE_CONFIG)
     assert llm.model.layers[0].attention.sparse.method.method.meta["source"] == str(DEFAULT_MINFERENCE_CONFIG)
     assert sparse_report(llm.model) is not None
