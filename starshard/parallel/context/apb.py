@@ -670,9 +670,10 @@ class APBAttention(ContextStrategy):
             calls[0] += 1
             layer = self.layer_ids[i] if self.layer_ids is not None and i < len(self.layer_ids) else i
             F_ = seg.n_front
-            block_pos, front_pos, front_keys = marked(q.device)
+            seg_runs = marked(q.device)
             if window is not None:  # a local layer: exact, dense (sparse methods run global layers only)
-                return self._local(seg, q, k, v, marked(q.device), cache, window, extras)
+                return self._local(seg, q, k, v, seg_runs, cache, window, extras)
+            block_pos, front_pos, front_keys = seg_runs
             qL, kL, vL, pL = q[:, :, F_:], k[:, :, F_:], v[:, :, F_:], block_pos
             extra_k, extra_v = [], []
             if F_ and not seg.score_only:  # the anchor, seen in full by every block row
