@@ -9,6 +9,7 @@ runtime/generate.py's.
 import argparse
 import json
 import os
+import threading
 import traceback
 import warnings
 from collections import Counter
@@ -39,8 +40,15 @@ for spec in args.strategies.split(","):
     sites = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if str(Path(f.filename).resolve()).startswith(PKG)]
-        sites[f"{str(Path(frames[-1].filename).resolve())[len(PKG):]}:{frames[-1].lineno}" if frames else "?"] += 1
+        if str(message).startswith("Synchronization debug mode is a prototype"):
+            return  # torch's notice on switching the mode on, not a sync
+        stack = traceback.extract_stack()[:-1]
+        frames = [f for f in stack if str(Path(f.filename).resolve()).startswith(PKG)]
+        if frames:
+            sites[f"{str(Path(frames[-1].filename).resolve())[len(PKG):]}:{frames[-1].lineno}"] += 1
+        else:  # not under a starshard line: name the thread, the innermost frame and the warning, to be found
+            where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "no Python frame"
+            sites[f"? {threading.current_thread().name} {where} {category.__name__}: {str(message)[:120]}"] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")

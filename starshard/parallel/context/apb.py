@@ -118,8 +118,10 @@ class ScoreInput:
 
 def _rotate(x: torch.Tensor, delta, inv_freq: torch.Tensor) -> torch.Tensor:
     inv = inv_freq.to(x.device, torch.float32)
-    d = torch.as_tensor(delta, device=x.device, dtype=torch.float32)
-    freqs = d.reshape(-1, 1) * inv  # [1 | R, D/2]
+    if isinstance(delta, torch.Tensor):
+        freqs = delta.to(x.device, torch.float32).reshape(-1, 1) * inv  # [R, D/2]
+    else:  # a host number scales on the device: as a device tensor it would be a blocking copy
+        freqs = (inv * float(delta)).reshape(1, -1)  # [1, D/2]
     return apply_rope(x.float(), freqs.cos(), freqs.sin())
 
 
