@@ -37,7 +37,6 @@ import torch
 import starshard
 from starshard.checkpoints.named import resolve_model
 from starshard.cli import add_rope_scaling_argument, parse_layer_ids
-from starshard.evaluation.tasks import make_sample
 from starshard.kernels.anchor import (
     AnchorConfig,
     StripeIndex,
@@ -47,8 +46,9 @@ from starshard.kernels.anchor import (
     pool_blocks,
 )
 from starshard.kernels.anchor_model import AnchorModelConfig
-from starshard.runtime.prompt import build_prompt, load_tokenizer
+from starshard.runtime.prompt import load_tokenizer
 from starshard.tools.layer_probe import layers_error, probe_layers, window_error
+from starshard.tools.samples import parse_tasks, sample_prompts
 
 _CHUNK = 1 << 26  # elements of one float32 gap / score tile
 
@@ -192,22 +192,14 @@ def calibrate(model, samples: list, cfg: AnchorConfig, *, target: float, grid=No
                              meta=meta or {})
 
 
-def sample_prompts(tok, length: int, tasks, n: int, seed: int) -> list[list[int]]:
-    """n harness prompts of about `length` tokens: the tasks in turn, needle depths spread over (0, 1)."""
-    out = []
-    for i in range(n):
-        s = make_sample(tasks[i % len(tasks)], tok, length, (i + 0.5) / n, seed + i)
-        out.append(build_prompt(tok, context=s.context, question=s.question).ids[:length])
-    return out
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="starshard anchor-calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint dir, HF dir or .gguf (default: the embedded default model)")
     p.add_argument("--out", required=True, help="output JSON (starshard AnchorAttention config, for --sparse-config)")
     p.add_argument("--length", type=int, default=8192, help="sample prompt length in tokens (default 8192)")
     p.add_argument("--tasks", default="multikey,niah_essay,multiquery",
-                   help="harness tasks of the sample prompts, used in turn (starshard.evaluation.tasks)")
+                   help="harness tasks of the sample prompts, comma-separated, used in turn (starshard.evaluation.tasks; "
+                   "as minference-search's --tasks)")
     p.add_argument("--samples", type=int, default=3, help="sample prompts; recall and density are averaged over them")
     p.add_argument("--seed", type=int, default=0, help="seed of the first sample prompt; the others follow (default 0)")
     p.add_argument("--target-recall", type=float, default=0.99,
@@ -246,6 +238,12 @@ def main(argv=None) -> dict:
     except ValueError as e:
         p.error(str(e))
     layers = parse_layer_ids(args.layers)  # a malformed list is refused before the model loads
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        p.error(str(e))
+    if args.samples < 1:
+        p.error(f"--samples must be at least 1, got {args.samples}")
 
     path = resolve_model(args.model, progress=not args.quiet)[0]  # a GGUF or a model by name: converted once
     tok = load_tokenizer(path)
@@ -255,7 +253,6 @@ def main(argv=None) -> dict:
                                 rope_scaling=args.rope_scaling)
     if (error := layers_error(layers, len(model.layers))) is not None:
         p.error(error)
-    tasks = [t for t in args.tasks.split(",") if t]
     samples = sample_prompts(tok, args.length, tasks, args.samples, args.seed)
     if (error := window_error(model, max(map(len, samples)))) is not None:
         p.error(error)

@@ -23,7 +23,7 @@ config lost a quarter of the harness score; docs/results.md, Sparse prefill); a 
 each head gives up and lets the cost grow instead (SmolLM2, searched at 8K with 0.99: 0.99 of dense's
 harness score and 4.76x dense at 128K; docs/results.md, Sparse prefill; hence the defaults).
 
-With `--samples N` (tasks in turn from a comma-separated `--task`, depths spread) a head's pattern must reach the
+With `--samples N` (tasks in turn from a comma-separated `--tasks`, depths spread) a head's pattern must reach the
 floor on every sample: per family the largest of the samples' smallest budgets, then the cheapest family by its
 highest cost over the samples.
 
@@ -43,10 +43,10 @@ import torch
 import starshard
 from starshard.checkpoints.named import resolve_model
 from starshard.cli import add_rope_scaling_argument, parse_layer_ids
-from starshard.evaluation.tasks import TASKS, make_sample
 from starshard.kernels import minference as mi
-from starshard.runtime.prompt import build_prompt, load_tokenizer
+from starshard.runtime.prompt import load_tokenizer
 from starshard.tools.layer_probe import layers_error, probe_layers, window_error
+from starshard.tools.samples import parse_tasks, sample_prompts
 
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
@@ -282,20 +282,6 @@ def search_layer(q, k, **kwargs) -> list:
     return LayerSearch(q, k, **kwargs).best()
 
 
-def sample_ids(model_path, length: int, task: str, seed: int, vocab_size: int, depth: float = 0.5) -> list[int]:
-    """Token ids of one synthetic long-context prompt of about `length` tokens (random ids of the model's
-    vocabulary where the checkpoint has no tokenizer)."""
-
-    tok = load_tokenizer(Path(model_path))
-    if tok is None:
-        g = torch.Generator().manual_seed(seed)
-        print("minference_search: the checkpoint has no tokenizer; using random token ids", file=sys.stderr)
-        return torch.randint(min(100, vocab_size // 2), vocab_size, (length,), generator=g).tolist()
-    s = make_sample(task, tok, length, depth, seed)
-    ids = build_prompt(tok, context=s.context, question=s.question).ids
-    return ids[:length]
-
-
 def run_search(model, ids, *, layers=None, progress=True, **kwargs) -> list:
     """One forward pass; each selected layer's heads searched as its attention runs. Returns the
     per-layer list of {head: pattern} (empty dicts for layers not searched)."""
@@ -360,9 +346,9 @@ def main(argv=None) -> dict:
     p.add_argument("--length", type=int, default=8192,
                    help="sample prompt length in tokens (the measured config used 8192; on a CPU a shorter sample "
                         "searches faster)")
-    p.add_argument("--task", default="multikey",
-                   help="synthetic task of the sample (starshard.evaluation.tasks); comma-separated: the samples' "
-                        "tasks in turn")
+    p.add_argument("--tasks", "--task", default="multikey",
+                   help="harness task of the sample (starshard.evaluation.tasks); comma-separated: the samples' "
+                        "tasks in turn, as anchor-calibrate's --tasks (--task: the earlier spelling)")
     p.add_argument("--samples", type=int, default=1,
                    help="sample prompts of --length tokens (default 1, the needle at half depth); more: the tasks in "
                         "turn, depths spread over (0, 1), seeds --seed, --seed + 1, ...; per head the cheapest "
@@ -405,9 +391,10 @@ def main(argv=None) -> dict:
         if args.samples > 1:
             p.error("--equal-cost searches one sample: drop --samples, or search with --target-recall")
         args.target_recall = None
-    tasks = [t for t in args.task.split(",") if t]
-    if not tasks or any(t not in TASKS for t in tasks):
-        p.error(f"--task {args.task!r}: give one or more of {', '.join(TASKS)}, comma-separated")
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        p.error(str(e))
     layers = parse_layer_ids(args.layers)  # a malformed list is refused before the model loads
 
 
@@ -416,8 +403,14 @@ def main(argv=None) -> dict:
                                 rope_scaling=args.rope_scaling)
     if (error := layers_error(layers, len(model.layers))) is not None:
         p.error(error)
-    samples = [sample_ids(path, args.length, tasks[j % len(tasks)], args.seed + j, model.config.vocab_size,
-                          0.5 if args.samples == 1 else (j + 0.5) / args.samples) for j in range(args.samples)]
+    tok = load_tokenizer(Path(path))
+    if tok is None:  # random ids of the model's vocabulary, a seed a sample
+        print("minference_search: the checkpoint has no tokenizer; using random token ids", file=sys.stderr)
+        V = model.config.vocab_size
+        samples = [torch.randint(min(100, V // 2), V, (args.length,), generator=torch.Generator().manual_seed(
+            args.seed + j)).tolist() for j in range(args.samples)]
+    else:
+        samples = sample_prompts(tok, args.length, tasks, args.samples, args.seed)
     L = min(map(len, samples))  # the harness fits each sample to about --length: one length for all
     samples = [ids[:L] for ids in samples]
     if (error := window_error(model, L)) is not None:
@@ -436,7 +429,7 @@ def main(argv=None) -> dict:
     cfg = mi.MInferenceConfig(
         layers=found, block_size=args.block_size, last_q=args.last_q, force_sink=args.force_sink,
         force_local=args.force_local, vertical_aware=not args.minference_estimate,
-        meta={"model": str(path), "sample": {"task": args.task, "tokens": L, "seed": args.seed, "count": len(samples)},
+        meta={"model": str(path), "sample": {"task": ",".join(tasks), "tokens": L, "seed": args.seed, "count": len(samples)},
               "target": {"sink": target[0], "local": target[1]}, "target_recall": args.target_recall,
               "rope_scaling": args.rope_scaling,
               "score": ("attention recall at equal kernel cost" if args.target_recall is None else

@@ -764,12 +764,13 @@ def test_search_cli_samples(tmp_path, capsys):
     out = tmp_path / "cfg.json"
     args = ["--model", str(ckpt), "--out", str(out), "--length", "160", "--layers", "2", "--block-size", "16",
             "--last-q", "16", "--force-sink", "4", "--force-local", "8", "--quiet", "--samples", "2"]
-    ms.main([*args, "--target-recall", "0.97"])
+    ms.main([*args, "--target-recall", "0.97", "--tasks", "multikey,niah_essay"])
     cfg = mi.MInferenceConfig.load(out)
     assert cfg.meta["sample"]["count"] == 2 and len(cfg.layers[2]) == 9
+    assert cfg.meta["sample"]["task"] == "multikey,niah_essay"
     assert all(p.score >= 0.97 for p in cfg.layers[2].values())
     for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1"),
-                     (["--task", "multikey,nosuch"], "give one or more of")):
+                     (["--task", "multikey,nosuch"], "give one or more of")):  # --tasks' earlier spelling
         with pytest.raises(SystemExit):
             ms.main([*args, *bad])
         assert why in capsys.readouterr().err

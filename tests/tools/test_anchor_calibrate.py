@@ -213,6 +213,14 @@ def test_cli_refuses_conflicts_and_missing_files(tmp_path):
         load_sparse_method(SparseConfig("minference", str(tmp_path / "a.json")))
 
 
+def test_calibrate_cli_refuses_bad_samples_before_loading(tmp_path, capsys):
+    """An unknown task or no sample is refused naming the fix, before any model is looked for (the path is missing)."""
+    for bad, why in ((["--tasks", "multikey,nosuch"], "give one or more of"), (["--samples", "0"], "at least 1")):
+        with pytest.raises(SystemExit):
+            ac.main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "a.json"), *bad])
+        assert why in capsys.readouterr().err
+
+
 def test_calibrate_cli_on_the_default_model(tmp_path, capsys):
     """The tool end to end (harness prompts through the tokenizer) on the embedded model, two layers."""
     try:

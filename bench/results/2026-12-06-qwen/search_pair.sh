@@ -4,7 +4,9 @@
 # and their accuracy paired on seed 0's samples (fresh) at 16K and 30K, run directories <TAG>minference_s and
 # <TAG>anchor_s (default TAG s30_), resumed and kept as paired.sh does; they pair with a dense run of the same
 # seeds (`launch/eval.py --compare <dense dir> <TAG><run> dir`, a directory holding its summary.json is enough).
-#   SEARCH_LENGTH (30720), SEARCH_ARGS (three samples, one per task, recall 0.99; "" for one multikey sample), SEARCH_TIMEOUT (300 s),
+#   SEARCH_LENGTH (30720), SEARCH_ARGS, given to both tools (flags both take: --samples, --tasks, --target-recall; default
+#   three samples, one per task, the 4-hop chain among them, recall 0.99; "": each tool's defaults, minference-search one
+#   multikey sample, anchor-calibrate three of multikey, niah_essay, multiquery, as h100-s/ ran it), SEARCH_TIMEOUT (300 s),
 #   SPEED (1; 0: no 128K timing), BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
 #   (default "minference_s anchor_s"; at a length with no dense run to pair with yet, "dense minference_s anchor_s").
 # At 128K (YaRN x4, the configs searched there on one sample, pairing at 128K): SEARCH_LENGTH=131072 SEARCH_ARGS=""
@@ -13,13 +15,13 @@
 export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 M=qwen2.5-coder-1.5b-instruct; mkdir -p /tmp/qcfg; SL=${SEARCH_LENGTH:-30720}; TS=${SEARCH_TIMEOUT:-300}
 RS=""; [ $SL -gt 32768 ] && RS="--rope-scaling yarn:4"
-SA=${SEARCH_ARGS-"--samples 3 --task multikey,variable_tracking,niah_essay"}
+SA=${SEARCH_ARGS-"--samples 3 --tasks multikey,variable_tracking,niah_essay"}
 # the two searches share the card at once (each a 1.5B model and its sample's activations): half the wait
 { [ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
   --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1
   t search; } &
 { [ -f /tmp/qcfg/anchor.json ] || timeout $TS python3 -m starshard anchor-calibrate --model $M --device cuda \
-  --dtype bfloat16 --seed 1 --length $SL $RS --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1
+  --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1
   t calibrate; } &
 wait
 cp /tmp/qcfg/*.json $OUT/ 2>/dev/null
