@@ -66,6 +66,15 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a whole file, read in 16 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def write_safetensors_streaming(path: Path, specs, dtype: torch.dtype, metadata: dict[str, str]) -> dict[str, str]:
     """Write tensors one at a time in safetensors format (header first, computed from the specs), each in
     its spec's dtype, else `dtype`.
@@ -372,7 +381,8 @@ def convert(
         hf_cfg, sd, tokenizer = gguf_to_hf(Path(gguf))
         cfg = ModelConfig.from_hf(hf_cfg)
         src = StateDictSource(sd)
-        source = {"kind": "gguf", "path": str(Path(gguf).resolve())}
+        # the file's sha256 names the model whatever the file is called (named.py: the configs shipped for it)
+        source = {"kind": "gguf", "path": str(Path(gguf).resolve()), "sha256": file_sha256(Path(gguf))}
         tok_dir = None
     stages = partition_layers(cfg.num_layers, pp, pp_layers)
     out.mkdir(parents=True, exist_ok=True)

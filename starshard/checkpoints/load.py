@@ -33,6 +33,18 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def source_sha256(ckpt: Path) -> str | None:
+    """The sha256 of the GGUF a starshard checkpoint was converted from, as its manifest records it (None for
+    any other checkpoint, and for one converted before the manifest recorded it)."""
+    path = Path(ckpt) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return (json.loads(path.read_text()).get("source") or {}).get("sha256")
+    except (ValueError, AttributeError):
+        return None
+
+
 def read_manifest(ckpt: Path) -> dict:
     path = Path(ckpt) / MANIFEST
     if not path.is_file():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from starshard.checkpoints.cache import cache_dir, gguf_checkpoint, say
 from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG, default_checkpoint
+from starshard.checkpoints.load import source_sha256
 from starshard.kernels.sparse import SparseConfig
 
 
@@ -105,12 +106,16 @@ def named_gguf(name: str, *, progress: bool = True) -> Path:
     return out
 
 
-def shipped_sparse_configs(path: str | Path | None) -> dict[str, Path]:
-    """The sparse configs starshard ships for the model LLM(path) loads, by method: the embedded default's
-    (None) searched MInference patterns, a named model's own (MODELS); none for any other path."""
+def shipped_sparse_configs(path: str | Path | None, ckpt: Path | None = None) -> dict[str, Path]:
+    """The sparse configs starshard ships for the model LLM(path) loads (`ckpt`: what resolve_model made of
+    it), by method: the embedded default's (None) searched MInference patterns; a named model's own (MODELS),
+    whether given by its name or as a checkpoint converted from its GGUF (its file, or a directory of
+    `convert --gguf`: the manifest's sha256 of the file names it); none for any other model."""
     if path is None:
         return {"minference": DEFAULT_MINFERENCE_CONFIG}
     model = MODELS.get(str(path)) if not Path(path).exists() else None
+    if model is None and ckpt is not None and (sha := source_sha256(ckpt)) is not None:
+        model = next((m for m in MODELS.values() if m.sha256 == sha), None)
     return {method: Path(__file__).with_name(name) for method, name in model.sparse_configs} if model else {}
 
 

@@ -71,6 +71,33 @@ def test_second_load_reuses_the_entry_and_a_touched_file_converts_again(gguf_fil
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-4
 
 
+def test_a_named_models_gguf_by_path_takes_its_shipped_configs(gguf_file, conversions, tmp_path, monkeypatch):
+    """The manifest records the GGUF's sha256, which names the model whatever the file is called: a named model's
+    file given by path (or converted with `convert --gguf` into a directory) runs the configs shipped for it, as by
+    name; any other GGUF none."""
+    from starshard.checkpoints.convert import convert
+
+    _, src = gguf_file
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    ckpt = cache.gguf_checkpoint(src, progress=False)
+    assert json.loads((ckpt / MANIFEST).read_text())["source"]["sha256"] == sha
+    assert check_weights(str(src), progress=False).sparse_configs == {}  # not a named model's file
+    shipped = named.MODELS["qwen2.5-coder-1.5b-instruct"].sparse_configs
+    monkeypatch.setitem(named.MODELS, "tiny-model", named.NamedModel(
+        gguf="tiny.gguf", dist="tiny-part{i}", package="tiny_part{i}", data="p{i}", parts=1, version="0",
+        size=src.stat().st_size, sha256=sha, license="none", sparse_configs=shipped))
+    want = {"anchor": named.Path(named.__file__).with_name(shipped[0][1])}
+    renamed = tmp_path / "renamed.gguf"
+    renamed.write_bytes(src.read_bytes())
+    assert check_weights(str(renamed), progress=False).sparse_configs == want
+    convert(out=tmp_path / "dir", gguf=renamed, dtype="float32", progress=False)
+    assert check_weights(str(tmp_path / "dir"), progress=False).sparse_configs == want
+    manifest = json.loads((tmp_path / "dir" / MANIFEST).read_text())
+    del manifest["source"]["sha256"]  # converted before the manifest recorded it: nothing to name it by
+    (tmp_path / "dir" / MANIFEST).write_text(json.dumps(manifest))
+    assert check_weights(str(tmp_path / "dir"), progress=False).sparse_configs == {}
+
+
 def test_partial_or_damaged_entries_are_rebuilt(gguf_file, conversions):
     _, path = gguf_file
     ckpt = cache.gguf_checkpoint(path)
