@@ -45,7 +45,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig
+from starshard.config import FP8_PREFILL_KEY_BLOCK, ModelConfig, ParallelConfig
 from starshard.partition import check_tp, partition_layers, prefill_steps, valid_tp_sizes
 from starshard.strategies import SINGLE_RANK, check, get_spec
 
@@ -67,6 +67,12 @@ class Layout:
     query_rank: int | None = None  # CP rank that keeps the query and generated tokens (default: the last)
     num_blocks: int | None = None  # star: blocks when no block_size (default cp); cp=1 studies N hosts (star, apb)
     apb_hosts: int | None = None  # apb with cp=1: the virtual hosts run in turn (the same as num_blocks for apb)
+
+    @classmethod
+    def of(cls, p: ParallelConfig) -> Layout:
+        """The layout a ParallelConfig runs (e.g. an LLM's `parallel`)."""
+        return cls(p.tp, p.pp, p.cp, p.cp_strategy, tuple(p.pp_layers) if p.pp_layers else None, p.block_size,
+                   p.anchor_size, p.query_rank, p.num_blocks, p.apb_hosts)
 
     def __post_init__(self):
         for name in ("tp", "pp", "cp"):

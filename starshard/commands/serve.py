@@ -228,11 +228,10 @@ def default_cache_bytes(llm, args, device, chunk: int) -> int:
 
     if device.type != "cuda":
         return 2 * 2**30
-    cfg, p = llm.config, llm.parallel
+    cfg = llm.config
     dtype = str(llm.model.layers[0].attention_norm.weight.dtype).removeprefix("torch.")
     window = cfg.max_position_embeddings
-    layout = Layout(p.tp, p.pp, p.cp, p.cp_strategy, tuple(p.pp_layers) if p.pp_layers else None, p.block_size,
-                    p.anchor_size, p.query_rank, p.num_blocks, p.apb_hosts)
+    layout = Layout.of(llm.parallel)
     work = Workload(window, window, 0, chunk or None, DTYPE_BYTES[dtype], **plan_features(args))
     budget, refused = None, None
     try:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from starshard.cli import add_layout_arguments, layout_error, parallel_config
+from starshard.cli import add_layout_arguments, layout_error, parallel_config, plan_layout
 from starshard.config import ParallelConfig
 from starshard.kernels.sparse import refuse_sparse
 from starshard.parallel.context import CLASSES, make_strategy
@@ -73,6 +73,16 @@ def test_flags_reach_the_built_strategy():
                                                                          "--anchor-size", "6"]))))
     assert (star.num_blocks, star.anchor_size, star.block_size) == (4, 6, None)
     assert make_strategy("usp").u == 1 and make_strategy("ring").name == "ring"
+
+
+def test_the_planners_layout_of_the_flags_is_the_one_of_their_parallel_config():
+    """What a command plans from its flags (cli.plan_layout) is what the LLM it builds runs (Layout.of(llm.parallel),
+    which serve plans from)."""
+    for argv in ([], ["--cp-strategy", "apb", "--apb-hosts", "3", "--anchor-size", "5"],
+                 ["--tp", "2", "--pp", "2", "--pp-layers", "3,5", "--cp", "4", "--cp-strategy", "star", "--num-blocks",
+                  "4", "--anchor-size", "6", "--block-size", "100", "--query-rank", "1"]):
+        args = parse(argv)
+        assert Layout.of(parallel_config(args)) == plan_layout(args), argv
 
 
 # ---------------------------------------------------------------------------- refusals, each from its spec

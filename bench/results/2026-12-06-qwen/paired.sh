@@ -3,7 +3,8 @@
 # variable chain (variable_tracking) at 16,384 and 30,720 tokens, 5 depths x SEEDS seeds (default 30: 150 per
 # task and length), seed 0, so that runs of later sessions pair with these sample for sample.
 #   RUNS: which runs, in order (default "dense star4 apb4"; then "minference anchor fp8_lkv fp8_attn star4_a"
-#   and the sparse defaults "minference_d anchor_d" (anchor_d on this model: its shipped calibration, since 2026-12-07), the searched configs "minference_s anchor_s", Star over 2 blocks
+#   and the sparse defaults "minference_d anchor_d" (anchor_d on this model: its shipped calibration, since 2026-12-07; "anchor_f": that calibration
+#   forced sparse, what `--sparse anchor --sparse-min-length 0` runs on it), the searched configs "minference_s anchor_s", Star over 2 blocks
 #   "star2" (is the 4-hop loss one of blocks?)); each stops starting samples at its share of BUDGET;
 #   PARALLEL=N runs N at once on the card (accuracy only).
 # Keeps each run's per-sample results (compressed) and summaries.json (every run's summary) under $OUT: a call
@@ -27,7 +28,7 @@ C=${QCFG:-bench/results/2026-12-06-qwen/h100-b}  # the configs sparse_speed.sh s
 declare -A FLAGS=(
   [dense]="" [star4]="--cp-strategy star --num-blocks 4" [apb4]="--cp-strategy apb --apb-hosts 4"
   [minference]="--sparse minference $SP" [anchor]="--sparse anchor --anchor-theta 12 $SP" [minference_d]="--sparse minference"
-  [anchor_d]="--sparse anchor" [fp8_lkv]="--fp8 linear,kv" [fp8_kv]="--fp8 kv" [fp8_attn]="--fp8 attention"
+  [anchor_d]="--sparse anchor" [anchor_f]="--sparse anchor $SP" [fp8_lkv]="--fp8 linear,kv" [fp8_kv]="--fp8 kv" [fp8_attn]="--fp8 attention"
   [star4_a]="--cp-strategy star --num-blocks 4 --anchor-size ${ANCHOR:-4096}" [star2]="--cp-strategy star --num-blocks 2"
   [minference_s]="--sparse minference --sparse-config $C/minference.json $SP"
   [anchor_s]="--sparse anchor --sparse-config $C/anchor.json $SP")
