@@ -103,7 +103,8 @@ class AnchorConfig:
             if len(self.theta) != num_heads:
                 raise ValueError(f"AnchorConfig has {len(self.theta)} per-head thetas but the call has {num_heads} "
                                  "query heads; build the config with AnchorModelConfig.pattern(layer, num_heads, offset)")
-            return torch.tensor(self.theta, dtype=torch.float32, device=device)
+            # from the host without waiting: torch.tensor(..., device=cuda) is a blocking copy, a GPU drain a layer
+            return to_device(list(self.theta), device or "cpu", torch.float32)
         return torch.full((num_heads,), float(self.theta), dtype=torch.float32, device=device)
 
     def to_dict(self) -> dict:

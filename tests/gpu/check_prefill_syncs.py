@@ -4,11 +4,12 @@ drains the GPU's queue, which then idles while the host launches what follows (`
 per strategy: {"strategy", "sync_sites": {site: count}}; the token's read at the prefill's end is
 runtime/generate.py's.
 
-    python tests/gpu/check_prefill_syncs.py --strategies dense,star:4,apb:4
+    python tests/gpu/check_prefill_syncs.py --strategies dense,star:4,apb:4,minference,anchor
 """
 import argparse
 import json
 import os
+import tempfile
 import threading
 import traceback
 import warnings
@@ -20,6 +21,9 @@ import torch
 import starshard
 from starshard import LLM
 from starshard.config import ParallelConfig
+from starshard.kernels.anchor_model import AnchorModelConfig
+from starshard.kernels.sparse import SparseConfig
+from starshard.presets import preset_config
 
 PKG = str(Path(starshard.__file__).resolve().parent) + os.sep  # sites: the package's own lines
 
@@ -27,13 +31,24 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--random-weights", default="tiny")
 ap.add_argument("--prompt-len", type=int, default=3001)
 ap.add_argument("--strategies", default="dense,star:4,apb:4",
-                help="comma-separated NAME[:N]: N blocks (star) / hosts (apb) on this one device")
+                help="comma-separated NAME[:N]: N blocks (star) / hosts (apb) on this one device; minference and "
+                     "anchor: dense with that sparse method forced at every length (anchor with one theta per head, "
+                     "as a calibrated file holds)")
 args = ap.parse_args()
 for spec in args.strategies.split(","):
     name, _, n = spec.partition(":")
     opts = {} if not n else {"num_blocks": int(n)} if name == "star" else {"apb_hosts": int(n)}
+    sparse = None
+    if name in ("minference", "anchor"):
+        path = None
+        if name == "anchor":  # per-head thetas (the shipped Qwen file's form), each head's own
+            cfg = preset_config(args.random_weights)
+            path = os.path.join(tempfile.mkdtemp(), "anchor.json")
+            AnchorModelConfig(layers=[{h: 4.0 + h for h in range(cfg.num_heads)}] * cfg.num_layers, block_q=64,
+                              step=2).save(path)
+        sparse, name = SparseConfig(name, config_path=path, min_length=0, fallback=False), "dense"
     llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights,
-              parallel=ParallelConfig(cp_strategy=name, **opts))
+              parallel=ParallelConfig(cp_strategy=name, **opts), sparse=sparse)
     ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
     llm.generate(ids.tolist(), max_new_tokens=1)  # warm-up: kernels compiled, plans built
     torch.cuda.synchronize()

@@ -83,6 +83,15 @@ def test_prefill_makes_no_sync_but_the_tokens_read():
         assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r
 
 
+def test_sparse_prefill_makes_no_sync_but_the_tokens_read():
+    """MInference (default pattern) and AnchorAttention with one theta per head (a calibrated file's form: each
+    layer's thetas go to the GPU) forced sparse: the plans' host reads wait on events, never on a sync."""
+    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "minference,anchor"])
+    assert len(rows) == 2, rows
+    for r in rows:
+        assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r
+
+
 @pytest.mark.parametrize("copy", ["to_device", "upload"])
 def test_small_host_copies_do_not_wait_for_the_gpu(copy):
     """The host's small inputs (a segment's positions, a decode step's tokens, a sparse plan's head lists) go to
