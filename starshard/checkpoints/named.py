@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starshard.checkpoints.cache import cache_dir, gguf_checkpoint, say
-from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG, default_checkpoint
-from starshard.checkpoints.load import source_sha256
+from starshard.checkpoints.default import DEFAULT_DIR, DEFAULT_MINFERENCE_CONFIG, DEFAULT_SHA256, default_checkpoint
+from starshard.checkpoints.load import gguf_source
 from starshard.kernels.sparse import SparseConfig
 
 
@@ -106,17 +106,22 @@ def named_gguf(name: str, *, progress: bool = True) -> Path:
     return out
 
 
-def shipped_sparse_configs(path: str | Path | None, ckpt: Path | None = None) -> dict[str, Path]:
-    """The sparse configs starshard ships for the model LLM(path) loads (`ckpt`: what resolve_model made of
-    it), by method: the embedded default's (None) searched MInference patterns; a named model's own (MODELS),
-    whether given by its name or as a checkpoint converted from its GGUF (its file, or a directory of
-    `convert --gguf`: the manifest's sha256 of the file names it); none for any other model."""
-    if path is None:
+def shipped_sparse_configs(ckpt: Path | None) -> dict[str, Path]:
+    """The sparse configs starshard ships for the model in checkpoint `ckpt` (what resolve_model made of a
+    --model / LLM path), by method: the embedded default's searched MInference patterns, a named model's own
+    (MODELS). What the model is, not how it was given, decides: the GGUF it was converted from, by the sha256
+    its manifest records (any file name, `convert --gguf` too), else, converted before the manifest recorded
+    it, by the cache entry it is; none for any other checkpoint (a Hugging Face directory, another GGUF)."""
+    source = None if ckpt is None else gguf_source(ckpt)
+    if source is None:
+        return {}
+    sha, root = source[1], cache_dir().resolve()
+    if sha == DEFAULT_SHA256 or (sha is None and Path(ckpt).resolve() == root / DEFAULT_DIR):
         return {"minference": DEFAULT_MINFERENCE_CONFIG}
-    model = MODELS.get(str(path)) if not Path(path).exists() else None
-    if model is None and ckpt is not None and (sha := source_sha256(ckpt)) is not None:
-        model = next((m for m in MODELS.values() if m.sha256 == sha), None)
-    return {method: Path(__file__).with_name(name) for method, name in model.sparse_configs} if model else {}
+    for model in MODELS.values():
+        if sha == model.sha256 or (sha is None and source[0].resolve() == root / "models" / model.gguf):
+            return {method: Path(__file__).with_name(name) for method, name in model.sparse_configs}
+    return {}
 
 
 def with_shipped_config(sparse: SparseConfig | None, configs: dict[str, Path]) -> SparseConfig | None:

@@ -52,4 +52,4 @@ def check_weights(path: str | Path | None, *, random_weights: str | None = None,
     ckpt, cached = resolve_model(path, progress=progress)
     src = weight_source(ckpt, cached=cached)
     return Weights(ckpt, src, check_source_fp8(src, fp8_linear), rope_scaling=rope_scaling,
-                   sparse_configs=shipped_sparse_configs(path, ckpt))
+                   sparse_configs=shipped_sparse_configs(ckpt))

@@ -655,18 +655,24 @@ def test_bench_runs_on_cpu(tmp_path):
 
 
 def test_models_take_their_shipped_configs(tmp_path, monkeypatch, caplog):
-    """--sparse minference on the embedded default model (no path) runs the shipped recall-0.99 patterns, --sparse
-    anchor on qwen2.5-coder-1.5b-instruct by name its shipped 128K calibration; a given config file, a threshold
-    or pooling given, another method and any other model keep what they were given."""
+    """--sparse minference on the embedded default model runs the shipped recall-0.99 patterns, --sparse anchor on
+    qwen2.5-coder-1.5b-instruct its shipped 128K calibration, found from the checkpoint (the GGUF's sha256 in its
+    manifest; for an entry converted before the manifest recorded it, the cache entry it is), however the model
+    was given; a given config file, a threshold or pooling given, another method and any other model keep what
+    they were given."""
+    import starshard
+    from starshard.checkpoints import cache
     from starshard.checkpoints.default import DEFAULT_MINFERENCE_CONFIG
-    from starshard.checkpoints.named import shipped_sparse_configs, with_shipped_config
+    from starshard.checkpoints.named import MODELS, shipped_sparse_configs, with_shipped_config
     from starshard.kernels.anchor_model import AnchorModelConfig
-    from starshard.kernels.sparse import SparseConfig
+    from starshard.kernels.sparse import SparseConfig, sparse_report
 
     cfg = mi.MInferenceConfig.load(DEFAULT_MINFERENCE_CONFIG)  # shipped with the package, SmolLM2's shape
     assert len(cfg.layers) == 30 and all(len(layer) == 9 for layer in cfg.layers)
     assert cfg.meta["target_recall"] == 0.99
-    smol = shipped_sparse_configs(None)
+    ckpt = _default_checkpoint()
+    smol = shipped_sparse_configs(ckpt)
+    assert smol == {"minference": DEFAULT_MINFERENCE_CONFIG}
     got = with_shipped_config(SparseConfig("minference", min_length=0), smol)
     assert got.config_path == str(DEFAULT_MINFERENCE_CONFIG) and got.min_length == 0
     own = SparseConfig("minference", config_path=str(DEFAULT_MINFERENCE_CONFIG.parent / "__init__.py"))
@@ -674,23 +680,29 @@ def test_models_take_their_shipped_configs(tmp_path, monkeypatch, caplog):
     anchor = SparseConfig("anchor")
     assert with_shipped_config(anchor, smol) is anchor
 
-    monkeypatch.chdir(tmp_path)  # the name, not a directory of that name
-    qwen = shipped_sparse_configs("qwen2.5-coder-1.5b-instruct")
+    def converted(name, source):  # a checkpoint's manifest, as convert writes its source
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"format": "starshard", "source": source}))
+        return tmp_path / name
+
+    model = MODELS["qwen2.5-coder-1.5b-instruct"]
+    qwen = shipped_sparse_configs(converted("q", {"kind": "gguf", "path": "/any/name.gguf", "sha256": model.sha256}))
     assert set(qwen) == {"anchor"}
     calibrated = AnchorModelConfig.load(qwen["anchor"])  # shipped with the package, Qwen2.5-1.5B's shape
     assert len(calibrated.layers) == 28 and all(len(layer) == 12 for layer in calibrated.layers)
     assert calibrated.meta["target_recall"] == 0.99 and calibrated.meta["rope_scaling"] == "yarn:4"
+    monkeypatch.setenv("STARSHARD_CACHE", str(tmp_path / "cache"))  # an entry converted before the sha256 was kept
+    assert shipped_sparse_configs(converted("old", {"kind": "gguf", "path": str(cache.cache_dir() / "models" /
+                                                                                  model.gguf)})) == qwen
     got = with_shipped_config(SparseConfig("anchor", fallback=False), qwen)
     assert got.config_path == str(qwen["anchor"]) and got.fallback is False
     for given in (SparseConfig("anchor", anchor_theta=12.0), SparseConfig("anchor", anchor_step=1),
                   SparseConfig("minference")):
         assert with_shipped_config(given, qwen) is given
-    (tmp_path / "qwen2.5-coder-1.5b-instruct").mkdir()  # a directory of that name is a path: nothing shipped
-    assert shipped_sparse_configs("qwen2.5-coder-1.5b-instruct") == {}
-    assert shipped_sparse_configs(str(tmp_path)) == {}
-    ckpt = _default_checkpoint()
-    import starshard
-    from starshard.kernels.sparse import sparse_report
+    for other in (converted("other", {"kind": "gguf", "path": "/x.gguf", "sha256": "0" * 64}),
+                  converted("hf", {"kind": "hf", "path": "/some/hf"}), tmp_path, None):
+        assert shipped_sparse_configs(other) == {}, other
+    monkeypatch.delenv("STARSHARD_CACHE")
 
     with caplog.at_level("INFO"):
         llm = starshard.LLM(progress=False, sparse=SparseConfig("minference"))
@@ -698,7 +710,9 @@ def test_models_take_their_shipped_configs(tmp_path, monkeypatch, caplog):
     assert llm.sparse.config_path == str(DEFAULT_MINFERENCE_CONFIG)
     assert llm.model.layers[0].attention.sparse.method.method.meta["source"] == str(DEFAULT_MINFERENCE_CONFIG)
     assert sparse_report(llm.model) is not None
-    other = starshard.LLM(ckpt, progress=False, sparse=SparseConfig("minference"))  # a path: no shipped config
+    same = starshard.LLM(ckpt, progress=False, sparse=SparseConfig("minference"))  # the default by its path
+    assert same.sparse.config_path == str(DEFAULT_MINFERENCE_CONFIG)
+    other = starshard.LLM(random_weights="tiny", progress=False, sparse=SparseConfig("minference"))
     assert other.sparse.config_path is None
 
 
