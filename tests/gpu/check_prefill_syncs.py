@@ -30,6 +30,8 @@ PKG = str(Path(starshard.__file__).resolve().parent) + os.sep  # sites: the pack
 ap = argparse.ArgumentParser()
 ap.add_argument("--random-weights", default="tiny")
 ap.add_argument("--prompt-len", type=int, default=3001)
+ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of this many rows (the service's way)")
+ap.add_argument("--fp8", default=None, help="what runs in FP8, as LLM's fp8 (e.g. kv,attention)")
 ap.add_argument("--strategies", default="dense,star:4,apb:4",
                 help="comma-separated NAME[:N]: N blocks (star) / hosts (apb) on this one device; minference and "
                      "anchor: dense with that sparse method forced at every length (anchor with one theta per head, "
@@ -48,9 +50,9 @@ for spec in args.strategies.split(","):
                               step=2).save(path)
         sparse, name = SparseConfig(name, config_path=path, min_length=0, fallback=False), "dense"
     llm = LLM(device="cuda", dtype=torch.bfloat16, progress=False, random_weights=args.random_weights,
-              parallel=ParallelConfig(cp_strategy=name, **opts), sparse=sparse)
+              parallel=ParallelConfig(cp_strategy=name, **opts), sparse=sparse, fp8=args.fp8)
     ids = torch.randint(100, llm.config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
-    llm.generate(ids.tolist(), max_new_tokens=1)  # warm-up: kernels compiled, plans built
+    llm.generate(ids.tolist(), max_new_tokens=1, prefill_chunk=args.prefill_chunk)  # warm-up: kernels, plans
     torch.cuda.synchronize()
     sites = Counter()
 
@@ -70,9 +72,10 @@ for spec in args.strategies.split(","):
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            llm.generate(ids.tolist(), max_new_tokens=1)
+            llm.generate(ids.tolist(), max_new_tokens=1, prefill_chunk=args.prefill_chunk)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    print(json.dumps({"strategy": spec, "prompt_len": args.prompt_len, "sync_sites": dict(sites.most_common())}))
+    print(json.dumps({"strategy": spec, "model": args.random_weights, "prompt_len": args.prompt_len,
+                      "prefill_chunk": args.prefill_chunk, "fp8": args.fp8, "sync_sites": dict(sites.most_common())}))
     del llm
     torch.cuda.empty_cache()

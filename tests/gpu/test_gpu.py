@@ -92,6 +92,17 @@ def test_sparse_prefill_makes_no_sync_but_the_tokens_read():
         assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r
 
 
+@pytest.mark.parametrize("model, flags", [("tiny-gemma3", []), ("tiny-moe", []), ("tiny", ["--prefill-chunk", "1024"]),
+                                         ("tiny", ["--fp8", "linear,kv,attention"])])
+def test_other_prefills_make_no_sync_but_the_tokens_read(model, flags):
+    """Windowed and soft-capped layers (Gemma 3), routed experts (MoE), a prefill in chunks (the service's way,
+    each chunk after held keys) and FP8 projections, cache and prefill scores: each waits only for its token."""
+    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "dense", "--random-weights",
+                model, *flags])
+    assert len(rows) == 1, rows
+    assert rows[0]["sync_sites"] and all(s.startswith("runtime/generate.py") for s in rows[0]["sync_sites"]), rows
+
+
 @pytest.mark.parametrize("copy", ["to_device", "upload"])
 def test_small_host_copies_do_not_wait_for_the_gpu(copy):
     """The host's small inputs (a segment's positions, a decode step's tokens, a sparse plan's head lists) go to
