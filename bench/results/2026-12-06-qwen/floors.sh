@@ -43,7 +43,7 @@ for name, d in runs.items():
           f"fresh {fresh.get('length')}: {fresh.get('second_seconds', 0):.3f} s warm",
           f"heads dense {rep.get('heads_dense')} of {rep.get('heads_dense', 0) + rep.get('heads_sparse', 0)}" if rep else "")
 PY
-left=$(( ${END:-580} - $(date +%s) + S ))
-QCFG=/tmp/qcfg LENGTHS=131072 EXTRA="--rope-scaling yarn:4" TAG=y128_ RUNS="$runs" PARALLEL=4 BUDGET=$left \
+left=$(( ${END:-580} - $(date +%s) + S ))  # what is left of the call; paired.sh counts it from its own start
+CALL_START= QCFG=/tmp/qcfg LENGTHS=131072 EXTRA="--rope-scaling yarn:4" TAG=y128_ RUNS="$runs" PARALLEL=4 BUDGET=$left \
   bash bench/results/2026-12-06-qwen/paired.sh
 rm -f $OUT/samples_*.gz

@@ -9,6 +9,8 @@
 #   multikey sample, anchor-calibrate three of multikey, niah_essay, multiquery, as h100-s/ ran it), SEARCH_TIMEOUT (300 s),
 #   SPEED (1; 0: no 128K timing), BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
 #   (default "minference_s anchor_s"; at a length with no dense run to pair with yet, "dense minference_s anchor_s").
+# END (580): seconds from the call's start (CALL_START, prelude.sh) to stop the paired runs by; after stage.sh in the
+#   same call: `export CALL_START=$(date +%s); C=17 bash .../stage.sh && END=540 bash .../search_pair.sh`.
 # At 128K (YaRN x4, the configs searched there on one sample, pairing at 128K): SEARCH_LENGTH=131072 SEARCH_ARGS=""
 #   SEARCH_TIMEOUT=240 LENGTHS=131072 EXTRA="--rope-scaling yarn:4" TAG=y128_ PAIR_RUNS="dense minference_s anchor_s".
 . bench/results/2026-12-06-step-loop/prelude.sh
@@ -51,8 +53,8 @@ for name, d in runs.items():
 PY
 fi
 # the paired runs: paired.sh with these configs (its all.log takes this call's logs too; at most 8 files come back)
-left=$(( ${END:-580} - $(date +%s) + S ))
-QCFG=/tmp/qcfg TAG=${TAG:-s30_} RUNS=${PAIR_RUNS:-"minference_s anchor_s"} PARALLEL=3 BUDGET=${BUDGET:-$left} \
+left=$(( ${END:-580} - $(date +%s) + S ))  # what is left of the call; paired.sh counts it from its own start
+CALL_START= QCFG=/tmp/qcfg TAG=${TAG:-s30_} RUNS=${PAIR_RUNS:-"minference_s anchor_s"} PARALLEL=3 BUDGET=${BUDGET:-$left} \
   bash bench/results/2026-12-06-qwen/paired.sh
 # without dense the runs were compared with each other: they pair with dense apart, not in the call
 case " ${PAIR_RUNS:-} " in *" dense "*) ;; *) rm -f $OUT/compare.md;; esac

@@ -9,4 +9,6 @@ BASE="env PYTHONPATH=/tmp/site:$PWD/.base python3 -P"
 [ -d .base ] && $BASE -c "import starshard; print('the parent runs', starshard.__file__)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 L8B="--random-weights llama-3.1-8b"
-S=$(date +%s); t() { echo "rc=$? t=$(( $(date +%s)-S )) $1"; }
+# S: the call's start (CALL_START=$(date +%s) exported before the first script of a call makes later scripts'
+# budgets, e.g. search_pair.sh's END, count from it), else this script's
+S=${CALL_START:-$(date +%s)}; t() { echo "rc=$? t=$(( $(date +%s)-S )) $1"; }
