@@ -3,7 +3,8 @@
 # accuracy runs use it) and APB over 4 hosts (study mode: the dearest run of the accuracy calls, 0.707 s at 16K,
 # 1.42x dense, 2026-12-07-plans) at 16K and 32K, each with --idle (the GPU's idle time within a prefill: is APB's
 # cost host-bound?), then the CUDA test of the stored anchor against the recomputed one, the test that a prefill makes no
-# sync but its token's and that small host copies do not wait for the GPU. FRESH (default "--fresh 2 --fresh-seed 11"):
+# sync but its token's (dense, Star, APB; sparse, windowed, MoE, chunked and FP8 prefills) and that small host copies
+# do not wait for the GPU. FRESH (default "--fresh 2 --fresh-seed 11"):
 # lengths unequal to the warm-up's, timed cold and warm. Before (the same card kind,
 # a099841 + padding, 2026-12-07-plans): Star over 4 blocks 0.827 s at 16K against dense 0.498 s (1.66x). Target: Star
 # over 4 blocks at or under dense.
@@ -14,7 +15,7 @@ T=200 step python3 launch/bench.py $P --cp-strategy dense --out $OUT/dense.json
 T=200 step python3 launch/bench.py $P --cp-strategy star --num-blocks 4 --out $OUT/star4.json
 T=200 step python3 launch/bench.py $P --cp-strategy apb --apb-hosts 4 --out $OUT/apb4.json
 T=200 step python3 -m pytest -q tests/parallel/test_star.py -k cuda
-T=200 step python3 -m pytest -q tests/gpu/test_gpu.py -k "sync or host_copies"
+T=400 step python3 -m pytest -q tests/gpu/test_gpu.py -k "sync or host_copies"
 python3 - $OUT <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
