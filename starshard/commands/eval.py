@@ -33,7 +33,7 @@ from starshard.cli import (add_fp8_arguments, add_layout_arguments, add_rope_sca
 from starshard.config import ParallelConfig
 from starshard.evaluation import report
 from starshard.evaluation.scoring import found, score
-from starshard.evaluation.tasks import TASKS, TASKS_VERSION, make_samples, template_overhead
+from starshard.evaluation.tasks import TASKS, TASKS_VERSION, make_samples, parse_tasks, template_overhead
 from starshard.llm import LLM
 from starshard.strategies import OPTIONS
 
@@ -125,10 +125,10 @@ def parse_args(argv=None):
         fp8_config(args)
     except ValueError as e:
         ap.error(str(e))
-    args.tasks = [x for x in args.tasks.split(",") if x]
-    bad = [x for x in args.tasks if x not in TASKS]
-    if bad:
-        ap.error(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
+    try:
+        args.tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        ap.error(str(e))
     if args.depths is None:
         if args.num_depths < 1:
             ap.error("--num-depths must be >= 1")

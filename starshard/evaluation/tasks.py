@@ -388,6 +388,15 @@ def _fit(tok: Tokenizer, budget: int, fixed: int, parts: _Parts, rng: random.Ran
     return _build(units[:lo], parts.needles, parts.depths)
 
 
+def parse_tasks(text: str) -> list[str]:
+    """The comma-separated task names of a --tasks flag (eval, minference-search, anchor-calibrate); ValueError
+    naming the known ones."""
+    tasks = [t for t in text.split(",") if t]
+    if not tasks or any(t not in TASKS for t in tasks):
+        raise ValueError(f"--tasks {text!r}: give one or more of {', '.join(TASKS)}, comma-separated")
+    return tasks
+
+
 def make_sample(task: str, tok: Tokenizer, length: int, depth: float | None, seed: int, reserve: int = 0) -> Sample:
     """One sample: context + question + answer cue sized to `length - reserve` tokens of `tok`."""
     spec = TASKS.get(task)

@@ -37,6 +37,7 @@ import torch
 import starshard
 from starshard.checkpoints.named import resolve_model
 from starshard.cli import add_rope_scaling_argument, parse_layer_ids
+from starshard.evaluation.tasks import parse_tasks
 from starshard.kernels.anchor import (
     AnchorConfig,
     StripeIndex,
@@ -48,7 +49,7 @@ from starshard.kernels.anchor import (
 from starshard.kernels.anchor_model import AnchorModelConfig
 from starshard.runtime.prompt import load_tokenizer
 from starshard.tools.layer_probe import layers_error, probe_layers, window_error
-from starshard.tools.samples import parse_tasks, sample_prompts
+from starshard.tools.samples import sample_prompts
 
 _CHUNK = 1 << 26  # elements of one float32 gap / score tile
 

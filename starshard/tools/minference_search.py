@@ -43,10 +43,11 @@ import torch
 import starshard
 from starshard.checkpoints.named import resolve_model
 from starshard.cli import add_rope_scaling_argument, parse_layer_ids
+from starshard.evaluation.tasks import parse_tasks
 from starshard.kernels import minference as mi
 from starshard.runtime.prompt import load_tokenizer
 from starshard.tools.layer_probe import layers_error, probe_layers, window_error
-from starshard.tools.samples import parse_tasks, sample_prompts
+from starshard.tools.samples import sample_prompts
 
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.

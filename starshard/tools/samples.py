@@ -3,16 +3,8 @@ anchor-calibrate`): the same tasks, seeds and depths for both, so a config searc
 calibration made by the other see the same text."""
 from __future__ import annotations
 
-from starshard.evaluation.tasks import TASKS, make_sample
+from starshard.evaluation.tasks import make_sample
 from starshard.runtime.prompt import build_prompt
-
-
-def parse_tasks(text: str) -> list[str]:
-    """The comma-separated task names of --tasks; ValueError naming the known ones."""
-    tasks = [t for t in text.split(",") if t]
-    if not tasks or any(t not in TASKS for t in tasks):
-        raise ValueError(f"--tasks {text!r}: give one or more of {', '.join(TASKS)}, comma-separated")
-    return tasks
 
 
 def sample_prompts(tok, length: int, tasks: list[str], n: int, seed: int) -> list[list[int]]:

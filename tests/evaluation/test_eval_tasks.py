@@ -297,6 +297,15 @@ def test_cli_runs_scores_and_compares(eval_cli, tmp_path, capsys):
     assert "| passkey | 100 | 50 | 0.50 |" in out and (tmp_path / "compare.md").read_text().strip() == out.strip()
 
 
+def test_tasks_flag_refuses_unknown_or_no_task(eval_cli, capsys):
+    """--tasks is parsed as minference-search's and anchor-calibrate's (evaluation.tasks.parse_tasks)."""
+    assert eval_cli.parse_args(["--out", "x", "--tasks", "multikey,,passkey"]).tasks == ["multikey", "passkey"]
+    for bad in ("multikey,nope", ","):
+        with pytest.raises(SystemExit):
+            eval_cli.parse_args(["--out", "x", "--tasks", bad])
+        assert "give one or more of passkey" in capsys.readouterr().err
+
+
 def test_engine_flags_reach_the_parallel_config(eval_cli):
     class Strict:  # the real LLM's shape: layout flags go through a ParallelConfig
         def __init__(self, path=None, *, dtype=None, device="cpu", parallel=None, progress=True):
