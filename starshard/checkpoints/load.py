@@ -36,12 +36,9 @@ class CheckpointError(RuntimeError):
 def gguf_source(ckpt: Path) -> tuple[Path, str | None] | None:
     """(the GGUF file, its sha256) a starshard checkpoint was converted from, as its manifest records them (the
     sha256 None for one converted before the manifest recorded it); None for any other checkpoint."""
-    path = Path(ckpt) / MANIFEST
-    if not path.is_file():
-        return None
     try:
-        source = json.loads(path.read_text()).get("source") or {}
-    except (ValueError, AttributeError):
+        source = read_manifest(ckpt).get("source") or {}
+    except (CheckpointError, ValueError):  # not a starshard checkpoint (a Hugging Face dir), or unreadable
         return None
     return (Path(source["path"]), source.get("sha256")) if source.get("kind") == "gguf" and "path" in source else None
 
