@@ -140,12 +140,13 @@ def add_sparse_arguments(ap: argparse.ArgumentParser) -> None:
     sp.add_argument("--sparse-config", default=None, metavar="FILE",
                     help="--sparse minference: per-layer, per-head patterns (JSON from `python -m "
                     "starshard.tools.minference_search`, or MInference's published per-model config); default: "
-                    "Vertical-Slash (1000, 6096) on every head, except on the embedded default model (no --model), "
-                    "which takes the patterns searched for it (starshard/checkpoints/smollm2_minference.json, "
-                    "recall 0.99). --sparse anchor: per-layer, per-head thresholds and "
-                    "the pooling, calibrated for the model to a recall target (JSON from `python -m "
-                    "starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / --anchor-step; "
-                    "default: qwen2.5-coder-1.5b-instruct by name takes the calibration shipped for it "
+                    "Vertical-Slash (1000, 6096) on every head, except on the embedded default model (no --model, "
+                    "or its checkpoint by path), which takes the patterns searched for it "
+                    "(starshard/checkpoints/smollm2_minference.json, recall 0.99). --sparse anchor: per-layer, "
+                    "per-head thresholds and the pooling, calibrated for the model to a recall target (JSON from "
+                    "`python -m starshard.tools.anchor_calibrate`); replaces --anchor-theta / --anchor-block-q / "
+                    "--anchor-step; default: qwen2.5-coder-1.5b-instruct (by name, or its GGUF or a checkpoint "
+                    "converted from it) takes the calibration shipped for it "
                     "(starshard/checkpoints/qwen2.5-coder-1.5b-instruct_anchor.json, recall 0.99 at 128K with YaRN "
                     "x4) unless one of those three flags is given, every other model --anchor-theta's one threshold")
     sp.add_argument("--anchor-theta", type=number(float, 0), default=None, metavar="T",
