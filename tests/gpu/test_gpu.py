@@ -77,8 +77,13 @@ def test_prefill_makes_no_sync_but_the_tokens_read():
     """A whole prefill, dense, Star over 4 blocks and APB over 4 hosts on this device, reads nothing back from the
     GPU before its first token (runtime/generate.py): the positions' layout and end are known on the host
     (Segment.to, mark_arange), so neither the attention calls nor the cache's advance wait for the device."""
-    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "dense,star:4,apb:4"])
-    assert len(rows) == 3, rows
+    waits_only_for_the_token(3, "--strategies", "dense,star:4,apb:4")
+
+
+def waits_only_for_the_token(n: int, *flags: str) -> None:
+    """check_prefill_syncs.py with these flags: n rows, each prefill's only sync the token's read."""
+    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), *flags])
+    assert len(rows) == n, rows
     for r in rows:
         assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r
 
@@ -86,10 +91,7 @@ def test_prefill_makes_no_sync_but_the_tokens_read():
 def test_sparse_prefill_makes_no_sync_but_the_tokens_read():
     """MInference (default pattern) and AnchorAttention with one theta per head (a calibrated file's form: each
     layer's thetas go to the GPU) forced sparse: the plans' host reads wait on events, never on a sync."""
-    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "minference,anchor"])
-    assert len(rows) == 2, rows
-    for r in rows:
-        assert r["sync_sites"] and all(s.startswith("runtime/generate.py") for s in r["sync_sites"]), r
+    waits_only_for_the_token(2, "--strategies", "minference,anchor")
 
 
 @pytest.mark.parametrize("model, flags", [("tiny-gemma3", []), ("tiny-moe", []), ("tiny", ["--prefill-chunk", "1024"]),
@@ -97,10 +99,7 @@ def test_sparse_prefill_makes_no_sync_but_the_tokens_read():
 def test_other_prefills_make_no_sync_but_the_tokens_read(model, flags):
     """Windowed and soft-capped layers (Gemma 3), routed experts (MoE), a prefill in chunks (the service's way,
     each chunk after held keys) and FP8 projections, cache and prefill scores: each waits only for its token."""
-    rows = run([sys.executable, str(HERE / "check_prefill_syncs.py"), "--strategies", "dense", "--random-weights",
-                model, *flags])
-    assert len(rows) == 1, rows
-    assert rows[0]["sync_sites"] and all(s.startswith("runtime/generate.py") for s in rows[0]["sync_sites"]), rows
+    waits_only_for_the_token(1, "--strategies", "dense", "--random-weights", model, *flags)
 
 
 @pytest.mark.parametrize("copy", ["to_device", "upload"])
