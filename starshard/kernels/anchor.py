@@ -247,15 +247,13 @@ def pool_blocks(q: torch.Tensor, xa: torch.Tensor, block_q: int):
     nM, whole = cdiv(Lq, block_q), Lq // block_q
     acc = _accum(q)
 
-    def block_sums(x):  # the reduction accumulates in `acc`: no float32 (or padded) copy of q is made
-        sums = [x[:, :, : whole * block_q].unflatten(2, (whole, block_q)).sum(3, dtype=acc)]
-        if whole < nM:  # the last, partial block
-            sums.append(x[:, :, whole * block_q :].sum(2, keepdim=True, dtype=acc))
-        return torch.cat(sums, 2) if len(sums) > 1 else sums[0]
+    def block_means(x):  # the reduction accumulates in `acc`: no float32 (or padded) copy of q is made
+        means = [x[:, :, : whole * block_q].unflatten(2, (whole, block_q)).sum(3, dtype=acc) / block_q]
+        if whole < nM:  # the last, partial block; its count is a host number (a count tensor's write waited)
+            means.append(x[:, :, whole * block_q :].sum(2, keepdim=True, dtype=acc) / (Lq - whole * block_q))
+        return torch.cat(means, 2) if len(means) > 1 else means[0]
 
-    n = torch.full((nM,), float(block_q), dtype=acc, device=q.device)
-    n[-1] = Lq - (nM - 1) * block_q
-    return block_sums(q) / n[:, None], block_sums(xa) / n
+    return block_means(q), block_means(xa)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -820,9 +818,11 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
         if est is not None and rates.call_falls_back(est):
             return fall_back(report, Hq, dense_part(q, k, v))
     index = build_index(q, k, config, offset=offset, scale=scale, backend=backend)
-    if rates is None and report is None:
+    if rates is None:  # every head sparse: the report takes the densities on the device (read when it is read)
+        if report is not None:
+            report.record(head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0), 0)
         return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
-    dens = head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0).tolist()  # the sync
+    dens = head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0).tolist()  # the cost model's sync
     if rates is not None and rates.call_falls_back(sum(dens) / Hq):
         return fall_back(report, Hq, dense_part(q, k, v))
     sparse = [h for h in range(Hq) if rates is None or rates.sparse_wins(dens[h])]

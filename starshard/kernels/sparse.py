@@ -171,7 +171,9 @@ class SparseReport:
         """One estimated call: the densities of its sparse heads, how many heads ran dense."""
         self.calls += 1
         self.heads_sparse += len(sparse_densities)
-        self.kept = self.kept + sum(sparse_densities)  # may be a device tensor: read in as_dict, not here
+        # a device tensor (of the densities, or their sum) is read in as_dict, not here: no sync per call
+        kept = sparse_densities.sum() if isinstance(sparse_densities, torch.Tensor) else sum(sparse_densities)
+        self.kept = self.kept + kept
         self.heads_dense += int(dense_heads)
 
     def skip(self, heads: int) -> None:

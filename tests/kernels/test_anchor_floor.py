@@ -252,6 +252,19 @@ def test_installed_floor_counts_by_layer_and_no_fallback_forces_sparse():
     assert (logits - dense).abs().max() > 1e-4  # the sparse kernel really ran
 
 
+def test_a_forced_call_reports_its_heads_densities_unread():
+    """rates=None (every head sparse, --sparse-no-fallback) hands the report the heads' densities as a
+    device tensor (no host read per call): the report's mean is identification's, an odd length's last
+    partial query block included."""
+    q, k, v, qp, kp = inputs(n=L - 7)
+    rep = SparseReport()
+    an.anchor_attention(q, k, v, q_pos=qp, k_pos=kp, config=CFG, backend="torch", rates=None, report=rep)
+    assert isinstance(rep.kept, torch.Tensor)
+    got = rep.as_dict()
+    assert (got["calls"], got["heads_sparse"], got["heads_dense"]) == (1, 4, 0)
+    assert got["mean_density"] == pytest.approx(call_density(q, k), rel=1e-9)
+
+
 def test_flags_and_validation():
     ap = argparse.ArgumentParser()
     add_sparse_arguments(ap)
