@@ -23,6 +23,10 @@ config lost a quarter of the harness score; docs/results.md, Sparse prefill); a 
 each head gives up and lets the cost grow instead (SmolLM2, searched at 8K with 0.99: 0.99 of dense's
 harness score and 4.76x dense at 128K; docs/results.md, Sparse prefill; hence the defaults).
 
+`--patterns` limits the families a head may take (default all three; a head none reaches runs dense): a
+multi-hop answer needs the few keys its hops read, rows a mean over sampled rows hardly weighs; Vertical-Slash
+takes its columns from the prompt's last rows (the question's), Block-Sparse decides each query block alone.
+
 With `--samples N` (tasks in turn from a comma-separated `--tasks`, depths spread) a head's pattern must reach the
 floor on every sample: per family the largest of the samples' smallest budgets, then the cheapest family by its
 highest cost over the samples.
@@ -52,7 +56,17 @@ from starshard.tools.samples import sample_prompts
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
 VERTICAL_SHARES = (0.006, 0.02, 0.1, 0.6)
+PATTERNS = ("a_shape", "vertical_slash", "block_sparse")  # the families a head may take (`--patterns`)
 PAPER_TARGET = (1024, 4096, 32768)  # sink, local at this length
+
+
+def parse_patterns(text: str) -> tuple[str, ...]:
+    """`--patterns`: a comma-separated, non-empty subset of PATTERNS, in PATTERNS' order."""
+    names = {t.strip() for t in text.split(",") if t.strip()}
+    if not names or names - set(PATTERNS):
+        bad = ", ".join(sorted(names - set(PATTERNS))) or "none"
+        raise ValueError(f"--patterns: unknown or no pattern ({bad}); give one or more of {', '.join(PATTERNS)}")
+    return tuple(n for n in PATTERNS if n in names)
 
 
 def default_target(length: int) -> tuple[int, int]:
@@ -78,7 +92,8 @@ class LayerSearch:
     cost (`best`), or the cheapest reaching `target_recall` (`cheapest`)."""
 
     def __init__(self, q, k, *, block_size=64, last_q=64, force_sink=30, force_local=100, target=None,
-                 recall_blocks=16, scale=None, vertical_aware=True, target_recall: float | None = None):
+                 recall_blocks=16, scale=None, vertical_aware=True, target_recall: float | None = None,
+                 patterns: tuple[str, ...] = PATTERNS):
         self.q, self.k = q[:1], k[:1]
         self.Hq, self.Lq, self.D = q.shape[1], q.shape[2], q.shape[3]
         self.Lk = k.shape[2]
@@ -88,6 +103,7 @@ class LayerSearch:
         if target_recall is not None and not 0.0 < target_recall <= 1.0:
             raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
         self.target_recall = target_recall
+        self.patterns = parse_patterns(",".join(patterns))
         self._estimates = {}
         self.offset = self.Lk - self.Lq
         self.scale = self.D**-0.5 if scale is None else scale
@@ -156,15 +172,18 @@ class LayerSearch:
         """(pattern per head, recall per head, cost per head) for every candidate family."""
         out = []
         t_sink, t_local = self.target
-        out.append(([mi.AShape(t_sink, t_local)] * self.Hq, self._recall(self.target_group), self.target_cost))
+        if "a_shape" in self.patterns:
+            out.append(([mi.AShape(t_sink, t_local)] * self.Hq, self._recall(self.target_group), self.target_cost))
         per_row = t_sink + t_local
         ndiag = self.Lq + self.offset
-        for share in VERTICAL_SHARES:
+        for share in VERTICAL_SHARES if "vertical_slash" in self.patterns else ():
             vert = max(1, min(self.Lk, round(share * per_row)))
             slash, feasible = self._grow(lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag)
             grp = self.vs_group(vert, slash.tolist())
             rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
             out.append(([mi.VerticalSlash(vert, int(s)) for s in slash], rec, self._cost(grp)))
+        if "block_sparse" not in self.patterns:
+            return out
         topk, feasible = self._grow(lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM))
         grp = self.bs_group(topk.clamp(min=1))
         rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
@@ -194,21 +213,25 @@ class LayerSearch:
     def families(self):
         """(index maker from per-head budgets, lowest budget, highest budget, pattern of a budget) of each
         family the recall floor searches: A-shape (the target's sink, the window grown), Vertical-Slash (the
-        vertical shares of `candidates`, the diagonals grown), Block-Sparse (the block count grown). Set by the
-        target and the length alone, so samples of one length search the same families."""
+        vertical shares of `candidates`, the diagonals grown), Block-Sparse (the block count grown), those
+        `patterns` names. Set by the target, the length and `patterns` alone, so samples of one length search the
+        same families."""
         t_sink, t_local = self.target
         ndiag = self.Lq + self.offset
 
         def a_shape(local):
             return mi.HeadGroup("a_shape", self.heads, sink=[t_sink] * self.Hq, local=local.clamp(min=1).tolist())
 
-        families = [(a_shape, 1, self.Lk, lambda b: mi.AShape(t_sink, max(1, int(b))))]
-        for share in VERTICAL_SHARES:
+        families = []
+        if "a_shape" in self.patterns:
+            families.append((a_shape, 1, self.Lk, lambda b: mi.AShape(t_sink, max(1, int(b)))))
+        for share in VERTICAL_SHARES if "vertical_slash" in self.patterns else ():
             vert = max(1, min(self.Lk, round(share * (t_sink + t_local))))
             families.append((lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag,
                              lambda b, v=vert: mi.VerticalSlash(v, int(b))))
-        families.append((lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
-                         lambda b: mi.BlockSparse(max(1, int(b)))))
+        if "block_sparse" in self.patterns:
+            families.append((lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
+                             lambda b: mi.BlockSparse(max(1, int(b)))))
         return families
 
     def smallest_budgets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -368,6 +391,9 @@ def main(argv=None) -> dict:
     p.add_argument("--target-sink", type=int, default=None, help="target A-shape sink (default: 1024 scaled from 32K)")
     p.add_argument("--target-local", type=int, default=None, help="target A-shape window (default: 4096 scaled from 32K)")
     p.add_argument("--recall-blocks", type=int, default=16, help="query row blocks the recall is measured on")
+    p.add_argument("--patterns", default=",".join(PATTERNS),
+                   help="comma-separated pattern families a head may take (default all: " + ", ".join(PATTERNS) +
+                        "); a head none of them brings to the floor runs dense")
     p.add_argument("--target-recall", type=float, default=0.99,
                    help="pick per head the cheapest pattern whose attention recall reaches this (0 < R <= 1; a head "
                         "no pattern reaches runs dense; default 0.99, measured on SmolLM2: 0.99 of dense's harness score)")
@@ -396,6 +422,10 @@ def main(argv=None) -> dict:
         tasks = parse_tasks(args.tasks)
     except ValueError as e:
         p.error(str(e))
+    try:
+        patterns = parse_patterns(args.patterns)
+    except ValueError as e:
+        p.error(str(e))
     layers = parse_layer_ids(args.layers)  # a malformed list is refused before the model loads
 
 
@@ -422,7 +452,7 @@ def main(argv=None) -> dict:
     search = dict(layers=layers, progress=not args.quiet, block_size=args.block_size, last_q=args.last_q,
                   force_sink=args.force_sink, force_local=args.force_local, target=target,
                   recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate,
-                  target_recall=args.target_recall)
+                  target_recall=args.target_recall, patterns=patterns)
     if len(samples) == 1:
         found = run_search(model, samples[0], **search)
     else:
@@ -432,7 +462,7 @@ def main(argv=None) -> dict:
         force_local=args.force_local, vertical_aware=not args.minference_estimate,
         meta={"model": str(path), "sample": {"task": ",".join(tasks), "tokens": L, "seed": args.seed, "count": len(samples)},
               "target": {"sink": target[0], "local": target[1]}, "target_recall": args.target_recall,
-              "rope_scaling": args.rope_scaling,
+              "patterns": list(patterns), "rope_scaling": args.rope_scaling,
               "score": ("attention recall at equal kernel cost" if args.target_recall is None else
                         f"attention recall of the cheapest pattern reaching {args.target_recall}"),
               "searched_layers": sorted(i for i, d in enumerate(found) if d), "seconds": round(time.time() - t0, 1)},

@@ -579,6 +579,32 @@ def test_search_with_target_recall_picks_cheapest_pattern_reaching_it(want):
         LayerSearch(q, k, block_size=BM, last_q=16, target=(8, 32), target_recall=1.5)
 
 
+@pytest.mark.parametrize("target_recall", [0.95, None])
+def test_search_takes_only_the_named_patterns(target_recall):
+    """patterns=: every head takes one of the named families or dense, at the recall floor (or, at equal cost,
+    the best recall among those families alone); an unknown or empty list is refused, naming the choices."""
+    from starshard.tools.minference_search import PATTERNS, VERTICAL_SHARES, LayerSearch, parse_patterns
+
+    q, k = _two_heads()
+    kw = dict(block_size=BM, last_q=16, force_sink=2, force_local=4, target=(8, 32), target_recall=target_recall)
+    per_family = {"a_shape": 1, "vertical_slash": len(VERTICAL_SHARES), "block_sparse": 1}  # candidates each
+    for only in (("vertical_slash",), ("a_shape", "block_sparse")):
+        s = LayerSearch(q, k, patterns=only, **kw)
+        got = s.best()
+        assert {p.kind for p in got} <= {*only, "dense"} and len(got) == 2
+        assert len(s.families()) == len(s.candidates()) == sum(per_family[f] for f in only)
+        if target_recall is not None:
+            assert all(p.kind == "dense" or p.score >= target_recall for p in got)
+        else:  # the best of the named families' candidates, as the whole search picks among all
+            rec = torch.stack([c[1] for c in s.candidates()]).amax(0)
+            assert [p.score for p in got] == [round(float(r), 6) for r in rec]
+    assert parse_patterns(" block_sparse,a_shape ") == ("a_shape", "block_sparse")
+    assert parse_patterns(",".join(PATTERNS)) == PATTERNS
+    for bad in ("", "vertical", "a_shape,slash"):
+        with pytest.raises(ValueError, match="give one or more of a_shape, vertical_slash, block_sparse"):
+            parse_patterns(bad)
+
+
 def _default_checkpoint():
     try:
         from starshard.checkpoints.default import default_checkpoint
@@ -783,7 +809,13 @@ def test_search_cli_samples(tmp_path, capsys):
     assert cfg.meta["sample"]["count"] == 2 and len(cfg.layers[2]) == 9
     assert cfg.meta["sample"]["task"] == "multikey,niah_essay"
     assert all(p.score >= 0.97 for p in cfg.layers[2].values())
+    assert cfg.meta["patterns"] == ["a_shape", "vertical_slash", "block_sparse"]
+    ms.main([*args, "--target-recall", "0.97", "--patterns", "vertical_slash"])
+    only = mi.MInferenceConfig.load(out)
+    assert only.meta["patterns"] == ["vertical_slash"]
+    assert {p.kind for p in only.layers[2].values()} <= {"vertical_slash", "dense"}
     for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1"),
+                     (["--patterns", "slash"], "give one or more of a_shape"),
                      (["--task", "multikey,nosuch"], "give one or more of")):  # --tasks' earlier spelling
         with pytest.raises(SystemExit):
             ms.main([*args, *bad])

@@ -6,7 +6,8 @@
 # seeds (`launch/eval.py --compare <dense dir> <TAG><run> dir`, a directory holding its summary.json is enough).
 #   SEARCH_LENGTH (30720), SEARCH_ARGS, given to both tools (flags both take: --samples, --tasks, --target-recall; default
 #   three samples, one per task, the 4-hop chain among them, recall 0.99; "": each tool's defaults, minference-search one
-#   multikey sample, anchor-calibrate three of multikey, niah_essay, multiquery, as h100-s/ ran it), SEARCH_TIMEOUT (300 s),
+#   multikey sample, anchor-calibrate three of multikey, niah_essay, multiquery, as h100-s/ ran it), MI_ARGS: to
+#   minference-search alone (e.g. "--patterns a_shape,vertical_slash": no Block-Sparse head), SEARCH_TIMEOUT (300 s),
 #   SPEED (1; 0: no 128K timing), BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
 #   (default "minference_s anchor_s"; at a length with no dense run to pair with yet, "dense minference_s anchor_s").
 # END (580): seconds from the call's start (CALL_START, prelude.sh) to stop the paired runs by; after stage.sh in the
@@ -20,7 +21,7 @@ RS=""; [ $SL -gt 32768 ] && RS="--rope-scaling yarn:4"
 SA=${SEARCH_ARGS-"--samples 3 --tasks multikey,variable_tracking,niah_essay"}
 # the two searches share the card at once (each a 1.5B model and its sample's activations): half the wait
 { [ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
-  --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1
+  --dtype bfloat16 --seed 1 --length $SL $RS $SA ${MI_ARGS:-} --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1
   t search; } &
 { [ -f /tmp/qcfg/anchor.json ] || timeout $TS python3 -m starshard anchor-calibrate --model $M --device cuda \
   --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1
