@@ -605,6 +605,39 @@ def test_search_takes_only_the_named_patterns(target_recall):
             parse_patterns(bad)
 
 
+def test_search_by_block_holds_the_floor_on_every_sampled_block():
+    """recall_by="block": each pick's every sampled query block (the last, partial one included) keeps the floor's
+    share of its rows' attention mass, counted here from the dense softmax apart; never cheaper than the mean's
+    pick; an unknown criterion is refused."""
+    from starshard.tools.minference_search import LayerSearch
+
+    q, k = _two_heads(L=250)  # the last block partial
+    kw = dict(block_size=BM, last_q=16, force_sink=2, force_local=4, target=(8, 32), target_recall=0.95)
+    by_mean, by_block = LayerSearch(q, k, **kw), LayerSearch(q, k, recall_by="block", **kw)
+    assert int(by_block.blocks[-1]) == (250 - 1) // BM and int(by_block.block_rows[-1]) == 250 % BM
+    picks, mean_picks = by_block.best(), by_mean.best()
+    assert any(p.kind != "dense" for p in picks)
+    scale = q.shape[-1] ** -0.5
+    for h, p in enumerate(picks):
+        if p.kind == "dense":
+            continue
+        grp = {"vertical_slash": lambda: by_block.vs_group(p.vertical, [p.slash] * 2),
+               "block_sparse": lambda: by_block.bs_group(torch.full((2,), p.topk)),
+               "a_shape": lambda: mi.HeadGroup("a_shape", [0, 1], sink=[p.sink] * 2, local=[p.local] * 2)}[p.kind]()
+        every = torch.arange(mi._cdiv(250, BM))
+        vis = mi.group_mask(grp, B=1, Lq=250, Lk=250, offset=0, block_size=BM, blocks=every)[0, h, :250].double()
+        s = (q[0, h].double() @ k[0, h].double().T) * scale
+        probs = torch.softmax(s.masked_fill(torch.ones(250, 250, dtype=torch.bool).tril().logical_not(), -torch.inf), -1)
+        for b in by_block.blocks.tolist():
+            rows = slice(b * BM, min(250, (b + 1) * BM))
+            assert float((probs[rows] * vis[rows]).sum(-1).mean()) >= 0.95 - 1e-5, (h, p, b)
+        assert float(by_block._cost(grp)[h]) >= min(float(c[2][h]) for c in by_mean.recall_candidates()
+                                                   if float(c[1][h]) >= 0)
+        assert mean_picks[h].kind == "dense" or p.score <= float(by_mean._recall(grp)[h]) + 1e-6
+    with pytest.raises(ValueError, match="recall_by must be one of mean, block"):
+        LayerSearch(q, k, recall_by="row", **kw)
+
+
 def _default_checkpoint():
     try:
         from starshard.checkpoints.default import default_checkpoint
@@ -810,12 +843,13 @@ def test_search_cli_samples(tmp_path, capsys):
     assert cfg.meta["sample"]["task"] == "multikey,niah_essay"
     assert all(p.score >= 0.97 for p in cfg.layers[2].values())
     assert cfg.meta["patterns"] == ["a_shape", "vertical_slash", "block_sparse"]
-    ms.main([*args, "--target-recall", "0.97", "--patterns", "vertical_slash"])
+    ms.main([*args, "--target-recall", "0.97", "--patterns", "vertical_slash", "--recall-by", "block"])
     only = mi.MInferenceConfig.load(out)
-    assert only.meta["patterns"] == ["vertical_slash"]
+    assert only.meta["patterns"] == ["vertical_slash"] and only.meta["recall_by"] == "block"
+    assert "lowest sampled block" in only.meta["score"] and cfg.meta["recall_by"] == "mean"
     assert {p.kind for p in only.layers[2].values()} <= {"vertical_slash", "dense"}
     for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1"),
-                     (["--patterns", "slash"], "give one or more of a_shape"),
+                     (["--patterns", "slash"], "give one or more of a_shape"), (["--recall-by", "row"], "invalid choice"),
                      (["--task", "multikey,nosuch"], "give one or more of")):  # --tasks' earlier spelling
         with pytest.raises(SystemExit):
             ms.main([*args, *bad])
