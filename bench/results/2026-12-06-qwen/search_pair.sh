@@ -19,11 +19,13 @@ export STARSHARD_CACHE=/tmp/sscache PYTHONPATH=/tmp/site:/tmp/qsite:$PWD
 M=qwen2.5-coder-1.5b-instruct; mkdir -p /tmp/qcfg; SL=${SEARCH_LENGTH:-30720}; TS=${SEARCH_TIMEOUT:-300}
 RS=""; [ $SL -gt 32768 ] && RS="--rope-scaling yarn:4"
 SA=${SEARCH_ARGS-"--samples 3 --tasks multikey,variable_tracking,niah_essay"}
+# a search runs only where a later step reads its config (the 128K timing reads both; each paired run its own)
+need() { [ "${SPEED:-1}" = 1 ] || case " ${PAIR_RUNS:-minference_s anchor_s} " in *" $1 "*) ;; *) false;; esac; }
 # the two searches share the card at once (each a 1.5B model and its sample's activations): half the wait
-{ [ -f /tmp/qcfg/minference.json ] || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
+{ [ -f /tmp/qcfg/minference.json ] || ! need minference_s || timeout $TS python3 -m starshard minference-search --model $M --device cuda \
   --dtype bfloat16 --seed 1 --length $SL $RS $SA ${MI_ARGS:-} --out /tmp/qcfg/minference.json > $OUT/log_search.txt 2>&1
   t search; } &
-{ [ -f /tmp/qcfg/anchor.json ] || timeout $TS python3 -m starshard anchor-calibrate --model $M --device cuda \
+{ [ -f /tmp/qcfg/anchor.json ] || ! need anchor_s || timeout $TS python3 -m starshard anchor-calibrate --model $M --device cuda \
   --dtype bfloat16 --seed 1 --length $SL $RS $SA --out /tmp/qcfg/anchor.json > $OUT/log_calibrate.txt 2>&1
   t calibrate; } &
 wait
