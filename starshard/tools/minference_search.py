@@ -27,7 +27,7 @@ harness score and 4.76x dense at 128K; docs/results.md, Sparse prefill; hence th
 rows: the prompt's last block among them, the rows whose outputs give the answer's first token and which every
 answer token reads (a mean over 16 blocks weighs them 1/16).
 
-`--patterns` limits the families a head may take (default all three; a head none reaches runs dense): a
+`--kinds` limits the pattern families a head may take (default all three; a head none reaches runs dense): a
 multi-hop answer needs the few keys its hops read, rows a mean over sampled rows hardly weighs; Vertical-Slash
 takes its columns from the prompt's last rows (the question's), Block-Sparse decides each query block alone.
 
@@ -60,18 +60,18 @@ from starshard.tools.samples import sample_prompts
 # Shares of the target's per-row budget given to vertical lines: the paper's Table 6 search space
 # ((30, 2048), (100, 1800), (500, 1500), (3000, 200) around a 1024 + 4096 target) as fractions.
 VERTICAL_SHARES = (0.006, 0.02, 0.1, 0.6)
-PATTERNS = ("a_shape", "vertical_slash", "block_sparse")  # the families a head may take (`--patterns`)
+KINDS = ("a_shape", "vertical_slash", "block_sparse")  # the pattern families (`kind`) a head may take (`--kinds`)
 RECALL_BY = ("mean", "block")  # what reaches the floor: the mean over sampled rows, or each sampled block's mean
 PAPER_TARGET = (1024, 4096, 32768)  # sink, local at this length
 
 
-def parse_patterns(text: str) -> tuple[str, ...]:
-    """`--patterns`: a comma-separated, non-empty subset of PATTERNS, in PATTERNS' order."""
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """`--kinds`: a comma-separated, non-empty subset of KINDS, in KINDS' order."""
     names = {t.strip() for t in text.split(",") if t.strip()}
-    if not names or names - set(PATTERNS):
-        bad = ", ".join(sorted(names - set(PATTERNS))) or "none"
-        raise ValueError(f"--patterns: unknown or no pattern ({bad}); give one or more of {', '.join(PATTERNS)}")
-    return tuple(n for n in PATTERNS if n in names)
+    if not names or names - set(KINDS):
+        bad = ", ".join(sorted(names - set(KINDS))) or "none"
+        raise ValueError(f"--kinds: unknown or no pattern kind ({bad}); give one or more of {', '.join(KINDS)}")
+    return tuple(n for n in KINDS if n in names)
 
 
 def default_target(length: int) -> tuple[int, int]:
@@ -79,17 +79,15 @@ def default_target(length: int) -> tuple[int, int]:
     return max(1, round(sink * length / ref)), max(1, round(local * length / ref))
 
 
-def _dense_probs(q, k, blocks, *, block_size, offset, scale):
-    """Causal softmax rows [Hq, rows, Lk] (float32) of the listed row blocks of one batch row."""
-    Hq, Lq, D = q.shape[1:]
+def _dense_probs(q, k, rows, *, offset, scale):
+    """Causal softmax rows [Hq, len(rows), Lk] (float32) of the listed query rows of one batch row."""
+    Hq, D = q.shape[1], q.shape[3]
     Hkv = k.shape[1]
     g = Hq // Hkv
-    rows = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()
-    rows = rows[rows < Lq]
     qs = q[0, :, rows].float().view(Hkv, g, rows.numel(), D)
     s = torch.einsum("hgrd,hkd->hgrk", qs, k[0].float()).reshape(Hq, rows.numel(), -1) * scale
     vis = torch.arange(k.shape[2], device=q.device)[None, :] <= (rows + offset)[:, None]
-    return torch.softmax(s.masked_fill(~vis, float("-inf")), -1), rows.numel()
+    return torch.softmax(s.masked_fill(~vis, float("-inf")), -1)
 
 
 class LayerSearch:
@@ -98,7 +96,7 @@ class LayerSearch:
 
     def __init__(self, q, k, *, block_size=64, last_q=64, force_sink=30, force_local=100, target=None,
                  recall_blocks=16, scale=None, vertical_aware=True, target_recall: float | None = None,
-                 patterns: tuple[str, ...] = PATTERNS, recall_by: str = "mean"):
+                 kinds: tuple[str, ...] = KINDS, recall_by: str = "mean"):
         self.q, self.k = q[:1], k[:1]
         self.Hq, self.Lq, self.D = q.shape[1], q.shape[2], q.shape[3]
         self.Lk = k.shape[2]
@@ -108,7 +106,7 @@ class LayerSearch:
         if target_recall is not None and not 0.0 < target_recall <= 1.0:
             raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
         self.target_recall = target_recall
-        self.patterns = parse_patterns(",".join(patterns))
+        self.kinds = parse_kinds(",".join(kinds))
         if recall_by not in RECALL_BY:
             raise ValueError(f"recall_by must be one of {', '.join(RECALL_BY)}, got {recall_by!r}")
         self.recall_by = recall_by
@@ -120,12 +118,11 @@ class LayerSearch:
         first = nM // 4
         n = min(recall_blocks, nM - first)
         self.blocks = torch.linspace(first, nM - 1, n).round().long().unique().to(q.device)
-        self.probs, self.rows = _dense_probs(self.q, self.k, self.blocks, block_size=self.BM, offset=self.offset,
-                                             scale=self.scale)
-        # each sampled row's block (the rows in _dense_probs' order; the last block may be partial)
-        rows = self.blocks[:, None] * self.BM + torch.arange(self.BM, device=q.device)
-        real = rows < self.Lq
-        self.row_block = torch.arange(len(self.blocks), device=q.device)[:, None].expand_as(rows)[real]
+        rows = self.blocks[:, None] * self.BM + torch.arange(self.BM, device=q.device)  # [blocks, BM]
+        real = rows < self.Lq  # the last block may be partial
+        self.probs = _dense_probs(self.q, self.k, rows[real], offset=self.offset, scale=self.scale)
+        self.rows = int(real.sum())
+        self.row_block = torch.arange(len(self.blocks), device=q.device)[:, None].expand_as(rows)[real]  # each row's
         self.block_rows = real.sum(1).float()
         self.heads = list(range(self.Hq))
         t_sink, t_local = self.target
@@ -189,17 +186,17 @@ class LayerSearch:
         """(pattern per head, recall per head, cost per head) for every candidate family."""
         out = []
         t_sink, t_local = self.target
-        if "a_shape" in self.patterns:
+        if "a_shape" in self.kinds:
             out.append(([mi.AShape(t_sink, t_local)] * self.Hq, self._recall(self.target_group), self.target_cost))
         per_row = t_sink + t_local
         ndiag = self.Lq + self.offset
-        for share in VERTICAL_SHARES if "vertical_slash" in self.patterns else ():
+        for share in VERTICAL_SHARES if "vertical_slash" in self.kinds else ():
             vert = max(1, min(self.Lk, round(share * per_row)))
             slash, feasible = self._grow(lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag)
             grp = self.vs_group(vert, slash.tolist())
             rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
             out.append(([mi.VerticalSlash(vert, int(s)) for s in slash], rec, self._cost(grp)))
-        if "block_sparse" not in self.patterns:
+        if "block_sparse" not in self.kinds:
             return out
         topk, feasible = self._grow(lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM))
         grp = self.bs_group(topk.clamp(min=1))
@@ -231,7 +228,7 @@ class LayerSearch:
         """(index maker from per-head budgets, lowest budget, highest budget, pattern of a budget) of each
         family the recall floor searches: A-shape (the target's sink, the window grown), Vertical-Slash (the
         vertical shares of `candidates`, the diagonals grown), Block-Sparse (the block count grown), those
-        `patterns` names. Set by the target, the length and `patterns` alone, so samples of one length search the
+        `kinds` names. Set by the target, the length and `kinds` alone, so samples of one length search the
         same families."""
         t_sink, t_local = self.target
         ndiag = self.Lq + self.offset
@@ -240,13 +237,13 @@ class LayerSearch:
             return mi.HeadGroup("a_shape", self.heads, sink=[t_sink] * self.Hq, local=local.clamp(min=1).tolist())
 
         families = []
-        if "a_shape" in self.patterns:
+        if "a_shape" in self.kinds:
             families.append((a_shape, 1, self.Lk, lambda b: mi.AShape(t_sink, max(1, int(b)))))
-        for share in VERTICAL_SHARES if "vertical_slash" in self.patterns else ():
+        for share in VERTICAL_SHARES if "vertical_slash" in self.kinds else ():
             vert = max(1, min(self.Lk, round(share * (t_sink + t_local))))
             families.append((lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag,
                              lambda b, v=vert: mi.VerticalSlash(v, int(b))))
-        if "block_sparse" in self.patterns:
+        if "block_sparse" in self.kinds:
             families.append((lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
                              lambda b: mi.BlockSparse(max(1, int(b)))))
         return families
@@ -412,8 +409,8 @@ def main(argv=None) -> dict:
                    help="what must reach --target-recall: mean (default), the mean over the sampled rows; block, "
                         "each sampled query block's mean, the prompt's last block (the rows the answer is read "
                         "from) among them")
-    p.add_argument("--patterns", default=",".join(PATTERNS),
-                   help="comma-separated pattern families a head may take (default all: " + ", ".join(PATTERNS) +
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="comma-separated pattern kinds a head may take (default all: " + ", ".join(KINDS) +
                         "); a head none of them brings to the floor runs dense")
     p.add_argument("--target-recall", type=float, default=0.99,
                    help="pick per head the cheapest pattern whose attention recall reaches this (0 < R <= 1; a head "
@@ -444,7 +441,7 @@ def main(argv=None) -> dict:
     except ValueError as e:
         p.error(str(e))
     try:
-        patterns = parse_patterns(args.patterns)
+        kinds = parse_kinds(args.kinds)
     except ValueError as e:
         p.error(str(e))
     layers = parse_layer_ids(args.layers)  # a malformed list is refused before the model loads
@@ -473,7 +470,7 @@ def main(argv=None) -> dict:
     search = dict(layers=layers, progress=not args.quiet, block_size=args.block_size, last_q=args.last_q,
                   force_sink=args.force_sink, force_local=args.force_local, target=target,
                   recall_blocks=args.recall_blocks, vertical_aware=not args.minference_estimate,
-                  target_recall=args.target_recall, patterns=patterns, recall_by=args.recall_by)
+                  target_recall=args.target_recall, kinds=kinds, recall_by=args.recall_by)
     if len(samples) == 1:
         found = run_search(model, samples[0], **search)
     else:
@@ -483,7 +480,7 @@ def main(argv=None) -> dict:
         force_local=args.force_local, vertical_aware=not args.minference_estimate,
         meta={"model": str(path), "sample": {"task": ",".join(tasks), "tokens": L, "seed": args.seed, "count": len(samples)},
               "target": {"sink": target[0], "local": target[1]}, "target_recall": args.target_recall,
-              "patterns": list(patterns), "recall_by": args.recall_by, "rope_scaling": args.rope_scaling,
+              "kinds": list(kinds), "recall_by": args.recall_by, "rope_scaling": args.rope_scaling,
               "score": ("attention recall" + (" (its lowest sampled block)" if args.recall_by == "block" else "") +
                         (" at equal kernel cost" if args.target_recall is None else
                          f" of the cheapest pattern reaching {args.target_recall}")),

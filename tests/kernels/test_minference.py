@@ -580,16 +580,16 @@ def test_search_with_target_recall_picks_cheapest_pattern_reaching_it(want):
 
 
 @pytest.mark.parametrize("target_recall", [0.95, None])
-def test_search_takes_only_the_named_patterns(target_recall):
-    """patterns=: every head takes one of the named families or dense, at the recall floor (or, at equal cost,
+def test_search_takes_only_the_named_kinds(target_recall):
+    """kinds=: every head takes one of the named families or dense, at the recall floor (or, at equal cost,
     the best recall among those families alone); an unknown or empty list is refused, naming the choices."""
-    from starshard.tools.minference_search import PATTERNS, VERTICAL_SHARES, LayerSearch, parse_patterns
+    from starshard.tools.minference_search import KINDS, VERTICAL_SHARES, LayerSearch, parse_kinds
 
     q, k = _two_heads()
     kw = dict(block_size=BM, last_q=16, force_sink=2, force_local=4, target=(8, 32), target_recall=target_recall)
     per_family = {"a_shape": 1, "vertical_slash": len(VERTICAL_SHARES), "block_sparse": 1}  # candidates each
     for only in (("vertical_slash",), ("a_shape", "block_sparse")):
-        s = LayerSearch(q, k, patterns=only, **kw)
+        s = LayerSearch(q, k, kinds=only, **kw)
         got = s.best()
         assert {p.kind for p in got} <= {*only, "dense"} and len(got) == 2
         assert len(s.families()) == len(s.candidates()) == sum(per_family[f] for f in only)
@@ -598,11 +598,11 @@ def test_search_takes_only_the_named_patterns(target_recall):
         else:  # the best of the named families' candidates, as the whole search picks among all
             rec = torch.stack([c[1] for c in s.candidates()]).amax(0)
             assert [p.score for p in got] == [round(float(r), 6) for r in rec]
-    assert parse_patterns(" block_sparse,a_shape ") == ("a_shape", "block_sparse")
-    assert parse_patterns(",".join(PATTERNS)) == PATTERNS
+    assert parse_kinds(" block_sparse,a_shape ") == ("a_shape", "block_sparse")
+    assert parse_kinds(",".join(KINDS)) == KINDS
     for bad in ("", "vertical", "a_shape,slash"):
         with pytest.raises(ValueError, match="give one or more of a_shape, vertical_slash, block_sparse"):
-            parse_patterns(bad)
+            parse_kinds(bad)
 
 
 def test_search_by_block_holds_the_floor_on_every_sampled_block():
@@ -842,14 +842,14 @@ def test_search_cli_samples(tmp_path, capsys):
     assert cfg.meta["sample"]["count"] == 2 and len(cfg.layers[2]) == 9
     assert cfg.meta["sample"]["task"] == "multikey,niah_essay"
     assert all(p.score >= 0.97 for p in cfg.layers[2].values())
-    assert cfg.meta["patterns"] == ["a_shape", "vertical_slash", "block_sparse"]
-    ms.main([*args, "--target-recall", "0.97", "--patterns", "vertical_slash", "--recall-by", "block"])
+    assert cfg.meta["kinds"] == ["a_shape", "vertical_slash", "block_sparse"]
+    ms.main([*args, "--target-recall", "0.97", "--kinds", "vertical_slash", "--recall-by", "block"])
     only = mi.MInferenceConfig.load(out)
-    assert only.meta["patterns"] == ["vertical_slash"] and only.meta["recall_by"] == "block"
+    assert only.meta["kinds"] == ["vertical_slash"] and only.meta["recall_by"] == "block"
     assert "lowest sampled block" in only.meta["score"] and cfg.meta["recall_by"] == "mean"
     assert {p.kind for p in only.layers[2].values()} <= {"vertical_slash", "dense"}
     for bad, why in ((["--equal-cost"], "drop --samples"), (["--samples", "0"], "at least 1"),
-                     (["--patterns", "slash"], "give one or more of a_shape"), (["--recall-by", "row"], "invalid choice"),
+                     (["--kinds", "slash"], "give one or more of a_shape"), (["--recall-by", "row"], "invalid choice"),
                      (["--task", "multikey,nosuch"], "give one or more of")):  # --tasks' earlier spelling
         with pytest.raises(SystemExit):
             ms.main([*args, *bad])

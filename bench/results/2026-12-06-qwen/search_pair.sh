@@ -7,7 +7,7 @@
 #   SEARCH_LENGTH (30720), SEARCH_ARGS, given to both tools (flags both take: --samples, --tasks, --target-recall; default
 #   three samples, one per task, the 4-hop chain among them, recall 0.99; "": each tool's defaults, minference-search one
 #   multikey sample, anchor-calibrate three of multikey, niah_essay, multiquery, as h100-s/ ran it), MI_ARGS: to
-#   minference-search alone (e.g. "--recall-by block", or "--patterns a_shape,vertical_slash"), SEARCH_TIMEOUT (300 s),
+#   minference-search alone (e.g. "--recall-by block", or "--kinds a_shape,vertical_slash"), SEARCH_TIMEOUT (300 s),
 #   SPEED (1; 0: no 128K timing), BUDGET: seconds for the paired runs (the rest of the call), SEEDS as paired.sh; PAIR_RUNS: the paired runs
 #   (default "minference_s anchor_s"; at a length with no dense run to pair with yet, "dense minference_s anchor_s").
 # END (580): seconds from the call's start (CALL_START, prelude.sh) to stop the paired runs by; after stage.sh in the
