@@ -183,26 +183,13 @@ class LayerSearch:
         return lo_t, feasible
 
     def candidates(self):
-        """(pattern per head, recall per head, cost per head) for every candidate family."""
-        out = []
-        t_sink, t_local = self.target
-        if "a_shape" in self.kinds:
-            out.append(([mi.AShape(t_sink, t_local)] * self.Hq, self._recall(self.target_group), self.target_cost))
-        per_row = t_sink + t_local
-        ndiag = self.Lq + self.offset
-        for share in VERTICAL_SHARES if "vertical_slash" in self.kinds else ():
-            vert = max(1, min(self.Lk, round(share * per_row)))
-            slash, feasible = self._grow(lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag)
-            grp = self.vs_group(vert, slash.tolist())
-            rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
-            out.append(([mi.VerticalSlash(vert, int(s)) for s in slash], rec, self._cost(grp)))
-        if "block_sparse" not in self.kinds:
-            return out
-        topk, feasible = self._grow(lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM))
-        grp = self.bs_group(topk.clamp(min=1))
-        rec = torch.where(feasible, self._recall(grp), torch.tensor(-1.0))
-        out.append(([mi.BlockSparse(int(t)) for t in topk.clamp(min=1)], rec, self._cost(grp)))
-        return out
+        """(pattern per head, recall per head, cost per head) of each family at the target's cost: A-shape the
+        target itself, the others grown to their largest budget per head within its cost (recall -1 where even
+        the family's lowest budget costs more)."""
+        at_target = (torch.full((self.Hq,), self.target[1]), torch.ones(self.Hq, dtype=torch.bool))
+        grown = [at_target if kind == "a_shape" else self._grow(make, lo, hi)
+                 for kind, make, lo, hi, _ in self.families()]
+        return floor_candidates(self.evaluate([b for b, _ in grown]), grown)
 
     def _smallest(self, make, lo: int, hi: int):
         """Per head, the smallest budget in [lo, hi] whose recall reaches target_recall (bisection;
@@ -225,9 +212,9 @@ class LayerSearch:
         return hi_t, reach
 
     def families(self):
-        """(index maker from per-head budgets, lowest budget, highest budget, pattern of a budget) of each
-        family the recall floor searches: A-shape (the target's sink, the window grown), Vertical-Slash (the
-        vertical shares of `candidates`, the diagonals grown), Block-Sparse (the block count grown), those
+        """(kind, index maker from per-head budgets, lowest budget, highest budget, pattern of a budget) of each
+        family a search grows: A-shape (the target's sink, the window grown), Vertical-Slash (VERTICAL_SHARES of
+        the target's keys per row as columns, the diagonals grown), Block-Sparse (the block count grown), those
         `kinds` names. Set by the target, the length and `kinds` alone, so samples of one length search the
         same families."""
         t_sink, t_local = self.target
@@ -238,24 +225,24 @@ class LayerSearch:
 
         families = []
         if "a_shape" in self.kinds:
-            families.append((a_shape, 1, self.Lk, lambda b: mi.AShape(t_sink, max(1, int(b)))))
+            families.append(("a_shape", a_shape, 1, self.Lk, lambda b: mi.AShape(t_sink, max(1, int(b)))))
         for share in VERTICAL_SHARES if "vertical_slash" in self.kinds else ():
             vert = max(1, min(self.Lk, round(share * (t_sink + t_local))))
-            families.append((lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag,
+            families.append(("vertical_slash", lambda s, v=vert: self.vs_group(v, s.tolist()), 0, ndiag,
                              lambda b, v=vert: mi.VerticalSlash(v, int(b))))
         if "block_sparse" in self.kinds:
-            families.append((lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
+            families.append(("block_sparse", lambda t: self.bs_group(t.clamp(min=1)), 1, mi._cdiv(self.Lk, self.BM),
                              lambda b: mi.BlockSparse(max(1, int(b)))))
         return families
 
     def smallest_budgets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per family, (the smallest budget per head reaching target_recall, whether its highest does)."""
-        return [self._smallest(make, lo, hi) for make, lo, hi, _ in self.families()]
+        return [self._smallest(make, lo, hi) for _, make, lo, hi, _ in self.families()]
 
     def evaluate(self, budgets: list[torch.Tensor]) -> list:
         """(pattern per head, recall per head, cost per head) of each family at these budgets per head."""
         out = []
-        for (make, _, _, pattern), budget in zip(self.families(), budgets, strict=True):
+        for (_, make, _, _, pattern), budget in zip(self.families(), budgets, strict=True):
             grp = make(budget)
             out.append(([pattern(b) for b in budget], self._recall(grp), self._cost(grp)))
         return out
@@ -290,7 +277,7 @@ class LayerSearch:
 
 def floor_candidates(scored, found) -> list:
     """`scored` (patterns, recall, cost per family, at the budgets of `found`: (budget, reached) per family) with
-    recall -1 where the family's budget did not reach the floor: what pick_cheapest reads."""
+    recall -1 where the family's budget did not reach the floor (or the target's cost): what pick_cheapest reads."""
     return [(pats, torch.where(reach, rec, torch.tensor(-1.0)), cost)
             for (pats, rec, cost), (_, reach) in zip(scored, found, strict=True)]
 
