@@ -823,9 +823,9 @@ def anchor_attention(q, k, v, *, q_pos, k_pos, config: AnchorConfig, scale=None,
             report.record(head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0), 0)
         return sparse_attention(q, k, v, index, config, offset=offset, scale=scale, backend=backend, launch=launch)
     dens = head_density(index, config, Lq=Lq, Lk=Lk, offset=offset).mean(0).tolist()  # the cost model's sync
-    if rates is not None and rates.call_falls_back(sum(dens) / Hq):
+    if rates.call_falls_back(sum(dens) / Hq):
         return fall_back(report, Hq, dense_part(q, k, v))
-    sparse = [h for h in range(Hq) if rates is None or rates.sparse_wins(dens[h])]
+    sparse = [h for h in range(Hq) if rates.sparse_wins(dens[h])]
     dense = [h for h in range(Hq) if h not in set(sparse)]
     if report is not None:
         report.record([dens[h] for h in sparse], len(dense))
