@@ -25,7 +25,8 @@ harness score and 4.76x dense at 128K; docs/results.md, Sparse prefill; hence th
 
 `--recall-by block` asks the floor of every sampled query block's mean instead of the mean over all sampled
 rows: the prompt's last block among them, the rows whose outputs give the answer's first token and which every
-answer token reads (a mean over 16 blocks weighs them 1/16).
+answer token reads (a mean over 16 blocks weighs them 1/16). On Qwen2.5-Coder-1.5B at 30K it kept the 4-hop
+chain's answers the mean lost, for about the same budgets (docs/results.md, the Qwen section).
 
 `--kinds` limits the pattern families a head may take (default all three; a head none reaches runs dense): a
 multi-hop answer needs the few keys its hops read, rows a mean over sampled rows hardly weighs; Vertical-Slash
@@ -395,7 +396,7 @@ def main(argv=None) -> dict:
     p.add_argument("--recall-by", choices=RECALL_BY, default="mean",
                    help="what must reach --target-recall: mean (default), the mean over the sampled rows; block, "
                         "each sampled query block's mean, the prompt's last block (the rows the answer is read "
-                        "from) among them")
+                        "from) among them; it keeps multi-hop answers the mean loses, docs/parallelism.md)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help="comma-separated pattern kinds a head may take (default all: " + ", ".join(KINDS) +
                         "); a head none of them brings to the floor runs dense")
