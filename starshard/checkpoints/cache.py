@@ -27,27 +27,31 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from starshard.checkpoints.convert import MANIFEST, convert
+from starshard.checkpoints.convert import MANIFEST, convert, gguf_array_items
 from starshard.checkpoints.load import CheckpointError, load_shard
 
 log = logging.getLogger(__name__)
 
 HEADER_BYTES = 4 << 20  # what the key hashes: the GGUF header of any model we run fits in it
 STAMP = "stamp.json"  # {file: [size, mtime_ns]} of a verified entry
-# The first load's estimate (dequantizing through transformers, writing float32 shards), fitted to
-# two first loads on 2 shared CPU cores: Gemma 3 270M Q4_K_M (253 MB) ~38 s, Qwen2.5-Coder-1.5B Q4_K_M
-# (1.1 GB) ~110 s.
-CONVERT_S_PER_MB = 0.085
-CONVERT_S_FIXED = 15.0
+# The first load's estimate: transformers' reader parses the metadata arrays one element at a time, twice
+# (config, weights; ~15 us an element each), then dequantizing and writing float32 shards follows the
+# file's size. Fitted to first loads in a new process on 2 CPU cores (2026-12-07): SmolLM2-135M Q4_1
+# (98 MB, 147K array elements) 19.6 s, Qwen2.5-Coder-1.5B Q4_K_M (1.1 GB, 455K) 48.5 s; it gives 42 s for
+# Gemma 3 270M Q4_K_M (253 MB, a 262K vocabulary), measured ~38 s before.
+CONVERT_S_FIXED = 13.0
+CONVERT_S_PER_MB = 0.02
+CONVERT_S_PER_ITEM = 3e-5
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("STARSHARD_CACHE", Path.home() / ".cache" / "starshard"))
 
 
-def convert_seconds(nbytes: int) -> int:
-    """Rough seconds a first load takes to convert a GGUF of `nbytes` (the log line's estimate)."""
-    return int(round(CONVERT_S_FIXED + CONVERT_S_PER_MB * nbytes / 1e6, -1))
+def convert_seconds(nbytes: int, items: int) -> int:
+    """Rough seconds a first load takes to convert a GGUF of `nbytes` whose metadata arrays hold `items`
+    elements (gguf_array_items; the log line's estimate)."""
+    return int(round(CONVERT_S_FIXED + CONVERT_S_PER_MB * nbytes / 1e6 + CONVERT_S_PER_ITEM * items, -1))
 
 
 def gguf_key(gguf: Path) -> str:
@@ -65,7 +69,8 @@ def gguf_checkpoint(gguf: str | Path, *, progress: bool = True) -> Path:
     out = cache_dir() / "gguf" / f"{stem}-{gguf_key(gguf)}"
 
     def build(tmp: Path) -> None:
-        say(f"converting {gguf} once (~{convert_seconds(gguf.stat().st_size)} s) into {out}", progress)
+        eta = convert_seconds(gguf.stat().st_size, gguf_array_items(gguf))
+        say(f"converting {gguf} once (~{eta} s) into {out}", progress)
         prune(out.parent, gguf)
         with quiet_transformers(not progress):
             convert(out=tmp, gguf=gguf, dtype="float32", progress=progress)

@@ -164,8 +164,16 @@ def read_gguf_metadata(gguf_path: Path) -> dict[str, object]:
     return _read_gguf_header(gguf_path)[0]
 
 
-def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str]:
-    """(scalar metadata, sha256 of the header: the metadata and the tensor table, all a config depends on)."""
+def gguf_array_items(gguf_path: Path) -> int:
+    """How many elements a GGUF file's metadata arrays hold (vocabulary, merges, scores; nested ones counted
+    whole): what transformers' reader parses one at a time, on a first load most of the time a large
+    vocabulary takes (cache.convert_seconds)."""
+    return _read_gguf_header(gguf_path)[2]
+
+
+def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str, int]:
+    """(scalar metadata, sha256 of the header: the metadata and the tensor table, all a config depends on,
+    the metadata arrays' element count)."""
     with open(gguf_path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with the GGUF magic bytes)")
@@ -176,7 +184,7 @@ def _read_gguf_header(gguf_path: Path) -> tuple[dict[str, object], str]:
                 raise ValueError(f"{gguf_path}: the GGUF header is truncated or corrupt ({e})") from e
 
 
-def _walk_gguf_header(buf, gguf_path: Path) -> tuple[dict[str, object], str]:
+def _walk_gguf_header(buf, gguf_path: Path) -> tuple[dict[str, object], str, int]:
     from gguf import GGUFValueType
 
     order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads swapped
@@ -193,12 +201,16 @@ def _walk_gguf_header(buf, gguf_path: Path) -> tuple[dict[str, object], str]:
             raise struct.error(f"a string of {n} bytes at offset {pos} runs past the end")
         return bytes(buf[pos : pos + n]).decode("utf-8"), pos + n
 
+    items = 0
+
     def value(kind, pos, keep):
         """(the value, or None where not kept or an array, the position after it)."""
+        nonlocal items
         if kind == GGUFValueType.STRING:
             return string(pos) if keep else (None, pos + 8 + read("Q", pos)[0][0])
         if kind == GGUFValueType.ARRAY:
             (item, n), pos = read("IQ", pos)
+            items += n
             item = GGUFValueType(item)
             if item not in (GGUFValueType.STRING, GGUFValueType.ARRAY):  # fixed width: step over all at once
                 return None, pos + n * struct.calcsize(order + _GGUF_SCALARS[item])
@@ -221,7 +233,7 @@ def _walk_gguf_header(buf, gguf_path: Path) -> tuple[dict[str, object], str]:
         pos += 8 * dims + 12
     if pos > len(buf):
         raise struct.error(f"the tensor table ends at offset {pos}, past the end ({len(buf)} bytes)")
-    return meta, hashlib.sha256(buf[:pos]).hexdigest()
+    return meta, hashlib.sha256(buf[:pos]).hexdigest(), items
 
 
 def _transformers_reads_moe_gguf(arch: str, model_type: str) -> bool:
@@ -278,7 +290,7 @@ def _gguf_config(gguf_path: Path):
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    meta, header = _read_gguf_header(gguf_path)
+    meta, header, _ = _read_gguf_header(gguf_path)
     arch = str(meta.get("general.architecture", ""))
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts:

@@ -1,12 +1,12 @@
 """A GGUF's scalar metadata read without gguf's GGUFReader (which parses every vocabulary entry): the same
-values as GGUFReader gives, arrays of every kind stepped over; a file that is not GGUF is refused. The
-transformers config of a file is read once, and again once the file changes."""
+values as GGUFReader gives, arrays of every kind stepped over and their elements counted; a file that is not
+GGUF is refused. The transformers config of a file is read once, and again once the file changes."""
 import gguf
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from starshard.checkpoints.convert import gguf_hf_config, read_gguf_metadata
+from starshard.checkpoints.convert import gguf_array_items, gguf_hf_config, read_gguf_metadata
 
 
 def write(path, context_length=64, big_endian=False, nested=True):
@@ -57,6 +57,17 @@ def test_scalars_equal_gguf_readers(tmp_path, big_endian):
     assert meta == want and {k: type(v) for k, v in meta.items()} == {k: type(v) for k, v in want.items()}
     assert meta["general.name"] == "tiny ünïcode" and meta["test.flag"] is True and meta["test.int1"] == -2
     assert "tokenizer.ggml.tokens" not in meta and "test.nested" not in meta
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_array_items_count_every_element(tmp_path, nested):
+    """What a first load's estimate reads: the metadata arrays' elements, as GGUFReader holds them (a nested
+    array's inner elements counted too: [[1, 2], [3]] is 2 + 3)."""
+    path = write(tmp_path / "m.gguf", nested=nested)
+    fields = GGUFReader(str(path)).fields.values()
+    flat = sum(len(f.data) for f in fields if f.types[0] == GGUFValueType.ARRAY and f.types[1] != GGUFValueType.ARRAY)
+    assert flat == 5 + 5 + 3
+    assert gguf_array_items(path) == flat + (2 + 3 if nested else 0)
 
 
 def test_not_a_gguf_file_is_refused(tmp_path):
