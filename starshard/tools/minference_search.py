@@ -396,7 +396,7 @@ def main(argv=None) -> dict:
     p.add_argument("--recall-by", choices=RECALL_BY, default="mean",
                    help="what must reach --target-recall: mean (default), the mean over the sampled rows; block, "
                         "each sampled query block's mean, the prompt's last block (the rows the answer is read "
-                        "from) among them; it keeps multi-hop answers the mean loses, docs/parallelism.md)")
+                        "from) among them: it keeps multi-hop answers the mean loses (docs/parallelism.md)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help="comma-separated pattern kinds a head may take (default all: " + ", ".join(KINDS) +
                         "); a head none of them brings to the floor runs dense")
