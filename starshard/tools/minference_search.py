@@ -123,7 +123,8 @@ class LayerSearch:
         real = rows < self.Lq  # the last block may be partial
         self.probs = _dense_probs(self.q, self.k, rows[real], offset=self.offset, scale=self.scale)
         self.rows = int(real.sum())
-        self.row_block = torch.arange(len(self.blocks), device=q.device)[:, None].expand_as(rows)[real]  # each row's
+        # each sampled row's block (an index into self.blocks): the block criterion sums rows by it
+        self.row_block = torch.arange(len(self.blocks), device=q.device)[:, None].expand_as(rows)[real]
         self.block_rows = real.sum(1).float()
         self.heads = list(range(self.Hq))
         t_sink, t_local = self.target
